@@ -1,0 +1,25 @@
+# Set-up and use: `make demo` and `make test` each create or refresh .venv themselves.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: venv demo test clean
+
+venv: $(VENV)/.stamp
+
+$(VENV)/.stamp: requirements.txt pyproject.toml setup.py
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --upgrade pip "setuptools>=64"
+	$(BIN)/pip install -r requirements.txt
+	$(BIN)/pip install --no-deps --no-build-isolation -e .
+	touch $@
+
+demo: venv
+	$(BIN)/fusec compile examples/llama_3_2_1b.py -o build/demo
+
+test: venv
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf build dist *.egg-info .pytest_cache
+	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -exec rm -rf {} +

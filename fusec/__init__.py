@@ -1,0 +1,42 @@
+"""fusec: compile the PyTorch graph of a transformer decode step into one persistent
+megakernel (CUDA on Hopper) or run its schedule on the CPU simulator.
+
+Use it as ``torch.compile(model, backend="fusec")`` or through the CLI ``fusec compile``.
+"""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+__version__ = "0.1.0"
+
+_HERE = Path(__file__).resolve().parent
+
+
+def _load_tree_passes() -> None:
+    """In a source checkout the passes live in the top-level ``passes/`` folder; an installed
+    wheel ships them as ``fusec/passes``. Make ``fusec.passes`` importable either way."""
+    if "fusec.passes" in sys.modules or (_HERE / "passes" / "__init__.py").is_file():
+        return
+    try:
+        if importlib.util.find_spec("fusec.passes") is not None:
+            return
+    except ModuleNotFoundError:
+        pass
+    init = _HERE.parent / "passes" / "__init__.py"
+    if init.is_file():
+        spec = importlib.util.spec_from_file_location("fusec.passes", init,
+                                                      submodule_search_locations=[str(init.parent)])
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["fusec.passes"] = mod
+        spec.loader.exec_module(mod)
+
+
+_load_tree_passes()
+
+
+def template_dir() -> Path:
+    """Folder of the Jinja templates (package data when installed, ``templates/`` in a checkout)."""
+    inside = _HERE / "templates"
+    return inside if inside.is_dir() else _HERE.parent / "templates"

@@ -1,0 +1,233 @@
+"""The ``fusec`` command line.
+
+``fusec compile model.py [-o DIR] [--num-sms N] [--simulate] [--emit-cuda] [-v]`` loads
+``model.py``, calls its ``build()`` (which returns ``(model, args)`` or ``(model, args, kwargs)``
+for one decode step), compiles that step and writes the artifacts to ``DIR`` (default
+``build/<model file stem>``): ``graph.txt`` (the fused op graph) and ``schedule.json`` (the
+per-SM schedule). The human summary goes to stdout; stage lines go to stderr through
+``logging``.
+
+A problem with the model file or a :class:`fusec.errors.FusecError` while compiling is one line
+on stderr (``fusec: error: ...``) and exit status 2, with no traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from .errors import FusecError, ModelFileError
+
+log = logging.getLogger("fusec")
+
+#: SM count assumed when none is given: the H200 / H100 SXM (the CLI may run with no GPU).
+DEFAULT_NUM_SMS = 132
+
+EXIT_USAGE = 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="fusec",
+        description="Compile one transformer decode step into a persistent megakernel.",
+    )
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    c = sub.add_parser(
+        "compile",
+        help="compile the decode step that model.py's build() returns",
+        description=(
+            "Load MODEL_PY, call its build() -> (model, args) or (model, args, kwargs) for one "
+            "decode step, compile it and write graph.txt and schedule.json to the output folder."
+        ),
+    )
+    c.add_argument("model_py", metavar="MODEL_PY", help="Python file defining build()")
+    c.add_argument(
+        "-o", "--out-dir", metavar="DIR", default=None,
+        help="output folder (default: build/<model file stem>)",
+    )
+    c.add_argument(
+        "--num-sms", metavar="N", type=_positive_int, default=DEFAULT_NUM_SMS,
+        help=f"number of SMs to schedule for (default: {DEFAULT_NUM_SMS})",
+    )
+    c.add_argument(
+        "--simulate", action="store_true",
+        help="run the schedule in the CPU simulator and check it against eager",
+    )
+    c.add_argument(
+        "--emit-cuda", action="store_true",
+        help="also render the CUDA kernel (kernel.cu) into the output folder",
+    )
+    c.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    return p
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1: {value}")
+    return value
+
+
+@contextlib.contextmanager
+def _cli_logging(verbose: bool) -> Iterator[None]:
+    """Send the ``fusec`` loggers to stderr as ``fusec: <message>`` (INFO, or DEBUG with -v).
+
+    The logger's previous state is restored on exit, so calling :func:`main` in-process (tests)
+    leaves no handler bound to a stream that may since have been closed.
+    """
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("fusec: %(message)s"))
+    saved = (log.level, log.propagate)
+    log.addHandler(handler)
+    log.setLevel(logging.DEBUG if verbose else logging.INFO)
+    log.propagate = False
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(saved[0])
+        log.propagate = saved[1]
+
+
+def load_model_file(path: str | os.PathLike) -> tuple[Any, tuple, dict]:
+    """Run the model file ``path`` and return what its ``build()`` returns, normalized.
+
+    The file's folder is on ``sys.path`` while the file runs and while ``build()`` runs, so it
+    can import helpers beside it. Exceptions raised by the file's own code propagate unchanged.
+
+    Returns:
+        ``(model, args, kwargs)`` with ``args`` a tuple and ``kwargs`` a dict.
+
+    Raises:
+        ModelFileError: the file is missing, defines no callable ``build``, or ``build()``
+            returns something other than ``(model, args)`` / ``(model, args, kwargs)`` with
+            ``model`` an ``nn.Module``, ``args`` a tuple or list and ``kwargs`` a dict.
+    """
+    import runpy
+
+    p = Path(path)
+    if not p.is_file():
+        what = "is a folder, not a file" if p.is_dir() else "does not exist"
+        raise ModelFileError(f"model file {str(path)!r} {what}")
+    folder = str(p.resolve().parent)
+    sys.path.insert(0, folder)
+    try:
+        ns = runpy.run_path(str(p), run_name="__fusec_model__")
+        build = ns.get("build")
+        if not callable(build):
+            raise ModelFileError(
+                f"{path}: no build() function; it must define build() returning "
+                "(model, args) or (model, args, kwargs) for one decode step"
+            )
+        t0 = time.perf_counter()
+        result = build()
+        log.debug("build() took %.1f s", time.perf_counter() - t0)
+    finally:
+        try:
+            sys.path.remove(folder)
+        except ValueError:
+            pass
+    return _check_build_result(path, result)
+
+
+def _check_build_result(path: str | os.PathLike, result: Any) -> tuple[Any, tuple, dict]:
+    import torch
+
+    expected = (
+        "expected (model, args) or (model, args, kwargs) with model a torch.nn.Module, "
+        "args a tuple or list and kwargs a dict"
+    )
+    if not isinstance(result, (tuple, list)) or len(result) not in (2, 3):
+        got = type(result).__name__
+        if isinstance(result, (tuple, list)):
+            got = f"a {got} of length {len(result)}"
+        raise ModelFileError(f"{path}: build() returned {got}; {expected}")
+    model, args = result[0], result[1]
+    kwargs = result[2] if len(result) == 3 else {}
+    if not isinstance(model, torch.nn.Module):
+        raise ModelFileError(
+            f"{path}: build() returned a {type(model).__name__} as model; {expected}"
+        )
+    if not isinstance(args, (tuple, list)):
+        raise ModelFileError(f"{path}: build() returned a {type(args).__name__} as args; {expected}")
+    if not isinstance(kwargs, dict):
+        raise ModelFileError(
+            f"{path}: build() returned a {type(kwargs).__name__} as kwargs; {expected}"
+        )
+    return model, tuple(args), kwargs
+
+
+def cmd_compile(ns: argparse.Namespace) -> int:
+    """Run ``fusec compile``: load the model file, compile, write artifacts, print the summary."""
+    out_dir = Path(ns.out_dir) if ns.out_dir else Path("build") / Path(ns.model_py).stem
+    log.info("loading %s", ns.model_py)
+    t0 = time.perf_counter()
+    model, args, kwargs = load_model_file(ns.model_py)
+    log.info("build() returned %s in %.1f s", type(model).__name__, time.perf_counter() - t0)
+
+    from .api import compile_model  # imported late: the checks above need none of the compiler
+
+    options = {
+        "num_sms": ns.num_sms,
+        "simulate": ns.simulate,
+        "emit_cuda": ns.emit_cuda,
+        "out_dir": str(out_dir),
+    }
+    log.info("compiling for %d SMs%s", ns.num_sms, " and simulating" if ns.simulate else "")
+    t0 = time.perf_counter()
+    result = compile_model(model, args, kwargs, options=options)
+    log.info("compiled in %.1f s", time.perf_counter() - t0)
+
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "graph.txt").write_text(result.graph_text())
+        with open(out_dir / "schedule.json", "w") as f:
+            json.dump(result.schedule_json(), f, indent=1)
+            f.write("\n")
+    except OSError as e:
+        raise ModelFileError(f"cannot write the output folder {str(out_dir)!r}: {e}") from None
+    log.info("wrote %s and %s", out_dir / "graph.txt", out_dir / "schedule.json")
+
+    summary = result.format_summary()
+    sys.stdout.write(summary if summary.endswith("\n") else summary + "\n")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``fusec`` console script; returns the process exit status.
+
+    Args:
+        argv: the arguments after the program name (default: ``sys.argv[1:]``).
+    """
+    ns = _parser().parse_args(argv)
+    with _cli_logging(ns.verbose):
+        try:
+            return _dispatch(ns)
+        except FusecError as e:
+            first, *rest = (str(e) or type(e).__name__).split("\n")
+            if rest and not ns.verbose:
+                first += f" (-v shows {len(rest)} more lines)"
+            sys.stderr.write(f"fusec: error: {first}\n")
+            if rest:
+                log.debug("%s", "\n".join(rest))
+            return EXIT_USAGE
+
+
+def _dispatch(ns: argparse.Namespace) -> int:
+    if ns.command == "compile":
+        return cmd_compile(ns)
+    raise AssertionError(f"unhandled command {ns.command!r}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

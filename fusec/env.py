@@ -1,0 +1,67 @@
+"""Tensor storage for executing the IR on the CPU (reference executor and simulator).
+
+Every root buffer lives once in :class:`Env`; aliases are reshaped views of their root.
+Fresh output buffers are allocated poisoned (NaN for floats, a sentinel for integers) so a
+region that no instruction writes shows up in the results.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .ir import Graph, Role
+
+POISON_INT = -(2 ** 31) + 7
+
+
+class Env:
+    """Maps the graph's root tensors to torch tensors.
+
+    Args:
+        g: the graph.
+        flat_args: runtime tensors in ``g.inputs`` order (KV caches and states are used in
+            place, so writes reach the caller's tensors).
+    """
+
+    def __init__(self, g: Graph, flat_args: list[Any]):
+        self.g = g
+        self.bufs: dict[str, torch.Tensor] = {}
+        for name, a in zip(g.inputs, flat_args):
+            self.bufs[name] = a
+        for t in g.tensors.values():
+            if t.role == Role.CONSTANT and t.alias_of is None:
+                self.bufs[t.name] = t.value
+
+    def has(self, name: str) -> bool:
+        return self.g.root(name) in self.bufs
+
+    def read(self, name: str) -> torch.Tensor:
+        """The tensor ``name`` in its own shape (a view of its root when it is an alias)."""
+        root = self.g.root(name)
+        buf = self.bufs[root]
+        if root == name:
+            return buf
+        return buf.reshape(self.g.tensors[name].shape)
+
+    def flat(self, name: str) -> torch.Tensor:
+        """A writable flat view of ``name``'s root buffer, allocated poisoned if missing."""
+        root = self.g.root(name)
+        if root not in self.bufs:
+            info = self.g.tensors[root]
+            fill = float("nan") if info.dtype.is_floating_point else POISON_INT
+            if info.dtype == torch.bool:
+                fill = True
+            self.bufs[root] = torch.full(info.shape, fill, dtype=info.dtype)
+        buf = self.bufs[root]
+        if not buf.is_contiguous():
+            raise RuntimeError(f"buffer {root} is not contiguous")
+        return buf.view(-1)
+
+    def set(self, name: str, value: torch.Tensor) -> None:
+        """Store a whole-op result for the fresh tensor ``name``."""
+        root = self.g.root(name)
+        if root != name:
+            self.flat(name).copy_(value.reshape(-1))
+        else:
+            self.bufs[name] = value

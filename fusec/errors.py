@@ -1,0 +1,73 @@
+"""Exception types raised by fusec.
+
+Every error names what went wrong in the user's terms (op, shape, file, line) so that a
+message alone is enough to act on. The CLI turns a :class:`FusecError` into a one-line
+message and a non-zero exit code; the torch.compile backend turns a
+:class:`FallbackRequired` into one log line and a fallback backend.
+"""
+from __future__ import annotations
+
+
+class FusecError(Exception):
+    """Base class of every error fusec raises on purpose."""
+
+
+class FallbackRequired(FusecError):
+    """The graph is valid PyTorch but fusec cannot place it (prefill, unsupported op).
+
+    The backend catches this and hands the graph to a fallback backend with one log line.
+    """
+
+
+class NotDecodeStepError(FallbackRequired):
+    """The captured graph is not a single-token decode step (for example a prefill)."""
+
+
+class UnsupportedOpError(FallbackRequired):
+    """The graph holds an ATen op that no instruction kind or generic kind can execute."""
+
+
+class CaptureError(FusecError):
+    """Capturing the model (dynamo / AOT autograd) failed or produced an unusable graph."""
+
+
+class IRError(FusecError):
+    """The IR violates an invariant; the message names the pass that broke it."""
+
+
+class ScheduleError(FusecError):
+    """A schedule is malformed (bad counter, queue order that contradicts the DAG)."""
+
+
+class DeadlockError(FusecError):
+    """The simulator found no runnable instruction while work remained.
+
+    Attributes:
+        blocked: one dict per blocked SM with keys ``sm``, ``queue_index``, ``instruction``,
+            ``counter``, ``value``, ``target``.
+    """
+
+    def __init__(self, message: str, blocked: list[dict]):
+        super().__init__(message)
+        self.blocked = blocked
+
+
+class HazardError(FusecError):
+    """Two accesses to overlapping memory are not ordered by counters or queue order.
+
+    Attributes:
+        hazards: one dict per hazard with keys ``kind`` ("RAW", "WAR", "WAW"), ``buffer``,
+            ``first`` and ``second`` (instruction descriptions) and ``region``.
+    """
+
+    def __init__(self, message: str, hazards: list[dict]):
+        super().__init__(message)
+        self.hazards = hazards
+
+
+class JitError(FusecError):
+    """NVRTC failed to compile a kernel; the message carries the full NVRTC log."""
+
+
+class ModelFileError(FusecError):
+    """A model file given to the CLI is missing, has no build(), or build() returns the wrong shape."""

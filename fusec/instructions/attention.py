@@ -1,0 +1,129 @@
+"""Split-KV decode attention (flash-decoding, Dao et al. 2023) with grouped-query attention.
+
+``attention_partial``: one tile per (KV head g, cache chunk c). For each query head of g's
+group it computes, over the valid rows ``[c*chunk, min((c+1)*chunk, pos+1))``, the running
+max ``m``, the sum of exponentials ``l`` and the unnormalized output ``o = sum exp(s-m) v``
+(fp32), and writes them to the partial buffers. An empty chunk writes m = -inf, l = 0, o = 0.
+
+``attention_reduce``: one tile per range of query heads merges the chunks with the
+log-sum-exp rule: ``M = max m_c``, ``out = sum e^(m_c-M) o_c / sum e^(m_c-M) l_c``.
+
+Shapes: q [Hq*D]; caches [1, Hkv, L, D]; o_part [Hq, C, D] fp32; ml_part [Hq, C, 2] fp32;
+out [Hq*D] in the model dtype. Source: ``torch.nn.functional.scaled_dot_product_attention``
+with a causal decode mask (``kv_index <= pos``).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..env import Env
+from ..ir import Graph, Op
+from .base import Instruction, Region, Tile, register, split_range
+from .matvec_rows import elt
+
+
+@register
+class AttentionPartial(Instruction):
+    name = "attention_partial"
+
+    @classmethod
+    def _dims(cls, op: Op, g: Graph):
+        a = op.attrs
+        return a["n_q"], a["n_kv"], a["head_dim"], a["chunk"], a["n_chunks"], \
+            g.tensors[op.inputs["kcache"]].shape[2]
+
+    @classmethod
+    def tiles(cls, op: Op, g: Graph, want: int) -> list[Tile]:
+        nq, nkv, d, chunk, nc, L = cls._dims(op, g)
+        rep = nq // nkv
+        tiles = []
+        for gi in range(nkv):
+            for c in range(nc):
+                r0, r1 = c * chunk, min(L, (c + 1) * chunk)
+                reads = [Region.of(g, op.inputs["q"], gi * rep * d, (gi + 1) * rep * d),
+                         Region.whole(g, op.inputs["pos"])]
+                for cache in ("kcache", "vcache"):
+                    base = gi * L * d
+                    reads.append(Region.of(g, op.inputs[cache], base + r0 * d, base + r1 * d))
+                writes = cls._part_writes(op, g, gi, c, rep, d, nc)
+                kv = 2 * (r1 - r0) * d * elt(g, op.inputs["kcache"])
+                tiles.append(Tile(op.name, len(tiles), {"kv_head": gi, "chunk": c, "rows": [r0, r1]},
+                                  reads, writes, 0, kv + rep * d * (2 + 4) + rep * 8))
+        return tiles
+
+    @staticmethod
+    def _part_writes(op, g, gi, c, rep, d, nc):
+        w = []
+        for h in range(gi * rep, (gi + 1) * rep):
+            w.append(Region.of(g, op.outputs["o_part"], (h * nc + c) * d, (h * nc + c + 1) * d))
+            w.append(Region.of(g, op.outputs["ml_part"], (h * nc + c) * 2, (h * nc + c + 1) * 2))
+        return w
+
+    @classmethod
+    def runtime_regions(cls, op, tile, env):
+        nq, nkv, d, chunk, nc, L = cls._dims(op, env.g)
+        pos = int(env.read(op.inputs["pos"]).reshape(-1)[0])
+        r0, r1 = tile.params["rows"]
+        r1 = min(r1, pos + 1)
+        reads = tile.reads[:2]
+        if r1 > r0:
+            base = tile.params["kv_head"] * L * d
+            reads += [Region.of(env.g, op.inputs[c], base + r0 * d, base + r1 * d) for c in ("kcache", "vcache")]
+        return reads, tile.writes
+
+    @classmethod
+    def run_tile(cls, op: Op, tile: Tile, env: Env) -> None:
+        nq, nkv, d, chunk, nc, L = cls._dims(op, env.g)
+        rep = nq // nkv
+        gi, c = tile.params["kv_head"], tile.params["chunk"]
+        pos = int(env.read(op.inputs["pos"]).reshape(-1)[0])
+        r0, r1 = tile.params["rows"][0], min(tile.params["rows"][1], pos + 1)
+        q = env.read(op.inputs["q"]).reshape(nq, d)[gi * rep:(gi + 1) * rep].float()
+        o = env.flat(op.outputs["o_part"]).view(nq, nc, d)
+        ml = env.flat(op.outputs["ml_part"]).view(nq, nc, 2)
+        hs = slice(gi * rep, (gi + 1) * rep)
+        if r1 <= r0:
+            o[hs, c] = 0.0
+            ml[hs, c, 0] = float("-inf")
+            ml[hs, c, 1] = 0.0
+            return
+        k = env.read(op.inputs["kcache"])[0, gi, r0:r1].float()
+        v = env.read(op.inputs["vcache"])[0, gi, r0:r1].float()
+        s = (q @ k.T) * op.attrs["scale"]
+        m = s.max(-1).values
+        p = torch.exp(s - m[:, None])
+        o[hs, c] = p @ v
+        ml[hs, c, 0] = m
+        ml[hs, c, 1] = p.sum(-1)
+
+
+@register
+class AttentionReduce(Instruction):
+    name = "attention_reduce"
+
+    @classmethod
+    def tiles(cls, op: Op, g: Graph, want: int) -> list[Tile]:
+        a = op.attrs
+        nq, d, nc = a["n_q"], a["head_dim"], a["n_chunks"]
+        tiles = []
+        for i, (h0, h1) in enumerate(split_range(nq, want)):
+            reads = [Region.of(g, op.inputs["o_part"], h0 * nc * d, h1 * nc * d),
+                     Region.of(g, op.inputs["ml_part"], h0 * nc * 2, h1 * nc * 2)]
+            writes = [Region.of(g, op.outputs["out"], h0 * d, h1 * d)]
+            tiles.append(Tile(op.name, i, {"heads": [h0, h1]}, reads, writes, 0,
+                              (h1 - h0) * (nc * (d + 2) * 4 + d * elt(g, op.outputs["out"]))))
+        return tiles
+
+    @classmethod
+    def run_tile(cls, op: Op, tile: Tile, env: Env) -> None:
+        a = op.attrs
+        nq, d, nc = a["n_q"], a["head_dim"], a["n_chunks"]
+        h0, h1 = tile.params["heads"]
+        o = env.read(op.inputs["o_part"]).reshape(nq, nc, d)[h0:h1]
+        ml = env.read(op.inputs["ml_part"]).reshape(nq, nc, 2)[h0:h1]
+        m, l = ml[..., 0], ml[..., 1]
+        big = m.max(-1, keepdim=True).values
+        wgt = torch.exp(m - big)                      # empty chunks: exp(-inf) = 0
+        out = (wgt[..., None] * o).sum(1) / (wgt * l).sum(-1, keepdim=True)
+        dt = env.g.tensors[op.outputs["out"]].dtype
+        env.flat(op.outputs["out"])[h0 * d:h1 * d] = out.reshape(-1).to(dt)

@@ -1,0 +1,122 @@
+"""Instruction kinds: the unit of work of the megakernel.
+
+An instruction kind is a Python class (this module's :class:`Instruction` subclasses) that
+knows how to split one fused op into tiles with exact read/write regions, what each tile
+costs in bytes, and what a tile computes (its Python semantics, used by the simulator and
+as the oracle for the GPU template of the same name).
+
+Regions are flat element ranges ``[start, stop)`` of a root buffer (see
+:meth:`fusec.ir.Graph.root`). A region whose place depends on the position at run time (a
+KV-cache row) is declared conservatively at plan time and exactly by :meth:`Instruction.runtime_regions`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+from ..env import Env
+from ..ir import Graph, Op, Role
+
+KINDS: dict[str, type["Instruction"]] = {}
+
+
+def register(cls: type["Instruction"]) -> type["Instruction"]:
+    """Class decorator: make an instruction kind known by its ``name``."""
+    if cls.name in KINDS:
+        raise ValueError(f"instruction kind {cls.name} registered twice")
+    KINDS[cls.name] = cls
+    return cls
+
+
+@dataclasses.dataclass(frozen=True)
+class Region:
+    """Elements ``[start, stop)`` of the flattened root buffer ``tensor``."""
+
+    tensor: str
+    start: int
+    stop: int
+
+    @staticmethod
+    def whole(g: Graph, t: str) -> "Region":
+        r = g.root(t)
+        return Region(r, 0, g.tensors[r].numel)
+
+    @staticmethod
+    def of(g: Graph, t: str, start: int, stop: int) -> "Region":
+        """Elements [start, stop) of ``t`` (an alias shares its root's flat indexing)."""
+        return Region(g.root(t), int(start), int(stop))
+
+    def overlaps(self, o: "Region") -> bool:
+        return self.tensor == o.tensor and self.start < o.stop and o.start < self.stop
+
+    def to_json(self) -> list[Any]:
+        return [self.tensor, self.start, self.stop]
+
+
+@dataclasses.dataclass
+class Tile:
+    """One instruction on one SM: part ``index`` of op ``op``.
+
+    Attributes:
+        params: kind-specific tile parameters (row range, head range, KV chunk ...).
+        reads, writes: regions, as planned (conservative for position-dependent places).
+        weight_bytes: bytes of weights the tile streams (HBM reads that depend on nothing).
+        act_bytes: other bytes read or written (activations, KV cache).
+    """
+
+    op: str
+    index: int
+    params: dict[str, Any]
+    reads: list[Region]
+    writes: list[Region]
+    weight_bytes: int
+    act_bytes: int
+
+    @property
+    def bytes(self) -> int:
+        return self.weight_bytes + self.act_bytes
+
+    @property
+    def key(self) -> str:
+        return f"{self.op}#{self.index}"
+
+
+class Instruction:
+    """Base class of instruction kinds; subclasses set ``name`` and override the methods."""
+
+    name: ClassVar[str] = ""
+
+    @classmethod
+    def tiles(cls, op: Op, g: Graph, want: int) -> list[Tile]:
+        """Split ``op`` into about ``want`` tiles with exact regions and byte costs."""
+        raise NotImplementedError
+
+    @classmethod
+    def run_tile(cls, op: Op, tile: Tile, env: Env) -> None:
+        """Compute ``tile`` of ``op``: read inputs from ``env``, write its output regions."""
+        raise NotImplementedError
+
+    @classmethod
+    def runtime_regions(cls, op: Op, tile: Tile, env: Env) -> tuple[list[Region], list[Region]]:
+        """Exact (reads, writes) of ``tile`` given run-time values (default: the planned ones)."""
+        return tile.reads, tile.writes
+
+    @staticmethod
+    def is_weight(g: Graph, t: str) -> bool:
+        return g.tensors[g.root(t)].role in (Role.WEIGHT, Role.CONSTANT)
+
+
+def split_range(n: int, parts: int, align: int = 1) -> list[tuple[int, int]]:
+    """Split ``range(n)`` into at most ``parts`` contiguous ranges, multiples of ``align``.
+
+    Ranges differ in length by at most ``align``; empty ranges are dropped.
+    """
+    units = -(-n // align)
+    parts = max(1, min(parts, units))
+    out = []
+    for i in range(parts):
+        a = (units * i) // parts * align
+        b = min(n, (units * (i + 1)) // parts * align)
+        if b > a:
+            out.append((a, b))
+    return out

@@ -1,0 +1,112 @@
+"""Generic instruction kinds: any op that no fusion pattern claimed.
+
+A generic instruction runs one op (an ATen op or an unfused semantic op) as a single tile
+with that op's reference semantics. Its kind name says what it is, for the summary and for
+the GPU back end: ``elementwise``, ``reduce``, ``matvec``, ``data`` (layout and indexing).
+
+:func:`aten_category` is also the list of ATen ops fusec can place at all; capture sends a
+graph with any other op to the fallback backend.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..env import Env
+from ..ir import Graph, Op, Ref
+from .base import Instruction, Region, Tile, register
+
+_A = torch.ops.aten
+_ELEMENTWISE = {
+    "add", "sub", "mul", "div", "neg", "exp", "rsqrt", "sqrt", "pow", "sigmoid", "silu", "tanh",
+    "cos", "sin", "where", "eq", "ne", "le", "lt", "ge", "gt", "logical_not", "logical_and",
+    "logical_or", "bitwise_not", "_to_copy", "full_like", "scalar_tensor", "arange", "full",
+    "abs", "maximum", "minimum", "clamp", "reciprocal", "copy_", "erf", "gelu", "log", "expm1",
+    "log1p", "zeros_like", "ones_like", "copy", "fill", "remainder", "floor_divide", "sign",
+}
+_REDUCE = {"mean", "sum", "amax", "amin", "any", "_softmax", "max", "argmax", "var_mean", "prod"}
+_MATVEC = {"mm", "addmm", "bmm"}
+_DATA = {
+    "view", "_unsafe_view", "unsqueeze", "squeeze", "permute", "expand", "slice", "cat", "select",
+    "alias", "index_put", "index", "embedding", "index_select", "gather", "clone", "t",
+    "transpose", "lift_fresh_copy", "repeat", "split", "split_with_sizes", "constant_pad_nd",
+    "index_copy", "slice_scatter", "select_scatter", "_unsafe_index", "narrow", "empty",
+    "empty_strided", "detach",
+}
+
+
+def aten_category(target: Any) -> str | None:
+    """``'elementwise' | 'reduce' | 'matvec' | 'data' | 'attention'``, or None if unplaceable.
+
+    Args:
+        target: an ``OpOverload`` from an ATen FX graph.
+    """
+    if isinstance(target, torch._ops.OpOverload) and target.namespace == "fusec":
+        return "attention"
+    if not isinstance(target, torch._ops.OpOverload) or target.namespace not in ("aten", "prims"):
+        return None
+    base = target._opname
+    if target.namespace == "prims":
+        return "elementwise" if base == "convert_element_type" else None
+    for cat, names in (("elementwise", _ELEMENTWISE), ("reduce", _REDUCE),
+                       ("matvec", _MATVEC), ("data", _DATA)):
+        if base in names:
+            return cat
+    return None
+
+
+def _sub(a: Any, op: Op, env: Env) -> Any:
+    if isinstance(a, Ref):
+        return env.read(op.inputs[a.slot])
+    if isinstance(a, (list, tuple)):
+        return type(a)(_sub(x, op, env) for x in a)
+    if isinstance(a, dict):
+        return {k: _sub(v, op, env) for k, v in a.items()}
+    return a
+
+
+def run_aten(op: Op, env: Env) -> None:
+    """Execute an ``aten.*`` / ``fusec.*`` op with PyTorch's own implementation."""
+    target = op.attrs["target"]
+    args = _sub(op.attrs["args"], op, env)
+    kwargs = _sub(op.attrs["kwargs"], op, env)
+    res = target(*args, **kwargs)
+    if op.mutates:
+        return  # copy_ already wrote its destination (a caller's tensor) in place
+    if isinstance(res, torch.Tensor):
+        res = [res]
+    for (slot, t), r in zip(op.outputs.items(), res):
+        env.set(t, r)
+
+
+@register
+class Generic(Instruction):
+    """One op executed whole on one SM (fallback for anything not fused).
+
+    The op keeps its own kind; ``generic_kind`` names the fallback class for summaries.
+    Cost model: every byte the op reads and writes, once.
+    """
+
+    name = "generic"
+
+    @classmethod
+    def tiles(cls, op: Op, g: Graph, want: int) -> list[Tile]:
+        reads = [Region.whole(g, t) for t in dict.fromkeys(op.reads())]
+        writes = [Region.whole(g, t) for t in op.writes()]
+        wbytes = sum(g.tensors[g.root(r.tensor)].nbytes for r in reads if cls.is_weight(g, r.tensor))
+        abytes = sum(g.tensors[g.root(r.tensor)].nbytes for r in reads + writes) - wbytes
+        return [Tile(op.name, 0, {}, reads, writes, wbytes, abytes)]
+
+    @classmethod
+    def run_tile(cls, op: Op, tile: Tile, env: Env) -> None:
+        from ..semantics import run_op
+        run_op(op, env)
+
+
+def generic_kind(op: Op) -> str:
+    """Fallback class of an unfused op: elementwise, reduce, matvec, data or attention."""
+    if op.kind.startswith(("aten.", "prims.", "fusec.")):
+        return aten_category(op.attrs["target"]) or "data"
+    return {"linear": "matvec", "rmsnorm": "reduce", "attention": "attention",
+            "kv_write": "data", "table_lookup": "data"}.get(op.kind, "elementwise")

@@ -1,0 +1,34 @@
+"""matvec_residual: ``out = residual + W @ x`` over a range of rows (O-proj, down-proj).
+
+Source: a linear layer (``aten.mm`` with a transposed weight) followed by the residual add
+of a pre-norm transformer block. Numerics follow PyTorch: the matvec is rounded to the
+output dtype before the add. Shapes: x [K], W [N, K], residual [N], out [N].
+"""
+from __future__ import annotations
+
+import torch
+
+from ..env import Env
+from ..ir import Graph, Op
+from .base import Instruction, Tile, register
+from .matvec_rows import row_tiles
+
+
+@register
+class MatvecResidual(Instruction):
+    name = "matvec_residual"
+
+    @classmethod
+    def tiles(cls, op: Op, g: Graph, want: int) -> list[Tile]:
+        rows = g.tensors[op.inputs["w"]].shape[0]
+        return row_tiles(op, g, want, [op.inputs["w"]], [op.inputs["x"]], [op.inputs["residual"]],
+                         op.outputs["out"], rows)
+
+    @classmethod
+    def run_tile(cls, op: Op, tile: Tile, env: Env) -> None:
+        r0, r1 = tile.params["rows"]
+        dt = env.g.tensors[op.outputs["out"]].dtype
+        x = env.read(op.inputs["x"]).reshape(-1).float()
+        y = (env.read(op.inputs["w"])[r0:r1].float() @ x).to(dt).float()
+        res = env.read(op.inputs["residual"]).reshape(-1)[r0:r1].float()
+        env.flat(op.outputs["out"])[r0:r1] = (res + y).to(dt)

@@ -1,0 +1,40 @@
+"""Shared row tiling for matvec-based instruction kinds (rows of ``W @ x``)."""
+from __future__ import annotations
+
+from ..ir import Graph, Op
+from .base import Region, Tile, split_range
+
+
+def elt(g: Graph, t: str) -> int:
+    """Bytes per element of tensor ``t``."""
+    info = g.tensors[g.root(t)]
+    return info.nbytes // max(1, info.numel)
+
+
+def row_tiles(op: Op, g: Graph, want: int, weights: list[str], vec_inputs: list[str],
+              row_inputs: list[str], out: str, rows: int, align: int = 1) -> list[Tile]:
+    """Tiles over output rows ``[r0, r1)``: each streams rows of every weight in ``weights``.
+
+    Args:
+        weights: [rows, K] weight tensors read row-wise.
+        vec_inputs: tensors read whole by every tile (the input vector, norm weight).
+        row_inputs: [rows] tensors read at the tile's rows (residual).
+        out: [rows] output written at the tile's rows.
+    """
+    tiles = []
+    for i, (r0, r1) in enumerate(split_range(rows, want, align)):
+        reads, wbytes, abytes = [], 0, 0
+        for w in weights:
+            k = g.tensors[w].shape[-1]
+            reads.append(Region.of(g, w, r0 * k, r1 * k))
+            wbytes += (r1 - r0) * k * elt(g, w)
+        for v in vec_inputs:
+            reads.append(Region.whole(g, v))
+            abytes += g.tensors[v].nbytes
+        for r in row_inputs:
+            reads.append(Region.of(g, r, r0, r1))
+            abytes += (r1 - r0) * elt(g, r)
+        abytes += (r1 - r0) * elt(g, out)
+        tiles.append(Tile(op.name, i, {"rows": [r0, r1]}, reads, [Region.of(g, out, r0, r1)],
+                          wbytes, abytes))
+    return tiles

@@ -1,0 +1,36 @@
+"""rms_gate_up_silu: ``out = silu(Wg @ n) * (Wu @ n)`` with ``n = RMSNorm(x)``, over rows.
+
+Source: the SwiGLU MLP of Llama (Shazeer 2020, "GLU Variants Improve Transformer") with
+HF ``LlamaRMSNorm`` in front; the norm is recomputed by every tile (x is a few KB).
+Shapes: x [H], norm_w [H], Wg/Wu [F, H], out [F].
+"""
+from __future__ import annotations
+
+import torch
+
+from ..env import Env
+from ..ir import Graph, Op
+from ..semantics import rms_normalize
+from .base import Instruction, Tile, register
+from .matvec_rows import row_tiles
+
+
+@register
+class RmsGateUpSilu(Instruction):
+    name = "rms_gate_up_silu"
+
+    @classmethod
+    def tiles(cls, op: Op, g: Graph, want: int) -> list[Tile]:
+        rows = g.tensors[op.inputs["wg"]].shape[0]
+        return row_tiles(op, g, want, [op.inputs["wg"], op.inputs["wu"]],
+                         [op.inputs["x"], op.inputs["norm_w"]], [], op.outputs["out"], rows)
+
+    @classmethod
+    def run_tile(cls, op: Op, tile: Tile, env: Env) -> None:
+        r0, r1 = tile.params["rows"]
+        dt = env.g.tensors[op.outputs["out"]].dtype
+        x = env.read(op.inputs["x"]).reshape(-1)
+        n = rms_normalize(x, env.read(op.inputs["norm_w"]), op.attrs["eps"], op.attrs["norm_dtype"]).float()
+        gate = (env.read(op.inputs["wg"])[r0:r1].float() @ n).to(dt).float()
+        up = (env.read(op.inputs["wu"])[r0:r1].float() @ n).to(dt).float()
+        env.flat(op.outputs["out"])[r0:r1] = (torch.nn.functional.silu(gate) * up).to(dt)

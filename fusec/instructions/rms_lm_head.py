@@ -1,0 +1,31 @@
+"""rms_lm_head: ``out = W @ RMSNorm(x)`` over rows (final norm + LM head; any norm+linear).
+
+Source: HF ``LlamaForCausalLM`` final ``norm`` and ``lm_head``. Shapes: x [H], norm_w [H],
+W [V, H], out [V] (the logits).
+"""
+from __future__ import annotations
+
+from ..env import Env
+from ..ir import Graph, Op
+from ..semantics import rms_normalize
+from .base import Instruction, Tile, register
+from .matvec_rows import row_tiles
+
+
+@register
+class RmsLmHead(Instruction):
+    name = "rms_lm_head"
+
+    @classmethod
+    def tiles(cls, op: Op, g: Graph, want: int) -> list[Tile]:
+        rows = g.tensors[op.inputs["w"]].shape[0]
+        return row_tiles(op, g, want, [op.inputs["w"]], [op.inputs["x"], op.inputs["norm_w"]], [],
+                         op.outputs["out"], rows)
+
+    @classmethod
+    def run_tile(cls, op: Op, tile: Tile, env: Env) -> None:
+        r0, r1 = tile.params["rows"]
+        dt = env.g.tensors[op.outputs["out"]].dtype
+        x = env.read(op.inputs["x"]).reshape(-1)
+        n = rms_normalize(x, env.read(op.inputs["norm_w"]), op.attrs["eps"], op.attrs["norm_dtype"]).float()
+        env.flat(op.outputs["out"])[r0:r1] = (env.read(op.inputs["w"])[r0:r1].float() @ n).to(dt)

@@ -1,0 +1,319 @@
+"""The fusec IR: a DAG of typed ops over typed tensors.
+
+A :class:`Graph` holds named :class:`TensorInfo` records (shape, dtype, role) and a list of
+:class:`Op` in program order. Each op reads and writes tensors through named *slots*
+(``op.inputs["x"] = "add_9"``). Three levels of op kinds live in the same IR:
+
+* ``aten.*`` ops straight from capture (``op.attrs["target"]`` is the ``OpOverload`` and
+  ``op.attrs["args"]``/``["kwargs"]`` hold the call with :class:`Ref` placeholders);
+* semantic ops raised by ``normalize`` (``rmsnorm``, ``linear``, ``rope``, ``attention`` ...);
+* instruction kinds produced by ``fuse`` (``rms_qkv_rope``, ``matvec_residual`` ...).
+
+Byte-preserving views do not become ops: a tensor may be an *alias* of another tensor
+(``alias_of``) with its own shape over the same contiguous bytes.
+
+In-place writes (KV-cache appends, position counters) name the written buffer among the op's
+outputs under a slot that starts with ``"mut"`` or is listed in ``op.mutates``; ordering of
+such writes against earlier readers (write-after-read) is part of :meth:`Graph.dag`.
+See docs/ir.md.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any, Iterable
+
+import networkx as nx
+import torch
+
+from .errors import IRError
+
+
+class Role(str, enum.Enum):
+    """What a tensor is to the decode step."""
+
+    INPUT = "input"            # graph input read each step (token ids)
+    WEIGHT = "weight"          # parameter: read-only, never depends on other instructions
+    KV_CACHE = "kv_cache"      # [batch, kv_heads, max_len, head_dim], written in place
+    STATE = "state"            # small mutable graph input (position counter)
+    CONSTANT = "constant"      # value known at compile time (folded tables)
+    INTERMEDIATE = "intermediate"
+    OUTPUT = "output"
+
+
+@dataclasses.dataclass(frozen=True)
+class Ref:
+    """Placeholder for a tensor argument inside an ATen call template."""
+
+    slot: str
+
+
+@dataclasses.dataclass
+class TensorInfo:
+    """A typed tensor of the IR.
+
+    Attributes:
+        name: unique name in the graph.
+        shape: static shape (elements per dim).
+        dtype: torch dtype of the elements.
+        role: see :class:`Role`.
+        input_index: position in the flat graph inputs, or None.
+        alias_of: name of the tensor whose bytes this one reinterprets (contiguous reshape).
+        value: the value of a CONSTANT tensor (a torch.Tensor on the CPU).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    role: Role = Role.INTERMEDIATE
+    input_index: int | None = None
+    alias_of: str | None = None
+    value: torch.Tensor | None = None
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= int(s)
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+    def describe(self) -> str:
+        dt = str(self.dtype).replace("torch.", "")
+        extra = f" ={self.alias_of}" if self.alias_of else ""
+        return f"{dt}[{','.join(map(str, self.shape))}] {self.role.value}{extra}"
+
+
+@dataclasses.dataclass
+class Op:
+    """One op of the IR.
+
+    Attributes:
+        name: unique op name.
+        kind: ``aten.<op>.<overload>``, a semantic kind, or an instruction kind.
+        inputs: slot -> tensor name read.
+        outputs: slot -> tensor name written. A fresh tensor, or (for slots in ``mutates``)
+            an existing buffer updated in place.
+        attrs: kind-specific attributes (literals, the ATen call template, shapes).
+        mutates: output slots that write an existing buffer in place.
+        source: ``file:line code`` of the model code that produced the op (for errors).
+        layer: decoder layer index, when known.
+    """
+
+    name: str
+    kind: str
+    inputs: dict[str, str]
+    outputs: dict[str, str]
+    attrs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    mutates: tuple[str, ...] = ()
+    source: str = ""
+    layer: int | None = None
+
+    def reads(self) -> list[str]:
+        return list(self.inputs.values())
+
+    def writes(self) -> list[str]:
+        return list(self.outputs.values())
+
+    def fresh_outputs(self) -> list[str]:
+        return [t for s, t in self.outputs.items() if s not in self.mutates]
+
+    def describe(self) -> str:
+        ins = ", ".join(f"{k}={v}" for k, v in self.inputs.items())
+        outs = ", ".join(f"{k}={v}" for k, v in self.outputs.items())
+        shown = {k: v for k, v in self.attrs.items() if k not in ("target", "args", "kwargs", "group")}
+        at = " " + " ".join(f"{k}={_fmt(v)}" for k, v in shown.items()) if shown else ""
+        lay = f" L{self.layer}" if self.layer is not None else ""
+        return f"{self.name}: {self.kind}({ins}) -> ({outs}){at}{lay}"
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:g}"
+    if isinstance(v, torch.dtype):
+        return str(v).replace("torch.", "")
+    if isinstance(v, (list, tuple)) and len(v) > 8:
+        return f"[{len(v)} items]"
+    return str(v)
+
+
+class Graph:
+    """A decode-step graph: tensors, ops in program order, graph inputs and outputs.
+
+    ``inputs`` lists tensor names in the order of the flat runtime arguments;
+    ``outputs`` lists the tensors returned, in order.
+    """
+
+    def __init__(self) -> None:
+        self.tensors: dict[str, TensorInfo] = {}
+        self.ops: list[Op] = []
+        self.inputs: list[str] = []
+        self.outputs: list[str] = []
+        self._names: set[str] = set()
+
+    # -- construction -------------------------------------------------------------------
+    def add_tensor(self, info: TensorInfo) -> TensorInfo:
+        if info.name in self.tensors:
+            raise IRError(f"tensor {info.name!r} defined twice")
+        self.tensors[info.name] = info
+        self._names.add(info.name)
+        return info
+
+    def fresh_name(self, base: str) -> str:
+        name, i = base, 0
+        while name in self._names or name in self.tensors:
+            i += 1
+            name = f"{base}_{i}"
+        self._names.add(name)
+        return name
+
+    def new_tensor(self, base: str, shape: Iterable[int], dtype: torch.dtype,
+                   role: Role = Role.INTERMEDIATE, **kw: Any) -> str:
+        name = self.fresh_name(base)
+        self.tensors[name] = TensorInfo(name, tuple(int(s) for s in shape), dtype, role, **kw)
+        return name
+
+    def new_op(self, base: str, kind: str, inputs: dict[str, str], outputs: dict[str, str],
+               **kw: Any) -> Op:
+        op = Op(self.fresh_name(base), kind, dict(inputs), dict(outputs), **kw)
+        return op
+
+    # -- queries ------------------------------------------------------------------------
+    def root(self, name: str) -> str:
+        """Follow ``alias_of`` links to the tensor that owns the bytes."""
+        seen = 0
+        while self.tensors[name].alias_of is not None:
+            name = self.tensors[name].alias_of
+            seen += 1
+            if seen > 10_000:
+                raise IRError(f"alias cycle at {name}")
+        return name
+
+    def producers(self) -> dict[str, Op]:
+        """Root tensor name -> the op that creates it (fresh outputs only)."""
+        out: dict[str, Op] = {}
+        for op in self.ops:
+            for t in op.fresh_outputs():
+                out[self.root(t)] = op
+        return out
+
+    def users(self) -> dict[str, list[Op]]:
+        """Root tensor name -> ops that read it, in program order."""
+        out: dict[str, list[Op]] = {}
+        for op in self.ops:
+            for t in set(self.root(x) for x in op.reads()):
+                out.setdefault(t, []).append(op)
+        return out
+
+    def dag(self) -> nx.DiGraph:
+        """Dependency DAG over op names: read-after-write, write-after-read, write-after-write.
+
+        Edges follow program order on root buffers, so in-place writes (KV cache, position
+        counters) are ordered after every earlier reader.
+        """
+        g = nx.DiGraph()
+        last_write: dict[str, str] = {}
+        readers: dict[str, list[str]] = {}
+        for op in self.ops:
+            g.add_node(op.name)
+            for t in {self.root(x) for x in op.reads()}:
+                if t in last_write:
+                    g.add_edge(last_write[t], op.name)
+            for slot, t in op.outputs.items():
+                r = self.root(t)
+                for rd in readers.get(r, []):
+                    if rd != op.name:
+                        g.add_edge(rd, op.name)
+                if r in last_write and last_write[r] != op.name:
+                    g.add_edge(last_write[r], op.name)
+            for t in {self.root(x) for x in op.reads()}:
+                readers.setdefault(t, []).append(op.name)
+            for t in op.outputs.values():
+                r = self.root(t)
+                last_write[r] = op.name
+                readers[r] = []
+        return g
+
+    def op_by_name(self) -> dict[str, Op]:
+        return {op.name: op for op in self.ops}
+
+    def count_kinds(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for op in self.ops:
+            out[op.kind] = out.get(op.kind, 0) + 1
+        return dict(sorted(out.items()))
+
+    # -- checking and printing ----------------------------------------------------------
+    def check(self, stage: str = "") -> None:
+        """Raise :class:`IRError` naming ``stage`` if an invariant does not hold.
+
+        Invariants: every read tensor is defined before use (graph input, constant, weight,
+        or an earlier op's output); each fresh tensor is created once; aliases point at
+        existing tensors with the same number of elements; outputs exist; names are unique.
+        """
+        where = f" after pass {stage!r}" if stage else ""
+        defined = set()
+        for name, t in self.tensors.items():
+            if t.role in (Role.INPUT, Role.WEIGHT, Role.KV_CACHE, Role.STATE, Role.CONSTANT):
+                defined.add(name)
+            if t.alias_of is not None:
+                if t.alias_of not in self.tensors:
+                    raise IRError(f"tensor {name} aliases unknown {t.alias_of}{where}")
+                if self.tensors[t.alias_of].numel != t.numel:
+                    raise IRError(f"alias {name} {t.shape} has another size than "
+                                  f"{t.alias_of} {self.tensors[t.alias_of].shape}{where}")
+        seen_ops = set()
+        for op in self.ops:
+            if op.name in seen_ops:
+                raise IRError(f"op name {op.name} used twice{where}")
+            seen_ops.add(op.name)
+            for slot, t in op.inputs.items():
+                if t not in self.tensors:
+                    raise IRError(f"{op.name} ({op.kind}) reads unknown tensor {t} in slot {slot}{where}")
+                if self.root(t) not in defined:
+                    raise IRError(f"{op.name} ({op.kind}) reads {t} before it is written{where}"
+                                  f"{' [' + op.source + ']' if op.source else ''}")
+            for slot, t in op.outputs.items():
+                if t not in self.tensors:
+                    raise IRError(f"{op.name} writes unknown tensor {t}{where}")
+                if slot in op.mutates:
+                    if self.root(t) not in defined:
+                        raise IRError(f"{op.name} mutates {t} before it exists{where}")
+                else:
+                    if self.root(t) in defined and self.tensors[self.root(t)].role not in (Role.OUTPUT,):
+                        raise IRError(f"{op.name} ({op.kind}) re-defines {t}{where}")
+                    defined.add(self.root(t))
+        for t in self.outputs:
+            if t not in self.tensors or self.root(t) not in defined:
+                raise IRError(f"graph output {t} is never written{where}")
+
+    def dump(self) -> str:
+        """Readable text: inputs, ops one per line with types of their outputs, outputs."""
+        lines = ["# inputs"]
+        for n in self.inputs:
+            lines.append(f"  {n}: {self.tensors[n].describe()}")
+        consts = [t for t in self.tensors.values() if t.role == Role.CONSTANT]
+        if consts:
+            lines.append("# constants")
+            for t in consts:
+                lines.append(f"  {t.name}: {t.describe()}")
+        lines.append("# ops")
+        for op in self.ops:
+            types = "; ".join(f"{t}: {self.tensors[t].describe()}" for t in op.writes())
+            lines.append(f"  {op.describe()}    # {types}")
+        lines.append("# outputs")
+        lines.append("  " + ", ".join(self.outputs))
+        return "\n".join(lines) + "\n"
+
+    def copy(self) -> "Graph":
+        g = Graph()
+        g.tensors = {k: dataclasses.replace(v) for k, v in self.tensors.items()}
+        g.ops = [dataclasses.replace(o, inputs=dict(o.inputs), outputs=dict(o.outputs),
+                                     attrs=dict(o.attrs)) for o in self.ops]
+        g.inputs = list(self.inputs)
+        g.outputs = list(self.outputs)
+        g._names = set(self._names)
+        return g

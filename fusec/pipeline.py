@@ -1,0 +1,95 @@
+"""The compiler pipeline as one list of named stages.
+
+``build_ir`` (capture -> IR) runs when dynamo hands over a graph; ``lower`` runs the passes
+with the real input values at the first call: normalize -> recognize -> fold_position ->
+fuse -> tile -> schedule. The IR checker runs after every pass and names the pass that
+broke an invariant. With ``dump_dir`` set (or ``FUSEC_DUMP``), every stage writes its
+artifact there: ``00_aten.txt``, ``01_ir.txt``, ``02_normalize.txt`` ... ``schedule.json``.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from .config import Options
+from .from_fx import graph_from_aten
+from .ir import Graph, Role
+from .schedule import Schedule
+
+log = logging.getLogger("fusec")
+
+
+def _passes():
+    from fusec.passes import fold_position, fuse, normalize, recognize, schedule, tile
+    return normalize, recognize, fold_position, fuse, tile, schedule
+
+
+class Dumper:
+    """Writes stage artifacts to ``dump_dir`` (no-op when unset)."""
+
+    def __init__(self, dump_dir: str | None):
+        self.dir = Path(dump_dir) if dump_dir else None
+        self.n = 0
+        if self.dir:
+            self.dir.mkdir(parents=True, exist_ok=True)
+
+    def text(self, name: str, text: str) -> None:
+        if self.dir:
+            (self.dir / f"{self.n:02d}_{name}").write_text(text)
+            self.n += 1
+
+    def json(self, name: str, obj: Any) -> None:
+        if self.dir:
+            (self.dir / name).write_text(json.dumps(obj, indent=1))
+
+
+def build_ir(aten_gm: torch.fx.GraphModule, example_inputs: list[Any], dump: Dumper) -> Graph:
+    """Stage ``capture``: the ATen graph as IR (raises UnsupportedOpError for unplaceable ops)."""
+    dump.text("aten.txt", aten_gm.print_readable(print_output=False))
+    g = graph_from_aten(aten_gm, example_inputs)
+    g.check("capture")
+    dump.text("ir.txt", g.dump())
+    return g
+
+
+def lower(g: Graph, flat_args: list[Any], opts: Options, dump: Dumper) -> Schedule:
+    """Run the passes on ``g`` (a copy is made); returns the schedule.
+
+    Args:
+        flat_args: real input tensors (weights are read to fold position tables and to
+            evaluate attention masks).
+    """
+    normalize, recognize, fold_position, fuse, tile, schedule = _passes()
+    g = g.copy()
+    num_sms = opts.num_sms or 132
+    weights = {n: a for n, a in zip(g.inputs, flat_args) if g.tensors[n].role == Role.WEIGHT}
+    stages: list[tuple[str, Callable[[Graph], Graph]]] = [
+        ("normalize", normalize.run),
+        ("recognize", lambda g: recognize.run(g, weights)),
+        ("fold_position", lambda g: fold_position.run(g, weights)),
+        ("fuse", lambda g: fuse.run(g, num_sms, opts.max_fusions)),
+    ]
+    for name, fn in stages:
+        t0 = time.perf_counter()
+        g = fn(g)
+        g.check(name)
+        dump.text(f"{name}.txt", g.dump())
+        log.info("stage %-13s %4d ops  %s  (%.2f s)", name, len(g.ops), _top(g), time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    tiles = tile.run(g, num_sms)
+    sched = schedule.run(g, tiles, num_sms)
+    log.info("stage %-13s %4d instructions on %d SMs, %d waits  (%.2f s)", "tile+schedule",
+             len(sched.instrs), num_sms, sum(len(i.waits) for i in sched.instrs), time.perf_counter() - t0)
+    dump.json("schedule.json", sched.to_json())
+    return sched
+
+
+def _top(g: Graph) -> str:
+    kinds = g.count_kinds()
+    top = sorted(kinds.items(), key=lambda kv: -kv[1])[:4]
+    return ", ".join(f"{k}×{v}" for k, v in top)

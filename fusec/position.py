@@ -1,0 +1,103 @@
+"""The decode position: which graph inputs are position counters, and evaluation of tensors
+that depend only on one counter (RoPE tables, causal masks, KV-cache write indices).
+
+A *position counter* is a 0-d/1-element integer STATE input (HF StaticCache keeps one per
+layer as ``cumulative_length``). Its values lie in ``[0, L)`` with ``L`` the KV-cache length.
+"""
+from __future__ import annotations
+
+import torch
+
+from .env import Env
+from .ir import Graph, Role
+
+MAX_TABLE_BYTES = 64 << 20
+
+
+def counters(g: Graph) -> list[str]:
+    """Names of position counters: integer STATE inputs with one element."""
+    return [n for n in g.inputs if g.tensors[n].role == Role.STATE
+            and not g.tensors[n].dtype.is_floating_point and g.tensors[n].numel == 1]
+
+
+def cache_length(g: Graph) -> int | None:
+    """KV-cache length L (dim 2 of the KV-cache inputs), or None without a cache."""
+    ls = {g.tensors[n].shape[2] for n in g.inputs if g.tensors[n].role == Role.KV_CACHE}
+    return max(ls) if ls else None
+
+
+def dependence(g: Graph) -> dict[str, set[str]]:
+    """Root tensor -> the set of graph inputs (non-weight) and ``'?'`` it depends on.
+
+    Weights, constants and small read-only inputs count as known values; anything produced
+    from a non-counter input (tokens, caches) is marked by that input's name.
+    """
+    dep: dict[str, set[str]] = {}
+    for n in g.inputs:
+        t = g.tensors[n]
+        dep[n] = set() if t.role == Role.WEIGHT else {n}
+    for t in g.tensors.values():
+        if t.role == Role.CONSTANT and t.alias_of is None:
+            dep[t.name] = set()
+    for op in g.ops:
+        d: set[str] = set()
+        for x in op.reads():
+            d |= dep.get(g.root(x), {"?"})
+        if op.kind.startswith("fusec.") or op.mutates:
+            d = d | {"?"}
+        for t in op.fresh_outputs():
+            dep[g.root(t)] = d
+    return dep
+
+
+def subgraph_ops(g: Graph, target: str):
+    """Ops needed to compute ``target`` (transitively), in program order."""
+    prods = g.producers()
+    need, stack = set(), [g.root(target)]
+    while stack:
+        t = stack.pop()
+        op = prods.get(t)
+        if op is None or op.name in need:
+            continue
+        need.add(op.name)
+        stack.extend(g.root(x) for x in op.reads())
+    return [op for op in g.ops if op.name in need]
+
+
+def evaluate(g: Graph, target: str, counter: str, positions: range, weights: dict[str, torch.Tensor]):
+    """Values of ``target`` for each counter value in ``positions`` (a list of tensors).
+
+    Args:
+        weights: values of the WEIGHT inputs the subgraph reads (name -> tensor).
+    """
+    return evaluate_many(g, [target], counter, positions, weights)[target]
+
+
+def evaluate_many(g: Graph, targets: list[str], counter: str, positions: range,
+                  weights: dict[str, torch.Tensor]) -> dict[str, list[torch.Tensor]]:
+    """Like :func:`evaluate` for several targets that depend on the same counter, sharing work."""
+    from .semantics import run_op
+    need: set[str] = set()
+    for t in targets:
+        need |= {o.name for o in subgraph_ops(g, t)}
+    ops = [op for op in g.ops if op.name in need]
+    out: dict[str, list[torch.Tensor]] = {t: [] for t in targets}
+    info = g.tensors[counter]
+    for p in positions:
+        env = Env(g, [])
+        env.bufs.update(weights)
+        env.bufs[counter] = torch.full(info.shape, p, dtype=info.dtype)
+        for op in ops:
+            run_op(op, env)
+        for t in targets:
+            out[t].append(env.read(t).clone())
+    return out
+
+
+def only_counter(dep: dict[str, set[str]], g: Graph, t: str, ctrs: list[str]) -> str | None:
+    """The single counter that ``t`` depends on, if it depends on nothing else variable."""
+    d = dep.get(g.root(t))
+    if d is None or len(d) != 1:
+        return None
+    (c,) = tuple(d)
+    return c if c in ctrs else None

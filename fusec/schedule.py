@@ -1,0 +1,113 @@
+"""The schedule: per-SM instruction queues with dependency counters (plain, JSON-ready).
+
+Every instruction (a tile placed on an SM) owns one counter, which it increments once per
+step after its stores. An instruction lists the counters it waits for; in step ``e``
+(1-based epoch) it waits until each such counter is at least ``e``, so counters never need a
+reset between steps. Queues are in program order, which is a linear extension of the DAG.
+"""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from typing import Any
+
+import torch
+
+from .instructions.base import Tile
+from .ir import Graph
+
+
+@dataclasses.dataclass
+class Instr:
+    """One tile on one SM. ``id`` is also the id of the counter it increments."""
+
+    id: int
+    op: str
+    kind: str
+    tile: Tile
+    sm: int
+    layer: int
+    waits: list[int] = dataclasses.field(default_factory=list)
+
+    def describe(self) -> str:
+        return f"#{self.id} {self.kind} {self.tile.key} on SM {self.sm}"
+
+
+@dataclasses.dataclass
+class Schedule:
+    """Instructions in program order, their SM queues, and the graph they run."""
+
+    num_sms: int
+    instrs: list[Instr]
+    queues: list[list[int]]
+    graph: Graph
+
+    def to_json(self) -> dict[str, Any]:
+        g = self.graph
+        bufs = {}
+        for t in g.tensors.values():
+            if t.alias_of is None:
+                bufs[t.name] = {"shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", ""),
+                                "role": t.role.value, "bytes": t.nbytes}
+        return {
+            "num_sms": self.num_sms,
+            "counters": len(self.instrs),
+            "epoch_rule": "instruction i increments counter i once per step; a wait on counter c "
+                          "in step e (1-based) spins until counter c >= e",
+            "queues": self.queues,
+            "instructions": [{
+                "id": i.id, "op": i.op, "kind": i.kind, "tile": i.tile.index, "sm": i.sm,
+                "layer": i.layer, "params": i.tile.params, "waits": i.waits,
+                "reads": [r.to_json() for r in i.tile.reads],
+                "writes": [r.to_json() for r in i.tile.writes],
+                "weight_bytes": i.tile.weight_bytes, "act_bytes": i.tile.act_bytes,
+            } for i in self.instrs],
+            "buffers": bufs,
+            "ops": [{"name": o.name, "kind": o.kind, "inputs": o.inputs, "outputs": o.outputs,
+                     "layer": o.layer, "source": o.source,
+                     "attrs": {k: _jsonable(v) for k, v in o.attrs.items() if k not in ("target", "args", "kwargs")}}
+                    for o in g.ops],
+        }
+
+    def sm_bytes(self) -> list[int]:
+        out = [0] * self.num_sms
+        for i in self.instrs:
+            out[i.sm] += i.tile.bytes
+        return out
+
+    def layer_balance(self) -> dict[int, float]:
+        """Per decoder layer: max over SMs of the layer's bytes / mean over SMs."""
+        per: dict[int, list[int]] = {}
+        for i in self.instrs:
+            if i.layer >= 0:
+                per.setdefault(i.layer, [0] * self.num_sms)[i.sm] += i.tile.bytes
+        return {l: max(v) / (sum(v) / len(v)) for l, v in sorted(per.items()) if sum(v)}
+
+    def summary(self, bandwidth: float = 4.3e12) -> dict[str, Any]:
+        b = self.sm_bytes()
+        kinds: dict[str, int] = {}
+        for i in self.instrs:
+            kinds[i.kind] = kinds.get(i.kind, 0) + 1
+        bal = self.layer_balance()
+        total = sum(b)
+        return {
+            "instructions": len(self.instrs),
+            "instructions_by_kind": dict(sorted(kinds.items())),
+            "waits": sum(len(i.waits) for i in self.instrs),
+            "sm_bytes": {"min": min(b), "median": int(statistics.median(b)), "max": max(b)},
+            "total_bytes": total,
+            "layer_balance_max": max(bal.values()) if bal else 1.0,
+            "layer_balance_mean": sum(bal.values()) / len(bal) if bal else 1.0,
+            "predicted_ms_at_bandwidth": total / bandwidth * 1e3,
+            "predicted_ms_busiest_sm": max(b) * self.num_sms / bandwidth * 1e3,
+        }
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, torch.dtype):
+        return str(v).replace("torch.", "")
+    if isinstance(v, (int, float, str, bool)) or v is None:
+        return v
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    return str(v)

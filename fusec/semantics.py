@@ -1,0 +1,142 @@
+"""Reference semantics of semantic ops (raised by ``recognize``) and the op dispatcher.
+
+Each function computes a whole op from :class:`fusec.env.Env` in float32 and rounds once
+to the output dtype. Sources: HF ``LlamaRMSNorm`` (RMSNorm, Zhang & Sennrich 2019),
+``apply_rotary_pos_emb``/``rotate_half`` (RoPE, Su et al. 2021, half-split layout),
+``torch.nn.functional.scaled_dot_product_attention`` with grouped-query attention
+(Ainslie et al. 2023), SiLU-gated MLP (Shazeer 2020).
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+
+from .env import Env
+from .ir import Op
+
+SEMANTICS: dict[str, Callable[[Op, Env], None]] = {}
+
+
+def semantic(kind: str):
+    def deco(fn):
+        SEMANTICS[kind] = fn
+        return fn
+    return deco
+
+
+def rms_normalize(x: torch.Tensor, w: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
+    """HF RMSNorm over the last dim: ``w * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)`` in fp32."""
+    xf = x.float()
+    y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype).float()
+    return (w.float() * y).to(dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE with the half-split layout: ``x*cos + cat(-x2, x1)*sin`` (fp32 result)."""
+    xf = x.float()
+    h = xf.shape[-1] // 2
+    rot = torch.cat((-xf[..., h:], xf[..., :h]), dim=-1)
+    return xf * cos.float() + rot * sin.float()
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int, scale: float) -> torch.Tensor:
+    """Decode attention with GQA over cache positions ``[0, length)``.
+
+    q: [Hq, D]; k, v: [Hkv, L, D]. Returns fp32 [Hq, D]. Hq must be a multiple of Hkv.
+    """
+    hq, hkv = q.shape[0], k.shape[0]
+    rep = hq // hkv
+    kk = k[:, :length].float().repeat_interleave(rep, 0)
+    vv = v[:, :length].float().repeat_interleave(rep, 0)
+    s = torch.einsum("hd,hld->hl", q.float(), kk) * scale
+    p = torch.softmax(s, -1)
+    return torch.einsum("hl,hld->hd", p, vv)
+
+
+@semantic("rmsnorm")
+def _rmsnorm(op: Op, env: Env) -> None:
+    x = env.read(op.inputs["x"])
+    env.set(op.outputs["out"], rms_normalize(x, env.read(op.inputs["w"]), op.attrs["eps"],
+                                             env.g.tensors[op.outputs["out"]].dtype))
+
+
+@semantic("linear")
+def _linear(op: Op, env: Env) -> None:
+    x = env.read(op.inputs["x"]).reshape(-1).float()
+    w = env.read(op.inputs["w"]).float()
+    y = w @ x
+    if "b" in op.inputs:
+        y = y + env.read(op.inputs["b"]).float()
+    info = env.g.tensors[op.outputs["out"]]
+    env.set(op.outputs["out"], y.to(info.dtype).reshape(info.shape))
+
+
+@semantic("rope")
+def _rope(op: Op, env: Env) -> None:
+    info = env.g.tensors[op.outputs["out"]]
+    y = rotate(env.read(op.inputs["x"]), env.read(op.inputs["cos"]), env.read(op.inputs["sin"]))
+    env.set(op.outputs["out"], y.to(info.dtype).reshape(info.shape))
+
+
+@semantic("silu_mul")
+def _silu_mul(op: Op, env: Env) -> None:
+    info = env.g.tensors[op.outputs["out"]]
+    g = env.read(op.inputs["gate"]).float()
+    y = torch.nn.functional.silu(g) * env.read(op.inputs["up"]).float()
+    env.set(op.outputs["out"], y.to(info.dtype).reshape(info.shape))
+
+
+@semantic("kv_write")
+def _kv_write(op: Op, env: Env) -> None:
+    cache = env.read(op.outputs["cache"])
+    pos = int(env.read(op.inputs["pos"]).reshape(-1)[0])
+    val = env.read(op.inputs["val"])
+    cache[:, :, pos] = val.reshape(cache.shape[0], cache.shape[1], -1).to(cache.dtype)
+
+
+@semantic("attention")
+def _attention(op: Op, env: Env) -> None:
+    info = env.g.tensors[op.outputs["out"]]
+    k = env.read(op.inputs["k"])[0]
+    v = env.read(op.inputs["v"])[0]
+    q = env.read(op.inputs["q"]).reshape(-1, k.shape[-1])
+    length = int(env.read(op.inputs["pos"]).reshape(-1)[0]) + 1
+    o = attend(q, k, v, length, op.attrs["scale"])
+    env.set(op.outputs["out"], o.to(info.dtype).reshape(info.shape))
+
+
+@semantic("table_lookup")
+def _table_lookup(op: Op, env: Env) -> None:
+    info = env.g.tensors[op.outputs["out"]]
+    pos = int(env.read(op.inputs["pos"]).reshape(-1)[0])
+    env.set(op.outputs["out"], env.read(op.inputs["table"])[pos].reshape(info.shape).clone())
+
+
+def default_scale(head_dim: int) -> float:
+    """SDPA's default softmax scale, 1/sqrt(head_dim)."""
+    return 1.0 / math.sqrt(head_dim)
+
+
+def run_op(op: Op, env: Env) -> None:
+    """Execute one op whole: ATen ops through PyTorch, semantic ops here, instruction kinds
+    tile by tile with their own tiling into a single tile."""
+    if op.kind.startswith(("aten.", "prims.", "fusec.")):
+        from .instructions.generic import run_aten
+        run_aten(op, env)
+    elif op.kind in SEMANTICS:
+        SEMANTICS[op.kind](op, env)
+    else:
+        from .instructions import KINDS
+        cls = KINDS[op.kind]
+        for tile in cls.tiles(op, env.g, 1):
+            cls.run_tile(op, tile, env)
+
+
+def execute(g, flat_args: list) -> list[torch.Tensor]:
+    """Run a graph op by op on the CPU (the reference executor); returns the outputs."""
+    env = Env(g, flat_args)
+    for op in g.ops:
+        run_op(op, env)
+    return [env.read(t) for t in g.outputs]

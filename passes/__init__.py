@@ -1,0 +1,1 @@
+"""Graph passes over the fusec IR; shipped as fusec.passes."""

@@ -1,0 +1,56 @@
+"""normalize: turn byte-preserving views into aliases and drop what has no effect.
+
+Expects: a graph fresh from capture (``aten.*`` ops, functionalized, mutations as
+``copy_`` into graph inputs). Guarantees: no op is a pure reshape of contiguous bytes
+(``view``, ``_unsafe_view``, ``unsqueeze``, ``squeeze``, ``alias``, ``clone``, ``expand``
+without broadcasting, ``permute``/``transpose`` that only move size-1 dims); such outputs
+are aliases of their input. Dead ops are removed. Values are unchanged.
+"""
+from __future__ import annotations
+
+from fusec.ir import Graph, Op
+
+from . import dce
+
+_RESHAPES = {"aten.view.default", "aten._unsafe_view.default", "aten.unsqueeze.default",
+             "aten.squeeze.dim", "aten.squeeze.dims", "aten.squeeze.default", "aten.alias.default",
+             "aten.clone.default", "aten.reshape.default", "aten.lift_fresh_copy.default"}
+_PERMUTES = {"aten.permute.default", "aten.transpose.int", "aten.t.default"}
+
+
+def _order_preserving(g: Graph, op: Op) -> bool:
+    if len(op.inputs) != 1 or len(op.outputs) != 1 or op.mutates:
+        return False
+    src = g.tensors[op.inputs["in0"]]
+    dst = g.tensors[op.outputs["out"]]
+    if src.numel != dst.numel or src.dtype != dst.dtype:
+        return False
+    if op.kind in _RESHAPES:
+        return True
+    if op.kind == "aten.expand.default":
+        return tuple(src.shape) == tuple(dst.shape) or [s for s in src.shape if s != 1] == \
+            [s for s in dst.shape if s != 1]
+    if op.kind in _PERMUTES:
+        if op.kind == "aten.permute.default":
+            perm = list(op.attrs["args"][1])
+        elif op.kind == "aten.t.default":
+            perm = [1, 0][: len(src.shape)]
+        else:
+            d0, d1 = op.attrs["args"][1] % len(src.shape), op.attrs["args"][2] % len(src.shape)
+            perm = list(range(len(src.shape)))
+            perm[d0], perm[d1] = perm[d1], perm[d0]
+        moved = [p for p in perm if src.shape[p] != 1]
+        return moved == sorted(moved)
+    return False
+
+
+def run(g: Graph) -> Graph:
+    kept = []
+    for op in g.ops:
+        if _order_preserving(g, op):
+            out = op.outputs["out"]
+            g.tensors[out].alias_of = op.inputs["in0"]
+            continue
+        kept.append(op)
+    g.ops = kept
+    return dce.run(g)

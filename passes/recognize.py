@@ -1,0 +1,200 @@
+"""recognize: raise ATen subgraphs to semantic ops with declarative patterns.
+
+Expects: a normalized graph (views are aliases). Guarantees: these subgraphs are replaced,
+with the same values, by one op each:
+
+* ``linear(x, w[, b])``     ``mm(x, permute(w, [1, 0]))`` / ``addmm(b, x, permute(w))``, w a weight
+* ``rmsnorm(x, w; eps)``    HF ``LlamaRMSNorm``: ``w * (x * rsqrt(mean(x^2) + eps)).to(dtype)``
+* ``silu_mul(gate, up)``    ``gate * sigmoid(gate) * up``
+* ``rope(x, cos, sin)``     ``x * cos + cat(-x2, x1) * sin`` (``rotate_half``)
+* ``kv_write(pos, val) -> cache``  ``copy_(cache, index_put(cache, [None, None, pos], val))``;
+  readers of the functional result read the cache buffer after the write
+* ``attention(q, k, v, pos; scale)``  ``fusec.sdpa`` over KV caches, seen through the GQA
+  ``repeat_kv`` expand, with a mask that equals ``kv_index <= pos`` for every position
+  (checked by evaluating the mask at every position of the cache)
+
+Anything that does not match stays as it was. Dead ops are removed.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from fusec import position
+from fusec.ir import Graph, Op, Role
+from fusec.pattern import Matcher, cast, lit, op, var
+from fusec.semantics import default_scale
+
+from . import dce
+
+log = logging.getLogger("fusec.passes.recognize")
+
+
+def _is_weight(g: Graph, t: str) -> bool:
+    return g.tensors[g.root(t)].role == Role.WEIGHT
+
+
+_XF = cast(var("x"))
+RMSNORM = op("aten.mul.Tensor", var("w", _is_weight), cast(op(
+    "aten.mul.Tensor", _XF, op("aten.rsqrt.default", op(
+        "aten.add.Tensor", op("aten.mean.dim", op("aten.pow.Tensor_Scalar", _XF, 2), [-1], True),
+        lit("eps"))), commutative=True)), commutative=True)
+LINEAR = op("aten.mm.default", var("x"), op("aten.permute.default", var("w", _is_weight), [1, 0]))
+LINEAR_BIAS = op("aten.addmm.default", var("b"), var("x"),
+                 op("aten.permute.default", var("w", _is_weight), [1, 0]))
+_GATE = cast(var("gate"))
+SILU_MUL = op("aten.mul.Tensor", cast(op("aten.mul.Tensor", _GATE, op("aten.sigmoid.default", _GATE),
+                                         commutative=True)), var("up"), commutative=True)
+ROPE = op("aten.add.Tensor",
+          op("aten.mul.Tensor", var("x"), var("cos"), commutative=True),
+          op("aten.mul.Tensor", op("aten.cat.default", [
+              op("aten.neg.default", op("aten.slice.Tensor", var("x"), lit("d1"), lit("h"), lit("end"),
+                                        partial=True)),
+              op("aten.slice.Tensor", var("x"), lit("d2"), 0, lit("h2"), partial=True)], lit("d3")),
+             var("sin"), commutative=True), commutative=True)
+
+# (pattern, semantic kind, input slots, attribute literals)
+RULES = [
+    (LINEAR_BIAS, "linear", ("x", "w", "b"), ()),
+    (LINEAR, "linear", ("x", "w"), ()),
+    (RMSNORM, "rmsnorm", ("x", "w"), ("eps",)),
+    (SILU_MUL, "silu_mul", ("gate", "up"), ()),
+    (ROPE, "rope", ("x", "cos", "sin"), ()),
+]
+
+
+def _rewrite(g: Graph, pattern, kind: str, slots, lits) -> int:
+    m = Matcher(g)
+    n = 0
+    new_ops = []
+    for o in g.ops:
+        out = o.outputs.get("out")
+        b = m.match(pattern, out) if out is not None and not o.mutates else None
+        if b is None or (kind == "rope" and not _rope_ok(g, b)):
+            new_ops.append(o)
+            continue
+        attrs = {k: b[k] for k in lits}
+        new_ops.append(Op(o.name, kind, {s: b[s] for s in slots}, {"out": out}, attrs=attrs,
+                          source=o.source))
+        n += 1
+    g.ops = new_ops
+    return n
+
+
+def _rope_ok(g: Graph, b: dict) -> bool:
+    last = len(g.tensors[b["x"]].shape) - 1
+    d = g.tensors[b["x"]].shape[-1]
+    dims_ok = all(b[k] in (-1, last) for k in ("d1", "d2", "d3"))
+    return dims_ok and b["h"] == b["h2"] == d // 2 and b["end"] >= d
+
+
+def _kv_writes(g: Graph) -> int:
+    prods = g.producers()
+    n = 0
+    replace: dict[str, Op] = {}
+    drop = set()
+    for o in g.ops:
+        if o.kind != "aten.copy_.default":
+            continue
+        cache = o.outputs["mut0"]
+        src = prods.get(g.root(o.inputs["in1"]))
+        if src is None or src.kind != "aten.index_put.default" or g.root(src.inputs["in0"]) != g.root(cache):
+            continue
+        args = src.attrs["args"]
+        idx = args[1]
+        if len(args) > 3 and args[3]:
+            continue  # accumulate=True
+        if not (len(idx) == 3 and idx[0] is None and idx[1] is None and idx[2] is not None):
+            continue
+        if g.tensors[src.inputs[idx[2].slot]].numel != 1 or g.tensors[g.root(cache)].role != Role.KV_CACHE:
+            continue
+        kw = Op(src.name, "kv_write", {"pos": src.inputs[idx[2].slot], "val": src.inputs[args[2].slot]},
+                {"cache": cache}, mutates=("cache",), source=src.source)
+        g.tensors[src.outputs["out"]].alias_of = cache
+        replace[src.name] = kw
+        drop.add(o.name)
+        n += 1
+    g.ops = [replace.get(o.name, o) for o in g.ops if o.name not in drop]
+    return n
+
+
+def _cache_of(g: Graph, prods: dict, t: str) -> tuple[str, int] | None:
+    """The KV cache that ``t`` reads (directly or through the GQA expand) and the repeat."""
+    r = g.root(t)
+    if g.tensors[r].role == Role.KV_CACHE:
+        return r, 1
+    p = prods.get(r)
+    if p is not None and p.kind == "aten.expand.default":
+        src = g.root(p.inputs["in0"])
+        if g.tensors[src].role == Role.KV_CACHE:
+            s_in = g.tensors[p.inputs["in0"]].shape
+            s_out = g.tensors[p.outputs["out"]].shape
+            if len(s_in) == 5 and s_in[2] == 1 and s_out[:2] == s_in[:2] and s_out[3:] == s_in[3:]:
+                return src, s_out[2]
+    return None
+
+
+def _attention(g: Graph, weights: dict[str, torch.Tensor]) -> int:
+    prods = g.producers()
+    dep = position.dependence(g)
+    ctrs = position.counters(g)
+    checked: dict[str, str | None] = {}
+    n = 0
+    new_ops = []
+    for o in g.ops:
+        if o.kind != "fusec.sdpa.default":
+            new_ops.append(o)
+            continue
+        q, k, v, mask, dropout, is_causal, scale, gqa = [
+            o.inputs[a.slot] if hasattr(a, "slot") else a for a in o.attrs["args"]]
+        kc, vc = _cache_of(g, prods, k), _cache_of(g, prods, v)
+        ok = kc and vc and kc[1] == vc[1] and not dropout and not is_causal and mask is not None
+        ctr = None
+        if ok:
+            if mask not in checked:
+                checked[mask] = _causal_counter(g, mask, dep, ctrs, weights)
+            ctr = checked[mask]
+        if not ok or ctr is None:
+            log.info("attention %s left generic (mask or cache layout not recognized)", o.name)
+            new_ops.append(o)
+            continue
+        d = g.tensors[q].shape[-1]
+        new_ops.append(Op(o.name, "attention", {"q": q, "k": kc[0], "v": vc[0], "pos": ctr},
+                          {"out": o.outputs["out"]},
+                          attrs={"scale": float(scale) if scale is not None else default_scale(d)},
+                          source=o.source))
+        n += 1
+    g.ops = new_ops
+    return n
+
+
+def _causal_counter(g: Graph, mask: str, dep, ctrs, weights) -> str | None:
+    c = position.only_counter(dep, g, mask, ctrs)
+    length = position.cache_length(g)
+    if c is None or length is None or g.tensors[mask].shape[-1] != length or g.tensors[mask].numel != length:
+        return None
+    vals = position.evaluate(g, mask, c, range(length), weights)
+    ar = torch.arange(length)
+    for p, m in enumerate(vals):
+        m = m.reshape(-1)
+        want = ar <= p
+        if m.dtype == torch.bool:
+            if not torch.equal(m, want):
+                return None
+        elif not (torch.all(m[want] == 0) and torch.all(torch.isneginf(m[~want]))):
+            return None
+    return c
+
+
+def run(g: Graph, weights: dict[str, torch.Tensor] | None = None) -> Graph:
+    """Apply the rules; ``weights`` gives input values needed to evaluate masks."""
+    counts = {}
+    for pattern, kind, slots, lits in RULES:
+        counts[kind] = counts.get(kind, 0) + _rewrite(g, pattern, kind, slots, lits)
+        dce.run(g)
+    counts["kv_write"] = _kv_writes(g)
+    counts["attention"] = _attention(g, weights or {})
+    dce.run(g)
+    log.debug("recognized %s", counts)
+    return g

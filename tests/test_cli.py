@@ -1,0 +1,103 @@
+"""The ``fusec`` CLI's error paths, and the tiny example model file it is meant to load.
+
+The error paths all fail before the compiler is imported, so these tests need no compiler.
+"""
+from __future__ import annotations
+
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fusec.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(capsys, *argv: str) -> tuple[int, str]:
+    code = main(list(argv))
+    return code, capsys.readouterr().err
+
+
+def test_missing_file(tmp_path, capsys):
+    missing = tmp_path / "no_such_model.py"
+    code, err = _run(capsys, "compile", str(missing))
+    assert code == 2
+    assert err.strip().splitlines()[-1].startswith("fusec: error:")
+    assert "no_such_model.py" in err and "does not exist" in err
+    assert "Traceback" not in err
+
+
+def test_file_without_build(tmp_path, capsys):
+    f = tmp_path / "nobuild.py"
+    f.write_text("x = 1\n")
+    code, err = _run(capsys, "compile", str(f))
+    assert code == 2
+    assert "no build() function" in err and "nobuild.py" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "body, what",
+    [
+        ("return 'not a model'", "build() returned str"),
+        ("return (1, 2, 3, 4)", "tuple of length 4"),
+        ("return (42, ())", "returned a int as model"),
+        ("return (torch.nn.Linear(2, 2), 'x')", "returned a str as args"),
+        ("return (torch.nn.Linear(2, 2), (), [])", "returned a list as kwargs"),
+    ],
+)
+def test_build_returns_wrong_shape(tmp_path, capsys, body, what):
+    f = tmp_path / "wrong.py"
+    f.write_text(f"import torch\n\ndef build():\n    {body}\n")
+    code, err = _run(capsys, "compile", str(f))
+    assert code == 2
+    assert what in err
+    assert "expected (model, args) or (model, args, kwargs)" in err
+    assert len(err.strip().splitlines()) <= 2  # the 'loading' stage line and the error
+
+
+def test_model_file_can_import_beside_itself(tmp_path, capsys):
+    (tmp_path / "helper_beside.py").write_text("VALUE = 'str'\n")
+    f = tmp_path / "uses_helper.py"
+    f.write_text("import helper_beside\n\ndef build():\n    return helper_beside.VALUE\n")
+    code, err = _run(capsys, "compile", str(f))
+    assert code == 2 and "build() returned str" in err
+    assert str(tmp_path) not in sys.path
+
+
+def test_module_entry_point_exit_code(tmp_path):
+    missing = tmp_path / "gone.py"
+    proc = subprocess.run(
+        [sys.executable, "-m", "fusec.cli", "compile", str(missing)],
+        capture_output=True, text=True, cwd=ROOT, timeout=300,
+    )
+    assert proc.returncode == 2
+    assert "gone.py" in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.stdout == ""
+
+
+def test_tiny_llama_example_builds_one_decode_step():
+    model, args, kwargs = runpy.run_path(str(ROOT / "examples" / "tiny_llama.py"))["build"]()
+    assert isinstance(model, torch.nn.Module)
+    assert isinstance(args, tuple) and isinstance(kwargs, dict)
+    assert kwargs["input_ids"].shape == (1, 1)
+    cache = kwargs["past_key_values"]
+    assert int(cache.get_seq_length()) == 5  # the prefill is in the cache
+    with torch.no_grad():
+        out = model(*args, **kwargs)
+    assert out.logits.shape == (1, 1, 300)
+    assert out.logits.dtype == torch.float32
+    assert torch.isfinite(out.logits).all()
+
+
+def test_main_restores_logging_state(tmp_path, capsys):
+    import logging
+
+    logger = logging.getLogger("fusec")
+    before = (list(logger.handlers), logger.level, logger.propagate)
+    main(["compile", str(tmp_path / "missing.py")])
+    assert (list(logger.handlers), logger.level, logger.propagate) == before
