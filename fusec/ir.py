@@ -13,7 +13,7 @@ Byte-preserving views do not become ops: a tensor may be an *alias* of another t
 (``alias_of``) with its own shape over the same contiguous bytes.
 
 In-place writes (KV-cache appends, position counters) name the written buffer among the op's
-outputs under a slot that starts with ``"mut"`` or is listed in ``op.mutates``; ordering of
+outputs under a slot listed in ``op.mutates``; ordering of
 such writes against earlier readers (write-after-read) is part of :meth:`Graph.dag`.
 See docs/ir.md.
 """

@@ -1,0 +1,64 @@
+"""Graphs fusec cannot place fall back with exactly one log line, never a crash."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import hf_tiny
+
+
+class CumsumHead(torch.nn.Module):
+    """A tiny decoder step with an op fusec does not place (cumsum) after attention."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(32, 32, bias=False)
+
+    def forward(self, x, k, v):
+        q = self.proj(x).view(1, 2, 1, 16)
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        return torch.cumsum(o.reshape(1, 32), dim=-1)
+
+
+def test_unsupported_op_falls_back_with_one_line(caplog):
+    torch._dynamo.reset()
+    m = CumsumHead().eval()
+    x, k, v = torch.randn(1, 1, 32), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16)
+    with torch.no_grad(), caplog.at_level(logging.INFO, logger="fusec"):
+        out = torch.compile(m, backend="fusec", options={"fallback": "eager"})(x, k, v)
+    torch.testing.assert_close(out, m(x, k, v))
+    lines = [r for r in caplog.records if r.name == "fusec" and r.levelno >= logging.WARNING]
+    assert len(lines) == 1
+    assert "aten.cumsum" in lines[0].message and "using eager" in lines[0].message
+
+
+def test_prefill_falls_back_and_is_correct(caplog):
+    torch._dynamo.reset()
+    model = hf_tiny.llama()
+    c1, c2 = hf_tiny.static_cache(model, 16), hf_tiny.static_cache(model, 16)
+    ids = torch.randint(0, 128, (1, 5))
+    with torch.no_grad(), caplog.at_level(logging.INFO, logger="fusec"):
+        a = torch.compile(model, backend="fusec", options={"fallback": "eager"})(
+            input_ids=ids, past_key_values=c1, use_cache=True).logits
+        b = model(input_ids=ids, past_key_values=c2, use_cache=True).logits
+    torch.testing.assert_close(a, b)
+    msgs = [r.message for r in caplog.records if r.name == "fusec"]
+    assert len(msgs) == 1 and "(1, 4, 5, 16)" in msgs[0]
+
+
+def test_inductor_fallback_runs():
+    torch._dynamo.reset()
+    m = CumsumHead().eval()
+    x, k, v = torch.randn(1, 1, 32), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16)
+    with torch.no_grad():
+        out = torch.compile(m, backend="fusec")(x, k, v)
+    torch.testing.assert_close(out, m(x, k, v))
+
+
+def test_unknown_option_is_a_clear_error():
+    from fusec.config import Options
+    from fusec.errors import FusecError
+    with pytest.raises(FusecError, match="unknown fusec option"):
+        Options.from_dict({"nmu_sms": 3})

@@ -1,0 +1,70 @@
+"""IR invariants, the pattern language, dumps and the pass checker."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import hf_tiny
+from fusec.errors import IRError
+from fusec.ir import Graph, Op, Role, TensorInfo
+from fusec.pattern import Matcher, lit, op, var
+
+
+def _tiny_graph() -> Graph:
+    g = Graph()
+    g.add_tensor(TensorInfo("x", (4,), torch.float32, Role.INPUT, input_index=0))
+    g.add_tensor(TensorInfo("y", (4,), torch.float32))
+    g.add_tensor(TensorInfo("z", (4,), torch.float32, Role.OUTPUT))
+    g.inputs, g.outputs = ["x"], ["z"]
+    from fusec.ir import Ref
+    g.ops = [Op("a", "aten.neg.default", {"in0": "x"}, {"out": "y"},
+                attrs={"target": torch.ops.aten.neg.default, "args": (Ref("in0"),), "kwargs": {}}),
+             Op("b", "aten.mul.Tensor", {"in0": "y"}, {"out": "z"},
+                attrs={"target": torch.ops.aten.mul.Tensor, "args": (Ref("in0"), 2.0), "kwargs": {}})]
+    return g
+
+
+def test_checker_names_the_pass():
+    g = _tiny_graph()
+    g.check("capture")
+    g.ops.reverse()  # y read before it is written
+    with pytest.raises(IRError, match="reads y before it is written after pass 'fuse'"):
+        g.check("fuse")
+
+
+def test_pattern_binds_literals_and_vars():
+    g = _tiny_graph()
+    m = Matcher(g)
+    b = m.match(op("aten.mul.Tensor", op("aten.neg.default", var("v")), lit("k")), "z")
+    assert b["v"] == "x" and b["k"] == 2.0 and [o.name for o in b["_ops"]] == ["a", "b"]
+    assert m.match(op("aten.add.Tensor", var("v"), lit("k")), "z") is None
+
+
+def test_dag_orders_in_place_writes_after_readers():
+    g = _tiny_graph()
+    from fusec.ir import Ref
+    g.ops.append(Op("c", "aten.copy_.default", {"in0": "x", "in1": "z"}, {"mut0": "x"},
+                    attrs={"target": torch.ops.aten.copy_.default, "args": (Ref("in0"), Ref("in1")),
+                           "kwargs": {}}, mutates=("mut0",)))
+    dag = g.dag()
+    assert dag.has_edge("a", "c") and dag.has_edge("b", "c")
+
+
+def test_dump_dir_writes_every_stage(tmp_path, monkeypatch):
+    monkeypatch.setenv("FUSEC_DUMP", str(tmp_path))
+    from fusec.api import compile_model
+    model = hf_tiny.llama(layers=1)
+    cache = hf_tiny.static_cache(model, 16)
+    with torch.no_grad():  # the prefill allocates the static cache
+        model(input_ids=torch.randint(0, 128, (1, 2)), past_key_values=cache, use_cache=True)
+    res = compile_model(model, (), {"input_ids": torch.randint(0, 128, (1, 1)),
+                                    "past_key_values": cache, "use_cache": True}, {"num_sms": 4})
+    names = sorted(p.name for p in tmp_path.iterdir())
+    for stage in ("aten", "ir", "normalize", "recognize", "fold_position", "fuse"):
+        assert any(n.endswith(f"_{stage}.txt") for n in names), (stage, names)
+    sched = json.loads((tmp_path / "schedule.json").read_text())
+    assert sched["num_sms"] == 4 and len(sched["queues"]) == 4
+    assert sched["counters"] == len(sched["instructions"]) == len(res.schedule.instrs)
+    assert "rms_qkv_rope" in res.graph_text()
