@@ -88,7 +88,8 @@ def compile_model(model: torch.nn.Module, args: tuple, kwargs: dict | None = Non
     """
     options = dict(options or {})
     simulate = bool(options.pop("simulate", False))
-    options.pop("emit_cuda", None)
+    if options.pop("emit_cuda", False):
+        raise FusecError("--emit-cuda: the GPU back end (CUDA templates, kernel.cu) is not built yet")
     out_dir = options.pop("out_dir", None)
     if not options.get("dump_dir"):
         options.pop("dump_dir", None)
