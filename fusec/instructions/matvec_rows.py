@@ -1,7 +1,9 @@
 """Shared row tiling for matvec-based instruction kinds (rows of ``W @ x``)."""
 from __future__ import annotations
 
+from ..env import Env
 from ..ir import Graph, Op
+from ..semantics import rms_normalize
 from .base import Region, Tile, split_range
 
 
@@ -38,3 +40,9 @@ def row_tiles(op: Op, g: Graph, want: int, weights: list[str], vec_inputs: list[
         tiles.append(Tile(op.name, i, {"rows": [r0, r1]}, reads, [Region.of(g, out, r0, r1)],
                           wbytes, abytes))
     return tiles
+
+
+def rms_prologue(op: Op, env: Env):
+    """RMSNorm of ``op.inputs["x"]`` with ``norm_w``/``eps``, recomputed per tile; fp32 [H]."""
+    x = env.read(op.inputs["x"]).reshape(-1)
+    return rms_normalize(x, env.read(op.inputs["norm_w"]), op.attrs["eps"], op.attrs["norm_dtype"]).float()

@@ -10,9 +10,8 @@ import torch
 
 from ..env import Env
 from ..ir import Graph, Op
-from ..semantics import rms_normalize
 from .base import Instruction, Tile, register
-from .matvec_rows import row_tiles
+from .matvec_rows import rms_prologue, row_tiles
 
 
 @register
@@ -29,8 +28,7 @@ class RmsGateUpSilu(Instruction):
     def run_tile(cls, op: Op, tile: Tile, env: Env) -> None:
         r0, r1 = tile.params["rows"]
         dt = env.g.tensors[op.outputs["out"]].dtype
-        x = env.read(op.inputs["x"]).reshape(-1)
-        n = rms_normalize(x, env.read(op.inputs["norm_w"]), op.attrs["eps"], op.attrs["norm_dtype"]).float()
+        n = rms_prologue(op, env)
         gate = (env.read(op.inputs["wg"])[r0:r1].float() @ n).to(dt).float()
         up = (env.read(op.inputs["wu"])[r0:r1].float() @ n).to(dt).float()
         env.flat(op.outputs["out"])[r0:r1] = (torch.nn.functional.silu(gate) * up).to(dt)

@@ -7,9 +7,8 @@ from __future__ import annotations
 
 from ..env import Env
 from ..ir import Graph, Op
-from ..semantics import rms_normalize
 from .base import Instruction, Tile, register
-from .matvec_rows import row_tiles
+from .matvec_rows import rms_prologue, row_tiles
 
 
 @register
@@ -26,6 +25,5 @@ class RmsLmHead(Instruction):
     def run_tile(cls, op: Op, tile: Tile, env: Env) -> None:
         r0, r1 = tile.params["rows"]
         dt = env.g.tensors[op.outputs["out"]].dtype
-        x = env.read(op.inputs["x"]).reshape(-1)
-        n = rms_normalize(x, env.read(op.inputs["norm_w"]), op.attrs["eps"], op.attrs["norm_dtype"]).float()
+        n = rms_prologue(op, env)
         env.flat(op.outputs["out"])[r0:r1] = (env.read(op.inputs["w"])[r0:r1].float() @ n).to(dt)

@@ -18,7 +18,7 @@ from ..env import Env
 from ..ir import Graph, Op
 from ..semantics import rms_normalize
 from .base import Instruction, Region, Tile, register, split_range
-from .matvec_rows import elt
+from .matvec_rows import elt, rms_prologue
 
 
 @register
@@ -97,8 +97,7 @@ class RmsQkvRope(Instruction):
         half = d // 2
         a = op.attrs
         dt = a["dtype"]
-        x = env.read(op.inputs["x"]).reshape(-1)
-        n = rms_normalize(x, env.read(op.inputs["norm_w"]), a["eps"], a["norm_dtype"]).float()
+        n = rms_prologue(op, env)
         rp = int(env.read(op.inputs["rope_pos"]).reshape(-1)[0])
         cos = env.read(op.inputs["cos_table"])[rp].reshape(-1).float()
         sin = env.read(op.inputs["sin_table"])[rp].reshape(-1).float()
