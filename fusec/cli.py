@@ -99,11 +99,23 @@ def _cli_logging(verbose: bool) -> Iterator[None]:
         log.propagate = saved[1]
 
 
+def _where(e: BaseException, p: Path) -> str:
+    """``Type: message (at file:line)`` for the deepest frame of ``e`` inside model file ``p``."""
+    import traceback
+    line = None
+    for fr in traceback.extract_tb(e.__traceback__):
+        if Path(fr.filename).resolve() == p.resolve():
+            line = fr.lineno
+    at = f" (at {p.name}:{line})" if line else ""
+    return f"{type(e).__name__}: {e}{at}"
+
+
 def load_model_file(path: str | os.PathLike) -> tuple[Any, tuple, dict]:
     """Run the model file ``path`` and return what its ``build()`` returns, normalized.
 
     The file's folder is on ``sys.path`` while the file runs and while ``build()`` runs, so it
-    can import helpers beside it. Exceptions raised by the file's own code propagate unchanged.
+    can import helpers beside it. An exception raised by the file's own code becomes a
+    ModelFileError naming the exception and the deepest line of the model file (-v: traceback).
 
     Returns:
         ``(model, args, kwargs)`` with ``args`` a tuple and ``kwargs`` a dict.
@@ -122,7 +134,12 @@ def load_model_file(path: str | os.PathLike) -> tuple[Any, tuple, dict]:
     folder = str(p.resolve().parent)
     sys.path.insert(0, folder)
     try:
-        ns = runpy.run_path(str(p), run_name="__fusec_model__")
+        try:
+            ns = runpy.run_path(str(p), run_name="__fusec_model__")
+        except SyntaxError as e:
+            raise ModelFileError(f"{path}:{e.lineno}: syntax error: {e.msg}") from None
+        except Exception as e:
+            raise ModelFileError(f"{path}: running the file failed: {_where(e, p)}") from e
         build = ns.get("build")
         if not callable(build):
             raise ModelFileError(
@@ -130,7 +147,10 @@ def load_model_file(path: str | os.PathLike) -> tuple[Any, tuple, dict]:
                 "(model, args) or (model, args, kwargs) for one decode step"
             )
         t0 = time.perf_counter()
-        result = build()
+        try:
+            result = build()
+        except Exception as e:
+            raise ModelFileError(f"{path}: build() failed: {_where(e, p)}") from e
         log.debug("build() took %.1f s", time.perf_counter() - t0)
     finally:
         try:

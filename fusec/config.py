@@ -57,6 +57,9 @@ class Options:
         bad = sorted(set(d) - names)
         if bad:
             raise FusecError(f"unknown fusec option(s) {bad}; known: {sorted(names)}")
+        for key, typ in (("num_sms", int), ("max_fusions", int), ("seed", int)):
+            if d.get(key) is not None and (not isinstance(d[key], int) or isinstance(d[key], bool)):
+                raise FusecError(f"option {key}={d[key]!r} must be an int")
         o = cls(**d)
         if o.target is not None and o.target not in TARGETS:
             raise FusecError(f"option target={o.target!r} must be one of {TARGETS}")

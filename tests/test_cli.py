@@ -101,3 +101,17 @@ def test_main_restores_logging_state(tmp_path, capsys):
     before = (list(logger.handlers), logger.level, logger.propagate)
     main(["compile", str(tmp_path / "missing.py")])
     assert (list(logger.handlers), logger.level, logger.propagate) == before
+
+
+def test_model_file_errors_are_one_line(tmp_path, capsys):
+    from fusec.cli import main
+    bad = tmp_path / "syntax.py"
+    bad.write_text("def build(:\n")
+    assert main(["compile", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "syntax error" in err and "Traceback" not in err
+    boom = tmp_path / "boom.py"
+    boom.write_text("def build():\n    raise RuntimeError('boom')\n")
+    assert main(["compile", str(boom)]) == 2
+    err = capsys.readouterr().err
+    assert "build() failed: RuntimeError: boom (at boom.py:2)" in err and "Traceback" not in err

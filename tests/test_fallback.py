@@ -62,3 +62,10 @@ def test_unknown_option_is_a_clear_error():
     from fusec.errors import FusecError
     with pytest.raises(FusecError, match="unknown fusec option"):
         Options.from_dict({"nmu_sms": 3})
+
+
+def test_option_types_are_checked():
+    from fusec.config import Options
+    from fusec.errors import FusecError
+    with pytest.raises(FusecError, match="num_sms='abc' must be an int"):
+        Options.from_dict({"num_sms": "abc"})
