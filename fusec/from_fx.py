@@ -1,6 +1,7 @@
 """Build the IR (:mod:`fusec.ir`) from a core-ATen FX graph produced by AOT autograd."""
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -55,7 +56,7 @@ def graph_from_aten(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Grap
                                     value=val.detach().clone()))
             env[n.name] = n.name
         elif n.op == "call_function":
-            if n.target is __import__("operator").getitem:
+            if n.target is operator.getitem:
                 env[n.name] = env[n.args[0].name][n.args[1]]
                 continue
             _add_call(g, n, env)

@@ -19,6 +19,8 @@ from __future__ import annotations
 import logging
 import math
 
+import torch
+
 from fusec.ir import Graph, Op, Role
 
 from . import dce
@@ -155,8 +157,8 @@ def _split_attention(c: _Ctx, att: Op, num_sms: int) -> None:
     n_chunks = max(1, min(math.ceil(L / 16), num_sms // nkv))
     chunk = math.ceil(math.ceil(L / n_chunks) / 16) * 16
     n_chunks = math.ceil(L / chunk)
-    o_part = g.new_tensor(f"{att.name}_o_part", (nq, n_chunks, d), _f32())
-    ml_part = g.new_tensor(f"{att.name}_ml_part", (nq, n_chunks, 2), _f32())
+    o_part = g.new_tensor(f"{att.name}_o_part", (nq, n_chunks, d), torch.float32)
+    ml_part = g.new_tensor(f"{att.name}_ml_part", (nq, n_chunks, 2), torch.float32)
     attrs = {"scale": att.attrs["scale"], "n_q": nq, "n_kv": nkv, "head_dim": d,
              "chunk": chunk, "n_chunks": n_chunks}
     part = Op(g.fresh_name(f"{att.name}_partial"), "attention_partial",
@@ -167,11 +169,6 @@ def _split_attention(c: _Ctx, att: Op, num_sms: int) -> None:
              {"o_part": o_part, "ml_part": ml_part}, {"out": att.outputs["out"]},
              attrs=dict(attrs), source=att.source)
     c.replace([att], [part, red])
-
-
-def _f32():
-    import torch
-    return torch.float32
 
 
 def _gate_up(c: _Ctx, s: Op) -> bool:
