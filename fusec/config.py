@@ -57,7 +57,7 @@ class Options:
         bad = sorted(set(d) - names)
         if bad:
             raise FusecError(f"unknown fusec option(s) {bad}; known: {sorted(names)}")
-        for key, typ in (("num_sms", int), ("max_fusions", int), ("seed", int)):
+        for key in ("num_sms", "max_fusions", "seed"):
             if d.get(key) is not None and (not isinstance(d[key], int) or isinstance(d[key], bool)):
                 raise FusecError(f"option {key}={d[key]!r} must be an int")
         o = cls(**d)

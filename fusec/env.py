@@ -33,9 +33,6 @@ class Env:
             if t.role == Role.CONSTANT and t.alias_of is None:
                 self.bufs[t.name] = t.value
 
-    def has(self, name: str) -> bool:
-        return self.g.root(name) in self.bufs
-
     def read(self, name: str) -> torch.Tensor:
         """The tensor ``name`` in its own shape (a view of its root when it is an alias)."""
         root = self.g.root(name)

@@ -176,11 +176,6 @@ class Graph:
         self.tensors[name] = TensorInfo(name, tuple(int(s) for s in shape), dtype, role, **kw)
         return name
 
-    def new_op(self, base: str, kind: str, inputs: dict[str, str], outputs: dict[str, str],
-               **kw: Any) -> Op:
-        op = Op(self.fresh_name(base), kind, dict(inputs), dict(outputs), **kw)
-        return op
-
     # -- queries ------------------------------------------------------------------------
     def root(self, name: str) -> str:
         """Follow ``alias_of`` links to the tensor that owns the bytes."""

@@ -27,7 +27,7 @@ _CASTS = ("aten._to_copy.default", "prims.convert_element_type.default")
 class Pat:
     """A pattern node; build with :func:`op`, :func:`var`, :func:`lit`, :func:`cast`."""
 
-    what: str                       # "op" | "var" | "lit" | "cast" | "any"
+    what: str                       # "op" | "var" | "lit" | "cast"
     kinds: tuple[str, ...] = ()
     args: tuple[Any, ...] = ()
     kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -53,11 +53,6 @@ def var(name: str, where: Callable[[Graph, str], bool] | None = None) -> Pat:
 def lit(name: str) -> Pat:
     """Bind a literal (non-tensor) argument to ``name``."""
     return Pat("lit", name=name)
-
-
-def any_() -> Pat:
-    """Match anything without binding it."""
-    return Pat("any")
 
 
 def cast(p: Pat) -> Pat:
@@ -91,8 +86,6 @@ class Matcher:
                     return False
                 return all(self._m(pi, vi, b) for pi, vi in zip(p, v))
             return p == v
-        if p.what == "any":
-            return True
         if p.what == "lit":
             if isinstance(v, str) and v in self.g.tensors:
                 return False
@@ -160,5 +153,3 @@ def _resolve(op: Op, a: Any) -> Any:
         return {k: _resolve(op, x) for k, x in a.items()}
     return a
 
-
-resolve_args = _resolve

@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from fusec.ir import Graph, Op, Role
+from fusec.ir import Graph, Op
 
 from . import dce
 
@@ -181,17 +181,13 @@ def _gate_up(c: _Ctx, s: Op) -> bool:
     inner = [lg, lu, s] + ([rms] if rms else [])
     if rms is None or not c.private(inner, (s.outputs["out"],)) or not c.allow():
         return False
-    fused = Op(g_name(c, "rms_gate_up_silu"), "rms_gate_up_silu",
+    fused = Op(c.g.fresh_name("rms_gate_up_silu"), "rms_gate_up_silu",
                {"x": rms.inputs["x"], "norm_w": rms.inputs["w"], "wg": lg.inputs["w"], "wu": lu.inputs["w"]},
                {"out": s.outputs["out"]},
                attrs={"eps": rms.attrs["eps"], "norm_dtype": c.g.tensors[rms.outputs["out"]].dtype},
                source=s.source)
     c.replace(inner, [fused])
     return True
-
-
-def g_name(c: _Ctx, base: str) -> str:
-    return c.g.fresh_name(base)
 
 
 def _residual(c: _Ctx, add: Op) -> bool:
@@ -210,7 +206,7 @@ def _residual(c: _Ctx, add: Op) -> bool:
             continue
         if not c.allow():
             return False
-        fused = Op(g_name(c, "matvec_residual"), "matvec_residual",
+        fused = Op(c.g.fresh_name("matvec_residual"), "matvec_residual",
                    {"x": lin.inputs["x"], "w": lin.inputs["w"], "residual": res},
                    {"out": add.outputs["out"]}, source=add.source)
         c.replace([lin, add], [fused])
@@ -223,7 +219,7 @@ def _lm_head(c: _Ctx, lin: Op) -> bool:
     if rms is None or "b" in lin.inputs or not c.private([rms, lin], (lin.outputs["out"],)) \
             or not c.allow():
         return False
-    fused = Op(g_name(c, "rms_lm_head"), "rms_lm_head",
+    fused = Op(c.g.fresh_name("rms_lm_head"), "rms_lm_head",
                {"x": rms.inputs["x"], "norm_w": rms.inputs["w"], "w": lin.inputs["w"]},
                {"out": lin.outputs["out"]},
                attrs={"eps": rms.attrs["eps"], "norm_dtype": c.g.tensors[rms.outputs["out"]].dtype},

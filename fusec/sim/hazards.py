@@ -3,9 +3,9 @@
 Happens-before is the transitive closure of two kinds of edges: SM queue order, and a wait
 on a counter (the producer's stores happen before the consumer's loads). Two accesses
 conflict when they touch overlapping elements of one buffer, at least one writes, and they
-belong to instructions of different ops (the tiles of one op write disjoint regions by
-construction; their planned KV-cache regions overlap only because the row is chosen at run
-time). For every conflicting pair (a before b in program order)
+belong to different instructions. Tiles of one op are compared only with the regions
+observed at run time: their planned KV-cache regions (the whole head, since the row is
+chosen at run time) overlap without conflicting. For every conflicting pair (a before b in program order)
 ``a`` must happen before ``b``; otherwise the pair is a hazard: RAW (b reads what a wrote),
 WAR (b overwrites what a read) or WAW.
 """
@@ -60,8 +60,8 @@ def check_hazards(s: Schedule, regions: dict[int, tuple[list[Region], list[Regio
             for oid, owrite, oreg in lst:
                 if oid == wid or not wreg.overlaps(oreg) or (owrite and oid > wid):
                     continue
-                if s.instrs[oid].op == s.instrs[wid].op:
-                    continue  # tiles of one op: disjoint by construction (planned KV rows overlap)
+                if s.instrs[oid].op == s.instrs[wid].op and (oid not in regions or wid not in regions):
+                    continue  # planned regions of one op's tiles may overlap (KV row chosen at run time)
                 a, b = (oid, wid) if oid < wid else (wid, oid)
                 if (hb[b] >> a) & 1:
                     continue
