@@ -44,13 +44,12 @@ def fusec_backend(gm: torch.fx.GraphModule, example_inputs: list[Any],
     try:
         check_decode_step(gm)
         target = _target(example_inputs, opts)
-        if target == "cuda":
-            raise FallbackRequired("target 'cuda': the GPU back end is not built yet (issue: GPU back end); "
-                                   "use target='sim' on CPU tensors")
+        if target == "cuda" and not torch.cuda.is_available():
+            raise FallbackRequired("target 'cuda' but no CUDA device is available")
         dump = Dumper(opts.dump_dir)
 
         def compiler(aten_gm: torch.fx.GraphModule, ex: list[Any]) -> Callable:
-            return CompiledStep(aten_gm, build_ir(aten_gm, ex, dump), opts, dump)
+            return CompiledStep(aten_gm, build_ir(aten_gm, ex, dump), opts, dump, target)
 
         return aten_capture(gm, example_inputs, compiler)
     except FallbackRequired as e:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -11,7 +11,6 @@ from .errors import FusecError
 from .ir import Graph
 from .pipeline import Dumper, lower
 from .schedule import Schedule
-from .sim import Simulator
 
 log = logging.getLogger("fusec")
 
@@ -20,32 +19,43 @@ class CompiledStep:
     """Runs one captured decode step; the passes run at the first call (real inputs needed).
 
     Called with the flat inputs of the ATen graph (parameters lifted), it returns the list of
-    graph outputs and updates KV caches and position counters in place.
+    graph outputs and updates KV caches and position counters in place. On ``target="cuda"``
+    the outputs are the kernel's own buffers, overwritten by the next step (as with CUDA
+    graphs): clone them to keep them.
 
-    If lowering fails with a :class:`FusecError` at the first call, the step falls back to
-    running the captured ATen graph eagerly, with one log line.
+    If lowering fails with a :class:`FusecError` at the first call (an op without a CUDA form,
+    say), the step runs the captured ATen graph eagerly from then on, with one log line.
     """
 
-    def __init__(self, aten_gm: torch.fx.GraphModule, g: Graph, opts: Options, dump: Dumper):
+    def __init__(self, aten_gm: torch.fx.GraphModule, g: Graph, opts: Options, dump: Dumper, target: str):
         self.aten_gm = aten_gm
         self.graph = g
         self.opts = opts
         self.dump = dump
+        self.target = target
         self.schedule: Schedule | None = None
-        self.sim: Simulator | None = None
+        self.engine: Callable[[list[Any]], list[torch.Tensor]] | None = None
         self.fallen_back = False
 
     def __call__(self, *args: Any) -> list[torch.Tensor]:
         if self.fallen_back:
             return self.aten_gm(*args)
-        if self.schedule is None:
+        if self.engine is None:
             try:
-                self.schedule = lower(self.graph, list(args), self.opts, self.dump)
+                self.engine = self._build(list(args))
             except FusecError as e:
                 log.warning("fusec: running this graph eagerly: %s", e)
                 self.fallen_back = True
                 return self.aten_gm(*args)
-            self.sim = Simulator(self.schedule, seed=self.opts.seed, check=self.opts.check_hazards)
         with torch.no_grad():
-            outs = self.sim.step(list(args))
-        return [o.clone() for o in outs]
+            return self.engine(list(args))
+
+    def _build(self, args: list[Any]) -> Callable[[list[Any]], list[torch.Tensor]]:
+        if self.target == "sim":
+            from .sim import Simulator
+            self.schedule = lower(self.graph, args, self.opts, self.dump)
+            sim = Simulator(self.schedule, seed=self.opts.seed, check=self.opts.check_hazards)
+            return lambda a: [o.clone() for o in sim.step(a)]
+        from .gpu import build_cuda_step
+        step, self.schedule = build_cuda_step(self.graph, args, self.opts, self.dump)
+        return lambda a: step(*a)

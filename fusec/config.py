@@ -29,6 +29,9 @@ class Options:
         check_hazards: run the simulator's hazard check every step.
         max_fusions: apply at most this many fusions (bisecting); None = all.
         bandwidth: bytes/s used to predict step time from bytes (4.3e12: H200 measured read).
+        watchdog_s: GPU counter waits give up after this many seconds (WatchdogError).
+        check_watchdog: read the watchdog record after every GPU step (a host sync); turn off
+            for CUDA-graph capture and benchmarks.
     """
 
     target: str | None = None
@@ -39,6 +42,8 @@ class Options:
     check_hazards: bool = True
     max_fusions: int | None = None
     bandwidth: float = 4.3e12
+    watchdog_s: float = 2.0
+    check_watchdog: bool = True
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> "Options":

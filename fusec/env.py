@@ -24,8 +24,9 @@ class Env:
             place, so writes reach the caller's tensors).
     """
 
-    def __init__(self, g: Graph, flat_args: list[Any]):
+    def __init__(self, g: Graph, flat_args: list[Any], device: torch.device | None = None):
         self.g = g
+        self.device = device  # if set, ops that create tensors create them here
         self.bufs: dict[str, torch.Tensor] = {}
         for name, a in zip(g.inputs, flat_args):
             self.bufs[name] = a

@@ -71,3 +71,22 @@ class JitError(FusecError):
 
 class ModelFileError(FusecError):
     """A model file given to the CLI is missing, has no build(), or build() returns the wrong shape."""
+
+
+class WatchdogError(FusecError):
+    """A counter wait on the GPU ran past its timeout; the megakernel exited instead of hanging.
+
+    Attributes:
+        sm, queue_index, op, counter, value, target, instruction: the record the kernel wrote
+        (``op`` is the opcode: the op's index in the schedule; ``op_name`` names it).
+    """
+
+    def __init__(self, message: str, fields: dict):
+        super().__init__(message)
+        self.fields = fields
+        for k, v in fields.items():
+            setattr(self, k, v)
+
+
+class CudaError(FusecError):
+    """A CUDA driver call failed; the message names the call and the error."""

@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import torch
 
+from . import position
 from .config import Options
 from .from_fx import graph_from_aten
 from .ir import Graph, Role
@@ -67,7 +68,9 @@ def lower(g: Graph, flat_args: list[Any], opts: Options, dump: Dumper) -> Schedu
     normalize, recognize, fold_position, fuse, tile, schedule = _passes()
     g = g.copy()
     num_sms = opts.num_sms or 132
-    weights = {n: a for n, a in zip(g.inputs, flat_args) if g.tensors[n].role == Role.WEIGHT}
+    # small weights (inv_freq ...) on the CPU: position tables and masks are evaluated there
+    weights = {n: a.detach().cpu() for n, a in zip(g.inputs, flat_args)
+               if g.tensors[n].role == Role.WEIGHT and g.tensors[n].numel <= position.MAX_KNOWN_WEIGHT}
     stages: list[tuple[str, Callable[[Graph], Graph]]] = [
         ("normalize", normalize.run),
         ("recognize", lambda g: recognize.run(g, weights)),

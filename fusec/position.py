@@ -12,6 +12,7 @@ from .env import Env
 from .ir import Graph, Role
 
 MAX_TABLE_BYTES = 64 << 20
+MAX_KNOWN_WEIGHT = 1 << 16  # weights up to this many elements may feed position tables
 
 
 def counters(g: Graph) -> list[str]:
@@ -29,13 +30,14 @@ def cache_length(g: Graph) -> int | None:
 def dependence(g: Graph) -> dict[str, set[str]]:
     """Root tensor -> the set of graph inputs (non-weight) and ``'?'`` it depends on.
 
-    Weights, constants and small read-only inputs count as known values; anything produced
+    Small weights (``inv_freq``) and constants count as known values; anything produced
     from a non-counter input (tokens, caches) is marked by that input's name.
     """
     dep: dict[str, set[str]] = {}
     for n in g.inputs:
         t = g.tensors[n]
-        dep[n] = set() if t.role == Role.WEIGHT else {n}
+        small_weight = t.role == Role.WEIGHT and t.numel <= MAX_KNOWN_WEIGHT
+        dep[n] = set() if small_weight else {n}
     for t in g.tensors.values():
         if t.role == Role.CONSTANT and t.alias_of is None:
             dep[t.name] = set()
@@ -84,7 +86,7 @@ def evaluate_many(g: Graph, targets: list[str], counter: str, positions: range,
     out: dict[str, list[torch.Tensor]] = {t: [] for t in targets}
     info = g.tensors[counter]
     for p in positions:
-        env = Env(g, [])
+        env = Env(g, [], device=torch.device("cpu"))
         env.bufs.update(weights)
         env.bufs[counter] = torch.full(info.shape, p, dtype=info.dtype)
         for op in ops:

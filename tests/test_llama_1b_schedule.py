@@ -11,11 +11,18 @@ import torch
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "llama_3_2_1b.py"
 
 
-@pytest.mark.slow
-def test_llama_3_2_1b_schedule():
+@pytest.fixture(scope="module")
+def res():
     from fusec.api import compile_model
     model, args, kwargs = runpy.run_path(str(EXAMPLE))["build"]()
-    res = compile_model(model, args, kwargs, {"num_sms": 132, "simulate": True})
+    out = compile_model(model, args, kwargs, {"num_sms": 132, "simulate": True})
+    del model
+    torch._dynamo.reset()
+    return out
+
+
+@pytest.mark.slow
+def test_llama_3_2_1b_schedule(res):
     assert res.simulated and "no deadlock, no hazard" in res.simulated
     kinds = res.graph.count_kinds()
     assert kinds["rms_qkv_rope"] == 16 and kinds["attention_partial"] == 16
@@ -30,5 +37,19 @@ def test_llama_3_2_1b_schedule():
     assert weights <= wbytes < weights * 1.01
     assert res.schedule.num_sms == 132 and len(res.schedule.queues) == 132
     assert all(len(q) > 0 for q in res.schedule.queues)
-    del model
-    torch._dynamo.reset()
+
+
+@pytest.mark.slow
+def test_llama_3_2_1b_kernel_compiles_without_spills(res, tmp_path):
+    """CI compile-check: the whole megakernel renders and NVRTC builds it for sm_90a."""
+    from fusec.codegen import render
+    from fusec.jit import compile_cuda
+    plan = render(res.schedule)
+    k = compile_cuda(plan.source, "fusec_step.cu", cache_dir=str(tmp_path))
+    assert k.cubin[:4] == b"\x7fELF"
+    r = k.resources["fusec_step"]
+    assert r["registers"] > 0 and r["stack_frame_bytes"] == 0 and r["spill_store_bytes"] == 0
+    assert r["spill_load_bytes"] == 0 and r["lmem_bytes"] == 0
+    k.assert_no_spills()
+    assert plan.smem_bytes <= 227 * 1024
+    assert len(plan.queue_off) == 133 and plan.queue_off[-1] == len(res.schedule.instrs)

@@ -51,6 +51,25 @@ class AttentionPartial(Instruction):
                                   reads, writes, 0, kv + rep * d * (2 + 4) + rep * 8))
         return tiles
 
+    @classmethod
+    def encode(cls, op: Op, tile: Tile) -> list[int]:
+        p = tile.params
+        return [p["kv_head"], p["chunk"], p["rows"][0], p["rows"][1]]
+
+    @classmethod
+    def cuda_args(cls, op: Op, g: Graph, bufs) -> dict:
+        nq, nkv, d, chunk, nc, L = cls._dims(op, g)
+        i, o = op.inputs, op.outputs
+        return {"tq": bufs.ctype(i["q"]), "tc": bufs.ctype(i["kcache"]), "NQ": nq, "NKV": nkv, "D": d,
+                "L": L, "CH": chunk, "NC": nc, "scale": repr(float(op.attrs["scale"])),
+                "q": bufs.ptr(i["q"]), "kcache": bufs.ptr(i["kcache"]), "vcache": bufs.ptr(i["vcache"]),
+                "pos": bufs.ptr(i["pos"]), "o_part": bufs.ptr(o["o_part"]), "ml_part": bufs.ptr(o["ml_part"])}
+
+    @classmethod
+    def smem_floats(cls, op: Op, g: Graph) -> int:
+        nq, nkv, d, chunk, nc, L = cls._dims(op, g)
+        return (nq // nkv) * (d + chunk)
+
     @staticmethod
     def _part_writes(op, g, gi, c, rep, d, nc):
         w = []
@@ -113,6 +132,12 @@ class AttentionReduce(Instruction):
             tiles.append(Tile(op.name, i, {"heads": [h0, h1]}, reads, writes, 0,
                               (h1 - h0) * (nc * (d + 2) * 4 + d * elt(g, op.outputs["out"]))))
         return tiles
+
+    @classmethod
+    def cuda_args(cls, op: Op, g: Graph, bufs) -> dict:
+        return {"to": bufs.ctype(op.outputs["out"]), "D": op.attrs["head_dim"], "NC": op.attrs["n_chunks"],
+                "o_part": bufs.ptr(op.inputs["o_part"]), "ml_part": bufs.ptr(op.inputs["ml_part"]),
+                "out": bufs.ptr(op.outputs["out"])}
 
     @classmethod
     def run_tile(cls, op: Op, tile: Tile, env: Env) -> None:

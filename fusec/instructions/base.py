@@ -101,6 +101,27 @@ class Instruction:
         """Exact (reads, writes) of ``tile`` given run-time values (default: the planned ones)."""
         return tile.reads, tile.writes
 
+    @classmethod
+    def encode(cls, op: Op, tile: Tile) -> list[int]:
+        """Up to 4 int32 tile parameters for the instruction word (p0..p3); by default the
+        tile's first range parameter (rows, units or heads)."""
+        for key in ("rows", "units", "heads"):
+            if key in tile.params:
+                return list(tile.params[key])
+        return []
+
+    @classmethod
+    def cuda_args(cls, op: Op, g: Graph, bufs: Any) -> dict[str, Any]:
+        """Arguments of the kind template's ``call`` macro: C types, shapes, pointer expressions
+        (``bufs`` is a :class:`fusec.codegen.Buffers`). Raises FallbackRequired if the op has
+        no CUDA form."""
+        raise NotImplementedError(f"{cls.name} has no CUDA template")
+
+    @classmethod
+    def smem_floats(cls, op: Op, g: Graph) -> int:
+        """Dynamic shared memory the template needs, in floats."""
+        return 0
+
     @staticmethod
     def is_weight(g: Graph, t: str) -> bool:
         return g.tensors[g.root(t)].role in (Role.WEIGHT, Role.CONSTANT)

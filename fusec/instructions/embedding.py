@@ -22,6 +22,13 @@ class Embedding(Instruction):
                      h * elt(g, op.inputs["table"]), 2 * h * elt(g, op.outputs["out"]))]
 
     @classmethod
+    def cuda_args(cls, op: Op, g: Graph, bufs) -> dict:
+        i = op.inputs
+        return {"tw": bufs.ctype(i["table"]), "to": bufs.ctype(op.outputs["out"]),
+                "H": g.tensors[i["table"]].shape[1], "table": bufs.ptr(i["table"]),
+                "ids": bufs.ptr(i["ids"]), "out": bufs.ptr(op.outputs["out"])}
+
+    @classmethod
     def runtime_regions(cls, op, tile, env):
         h = env.g.tensors[op.inputs["table"]].shape[1]
         tok = int(env.read(op.inputs["ids"]).reshape(-1)[0])

@@ -71,6 +71,8 @@ def run_aten(op: Op, env: Env) -> None:
     target = op.attrs["target"]
     args = _sub(op.attrs["args"], op, env)
     kwargs = _sub(op.attrs["kwargs"], op, env)
+    if env.device is not None and "device" in kwargs:
+        kwargs["device"] = env.device   # evaluation on another device (position tables on the CPU)
     res = target(*args, **kwargs)
     if op.mutates:
         return  # copy_ already wrote its destination (a caller's tensor) in place
@@ -97,6 +99,23 @@ class Generic(Instruction):
         wbytes = sum(g.tensors[g.root(r.tensor)].nbytes for r in reads if cls.is_weight(g, r.tensor))
         abytes = sum(g.tensors[g.root(r.tensor)].nbytes for r in reads + writes) - wbytes
         return [Tile(op.name, 0, {}, reads, writes, wbytes, abytes)]
+
+    @classmethod
+    def cuda_args(cls, op: Op, g: Graph, bufs) -> dict[str, Any]:
+        """CUDA forms exist for ``table_lookup`` and a small ``aten.copy_`` (position counters)."""
+        if op.kind == "table_lookup":
+            out = op.outputs["out"]
+            return {"fn": "table_lookup", "t": bufs.ctype(out), "N": g.tensors[out].numel,
+                    "table": bufs.ptr(op.inputs["table"]), "pos": bufs.ptr(op.inputs["pos"]),
+                    "out": bufs.ptr(out)}
+        if op.kind == "aten.copy_.default":
+            src, dst = op.inputs["in1"], op.outputs["mut0"]
+            n = g.tensors[dst].numel
+            if g.tensors[src].dtype == g.tensors[dst].dtype and g.tensors[src].numel == n and n <= 4096:
+                return {"fn": "copy_small", "t": bufs.ctype(dst), "N": n, "src": bufs.ptr(src),
+                        "dst": bufs.ptr(dst)}
+        raise NotImplementedError(f"generic op {op.name} ({op.kind}) has no CUDA form"
+                                  f"{' [' + op.source + ']' if op.source else ''}")
 
     @classmethod
     def run_tile(cls, op: Op, tile: Tile, env: Env) -> None:

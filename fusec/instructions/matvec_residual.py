@@ -25,6 +25,17 @@ class MatvecResidual(Instruction):
                          op.outputs["out"], rows)
 
     @classmethod
+    def cuda_args(cls, op: Op, g: Graph, bufs) -> dict:
+        i, o = op.inputs, op.outputs
+        return {"tx": bufs.ctype(i["x"]), "tw": bufs.ctype(i["w"]), "tr": bufs.ctype(i["residual"]),
+                "to": bufs.ctype(o["out"]), "K": g.tensors[i["w"]].shape[1], "x": bufs.ptr(i["x"]),
+                "w": bufs.ptr(i["w"]), "res": bufs.ptr(i["residual"]), "out": bufs.ptr(o["out"])}
+
+    @classmethod
+    def smem_floats(cls, op: Op, g: Graph) -> int:
+        return g.tensors[op.inputs["w"]].shape[1]
+
+    @classmethod
     def run_tile(cls, op: Op, tile: Tile, env: Env) -> None:
         r0, r1 = tile.params["rows"]
         dt = env.g.tensors[op.outputs["out"]].dtype

@@ -22,6 +22,18 @@ class RmsLmHead(Instruction):
                          op.outputs["out"], rows)
 
     @classmethod
+    def cuda_args(cls, op: Op, g: Graph, bufs) -> dict:
+        i, o = op.inputs, op.outputs
+        return {"tx": bufs.ctype(i["x"]), "tnw": bufs.ctype(i["norm_w"]), "tn": bufs.cname(op.attrs["norm_dtype"]),
+                "tw": bufs.ctype(i["w"]), "to": bufs.ctype(o["out"]), "H": g.tensors[i["x"]].numel,
+                "x": bufs.ptr(i["x"]), "norm_w": bufs.ptr(i["norm_w"]), "eps": repr(float(op.attrs["eps"])),
+                "w": bufs.ptr(i["w"]), "out": bufs.ptr(o["out"])}
+
+    @classmethod
+    def smem_floats(cls, op: Op, g: Graph) -> int:
+        return g.tensors[op.inputs["x"]].numel
+
+    @classmethod
     def run_tile(cls, op: Op, tile: Tile, env: Env) -> None:
         r0, r1 = tile.params["rows"]
         dt = env.g.tensors[op.outputs["out"]].dtype

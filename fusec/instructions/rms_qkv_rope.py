@@ -70,6 +70,31 @@ class RmsQkvRope(Instruction):
             tiles.append(Tile(op.name, i, {"units": [u0, u1]}, _merge(reads), _merge(writes), wbytes, abytes))
         return tiles
 
+    @classmethod
+    def cuda_args(cls, op: Op, g: Graph, bufs) -> dict:
+        i, o, a = op.inputs, op.outputs, op.attrs
+        nq, nkv, d, L = cls._layout(op, g)
+        hn = "q_norm_w" in i
+        args = {"tx": bufs.ctype(i["x"]), "tnw": bufs.ctype(i["norm_w"]), "tn": bufs.cname(a["norm_dtype"]),
+                "tw": bufs.ctype(i["wq"]), "to": bufs.ctype(o["q"]), "tt": bufs.ctype(i["cos_table"]),
+                "tc": bufs.ctype(o["kcache"]), "thn": bufs.ctype(i["q_norm_w"]) if hn else bufs.ctype(i["norm_w"]),
+                "H": g.tensors[i["x"]].numel, "NQ": nq, "NKV": nkv, "D": d, "L": L,
+                "headnorm": "true" if hn else "false", "eps": repr(float(a["eps"])),
+                "qk_eps": repr(float(a.get("qk_eps", 0.0))),
+                "q_norm_w": bufs.ptr(i["q_norm_w"]) if hn else "nullptr",
+                "k_norm_w": bufs.ptr(i["k_norm_w"]) if hn else "nullptr"}
+        for s in ("x", "norm_w", "wq", "wk", "wv", "cos_table", "sin_table", "rope_pos", "kv_pos"):
+            args[s] = bufs.ptr(i[s])
+        for s in ("q", "kcache", "vcache"):
+            args[s] = bufs.ptr(o[s])
+        if g.tensors[g.root(o["kcache"])].shape[0] != 1:
+            raise NotImplementedError("rms_qkv_rope: KV cache batch must be 1")
+        return args
+
+    @classmethod
+    def smem_floats(cls, op: Op, g: Graph) -> int:
+        return g.tensors[op.inputs["x"]].numel + op.attrs["head_dim"]
+
     @staticmethod
     def _head(op: Op, h: int, nq: int, nkv: int) -> tuple[str, str, int]:
         if h < nq:

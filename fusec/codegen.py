@@ -1,0 +1,134 @@
+"""codegen: render a schedule into the CUDA source of one persistent kernel, plus the
+instruction words, queue offsets and wait lists the kernel reads.
+
+Every root buffer gets an index into the kernel's ``bufs[]`` pointer table; every op gets
+one ``case`` of the dispatch switch, rendered by its kind's template (``templates/<kind>.cu.j2``)
+with the C types, shapes (compile-time constants) and pointer expressions its Python class
+computes in ``cuda_args``. The opcode of an instruction is its op's index: nothing is
+numbered by hand.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jinja2
+import torch
+
+from . import template_dir
+from .errors import FallbackRequired
+from .instructions import kind_of
+from .ir import Graph, Role
+from .schedule import Schedule
+
+THREADS = 512
+WORD = 8  # int32 per instruction word: op, p0, p1, p2, p3, wait_off, wait_cnt, counter id
+
+CTYPES = {torch.bfloat16: "__nv_bfloat16", torch.float32: "float", torch.float16: "__half",
+          torch.int64: "i64", torch.int32: "int"}
+
+
+class Buffers:
+    """Root buffer -> index in ``bufs[]``, with C types and pointer expressions."""
+
+    def __init__(self, g: Graph):
+        self.g = g
+        self.names: list[str] = []
+        self._ids: dict[str, int] = {}
+
+    def id(self, t: str) -> int:
+        r = self.g.root(t)
+        if r not in self._ids:
+            self._ids[r] = len(self.names)
+            self.names.append(r)
+        return self._ids[r]
+
+    @staticmethod
+    def cname(dtype: torch.dtype) -> str:
+        if dtype not in CTYPES:
+            raise FallbackRequired(f"dtype {dtype} has no CUDA type in fusec")
+        return CTYPES[dtype]
+
+    def ctype(self, t: str) -> str:
+        return self.cname(self.g.tensors[t].dtype)
+
+    def ptr(self, t: str) -> str:
+        info = self.g.tensors[self.g.root(t)]
+        const = "const " if info.role in (Role.WEIGHT, Role.CONSTANT, Role.INPUT) else ""
+        return f"(({const}{self.ctype(t)}*)bufs[{self.id(t)}])"
+
+
+@dataclasses.dataclass
+class KernelPlan:
+    """What the runtime needs besides the CUBIN.
+
+    Attributes:
+        source: CUDA C++ of the kernel ``fusec_step``.
+        buffers: root tensor names in ``bufs[]`` order.
+        words: instruction words, ``WORD`` int32 each, grouped by SM in queue order.
+        queue_off: ``num_sms + 1`` offsets (in instructions) of each SM's queue in ``words``.
+        waits: concatenated wait lists (counter ids).
+        n_counters: counters to allocate (one per instruction).
+        smem_bytes: dynamic shared memory per CTA.
+    """
+
+    source: str
+    buffers: list[str]
+    words: list[int]
+    queue_off: list[int]
+    waits: list[int]
+    n_counters: int
+    smem_bytes: int
+    threads: int
+    num_sms: int
+
+
+def _env() -> jinja2.Environment:
+    return jinja2.Environment(loader=jinja2.FileSystemLoader(str(template_dir())),
+                              undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
+                              trim_blocks=True, lstrip_blocks=True)
+
+
+def render(s: Schedule, title: str = "", threads: int = THREADS) -> KernelPlan:
+    """Render ``s`` to a :class:`KernelPlan`.
+
+    Raises:
+        FallbackRequired: an op (or a dtype) has no CUDA form; the message names it.
+    """
+    g = s.graph
+    env = _env()
+    bufs = Buffers(g)
+    op_index = {op.name: k for k, op in enumerate(g.ops)}
+    cases, kinds, smem = [], [], 0
+    for k, op in enumerate(g.ops):
+        cls = kind_of(op)
+        try:
+            args = cls.cuda_args(op, g, bufs)
+        except NotImplementedError as e:
+            raise FallbackRequired(f"no CUDA form: {e}") from None
+        tmpl = cls.name
+        if tmpl not in kinds:
+            kinds.append(tmpl)
+        call = env.get_template(f"{tmpl}.cu.j2").module.call(args)
+        cases.append({"op": k, "name": op.name, "kind": op.kind, "layer": op.layer, "call": call.strip()})
+        smem = max(smem, cls.smem_floats(op, g))
+    macros = {kname: env.get_template(f"{kname}.cu.j2").module for kname in kinds}
+    words, waits, queue_off = [], [], [0]
+    for q in s.queues:
+        for iid in q:
+            ins = s.instrs[iid]
+            p = (kind_of(g.op_by_name()[ins.op]).encode(g.op_by_name()[ins.op], ins.tile) + [0, 0, 0, 0])[:4]
+            words += [op_index[ins.op], *p, len(waits), len(ins.waits), ins.id]
+            waits += ins.waits
+        queue_off.append(len(words) // WORD)
+    source = env.get_template("kernel.cu.j2").render(
+        title=title or "decode step", num_sms=s.num_sms, threads=threads, smem_bytes=smem * 4,
+        n_instrs=len(s.instrs), n_ops=len(g.ops), n_waits=len(waits), kinds=kinds, macros=macros,
+        cases=cases)
+    return KernelPlan(source, bufs.names, words, queue_off, waits or [0], len(s.instrs),
+                      max(16, smem * 4), threads, s.num_sms)
+
+
+def describe(plan: KernelPlan) -> dict[str, Any]:
+    return {"buffers": len(plan.buffers), "instructions": len(plan.words) // WORD,
+            "waits": len(plan.waits), "smem_bytes": plan.smem_bytes, "threads": plan.threads}

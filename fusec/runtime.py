@@ -1,0 +1,173 @@
+"""runtime: load the megakernel's CUBIN with the driver API and launch one decode step.
+
+One cooperative launch per step: grid = number of SMs scheduled (one CTA per SM, all resident),
+on torch's current stream, so a step can be captured in a CUDA graph. Token ids and positions
+are read by the kernel from the caller's device tensors; KV caches and position counters are
+written in place. Per call the guards compare each input's data pointer with the last call's
+and fully re-check (shape, dtype, device, contiguity, 16-byte alignment) only the ones that
+changed; a changed pointer is written to the kernel's pointer table (one small host-to-device
+copy, no kernel). After the launch the watchdog flag is read back (a sync) unless
+``check_watchdog`` is off; a set record raises :class:`WatchdogError` and resets the counters.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+from typing import Any
+
+import torch
+
+from .codegen import KernelPlan
+from .errors import CudaError, FusecError, WatchdogError
+from .ir import Graph, Role
+from .jit import CompiledKernel
+
+log = logging.getLogger("fusec.runtime")
+
+
+def _driver():
+    from cuda.bindings import driver
+    return driver
+
+
+def _ck(res: Any, what: str) -> Any:
+    drv = _driver()
+    err = res[0] if isinstance(res, tuple) else res
+    if err != drv.CUresult.CUDA_SUCCESS:
+        _, name = drv.cuGetErrorName(err)
+        raise CudaError(f"{what} failed: {name.decode() if isinstance(name, bytes) else name}")
+    if isinstance(res, tuple):
+        return res[1] if len(res) == 2 else res[1:]
+    return None
+
+
+class CudaStep:
+    """A loaded megakernel and its device state (instruction words, counters, buffers).
+
+    Args:
+        g: the scheduled graph; plan: :func:`fusec.codegen.render` output; kernel: its CUBIN.
+        flat_args: the first call's inputs (they fix the device and the input layouts).
+        watchdog_s: seconds a counter wait may spin before the kernel gives up.
+    """
+
+    def __init__(self, g: Graph, plan: KernelPlan, kernel: CompiledKernel, flat_args: list[Any],
+                 watchdog_s: float = 2.0, check_watchdog: bool = True):
+        drv = _driver()
+        self.g, self.plan = g, plan
+        self.check_watchdog = check_watchdog
+        dev = next(a.device for a in flat_args if isinstance(a, torch.Tensor) and a.is_cuda)
+        self.device = dev
+        torch.cuda.set_device(dev)
+        torch.cuda.current_stream(dev)  # make torch's primary context current
+        _ck(drv.cuInit(0), "cuInit")
+        self.module = _ck(drv.cuModuleLoadData(kernel.cubin), "cuModuleLoadData")
+        self.func = _ck(drv.cuModuleGetFunction(self.module, b"fusec_step"), "cuModuleGetFunction")
+        _ck(drv.cuFuncSetAttribute(self.func,
+                                   drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                   plan.smem_bytes), "cuFuncSetAttribute(max dynamic shared memory)")
+        per_sm = _ck(drv.cuOccupancyMaxActiveBlocksPerMultiprocessor(self.func, plan.threads, plan.smem_bytes),
+                     "cuOccupancyMaxActiveBlocksPerMultiprocessor")
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        if per_sm < 1 or plan.num_sms > per_sm * sms:
+            raise FusecError(f"cooperative launch impossible: {plan.num_sms} CTAs of {plan.threads} threads "
+                             f"and {plan.smem_bytes} B shared memory, occupancy {per_sm}/SM on {sms} SMs")
+        i32 = dict(dtype=torch.int32, device=dev)
+        self.words = torch.tensor(plan.words, **i32)
+        self.queue_off = torch.tensor(plan.queue_off, **i32)
+        self.waits = torch.tensor(plan.waits, **i32)
+        self.counters = torch.zeros(plan.n_counters + 1, **i32)   # +1: a counter nobody signals (tests)
+        self.epochs = torch.zeros(plan.num_sms, **i32)
+        self.wd = torch.zeros(8 + 8 * plan.num_sms, **i32)  # header + one record per SM
+        self.input_pos = {name: g.inputs.index(name) for name in plan.buffers if name in g.inputs}
+        self.owned: dict[str, torch.Tensor] = {}
+        for name in plan.buffers:
+            info = g.tensors[name]
+            if name in self.input_pos:
+                continue
+            if info.role == Role.CONSTANT:
+                self.owned[name] = info.value.to(dev).contiguous()
+            else:
+                fill = float("nan") if info.dtype.is_floating_point else -7
+                self.owned[name] = torch.full(info.shape, fill, dtype=info.dtype, device=dev)
+        self.ptrs = [0] * len(plan.buffers)
+        self.seen: list[int | None] = [None] * len(g.inputs)
+        for k, name in enumerate(plan.buffers):
+            if name in self.owned:
+                self.ptrs[k] = self.owned[name].data_ptr()
+        self.bufs = torch.zeros(len(plan.buffers), dtype=torch.int64, device=dev)
+        self._update_inputs(flat_args)
+        self._vals = [ctypes.c_void_p(t.data_ptr()) for t in
+                      (self.words, self.queue_off, self.waits, self.counters, self.epochs, self.bufs, self.wd)]
+        self._vals.append(ctypes.c_ulonglong(int(watchdog_s * 1e9)))
+        self._params = (ctypes.c_void_p * len(self._vals))(*[ctypes.addressof(v) for v in self._vals])
+        self.outputs = [name for name in g.outputs]
+
+    def _update_inputs(self, args: list[Any]) -> None:
+        changed = False
+        for name, i in self.input_pos.items():
+            a = args[i]
+            p = a.data_ptr() if isinstance(a, torch.Tensor) else None
+            if p is not None and p == self.seen[i]:
+                continue
+            self._guard(name, a)
+            self.seen[i] = p
+            self.ptrs[self.plan.buffers.index(name)] = p
+            changed = True
+        if changed:
+            self.bufs.copy_(torch.tensor(self.ptrs, dtype=torch.int64))
+
+    def _guard(self, name: str, a: Any) -> None:
+        info = self.g.tensors[name]
+        where = f"input {name} ({info.role.value})"
+        if not isinstance(a, torch.Tensor):
+            raise FusecError(f"{where}: expected a tensor, got {type(a).__name__}")
+        if a.device != self.device:
+            raise FusecError(f"{where}: on {a.device}, the kernel was built for {self.device}")
+        if a.dtype != info.dtype or tuple(a.shape) != tuple(info.shape):
+            raise FusecError(f"{where}: {a.dtype}{list(a.shape)}, the kernel was built for "
+                             f"{info.dtype}{list(info.shape)}")
+        if not a.is_contiguous():
+            raise FusecError(f"{where}: not contiguous (strides {a.stride()})")
+        if a.data_ptr() % 16:
+            raise FusecError(f"{where}: data pointer not 16-byte aligned")
+
+    def __call__(self, *args: Any) -> list[torch.Tensor]:
+        drv = _driver()
+        self._update_inputs(list(args))
+        stream = drv.CUstream(torch.cuda.current_stream(self.device).cuda_stream)
+        _ck(drv.cuLaunchCooperativeKernel(self.func, self.plan.num_sms, 1, 1, self.plan.threads, 1, 1,
+                                          self.plan.smem_bytes, stream, ctypes.addressof(self._params)),
+            "cuLaunchCooperativeKernel")
+        if self.check_watchdog:
+            self.raise_if_watchdog()
+        return [self._out(t, args) for t in self.outputs]
+
+    def _out(self, t: str, args) -> torch.Tensor:
+        r = self.g.root(t)
+        buf = self.owned[r] if r in self.owned else args[self.g.inputs.index(r)]
+        return buf.view(self.g.tensors[t].shape)
+
+    def raise_if_watchdog(self) -> None:
+        """Read the watchdog record (synchronizes); raise WatchdogError if a wait timed out."""
+        if not int(self.wd[0]):
+            return
+        names = ["sm", "queue_index", "op", "counter", "value", "target", "instruction"]
+        recs = [dict(zip(names, r[1:])) for r in self.wd[8:].view(-1, 8).tolist() if r[0]]
+        n = len(recs)
+        self.reset()
+        if not recs:
+            raise WatchdogError("megakernel watchdog fired but recorded no wait", {})
+        f = min(recs, key=lambda r: r["instruction"])   # the root cause: waits point backwards
+        f["op_name"] = self.g.ops[f["op"]].name if 0 <= f["op"] < len(self.g.ops) else "?"
+        f["stuck_sms"] = n
+        raise WatchdogError(
+            f"megakernel watchdog: SM {f['sm']} queue[{f['queue_index']}] op {f['op']} ({f['op_name']}) "
+            f"instruction #{f['instruction']} waited past the timeout on counter {f['counter']}: "
+            f"value {f['value']}, target {f['target']} ({n} SMs stuck)", f)
+
+    def reset(self) -> None:
+        """Zero counters, epochs and the watchdog record (after an aborted step)."""
+        torch.cuda.synchronize(self.device)
+        self.counters.zero_()
+        self.epochs.zero_()
+        self.wd.zero_()

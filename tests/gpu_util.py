@@ -1,0 +1,48 @@
+"""Helpers for the GPU tests: capture a decode step and build its megakernel directly."""
+from __future__ import annotations
+
+import torch
+
+from fusec.capture import aten_capture
+from fusec.config import Options
+from fusec.from_fx import graph_from_aten
+from fusec.pipeline import Dumper
+
+
+def capture(model, kwargs):
+    """(aten graph module, IR graph, flat inputs) of one call of ``model(**kwargs)``."""
+    got = []
+
+    def backend(gm, ex, **_):
+        def compiler(aten_gm, fake):
+            def run(*flat):
+                if not got:
+                    got.append((aten_gm, graph_from_aten(aten_gm, fake), list(flat)))
+                return aten_gm(*flat)
+            return run
+        return aten_capture(gm, ex, compiler)
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(model, backend=backend, fullgraph=True)(**kwargs)
+    torch._dynamo.reset()
+    return got[0]
+
+
+def build(g, flat, **options):
+    from fusec.gpu import build_cuda_step
+    step, sched = build_cuda_step(g, flat, Options.from_dict(options), Dumper(None))
+    return step, sched
+
+
+def random_cache_state(cache, position: int, gen: torch.Generator):
+    """Fill every layer's KV cache with fresh random values and set its position counter."""
+    for layer in cache.layers:
+        for t in (layer.keys, layer.values):
+            t.copy_(torch.randn(t.shape, generator=gen, dtype=torch.float32).to(t.dtype))
+        layer.cumulative_length.fill_(position)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm()).item()

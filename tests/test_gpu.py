@@ -1,0 +1,124 @@
+"""GPU tests (H200): the megakernel against PyTorch, the watchdog, one launch per step."""
+from __future__ import annotations
+
+import copy
+import runpy
+from pathlib import Path
+
+import pytest
+import torch
+
+import gpu_util
+import hf_tiny
+
+pytestmark = pytest.mark.gpu
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "llama_3_2_1b.py"
+
+
+def _tiny_on_gpu(factory, dtype, max_len=64, prompt=5):
+    model = factory().to(device="cuda", dtype=dtype)
+    cache = hf_tiny.static_cache(model, max_len)
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, 128, (1, prompt), device="cuda"), past_key_values=cache, use_cache=True)
+    return model, cache
+
+
+@pytest.mark.parametrize("factory", [hf_tiny.llama, hf_tiny.qwen3])
+def test_tiny_fp32_decode_matches_eager(factory):
+    model, cache = _tiny_on_gpu(factory, torch.float32)
+    ref = copy.deepcopy(cache)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fusec", options={"fallback": "eager"})
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for step in range(20):
+            tok = torch.randint(0, 128, (1, 1), generator=gen).cuda()
+            a = compiled(input_ids=tok, past_key_values=cache, use_cache=True).logits.clone()
+            b = model(input_ids=tok, past_key_values=ref, use_cache=True).logits
+            assert torch.isfinite(a).all()
+            assert gpu_util.rel(a, b) < 1e-4, step
+    for l1, l2 in zip(cache.layers, ref.layers):
+        assert gpu_util.rel(l1.keys, l2.keys) < 1e-5 and gpu_util.rel(l1.values, l2.values) < 1e-5
+        assert int(l1.cumulative_length) == int(l2.cumulative_length)
+    torch._dynamo.reset()
+
+
+def test_watchdog_reports_a_missing_producer():
+    from fusec.errors import WatchdogError
+    model, cache = _tiny_on_gpu(hf_tiny.llama, torch.bfloat16)
+    kwargs = {"input_ids": torch.randint(0, 128, (1, 1), device="cuda"), "past_key_values": cache,
+              "use_cache": True}
+    _, g, flat = gpu_util.capture(model, kwargs)
+    step, sched = gpu_util.build(g, flat, watchdog_s=0.2)
+    step(*flat)  # a good step first
+    victim = next(i for i in range(len(step.plan.words) // 8) if step.plan.words[i * 8 + 6] > 0)
+    woff = step.plan.words[victim * 8 + 5]
+    step.waits[woff] = step.plan.n_counters      # a counter that no instruction signals
+    with pytest.raises(WatchdogError) as e:
+        step(*flat)
+    f = e.value.fields
+    assert f["counter"] == step.plan.n_counters and f["value"] == 0 and f["target"] == 2
+    assert f["instruction"] == step.plan.words[victim * 8 + 7]
+    assert 0 <= f["sm"] < step.plan.num_sms
+    assert "watchdog" in str(e.value)
+
+
+def test_one_kernel_launch_per_decode_step():
+    model, cache = _tiny_on_gpu(hf_tiny.llama, torch.bfloat16)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fusec", options={"check_watchdog": False})
+    with torch.no_grad():
+        for _ in range(2):
+            compiled(input_ids=torch.randint(0, 128, (1, 1), device="cuda"), past_key_values=cache, use_cache=True)
+        toks = [torch.randint(0, 128, (1, 1), device="cuda") for _ in range(3)]
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for tok in toks:
+                compiled(input_ids=tok, past_key_values=cache, use_cache=True)
+            torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
+    names = sorted({e.name for e in kernels})
+    assert [e.name for e in kernels].count("fusec_step") == 3, names
+    assert len(kernels) == 3, names   # nothing else runs on the GPU for a decode step
+    torch._dynamo.reset()
+
+
+@pytest.fixture(scope="module")
+def llama_1b():
+    model, _, kwargs = runpy.run_path(str(EXAMPLE))["build"]()
+    model = model.to("cuda")
+    cache = hf_tiny.static_cache(model, 4096)
+    ref32 = copy.deepcopy(model).float()
+    return model, ref32, cache
+
+
+@pytest.mark.parametrize("position", [0, 127, 2047, 4095])
+def test_llama_1b_logits_against_fp32(llama_1b, position):
+    model, ref32, cache = llama_1b
+    gen = torch.Generator().manual_seed(1000 + position)
+    with torch.no_grad():
+        model(input_ids=torch.zeros(1, 1, dtype=torch.long, device="cuda"), past_key_values=cache, use_cache=True)
+        gpu_util.random_cache_state(cache, position, gen)
+        tok = torch.randint(0, 128256, (1, 1), generator=gen).cuda()
+        _, g, flat = gpu_util.capture(model, {"input_ids": tok, "past_key_values": cache, "use_cache": True})
+        gpu_util.random_cache_state(cache, position, torch.Generator().manual_seed(2000 + position))
+        eager_cache = copy.deepcopy(cache)
+        ref_cache = copy.deepcopy(cache)
+        for l in ref_cache.layers:
+            l.keys, l.values = l.keys.float(), l.values.float()
+        step, sched = gpu_util.build(g, flat)
+        logits = step(*flat)[0].float().clone()
+        eager = model(input_ids=tok, past_key_values=eager_cache, use_cache=True).logits.float()
+        ref = ref32(input_ids=tok, past_key_values=ref_cache, use_cache=True).logits.float()
+    e_fusec, e_eager = gpu_util.rel(logits.reshape(-1), ref.reshape(-1)), gpu_util.rel(eager.reshape(-1), ref.reshape(-1))
+    print(f"position {position}: rel L2 vs fp32 fusec {e_fusec:.3e} eager bf16 {e_eager:.3e}")
+    assert torch.isfinite(logits).all()
+    assert e_fusec <= 1.5 * e_eager
+    row = slice(position, position + 1)
+    for l1, l2, l3 in zip(cache.layers, eager_cache.layers, ref_cache.layers):
+        assert int(l1.cumulative_length) == int(l2.cumulative_length) == position + 1
+        for a, b, r in ((l1.keys, l2.keys, l3.keys), (l1.values, l2.values, l3.values)):
+            # the new row: as close to the fp32 model's as bf16 eager's is (x1.5, + rounding slack)
+            assert gpu_util.rel(a[:, :, row], r[:, :, row]) <= 1.5 * gpu_util.rel(b[:, :, row], r[:, :, row]) + 4e-3
+            assert torch.equal(a[:, :, :position], b[:, :, :position])        # older rows untouched
