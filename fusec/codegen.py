@@ -109,8 +109,10 @@ def render(s: Schedule, title: str = "", threads: int = THREADS) -> KernelPlan:
         tmpl = cls.name
         if tmpl not in kinds:
             kinds.append(tmpl)
-        call = env.get_template(f"{tmpl}.cu.j2").module.call(args)
-        cases.append({"op": k, "name": op.name, "kind": op.kind, "layer": op.layer, "call": call.strip()})
+        mod = env.get_template(f"{tmpl}.cu.j2").module
+        pf = mod.prefetch(args).strip() if hasattr(mod, "prefetch") else ""
+        cases.append({"op": k, "name": op.name, "kind": op.kind, "layer": op.layer,
+                      "call": mod.call(args).strip(), "prefetch": pf})
         smem = max(smem, cls.smem_floats(op, g))
     macros = {kname: env.get_template(f"{kname}.cu.j2").module for kname in kinds}
     words, waits, queue_off = [], [], [0]

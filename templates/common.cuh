@@ -33,6 +33,18 @@ __device__ __forceinline__ unsigned long long globaltimer() {
   return t;
 }
 
+// Ask the copy engine to stream [p, p + bytes) into L2 (sm_90 bulk prefetch; no registers,
+// no completion to wait for). Used to issue an instruction's weight loads before its waits.
+__device__ __forceinline__ void prefetch_l2(const void* p, unsigned long long bytes) {
+  const char* c = static_cast<const char*>(p);
+  while (bytes >= 16) {
+    const unsigned n = bytes > (1ull << 20) ? (1u << 20) : (unsigned)(bytes & ~15ull);
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(c), "r"(n) : "memory");
+    c += n;
+    bytes -= n;
+  }
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

@@ -108,6 +108,7 @@ def test_llama_1b_logits_against_fp32(llama_1b, position):
         for l in ref_cache.layers:
             l.keys, l.values = l.keys.float(), l.values.float()
         step, sched = gpu_util.build(g, flat)
+        gpu_util.poison(step)
         logits = step(*flat)[0].float().clone()
         eager = model(input_ids=tok, past_key_values=eager_cache, use_cache=True).logits.float()
         ref = ref32(input_ids=tok, past_key_values=ref_cache, use_cache=True).logits.float()
@@ -122,3 +123,43 @@ def test_llama_1b_logits_against_fp32(llama_1b, position):
             # the new row: as close to the fp32 model's as bf16 eager's is (x1.5, + rounding slack)
             assert gpu_util.rel(a[:, :, row], r[:, :, row]) <= 1.5 * gpu_util.rel(b[:, :, row], r[:, :, row]) + 4e-3
             assert torch.equal(a[:, :, :position], b[:, :, :position])        # older rows untouched
+
+
+def test_llama_1b_1000_steps_track_eager(llama_1b):
+    """1,000 consecutive steps fed the same tokens as eager: finite logits every step, and a KV
+    cache as close to the fp32 model's as bf16 eager's is."""
+    model, ref32, _ = llama_1b
+    from transformers import StaticCache
+    steps, start = 1000, 16
+    gen = torch.Generator().manual_seed(7)
+    caches = [StaticCache(config=model.config, max_cache_len=start + steps + 8) for _ in range(2)]
+    with torch.no_grad():
+        for c in caches:
+            model(input_ids=torch.zeros(1, 1, dtype=torch.long, device="cuda"), past_key_values=c, use_cache=True)
+        ours, eager = caches
+        gpu_util.random_cache_state(ours, start, gen)
+        for l1, l2 in zip(ours.layers, eager.layers):
+            l2.keys.copy_(l1.keys); l2.values.copy_(l1.values); l2.cumulative_length.fill_(start)
+        ref = StaticCache(config=ref32.config, max_cache_len=start + steps + 8)
+        ref32(input_ids=torch.zeros(1, 1, dtype=torch.long, device="cuda"), past_key_values=ref, use_cache=True)
+        for l1, l3 in zip(ours.layers, ref.layers):
+            l3.keys.copy_(l1.keys.float()); l3.values.copy_(l1.values.float()); l3.cumulative_length.fill_(start)
+        toks = torch.randint(0, 128256, (steps, 1, 1), generator=gen).cuda()
+        tok = toks[0].clone()
+        _, g, flat = gpu_util.capture(model, {"input_ids": tok, "past_key_values": ours, "use_cache": True})
+        for l in ours.layers:
+            l.cumulative_length.fill_(start)
+        step, _ = gpu_util.build(g, flat, check_watchdog=True)
+        for i in range(steps):
+            tok.copy_(toks[i])
+            gpu_util.poison(step)
+            logits = step(*flat)[0]
+            assert torch.isfinite(logits).all(), i
+            model(input_ids=toks[i], past_key_values=eager, use_cache=True)
+            ref32(input_ids=toks[i], past_key_values=ref, use_cache=True)
+    end = start + steps
+    for l1, l2, l3 in zip(ours.layers, eager.layers, ref.layers):
+        assert int(l1.cumulative_length) == int(l2.cumulative_length) == end
+        for a, b, r in ((l1.keys, l2.keys, l3.keys), (l1.values, l2.values, l3.values)):
+            new = slice(start, end)
+            assert gpu_util.rel(a[:, :, new], r[:, :, new]) <= 1.5 * gpu_util.rel(b[:, :, new], r[:, :, new]) + 1e-3
