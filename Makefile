@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: venv demo test clean
+.PHONY: venv demo test bench clean
 
 venv: $(VENV)/.stamp
 
@@ -15,10 +15,14 @@ $(VENV)/.stamp: requirements.txt pyproject.toml setup.py
 	touch $@
 
 demo: venv
-	$(BIN)/fusec compile examples/llama_3_2_1b.py -o build/demo --simulate
+	$(BIN)/fusec compile examples/llama_3_2_1b.py -o build/demo --simulate --emit-cuda
 
 test: venv
 	$(BIN)/python -m pytest -q
+
+# GPU machine only (no venv there: run from the tree with its python3)
+bench:
+	PYTHONPATH=. $(PYTHON) benchmarks/decode.py --out build/bench.json
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache

@@ -31,6 +31,20 @@ class CompileResult:
         self.schedule = schedule
         self.opts = opts
         self.simulated = simulated
+        self.kernel = None   # fusec.jit.CompiledKernel after emit_cuda()
+        self.cuda_source: str | None = None
+
+    def emit_cuda(self) -> None:
+        """Render the megakernel and compile it with NVRTC for sm_90a (no GPU needed).
+
+        Raises:
+            FallbackRequired: an op has no CUDA form; JitError: NVRTC failed.
+        """
+        from .codegen import render
+        from .jit import compile_cuda
+        plan = render(self.schedule)
+        self.cuda_source = plan.source
+        self.kernel = compile_cuda(plan.source, "fusec_step.cu")
 
     @property
     def graph(self) -> Graph:
@@ -69,6 +83,12 @@ class CompileResult:
                      f"{s['predicted_ms_busiest_sm']:.3f} ms (busiest SM)")
         if self.simulated:
             lines.append(f"simulator: {self.simulated}")
+        if self.kernel is not None:
+            r = self.kernel.resources.get("fusec_step", {})
+            lines.append(f"kernel fusec_step (sm_90a, NVRTC {'.'.join(map(str, self.kernel.nvrtc_version))}): "
+                         f"{r.get('registers')} registers, {r.get('stack_frame_bytes')} B stack frame, "
+                         f"{r.get('spill_store_bytes')} B spill stores, {r.get('spill_load_bytes')} B spill loads, "
+                         f"{r.get('smem_bytes')} B static shared memory, {len(self.cuda_source.splitlines())} lines of CUDA")
         return "\n".join(lines) + "\n"
 
 
@@ -88,8 +108,7 @@ def compile_model(model: torch.nn.Module, args: tuple, kwargs: dict | None = Non
     """
     options = dict(options or {})
     simulate = bool(options.pop("simulate", False))
-    if options.pop("emit_cuda", False):
-        raise FusecError("--emit-cuda: the GPU back end (CUDA templates, kernel.cu) is not built yet")
+    emit_cuda = bool(options.pop("emit_cuda", False))
     out_dir = options.pop("out_dir", None)
     if not options.get("dump_dir"):
         options.pop("dump_dir", None)
@@ -140,4 +159,7 @@ def compile_model(model: torch.nn.Module, args: tuple, kwargs: dict | None = Non
         with torch.no_grad():
             sim.step(flat if numeric else None)
         simulated = f"one step {'numeric' if numeric else 'structure-only'}: no deadlock, no hazard"
-    return CompileResult(sched, opts, simulated)
+    result = CompileResult(sched, opts, simulated)
+    if emit_cuda:
+        result.emit_cuda()
+    return result

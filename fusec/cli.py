@@ -214,9 +214,13 @@ def cmd_compile(ns: argparse.Namespace) -> int:
         with open(out_dir / "schedule.json", "w") as f:
             json.dump(result.schedule_json(), f, indent=1)
             f.write("\n")
+        if result.kernel is not None:
+            (out_dir / "kernel.cu").write_text(result.cuda_source)
+            (out_dir / "kernel.cubin").write_bytes(result.kernel.cubin)
     except OSError as e:
         raise ModelFileError(f"cannot write the output folder {str(out_dir)!r}: {e}") from None
-    log.info("wrote %s and %s", out_dir / "graph.txt", out_dir / "schedule.json")
+    log.info("wrote %s%s", out_dir, " (graph.txt, schedule.json, kernel.cu, kernel.cubin)"
+             if result.kernel is not None else " (graph.txt, schedule.json)")
 
     summary = result.format_summary()
     sys.stdout.write(summary if summary.endswith("\n") else summary + "\n")

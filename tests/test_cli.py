@@ -115,3 +115,18 @@ def test_model_file_errors_are_one_line(tmp_path, capsys):
     assert main(["compile", str(boom)]) == 2
     err = capsys.readouterr().err
     assert "build() failed: RuntimeError: boom (at boom.py:2)" in err and "Traceback" not in err
+
+
+def test_emit_cuda_writes_kernel_and_resource_report(tmp_path, capsys, monkeypatch):
+    from pathlib import Path
+
+    from fusec.cli import main
+    monkeypatch.setenv("FUSEC_CACHE_DIR", str(tmp_path / "cache"))
+    example = Path(__file__).resolve().parent.parent / "examples" / "tiny_llama.py"
+    out = tmp_path / "out"
+    assert main(["compile", str(example), "-o", str(out), "--num-sms", "8", "--emit-cuda"]) == 0
+    src = (out / "kernel.cu").read_text()
+    assert 'extern "C" __global__ void __launch_bounds__(512, 1)' in src and "rms_qkv_rope<" in src
+    assert (out / "kernel.cubin").read_bytes()[:4] == b"\x7fELF"
+    report = capsys.readouterr().out
+    assert "kernel fusec_step (sm_90a" in report and "0 B spill stores" in report
