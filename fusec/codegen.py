@@ -116,10 +116,12 @@ def render(s: Schedule, title: str = "", threads: int = THREADS) -> KernelPlan:
         smem = max(smem, cls.smem_floats(op, g))
     macros = {kname: env.get_template(f"{kname}.cu.j2").module for kname in kinds}
     words, waits, queue_off = [], [], [0]
+    ops = g.op_by_name()
     for q in s.queues:
         for iid in q:
             ins = s.instrs[iid]
-            p = (kind_of(g.op_by_name()[ins.op]).encode(g.op_by_name()[ins.op], ins.tile) + [0, 0, 0, 0])[:4]
+            op = ops[ins.op]
+            p = (kind_of(op).encode(op, ins.tile) + [0, 0, 0, 0])[:4]
             words += [op_index[ins.op], *p, len(waits), len(ins.waits), ins.id]
             waits += ins.waits
         queue_off.append(len(words) // WORD)

@@ -1,6 +1,7 @@
 """The CUDA target: lower, render, compile with NVRTC and load, as one function."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -27,7 +28,6 @@ def build_cuda_step(g: Graph, args: list[Any], opts: Options, dump: Dumper) -> t
     dev = next(a.device for a in args if isinstance(a, torch.Tensor) and a.is_cuda)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     if opts.num_sms is None:
-        import dataclasses
         opts = dataclasses.replace(opts, num_sms=sms)
     sched = lower(g, args, opts, dump)
     t0 = time.perf_counter()

@@ -79,6 +79,7 @@ class CudaStep:
         self.epochs = torch.zeros(plan.num_sms, **i32)
         self.wd = torch.zeros(8 + 8 * plan.num_sms, **i32)  # header + one record per SM
         self.input_pos = {name: g.inputs.index(name) for name in plan.buffers if name in g.inputs}
+        self.slot = {name: k for k, name in enumerate(plan.buffers)}
         self.owned: dict[str, torch.Tensor] = {}
         for name in plan.buffers:
             info = g.tensors[name]
@@ -111,7 +112,7 @@ class CudaStep:
                 continue
             self._guard(name, a)
             self.seen[i] = p
-            self.ptrs[self.plan.buffers.index(name)] = p
+            self.ptrs[self.slot[name]] = p
             changed = True
         if changed:
             self.bufs.copy_(torch.tensor(self.ptrs, dtype=torch.int64))
