@@ -5,30 +5,10 @@ import pytest
 import torch
 
 import hf_tiny
-from fusec.capture import aten_capture
-from fusec.from_fx import graph_from_aten
+import step_util
 from fusec.ir import Role
 from fusec.passes import fold_position, fuse, normalize, recognize
 from fusec.semantics import execute
-
-
-def _capture(model, kwargs):
-    got = []
-
-    def backend(gm, ex, **_):
-        def compiler(aten_gm, fake):
-            def run(*flat):
-                if not got:
-                    got.append((aten_gm, graph_from_aten(aten_gm, fake), [a.clone() for a in flat]))
-                return aten_gm(*flat)
-            return run
-        return aten_capture(gm, ex, compiler)
-
-    torch._dynamo.reset()
-    with torch.no_grad():
-        torch.compile(model, backend=backend, fullgraph=True)(**kwargs)
-    torch._dynamo.reset()
-    return got[0]
 
 
 @pytest.mark.parametrize("factory", [hf_tiny.llama, hf_tiny.qwen3])
@@ -37,8 +17,9 @@ def test_every_stage_computes_the_captured_function(factory):
     cache = hf_tiny.static_cache(model, 24)
     with torch.no_grad():
         model(input_ids=torch.randint(0, 128, (1, 5)), past_key_values=cache, use_cache=True)
-    aten_gm, g, flat = _capture(model, {"input_ids": torch.randint(0, 128, (1, 1)),
+    aten_gm, g, flat = step_util.capture(model, {"input_ids": torch.randint(0, 128, (1, 1)),
                                         "past_key_values": cache, "use_cache": True})
+    flat = [a.clone() for a in flat]
     weights = {n: a for n, a in zip(g.inputs, flat) if g.tensors[n].role == Role.WEIGHT}
 
     def run(graph):

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import gpu_util
+import step_util
 import hf_tiny
 
 pytestmark = pytest.mark.gpu
@@ -36,9 +36,9 @@ def test_tiny_fp32_decode_matches_eager(factory):
             a = compiled(input_ids=tok, past_key_values=cache, use_cache=True).logits.clone()
             b = model(input_ids=tok, past_key_values=ref, use_cache=True).logits
             assert torch.isfinite(a).all()
-            assert gpu_util.rel(a, b) < 1e-4, step
+            assert step_util.rel(a, b) < 1e-4, step
     for l1, l2 in zip(cache.layers, ref.layers):
-        assert gpu_util.rel(l1.keys, l2.keys) < 1e-5 and gpu_util.rel(l1.values, l2.values) < 1e-5
+        assert step_util.rel(l1.keys, l2.keys) < 1e-5 and step_util.rel(l1.values, l2.values) < 1e-5
         assert int(l1.cumulative_length) == int(l2.cumulative_length)
     torch._dynamo.reset()
 
@@ -48,8 +48,8 @@ def test_watchdog_reports_a_missing_producer():
     model, cache = _tiny_on_gpu(hf_tiny.llama, torch.bfloat16)
     kwargs = {"input_ids": torch.randint(0, 128, (1, 1), device="cuda"), "past_key_values": cache,
               "use_cache": True}
-    _, g, flat = gpu_util.capture(model, kwargs)
-    step, sched = gpu_util.build(g, flat, watchdog_s=0.2)
+    _, g, flat = step_util.capture(model, kwargs)
+    step, sched = step_util.build(g, flat, watchdog_s=0.2)
     step(*flat)  # a good step first
     victim = next(i for i in range(len(step.plan.words) // 8) if step.plan.words[i * 8 + 6] > 0)
     woff = step.plan.words[victim * 8 + 5]
@@ -99,20 +99,20 @@ def test_llama_1b_logits_against_fp32(llama_1b, position):
     gen = torch.Generator().manual_seed(1000 + position)
     with torch.no_grad():
         model(input_ids=torch.zeros(1, 1, dtype=torch.long, device="cuda"), past_key_values=cache, use_cache=True)
-        gpu_util.random_cache_state(cache, position, gen)
+        step_util.random_cache_state(cache, position, gen)
         tok = torch.randint(0, 128256, (1, 1), generator=gen).cuda()
-        _, g, flat = gpu_util.capture(model, {"input_ids": tok, "past_key_values": cache, "use_cache": True})
-        gpu_util.random_cache_state(cache, position, torch.Generator().manual_seed(2000 + position))
+        _, g, flat = step_util.capture(model, {"input_ids": tok, "past_key_values": cache, "use_cache": True})
+        step_util.random_cache_state(cache, position, torch.Generator().manual_seed(2000 + position))
         eager_cache = copy.deepcopy(cache)
         ref_cache = copy.deepcopy(cache)
         for l in ref_cache.layers:
             l.keys, l.values = l.keys.float(), l.values.float()
-        step, sched = gpu_util.build(g, flat)
-        gpu_util.poison(step)
+        step, sched = step_util.build(g, flat)
+        step_util.poison(step)
         logits = step(*flat)[0].float().clone()
         eager = model(input_ids=tok, past_key_values=eager_cache, use_cache=True).logits.float()
         ref = ref32(input_ids=tok, past_key_values=ref_cache, use_cache=True).logits.float()
-    e_fusec, e_eager = gpu_util.rel(logits.reshape(-1), ref.reshape(-1)), gpu_util.rel(eager.reshape(-1), ref.reshape(-1))
+    e_fusec, e_eager = step_util.rel(logits.reshape(-1), ref.reshape(-1)), step_util.rel(eager.reshape(-1), ref.reshape(-1))
     print(f"position {position}: rel L2 vs fp32 fusec {e_fusec:.3e} eager bf16 {e_eager:.3e}")
     assert torch.isfinite(logits).all()
     assert e_fusec <= 1.5 * e_eager
@@ -121,7 +121,7 @@ def test_llama_1b_logits_against_fp32(llama_1b, position):
         assert int(l1.cumulative_length) == int(l2.cumulative_length) == position + 1
         for a, b, r in ((l1.keys, l2.keys, l3.keys), (l1.values, l2.values, l3.values)):
             # the new row: as close to the fp32 model's as bf16 eager's is (x1.5, + rounding slack)
-            assert gpu_util.rel(a[:, :, row], r[:, :, row]) <= 1.5 * gpu_util.rel(b[:, :, row], r[:, :, row]) + 4e-3
+            assert step_util.rel(a[:, :, row], r[:, :, row]) <= 1.5 * step_util.rel(b[:, :, row], r[:, :, row]) + 4e-3
             assert torch.equal(a[:, :, :position], b[:, :, :position])        # older rows untouched
 
 
@@ -137,7 +137,7 @@ def test_llama_1b_1000_steps_track_eager(llama_1b):
         for c in caches:
             model(input_ids=torch.zeros(1, 1, dtype=torch.long, device="cuda"), past_key_values=c, use_cache=True)
         ours, eager = caches
-        gpu_util.random_cache_state(ours, start, gen)
+        step_util.random_cache_state(ours, start, gen)
         for l1, l2 in zip(ours.layers, eager.layers):
             l2.keys.copy_(l1.keys); l2.values.copy_(l1.values); l2.cumulative_length.fill_(start)
         ref = StaticCache(config=ref32.config, max_cache_len=start + steps + 8)
@@ -146,13 +146,13 @@ def test_llama_1b_1000_steps_track_eager(llama_1b):
             l3.keys.copy_(l1.keys.float()); l3.values.copy_(l1.values.float()); l3.cumulative_length.fill_(start)
         toks = torch.randint(0, 128256, (steps, 1, 1), generator=gen).cuda()
         tok = toks[0].clone()
-        _, g, flat = gpu_util.capture(model, {"input_ids": tok, "past_key_values": ours, "use_cache": True})
+        _, g, flat = step_util.capture(model, {"input_ids": tok, "past_key_values": ours, "use_cache": True})
         for l in ours.layers:
             l.cumulative_length.fill_(start)
-        step, _ = gpu_util.build(g, flat, check_watchdog=True)
+        step, _ = step_util.build(g, flat, check_watchdog=True)
         for i in range(steps):
             tok.copy_(toks[i])
-            gpu_util.poison(step)
+            step_util.poison(step)
             logits = step(*flat)[0]
             assert torch.isfinite(logits).all(), i
             model(input_ids=toks[i], past_key_values=eager, use_cache=True)
@@ -162,4 +162,4 @@ def test_llama_1b_1000_steps_track_eager(llama_1b):
         assert int(l1.cumulative_length) == int(l2.cumulative_length) == end
         for a, b, r in ((l1.keys, l2.keys, l3.keys), (l1.values, l2.values, l3.values)):
             new = slice(start, end)
-            assert gpu_util.rel(a[:, :, new], r[:, :, new]) <= 1.5 * gpu_util.rel(b[:, :, new], r[:, :, new]) + 1e-3
+            assert step_util.rel(a[:, :, new], r[:, :, new]) <= 1.5 * step_util.rel(b[:, :, new], r[:, :, new]) + 1e-3

@@ -42,6 +42,17 @@ def row_tiles(op: Op, g: Graph, want: int, weights: list[str], vec_inputs: list[
     return tiles
 
 
+def rms_rows_cuda_args(op: Op, g: Graph, bufs, weights: tuple[str, ...]) -> dict:
+    """Template arguments shared by the RMSNorm + row-matvec kinds (x, norm, weights, out)."""
+    i, o = op.inputs, op.outputs
+    args = {"tx": bufs.ctype(i["x"]), "tnw": bufs.ctype(i["norm_w"]), "tn": bufs.cname(op.attrs["norm_dtype"]),
+            "tw": bufs.ctype(i[weights[0]]), "to": bufs.ctype(o["out"]), "H": g.tensors[i["x"]].numel,
+            "x": bufs.ptr(i["x"]), "norm_w": bufs.ptr(i["norm_w"]), "eps": repr(float(op.attrs["eps"])),
+            "out": bufs.ptr(o["out"])}
+    args.update({w: bufs.ptr(i[w]) for w in weights})
+    return args
+
+
 def rms_prologue(op: Op, env: Env):
     """RMSNorm of ``op.inputs["x"]`` with ``norm_w``/``eps``, recomputed per tile; fp32 [H]."""
     x = env.read(op.inputs["x"]).reshape(-1)

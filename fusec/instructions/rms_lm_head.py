@@ -8,7 +8,7 @@ from __future__ import annotations
 from ..env import Env
 from ..ir import Graph, Op
 from .base import Instruction, Tile, register
-from .matvec_rows import rms_prologue, row_tiles
+from .matvec_rows import rms_prologue, rms_rows_cuda_args, row_tiles
 
 
 @register
@@ -23,11 +23,7 @@ class RmsLmHead(Instruction):
 
     @classmethod
     def cuda_args(cls, op: Op, g: Graph, bufs) -> dict:
-        i, o = op.inputs, op.outputs
-        return {"tx": bufs.ctype(i["x"]), "tnw": bufs.ctype(i["norm_w"]), "tn": bufs.cname(op.attrs["norm_dtype"]),
-                "tw": bufs.ctype(i["w"]), "to": bufs.ctype(o["out"]), "H": g.tensors[i["x"]].numel,
-                "x": bufs.ptr(i["x"]), "norm_w": bufs.ptr(i["norm_w"]), "eps": repr(float(op.attrs["eps"])),
-                "w": bufs.ptr(i["w"]), "out": bufs.ptr(o["out"])}
+        return rms_rows_cuda_args(op, g, bufs, ("w",))
 
     @classmethod
     def smem_floats(cls, op: Op, g: Graph) -> int:

@@ -1,4 +1,4 @@
-"""Helpers for the GPU tests: capture a decode step and build its megakernel directly."""
+"""Test helpers: capture a decode step's ATen graph and IR, build its megakernel directly."""
 from __future__ import annotations
 
 import torch
