@@ -1,30 +1,141 @@
 """Decode-step latency of Llama-3.2-1B (bf16, batch 1, static KV cache) on one GPU.
 
-DESIGN.md section 6, first slice: in ONE process, fusec's megakernel and the HF model under
-torch.compile (inductor) with CUDA graphs, at given KV positions. Each engine's step is
-captured in a CUDA graph and replayed; CUDA events; median of ``--steps`` replays after
-warm-up. Fresh random KV-cache contents and tokens (never zeros). Prints a table last and
-writes the full numbers as JSON.
+DESIGN.md section 6, in ONE process: the streaming-read bandwidth ceiling, then each engine
+at the given KV positions (default 127, 2047, 4095):
 
-Run on the GPU machine:  python3 benchmarks/decode.py --positions 127 2047 --out bench.json
+- ``eager-graph``: the HF ``LlamaForCausalLM`` in eager mode, its step captured in a CUDA graph;
+- ``inductor``: the HF model under ``torch.compile`` (default inductor), step in our CUDA graph;
+- ``handwritten``: a hand-written static-cache decode step in plain PyTorch, gpt-fast style
+  (``benchmarks/gptfast_llama.py``, sharing the HF model's weights and cache), under
+  ``torch.compile`` (inductor), in our CUDA graph;
+- ``fusec``: the HF model under ``torch.compile(backend=fusec)``, in our CUDA graph (a fallback
+  to another backend, or a profiling build, fails the engine).
+
+Per position: fresh random KV-cache contents (never zeros) and token; the step's output from
+its CUDA graph is compared with the HF eager model's logits on the same cache contents; then
+CUDA events around each graph replay, median over ``--steps`` replays after warm-up (the KV
+position counters are reset to the position before each replay, outside the timed window);
+then the output of the last replay is compared again. An engine whose logits disagree (relative
+L2 above ``--check-tol``) is reported FAILED, never timed.
+Compile time cold (first compile of the engine in this process, with the inductor, Triton and
+fusec caches in fresh temporary folders unless ``--keep-caches``) and warm
+(``torch._dynamo.reset()``, compile again: disk caches populated). Writes every number as JSON
+(``--out``) and prints a table last.
+
+Run on the GPU machine:  PYTHONPATH=. python3 benchmarks/decode.py --out build/bench.json
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
 import logging
+import math
+import os
+import platform
 import runpy
+import shutil
 import statistics
+import sys
+import tempfile
 import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gptfast_llama  # noqa: E402
+
+log = logging.getLogger("bench")
+
+ENGINES = ("eager-graph", "inductor", "handwritten", "fusec")
+COMPILED = ("inductor", "handwritten", "fusec")
+DEFAULT_POSITIONS = (127, 2047, 4095)
+QUICK_POSITIONS = (2047,)
+DEFAULT_STEPS, QUICK_STEPS = 200, 50
+#: Logits check against HF bf16 eager. Two correct bf16 implementations differ by 3.2e-2 to
+#: 3.8e-2 here (measured on the H200: random weights of std 0.02 give small logits, and each
+#: is ~3e-2 from an fp32 reference, see docs/measurements.md), so this bound only catches gross
+#: errors; the exact semantics of the hand-written step are tested in fp32 on the CPU
+#: (tests/test_bench_handwritten.py, 1e-4).
+CHECK_TOL = 6e-2
+#: inductor settings of the hand-written engine (gpt-fast's; applied only while it compiles)
+HANDWRITTEN_INDUCTOR = {"coordinate_descent_tuning": True}
 
 
-def read_bandwidth(dev, gib: float = 4.0) -> float:
-    """Streaming read bandwidth (bytes/s): a sum over a buffer several times the L2."""
+# ----------------------------------------------------------------------------- arguments
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse the command line; ``--quick`` fills in steps and positions not given explicitly."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="\n".join(__doc__.splitlines()[2:]))
+    ap.add_argument("--engines", nargs="+", choices=ENGINES, default=list(ENGINES),
+                    help="engines to run, in this order (default: all)")
+    ap.add_argument("--positions", type=int, nargs="+", default=None,
+                    help=f"KV positions (default {' '.join(map(str, DEFAULT_POSITIONS))})")
+    ap.add_argument("--steps", type=int, default=None,
+                    help=f"timed replays per position (default {DEFAULT_STEPS})")
+    ap.add_argument("--warmup", type=int, default=10, help="untimed replays before timing")
+    ap.add_argument("--quick", action="store_true",
+                    help=f"fast iteration: {QUICK_STEPS} steps, position {QUICK_POSITIONS[0]} only")
+    ap.add_argument("--out", default="build/bench.json", help="JSON output (default build/bench.json)")
+    ap.add_argument("--no-warm-compile", dest="warm_compile", action="store_false",
+                    help="skip the warm-compile measurement (saves GPU time)")
+    ap.add_argument("--keep-caches", action="store_true",
+                    help="use the existing inductor/Triton/fusec caches instead of fresh temp dirs")
+    ap.add_argument("--fusec-options", type=json.loads, default={}, metavar="JSON",
+                    help='extra fusec options as a JSON object, e.g. \'{"num_sms": 132}\'')
+    ap.add_argument("--handwritten-attention", choices=gptfast_llama.ATTENTION_MODES, default="math",
+                    help="attention of the hand-written step: matmuls + softmax, or SDPA with "
+                    "grouped queries folded, enable_gqa or expanded K/V (default math)")
+    ap.add_argument("--handwritten-fuse", action="store_true",
+                    help="hand-written step: one q/k/v and one gate/up matmul per layer, on "
+                    "concatenated copies of the HF weights (default: the HF tensors, separate)")
+    ap.add_argument("--handwritten-inductor", type=json.loads, default=dict(HANDWRITTEN_INDUCTOR),
+                    metavar="JSON", help="torch._inductor.config settings while compiling the "
+                    f"hand-written step (default {json.dumps(HANDWRITTEN_INDUCTOR)})")
+    ap.add_argument("--check-tol", type=float, default=CHECK_TOL,
+                    help="max relative L2 error of the logits against HF bf16 eager, before and "
+                    f"after timing; an engine above it is reported FAILED (default {CHECK_TOL:g})")
+    ap.add_argument("--bandwidth-gib", type=float, default=4.0,
+                    help="buffer size (GiB) of the read-bandwidth probe")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    if not isinstance(args.fusec_options, dict) or not isinstance(args.handwritten_inductor, dict):
+        ap.error("--fusec-options and --handwritten-inductor take a JSON object")
+    if args.positions is None:
+        args.positions = list(QUICK_POSITIONS if args.quick else DEFAULT_POSITIONS)
+    if args.steps is None:
+        args.steps = QUICK_STEPS if args.quick else DEFAULT_STEPS
+    if args.steps < 1 or args.warmup < 0:
+        ap.error("--steps must be >= 1 and --warmup >= 0")
+    return args
+
+
+def fresh_caches(keep: bool) -> dict[str, str]:
+    """Point the inductor, Triton and fusec caches at fresh temporary folders (unless ``keep``).
+
+    Must run before the first compile of the process. Returns the cache folders in use.
+    """
+    names = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "FUSEC_CACHE_DIR")
+    if not keep:
+        root = Path(tempfile.mkdtemp(prefix="fusec-bench-"))
+        for name in names:
+            os.environ[name] = str(root / name.split("_")[0].lower())
+    return {name: os.environ.get(name, "(default)") for name in names}
+
+
+# ----------------------------------------------------------------------------- measurement
+
+def read_bandwidth(dev: torch.device, gib: float = 4.0) -> float:
+    """Streaming read bandwidth in bytes/s: ``sum`` over a bf16 buffer several times the L2."""
     x = torch.randn(int(gib * (1 << 30)) // 2, dtype=torch.bfloat16, device=dev)
     for _ in range(3):
         x.sum()
@@ -34,92 +145,426 @@ def read_bandwidth(dev, gib: float = 4.0) -> float:
         x.sum()
     ev[1].record()
     torch.cuda.synchronize()
-    return 10 * x.numel() * 2 / (ev[0].elapsed_time(ev[1]) * 1e-3)
+    bw = 10 * x.numel() * 2 / (ev[0].elapsed_time(ev[1]) * 1e-3)
+    del x
+    torch.cuda.empty_cache()
+    return bw
 
 
-def fill_cache(cache, position: int, seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    for layer in cache.layers:
-        for t in (layer.keys, layer.values):
-            t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
-        layer.cumulative_length.fill_(position)
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative L2 error ``|a - b| / |b|`` in float64."""
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm()).item()
 
 
-def time_graph(fn, steps: int, warmup: int = 10) -> list[float]:
-    """Capture ``fn`` in a CUDA graph, replay it; per-replay milliseconds."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(warmup):
-        graph.replay()
-    out = []
-    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2 * steps)]
-    for i in range(steps):
-        ev[2 * i].record()
-        graph.replay()
-        ev[2 * i + 1].record()
-    torch.cuda.synchronize()
-    return [ev[2 * i].elapsed_time(ev[2 * i + 1]) for i in range(steps)]
+class GraphStep:
+    """A decode step captured in a CUDA graph, replayed after a position reset.
 
+    Args:
+        fn: runs one step on static inputs and returns its output tensor (the logits).
+        reset: puts the position state back (KV counters, ``input_pos``) before every run;
+            runs outside the graph and outside the timed window.
+        prewarm: eager runs on a side stream before capture (lazy inits, compile autotuning).
+    """
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--positions", type=int, nargs="+", default=[127, 2047, 4095 - 300])
-    ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--engines", nargs="+", default=["fusec", "inductor"])
-    ap.add_argument("--out", default="bench.json")
-    args = ap.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    ex = runpy.run_path(str(ROOT / "examples" / "llama_3_2_1b.py"))
-    from transformers import StaticCache
-    dev = torch.device("cuda")
-    model = ex["_common"].make_llama(ex["make_config"](), torch.bfloat16, seed=0).to(dev)
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    bw = read_bandwidth(dev)
-    floor_ms = weight_bytes / bw * 1e3
-    results = {"weight_bytes": weight_bytes, "read_bandwidth": bw, "floor_ms": floor_ms, "engines": {}}
-    for engine in args.engines:
-        torch._dynamo.reset()
-        cache = StaticCache(config=model.config, max_cache_len=ex["MAX_CACHE_LEN"])
-        with torch.no_grad():
-            model(input_ids=torch.randint(0, 128256, (1, 4), device=dev), past_key_values=cache, use_cache=True)
-        if engine == "fusec":
-            from fusec.backend import fusec_backend   # works without the entry point installed
-            step = torch.compile(model, backend=fusec_backend, options={"check_watchdog": False})
-        else:
-            step = torch.compile(model)   # inductor; the CUDA graph is ours (time_graph)
-        tok = torch.randint(0, 128256, (1, 1), device=dev)
-        fill_cache(cache, args.positions[0], 1)
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            step(input_ids=tok, past_key_values=cache, use_cache=True)
+    def __init__(self, fn: Callable[[], torch.Tensor], reset: Callable[[], None], prewarm: int = 3):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(prewarm):
+                reset()
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        self.reset = reset
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.out = fn()
+
+    def run(self) -> torch.Tensor:
+        """Reset, replay once, wait; returns the graph's (static) output tensor."""
+        self.reset()
+        self.graph.replay()
         torch.cuda.synchronize()
-        compile_s = time.perf_counter() - t0
-        per = {}
+        return self.out
+
+    def time(self, steps: int, warmup: int) -> list[float]:
+        """Milliseconds of each of ``steps`` replays (CUDA events), after ``warmup`` replays."""
+        for _ in range(warmup):
+            self.reset()
+            self.graph.replay()
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(2 * steps)]
+        for i in range(steps):
+            self.reset()
+            ev[2 * i].record()
+            self.graph.replay()
+            ev[2 * i + 1].record()
+        torch.cuda.synchronize()
+        return [ev[2 * i].elapsed_time(ev[2 * i + 1]) for i in range(steps)]
+
+
+# ----------------------------------------------------------------------------- engines
+
+@dataclass
+class Bench:
+    """What every engine shares: the HF model (bf16, on the GPU) and how to build its caches."""
+
+    model: torch.nn.Module
+    max_cache_len: int
+    device: torch.device
+    args: argparse.Namespace
+
+    def new_cache(self) -> Any:
+        """A fresh HF ``StaticCache`` (batch 1, ``max_cache_len``), allocated by a 4-token eager prefill."""
+        from transformers import StaticCache
+        cache = StaticCache(config=self.model.config, max_cache_len=self.max_cache_len)
+        prompt = torch.randint(0, self.model.config.vocab_size, (1, 4), device=self.device)
+        self.model(input_ids=prompt, past_key_values=cache, use_cache=True)
+        return cache
+
+    def hf_eager(self, tok: torch.Tensor, cache: Any) -> torch.Tensor:
+        """HF eager logits ``[1, 1, vocab]`` of one step (advances the cache's counters)."""
+        return self.model(input_ids=tok, past_key_values=cache, use_cache=True).logits.clone()
+
+
+@dataclass
+class Engine:
+    """One engine: static inputs, how to (re)build its step and how to set a position.
+
+    ``build()`` returns a fresh step callable (a new ``torch.compile`` wrapper for compiled
+    engines: its first call compiles); the callable runs one decode step on the static
+    inputs and returns the logits ``[1, 1, vocab]`` (bf16).
+    """
+
+    name: str
+    build: Callable[[], Callable[[], torch.Tensor]]
+    cache: Any
+    tok: torch.Tensor                                   # [1, 1] int64, static
+    vocab: int                                          # tokens are drawn below it
+    input_pos: torch.Tensor | None = None               # [1] int64, handwritten only
+    context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    config: dict[str, Any] = field(default_factory=dict)
+    compile_log: list[str] = field(default_factory=list)
+
+    @property
+    def compiled(self) -> bool:
+        return self.name in COMPILED
+
+    def set_position(self, position: int) -> None:
+        """Set every KV position counter (and ``input_pos``) to ``position``."""
+        for layer in self.cache.layers:
+            layer.cumulative_length.fill_(position)
+        if self.input_pos is not None:
+            self.input_pos.fill_(position)
+
+    def prepare(self, position: int, seed: int) -> None:
+        """Fresh random K/V contents (standard normal, never zeros), token and position."""
+        gen = torch.Generator(device=self.tok.device).manual_seed(seed)
+        for layer in self.cache.layers:
+            layer.keys.normal_(generator=gen)
+            layer.values.normal_(generator=gen)
+        self.tok.random_(0, self.vocab, generator=gen)
+        self.set_position(position)
+
+
+class _FusecLog(logging.Handler):
+    """Collects the fusec logger's warnings (a fallback to another backend is one of them)."""
+
+    def __init__(self, sink: list[str]) -> None:
+        super().__init__(logging.WARNING)
+        self.sink = sink
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.sink.append(record.getMessage())
+
+
+def make_engine(name: str, bench: Bench) -> Engine:
+    """Build the engine ``name`` over a fresh StaticCache of ``bench.model``."""
+    model, dev, args = bench.model, bench.device, bench.args
+    cache = bench.new_cache()
+    tok = torch.zeros(1, 1, dtype=torch.long, device=dev)
+    vocab = model.config.vocab_size
+
+    def hf_step(fn: Callable) -> Callable[[], torch.Tensor]:
+        return lambda: fn(input_ids=tok, past_key_values=cache, use_cache=True).logits
+
+    if name == "eager-graph":
+        return Engine(name, lambda: hf_step(model), cache, tok, vocab)
+    if name == "inductor":
+        return Engine(name, lambda: hf_step(torch.compile(model)), cache, tok, vocab)
+    if name == "fusec":
+        from fusec.backend import fusec_backend    # works without the entry point installed
+        from fusec.config import Options
+        options = {"check_watchdog": False, **args.fusec_options}
+        resolved = Options.from_dict(options)          # with the FUSEC_* environment
+        if resolved.profile:
+            raise RuntimeError("profile builds a slower, instrumented kernel: not for the peer table "
+                               "(use benchmarks/variants.py --profile)")
+        eng = Engine(name, lambda: hf_step(torch.compile(model, backend=fusec_backend, options=options)),
+                     cache, tok, vocab, config={"options": options,
+                                                "resolved_options": asdict(resolved)})
+        fusec_log = logging.getLogger("fusec")
+
+        @contextlib.contextmanager
+        def watch_fallback() -> Iterator[None]:
+            handler = _FusecLog(eng.compile_log)
+            fusec_log.addHandler(handler)
+            try:
+                yield
+            finally:
+                fusec_log.removeHandler(handler)
+        eng.context = watch_fallback
+        return eng
+    if name == "handwritten":
+        step = gptfast_llama.HandwrittenLlamaDecode(model, cache, attention=args.handwritten_attention,
+                                                    fuse=args.handwritten_fuse)
+        if not gptfast_llama.shares_weights(step, model):
+            raise RuntimeError("hand-written step does not share the HF model's weights")
+        input_pos = torch.zeros(1, dtype=torch.long, device=dev)
+        inductor_cfg = dict(args.handwritten_inductor)
+
+        def build() -> Callable[[], torch.Tensor]:
+            compiled = torch.compile(step, fullgraph=True)
+            return lambda: compiled(tok, input_pos)
+
+        def context() -> contextlib.AbstractContextManager:
+            import torch._inductor.config as inductor_config
+            return inductor_config.patch(inductor_cfg)
+        return Engine(name, build, cache, tok, vocab, input_pos=input_pos, context=context,
+                      config={"attention": args.handwritten_attention, "fuse": args.handwritten_fuse,
+                              "inductor_config": inductor_cfg,
+                              "fullgraph": True})
+    raise ValueError(f"unknown engine {name!r}")
+
+
+def first_call_seconds(eng: Engine, position: int, seed: int) -> tuple[Callable[[], torch.Tensor], float]:
+    """``torch._dynamo.reset()``, build the step and time its first call (compile + one run)."""
+    torch._dynamo.reset()
+    eng.prepare(position, seed)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    step = eng.build()
+    step()
+    torch.cuda.synchronize()
+    return step, time.perf_counter() - t0
+
+
+def run_engine(eng: Engine, bench: Bench, record: dict[str, Any]) -> None:
+    """Compile (cold, warm), then check and time ``eng`` at every position; fills ``record``.
+
+    Raises on failure; what was measured before the failure stays in ``record``.
+    """
+    args = bench.args
+    with eng.context():
+        step, cold = first_call_seconds(eng, args.positions[0], args.seed)
+        if eng.compiled:
+            record["compile_cold_s"] = cold
+            log.info("%s: compile cold %.1f s", eng.name, cold)
+            if args.warm_compile:
+                del step
+                step, warm = first_call_seconds(eng, args.positions[0], args.seed)
+                record["compile_warm_s"] = warm
+                log.info("%s: compile warm %.1f s", eng.name, warm)
+        if eng.name == "fusec":
+            record["fusec_warnings"] = list(eng.compile_log)
+            fell_back = [m for m in eng.compile_log if "; using " in m or "running this graph eagerly" in m]
+            if fell_back:
+                raise RuntimeError(f"fusec fell back to another backend: {fell_back[0]}")
         for pos in args.positions:
-            fill_cache(cache, pos, 2 + pos)
-            with torch.no_grad():
-                ms = time_graph(lambda: step(input_ids=tok, past_key_values=cache, use_cache=True), args.steps)
-            per[pos] = {"median_ms": statistics.median(ms), "min_ms": min(ms)}
-        results["engines"][engine] = {"compile_s": compile_s, "positions": per}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=1))
-    ind = results["engines"].get("inductor", {}).get("positions", {})
-    print(f"\nLlama-3.2-1B bf16 decode step, batch 1; read bandwidth {bw / 1e12:.2f} TB/s, "
-          f"weights {weight_bytes / 1e9:.3f} GB, floor {floor_ms:.3f} ms")
-    print(f"{'engine':<10} {'position':>8} {'ms':>8} {'vs inductor':>12} {'floor share':>12} {'compile s':>10}")
-    for engine, r in results["engines"].items():
-        for pos, v in r["positions"].items():
-            ratio = ind[pos]["median_ms"] / v["median_ms"] if pos in ind else float("nan")
-            print(f"{engine:<10} {pos:>8} {v['median_ms']:>8.3f} {ratio:>11.2f}x {floor_ms / v['median_ms']:>11.1%} "
-                  f"{r['compile_s']:>10.1f}")
+            seed = args.seed * 100003 + pos
+            eng.prepare(pos, seed)
+            ref = bench.hf_eager(eng.tok, eng.cache)
+            graph = GraphStep(step, lambda p=pos: eng.set_position(p))
+            eng.prepare(pos, seed)
+            out = graph.run()
+            err = rel_err(out, ref)
+            finite = bool(torch.isfinite(out).all())
+            entry: dict[str, Any] = {"rel_err_vs_hf_eager": err, "finite": finite}
+            record["positions"][str(pos)] = entry
+            if not finite or err > args.check_tol:
+                raise RuntimeError(f"logits at position {pos} disagree with HF eager: relative L2 error "
+                                   f"{err:.3e} > {args.check_tol:g}" + ("" if finite else " (non-finite values)"))
+            ms = graph.time(args.steps, args.warmup)
+            # the last replay ran at the same position and cache contents: a kernel that stopped
+            # working while timed (a watchdog abort makes replays return early) shows here
+            after = rel_err(graph.out, ref)
+            entry["rel_err_after_timing"] = after
+            if not after <= args.check_tol:
+                raise RuntimeError(f"logits at position {pos} after timing disagree with HF eager: "
+                                   f"relative L2 error {after:.3e}; the timing is not reported")
+            entry.update(median_ms=statistics.median(ms), min_ms=min(ms), mean_ms=statistics.fmean(ms),
+                         max_ms=max(ms), samples_ms=ms)
+            log.info("%s: position %d: %.3f ms (median of %d), rel err %.2e",
+                     eng.name, pos, entry["median_ms"], args.steps, err)
+            del graph
+
+
+# ----------------------------------------------------------------------------- report
+
+def summarize(results: dict[str, Any]) -> None:
+    """Add ratio to inductor, floor share and the fastest peer per position to ``results``."""
+    engines, floor = results["engines"], results["floor_ms"]
+    ind = engines.get("inductor", {}).get("positions", {})
+    summary = {}
+    for pos in map(str, results["config"]["positions"]):
+        for name, rec in engines.items():
+            v = rec["positions"].get(pos, {})
+            if "median_ms" in v:
+                v["ratio_to_inductor"] = (ind[pos]["median_ms"] / v["median_ms"]
+                                          if "median_ms" in ind.get(pos, {}) else None)
+                v["floor_share"] = floor / v["median_ms"]
+        peers = {n: r["positions"][pos]["median_ms"] for n, r in engines.items()
+                 if n != "fusec" and "median_ms" in r["positions"].get(pos, {})}
+        s: dict[str, Any] = {"fastest_peer": None, "fastest_peer_ms": None, "fusec_ms": None,
+                             "fusec_speedup_vs_fastest_peer": None}
+        if peers:
+            s["fastest_peer"] = min(peers, key=peers.get)
+            s["fastest_peer_ms"] = peers[s["fastest_peer"]]
+        fus = engines.get("fusec", {}).get("positions", {}).get(pos, {})
+        if "median_ms" in fus:
+            s["fusec_ms"] = fus["median_ms"]
+            if peers:
+                s["fusec_speedup_vs_fastest_peer"] = s["fastest_peer_ms"] / fus["median_ms"]
+        summary[pos] = s
+    results["summary"] = summary
+
+
+def _fmt(x: float | None, spec: str, width: int) -> str:
+    """``x`` formatted to ``width``, or a right-aligned dash when missing."""
+    if x is None or math.isnan(x):
+        return f"{'-':>{width}}"
+    return f"{x:>{width}{spec}}"
+
+
+def print_table(results: dict[str, Any]) -> None:
+    """The human summary on stdout: one row per engine x position, then the fastest peers."""
+    m = results["machine"]
+    print(f"\nLlama-3.2-1B bf16 decode step, batch 1, static cache {results['model']['max_cache_len']}; "
+          f"{m['gpu']}, torch {m['torch']}; read bandwidth {results['read_bandwidth'] / 1e12:.2f} TB/s, "
+          f"weights {results['model']['weight_bytes'] / 1e9:.3f} GB, floor {results['floor_ms']:.3f} ms; "
+          f"median of {results['config']['steps']} CUDA-graph replays")
+    head = (f"{'engine':<12} {'position':>8} {'ms':>8} {'min ms':>8} {'vs inductor':>11} "
+            f"{'floor share':>11} {'cold s':>7} {'warm s':>7} {'rel err':>8}")
+    print(head)
+    print("-" * len(head))
+    for name, rec in results["engines"].items():
+        cold, warm = rec.get("compile_cold_s"), rec.get("compile_warm_s")
+        for pos in map(str, results["config"]["positions"]):
+            v = rec["positions"].get(pos, {})
+            if "median_ms" not in v:
+                continue
+            ratio = v.get("ratio_to_inductor")
+            print(f"{name:<12} {pos:>8} {v['median_ms']:>8.3f} {v['min_ms']:>8.3f} "
+                  f"{_fmt(ratio, '.2f', 10)}{'x' if ratio else ' '} {v['floor_share']:>11.1%} "
+                  f"{_fmt(cold, '.1f', 7)} {_fmt(warm, '.1f', 7)} {v['rel_err_vs_hf_eager']:>8.1e}")
+        if rec.get("error"):
+            print(f"{name:<12} {'FAILED':>8}  {rec['error'][:100]}")
+    for pos, s in results["summary"].items():
+        if s["fastest_peer"] is None:
+            line = "no peer measured"
+        else:
+            line = f"fastest peer {s['fastest_peer']} {s['fastest_peer_ms']:.3f} ms"
+        if s["fusec_ms"] is not None:
+            sp = s["fusec_speedup_vs_fastest_peer"]
+            line += f"; fusec {s['fusec_ms']:.3f} ms" + (f" = {sp:.2f}x its speed" if sp else "")
+        else:
+            line += "; fusec not measured"
+        print(f"position {pos}: {line}")
+
+
+# ----------------------------------------------------------------------------- main
+
+def build_model(example: dict[str, Any], dev: torch.device, seed: int) -> torch.nn.Module:
+    """The example's Llama-3.2-1B, random bf16 weights, built (and initialised) on ``dev``.
+
+    As ``examples/_common.make_llama`` but on the GPU, where HF's weight init takes a second
+    rather than most of a minute on the CPU (the values differ; decode cost does not).
+    """
+    from transformers import LlamaForCausalLM
+    common = example["_common"]
+    torch.manual_seed(seed)
+    with common._default_dtype(torch.bfloat16), torch.device(dev), common._skip_torch_default_init():
+        model = LlamaForCausalLM(example["make_config"]())
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark; returns the exit status (1 if any engine failed)."""
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    if not torch.cuda.is_available():
+        log.error("no CUDA device: this benchmark runs on the GPU machine")
+        return 2
+    caches = fresh_caches(args.keep_caches)
+    try:
+        return _run(args, caches, argv)
+    finally:
+        if not args.keep_caches:
+            shutil.rmtree(Path(caches["TORCHINDUCTOR_CACHE_DIR"]).parent, ignore_errors=True)
+
+
+def _run(args: argparse.Namespace, caches: dict[str, str], argv: list[str] | None) -> int:
+    """Build the model, measure the floor, run every engine, write the JSON, print the table."""
+    torch.set_grad_enabled(False)
+    dev = torch.device("cuda")
+    ex = runpy.run_path(str(ROOT / "examples" / "llama_3_2_1b.py"))
+    positions_ok = [p for p in args.positions if 0 <= p < ex["MAX_CACHE_LEN"]]
+    if positions_ok != args.positions:
+        log.error("positions must lie in [0, %d)", ex["MAX_CACHE_LEN"])
+        return 2
+    import transformers
+    t0 = time.perf_counter()
+    model = build_model(ex, dev, args.seed)
+    log.info("model built in %.1f s", time.perf_counter() - t0)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    bw = read_bandwidth(dev, args.bandwidth_gib)
+    floor_ms = weight_bytes / bw * 1e3
+    log.info("read bandwidth %.2f TB/s; floor %.3f ms", bw / 1e12, floor_ms)
+    props = torch.cuda.get_device_properties(dev)
+    results: dict[str, Any] = {
+        "machine": {"gpu": props.name, "sms": props.multi_processor_count,
+                    "gpu_memory_bytes": props.total_memory, "torch": torch.__version__,
+                    "cuda": torch.version.cuda, "transformers": transformers.__version__,
+                    "python": platform.python_version(), "host": platform.node()},
+        "config": {"engines": args.engines, "positions": args.positions, "steps": args.steps,
+                   "warmup": args.warmup, "warm_compile": args.warm_compile, "seed": args.seed,
+                   "check_tol": args.check_tol, "caches": caches, "fresh_caches": not args.keep_caches,
+                   "argv": sys.argv[1:] if argv is None else argv,
+                   "note": "compile_cold_s is the engine's first compile in this process, in "
+                           "engine order; later engines find the compile workers started"},
+        "model": {"name": "Llama-3.2-1B (random weights)", "dtype": "bfloat16",
+                  "weight_bytes": weight_bytes, "max_cache_len": ex["MAX_CACHE_LEN"]},
+        "read_bandwidth": bw, "floor_ms": floor_ms, "engines": {},
+    }
+    bench = Bench(model, ex["MAX_CACHE_LEN"], dev, args)
+    for name in args.engines:
+        record: dict[str, Any] = {"status": "ok", "error": None, "compile_cold_s": None,
+                                  "compile_warm_s": None, "positions": {}}
+        results["engines"][name] = record
+        log.info("%s: start", name)
+        try:
+            eng = make_engine(name, bench)
+            record["config"] = eng.config
+            run_engine(eng, bench, record)
+        except Exception as e:  # one engine failing must not stop the others
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            record.update(status="error", error=f"{type(e).__name__}: {first}"[:500],
+                          traceback=traceback.format_exc())
+            log.error("%s: FAILED: %s", name, record["error"])
+        finally:
+            eng = None
+            torch._dynamo.reset()
+            gc.collect()
+            torch.cuda.empty_cache()
+    summarize(results)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1))
+    log.info("wrote %s", out)
+    print_table(results)
+    return 1 if any(r["status"] != "ok" for r in results["engines"].values()) else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
