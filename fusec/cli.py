@@ -65,6 +65,19 @@ def _parser() -> argparse.ArgumentParser:
         help="also render the CUDA kernel (kernel.cu) into the output folder",
     )
     c.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    t = sub.add_parser(
+        "timeline",
+        help="draw the per-SM Gantt chart of a recorded step (timeline.json -> PNG)",
+        description=(
+            "Read a timeline.json written by a profiled step (option profile=True or "
+            "FUSEC_PROFILE=dir) and draw SMs over time, coloured by instruction kind (needs matplotlib)."
+        ),
+    )
+    t.add_argument("timeline_json", metavar="TIMELINE_JSON", help="timeline.json of a profiled step")
+    t.add_argument("-o", "--out", metavar="PNG", default=None,
+                   help="output PNG (default: next to the input, timeline.png)")
+    t.add_argument("--title", default="", help="chart title")
+    t.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return p
 
 
@@ -247,9 +260,29 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_USAGE
 
 
+def cmd_timeline(ns: argparse.Namespace) -> int:
+    """``fusec timeline``: draw a saved timeline as a PNG and print its summary line."""
+    from .profile import MatplotlibMissing, render
+    src = Path(ns.timeline_json)
+    if not src.is_file():
+        raise FusecError(f"{src}: no such timeline file")
+    out = Path(ns.out) if ns.out else src.with_name("timeline.png")
+    try:
+        s = render(src, out, title=ns.title)
+    except MatplotlibMissing as e:
+        raise FusecError(str(e)) from None
+    except ValueError as e:
+        raise FusecError(f"{src}: {e}") from None
+    sys.stdout.write(f"{out}: {s['instructions']} instructions on {s['num_sms']} SMs, span {s['span_us']:.1f} us, "
+                     f"mean idle share {s['idle_share_mean']:.1%}\n")
+    return 0
+
+
 def _dispatch(ns: argparse.Namespace) -> int:
     if ns.command == "compile":
         return cmd_compile(ns)
+    if ns.command == "timeline":
+        return cmd_timeline(ns)
     raise AssertionError(f"unhandled command {ns.command!r}")
 
 

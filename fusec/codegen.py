@@ -18,10 +18,12 @@ import torch
 from . import template_dir
 from .errors import FallbackRequired
 from .instructions import kind_of
+from .instructions.base import CTA_THREADS
 from .ir import Graph, Role
 from .schedule import Schedule
 
-THREADS = 512
+THREADS = CTA_THREADS
+MAX_SMEM_BYTES = 227 * 1024   # dynamic shared memory per CTA on sm_90 (opt-in maximum)
 WORD = 8  # int32 per instruction word: op, p0, p1, p2, p3, wait_off, wait_cnt, counter id
 
 CTYPES = {torch.bfloat16: "__nv_bfloat16", torch.float32: "float", torch.float16: "__half",
@@ -70,6 +72,8 @@ class KernelPlan:
         waits: concatenated wait lists (counter ids).
         n_counters: counters to allocate (one per instruction).
         smem_bytes: dynamic shared memory per CTA.
+        profile: the kernel takes one more argument, a [n_counters, 4] uint64 buffer where each
+            instruction records (SM, fetched, waits satisfied, done) in %globaltimer ns.
     """
 
     source: str
@@ -81,6 +85,7 @@ class KernelPlan:
     smem_bytes: int
     threads: int
     num_sms: int
+    profile: bool = False
 
 
 def _env() -> jinja2.Environment:
@@ -89,12 +94,20 @@ def _env() -> jinja2.Environment:
                               trim_blocks=True, lstrip_blocks=True)
 
 
-def render(s: Schedule, title: str = "", threads: int = THREADS) -> KernelPlan:
+def render(s: Schedule, title: str = "", threads: int = THREADS, profile: bool = False,
+           defines: dict[str, Any] | None = None) -> KernelPlan:
     """Render ``s`` to a :class:`KernelPlan`.
 
+    ``profile`` adds per-instruction timestamps (see :class:`KernelPlan`); ``defines`` become
+    ``#define`` lines before the templates (tuning knobs such as ``FUSEC_LOADS_IN_FLIGHT``).
+
     Raises:
-        FallbackRequired: an op (or a dtype) has no CUDA form; the message names it.
+        FallbackRequired: an op (or a dtype) has no CUDA form, or needs more shared memory than
+            a CTA can have; the message names it.
+        ValueError: ``threads`` differs from ``CTA_THREADS``.
     """
+    if threads != CTA_THREADS:
+        raise ValueError(f"threads={threads}: the templates size shared memory for {CTA_THREADS} threads")
     g = s.graph
     env = _env()
     bufs = Buffers(g)
@@ -114,6 +127,10 @@ def render(s: Schedule, title: str = "", threads: int = THREADS) -> KernelPlan:
         cases.append({"op": k, "name": op.name, "kind": op.kind, "layer": op.layer,
                       "call": mod.call(args).strip(), "prefetch": pf})
         smem = max(smem, cls.smem_floats(op, g))
+    if smem * 4 > MAX_SMEM_BYTES:
+        big = max(g.ops, key=lambda op: kind_of(op).smem_floats(op, g))
+        raise FallbackRequired(f"op {big.name} ({big.kind}) needs {smem * 4} B of shared memory per CTA, "
+                               f"more than the {MAX_SMEM_BYTES} B an sm_90 CTA can have")
     macros = {kname: env.get_template(f"{kname}.cu.j2").module for kname in kinds}
     words, waits, queue_off = [], [], [0]
     ops = g.op_by_name()
@@ -128,9 +145,9 @@ def render(s: Schedule, title: str = "", threads: int = THREADS) -> KernelPlan:
     source = env.get_template("kernel.cu.j2").render(
         title=title or "decode step", num_sms=s.num_sms, threads=threads, smem_bytes=smem * 4,
         n_instrs=len(s.instrs), n_ops=len(g.ops), n_waits=len(waits), kinds=kinds, macros=macros,
-        cases=cases)
+        cases=cases, profile=profile, defines=dict(defines or {}))
     return KernelPlan(source, bufs.names, words, queue_off, waits or [0], len(s.instrs),
-                      max(16, smem * 4), threads, s.num_sms)
+                      max(16, smem * 4), threads, s.num_sms, profile)
 
 
 def describe(plan: KernelPlan) -> dict[str, Any]:

@@ -36,6 +36,9 @@ class CompiledStep:
         self.schedule: Schedule | None = None
         self.engine: Callable[[list[Any]], list[torch.Tensor]] | None = None
         self.fallen_back = False
+        self.calls = 0
+        self.profile_written = False
+        self._cuda_step = None
 
     def __call__(self, *args: Any) -> list[torch.Tensor]:
         if self.fallen_back:
@@ -48,14 +51,44 @@ class CompiledStep:
                 self.fallen_back = True
                 return self.aten_gm(*args)
         with torch.no_grad():
-            return self.engine(list(args))
+            out = self.engine(list(args))
+        self.calls += 1
+        if (self.opts.profile and not self.profile_written and self._cuda_step is not None
+                and self.calls >= self.opts.profile_step and not torch.cuda.is_current_stream_capturing()):
+            self.profile_written = True
+            try:
+                self._write_timeline()
+            except (OSError, ValueError) as e:   # a profile must never break the step
+                log.warning("fusec: timeline not written: %s", e)
+        return out
+
+    def _write_timeline(self) -> None:
+        """Write this step's per-SM timeline: trace.json (Perfetto), timeline.json, timeline.png."""
+        from pathlib import Path
+
+        from .profile import MatplotlibMissing, Timeline
+        out = Path(self.opts.profile_dir or "fusec_profile")
+        out.mkdir(parents=True, exist_ok=True)
+        tl = Timeline.from_records(self._cuda_step.profile_records(), self.schedule)
+        tl.save(out / "timeline.json")
+        tl.to_chrome_trace(out / "trace.json")
+        try:
+            tl.to_png(out / "timeline.png", title=f"fusec step {self.calls}")
+        except MatplotlibMissing as e:
+            log.info("fusec: no timeline.png (%s); draw it elsewhere with `fusec timeline %s`", e,
+                     out / "timeline.json")
+        log.info("fusec: timeline of step %d (span %.1f us) written to %s", self.calls,
+                 tl.summary()["span_us"], out)
 
     def _build(self, args: list[Any]) -> Callable[[list[Any]], list[torch.Tensor]]:
         if self.target == "sim":
             from .sim import Simulator
+            if self.opts.profile:
+                log.warning("fusec: profile records GPU timelines; the simulator target has none")
             self.schedule = lower(self.graph, args, self.opts, self.dump)
             sim = Simulator(self.schedule, seed=self.opts.seed, check=self.opts.check_hazards)
             return lambda a: [o.clone() for o in sim.step(a)]
         from .gpu import build_cuda_step
         step, self.schedule = build_cuda_step(self.graph, args, self.opts, self.dump)
+        self._cuda_step = step
         return lambda a: step(*a)

@@ -2,12 +2,15 @@
 
 Options reach the backend as ``torch.compile(..., options={...})``; environment variables
 give defaults: ``FUSEC_DUMP`` (folder: dump every stage's artifact), ``FUSEC_CACHE_DIR``
-(NVRTC CUBIN cache), ``FUSEC_NUM_SMS``, ``FUSEC_FALLBACK``, ``FUSEC_MAX_FUSIONS``.
+(NVRTC CUBIN cache), ``FUSEC_NUM_SMS``, ``FUSEC_FALLBACK``, ``FUSEC_MAX_FUSIONS``,
+``FUSEC_PROFILE`` (folder: record and write the per-SM timeline, as ``profile_dir``),
+``FUSEC_DEFINES`` (``NAME=VALUE,...``: kernel tuning macros, as ``defines``).
 """
 from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from typing import Any
 
 from .errors import FusecError
@@ -32,6 +35,13 @@ class Options:
         watchdog_s: GPU counter waits give up after this many seconds (WatchdogError).
         check_watchdog: read the watchdog record after every GPU step (a host sync); turn off
             for CUDA-graph capture and benchmarks.
+        profile: GPU only: build the kernel with per-instruction timestamps and write the per-SM
+            timeline (``trace.json`` for ui.perfetto.dev, ``timeline.json``, ``timeline.png``)
+            into ``profile_dir`` after step number ``profile_step`` (1-based).
+        profile_dir: where the timeline goes (default ``fusec_profile``); setting it implies profile.
+        profile_step: which step to record (later steps overwrite nothing).
+        defines: ``#define`` name -> value for the kernel source (tuning knobs, e.g.
+            ``FUSEC_LOADS_IN_FLIGHT``: 16-byte weight loads in flight per lane, default 8).
     """
 
     target: str | None = None
@@ -44,6 +54,10 @@ class Options:
     bandwidth: float = 4.3e12
     watchdog_s: float = 2.0
     check_watchdog: bool = True
+    profile: bool = False
+    profile_dir: str | None = None
+    profile_step: int = 3
+    defines: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> "Options":
@@ -57,12 +71,19 @@ class Options:
             env["fallback"] = os.environ["FUSEC_FALLBACK"]
         if os.environ.get("FUSEC_MAX_FUSIONS"):
             env["max_fusions"] = int(os.environ["FUSEC_MAX_FUSIONS"])
+        if os.environ.get("FUSEC_PROFILE"):
+            env["profile_dir"] = os.environ["FUSEC_PROFILE"]
+        if os.environ.get("FUSEC_DEFINES"):
+            try:
+                env["defines"] = dict(kv.split("=", 1) for kv in os.environ["FUSEC_DEFINES"].split(",") if kv)
+            except ValueError:
+                raise FusecError(f"FUSEC_DEFINES={os.environ['FUSEC_DEFINES']!r}: expected NAME=VALUE,...") from None
         d = {**env, **(d or {})}
         names = {f.name for f in dataclasses.fields(cls)}
         bad = sorted(set(d) - names)
         if bad:
             raise FusecError(f"unknown fusec option(s) {bad}; known: {sorted(names)}")
-        for key in ("num_sms", "max_fusions", "seed"):
+        for key in ("num_sms", "max_fusions", "seed", "profile_step"):
             if d.get(key) is not None and (not isinstance(d[key], int) or isinstance(d[key], bool)):
                 raise FusecError(f"option {key}={d[key]!r} must be an int")
         o = cls(**d)
@@ -72,4 +93,15 @@ class Options:
             raise FusecError(f"option fallback={o.fallback!r} must be one of {FALLBACKS}")
         if o.num_sms is not None and o.num_sms < 1:
             raise FusecError(f"option num_sms={o.num_sms} must be >= 1")
+        if o.profile_dir is not None and (d.get("profile") is not False):
+            o.profile = True
+        if o.profile_step < 1:
+            raise FusecError(f"option profile_step={o.profile_step} must be >= 1")
+        if not isinstance(o.defines, dict):
+            raise FusecError(f"option defines={o.defines!r} must be a dict of NAME -> value")
+        for k, v in o.defines.items():
+            if not (isinstance(k, str) and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k)):
+                raise FusecError(f"option defines: {k!r} is not a C macro name")
+            if isinstance(v, bool) or not isinstance(v, (int, str)) or not re.fullmatch(r"[-+\w.]+", str(v)):
+                raise FusecError(f"option defines: {k}={v!r} must be an int or a plain token")
         return o

@@ -90,3 +90,19 @@ class WatchdogError(FusecError):
 
 class CudaError(FusecError):
     """A CUDA driver call failed; the message names the call and the error."""
+
+
+class IndexFaultError(FusecError):
+    """A run-time index read by the megakernel (token id, position) was out of range; the
+    kernel skipped the access instead of faulting, so the step's outputs are invalid.
+
+    Attributes:
+        code: which index (1 token id, 2 table-lookup position, 3 RoPE position, 4 KV-cache write
+            position, 5 attention position); value: the index; bound: its exclusive upper bound.
+    """
+
+    def __init__(self, message: str, fields: dict):
+        super().__init__(message)
+        self.fields = fields
+        for k, v in fields.items():
+            setattr(self, k, v)

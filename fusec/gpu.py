@@ -31,7 +31,7 @@ def build_cuda_step(g: Graph, args: list[Any], opts: Options, dump: Dumper) -> t
         opts = dataclasses.replace(opts, num_sms=sms)
     sched = lower(g, args, opts, dump)
     t0 = time.perf_counter()
-    plan = render(sched)
+    plan = render(sched, profile=opts.profile, defines=opts.defines)
     dump.text("kernel.cu", plan.source)
     kernel = compile_cuda(plan.source, "fusec_step.cu")
     res = kernel.resources.get("fusec_step", {})

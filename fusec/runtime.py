@@ -18,11 +18,14 @@ from typing import Any
 import torch
 
 from .codegen import KernelPlan
-from .errors import CudaError, FusecError, WatchdogError
+from .errors import CudaError, FusecError, IndexFaultError, WatchdogError
 from .ir import Graph, Role
 from .jit import CompiledKernel
 
 log = logging.getLogger("fusec.runtime")
+
+_FAULTS = {1: "token id (embedding row)", 2: "position (table lookup)", 3: "RoPE position",
+           4: "KV-cache write position", 5: "attention position"}
 
 
 def _driver():
@@ -100,6 +103,11 @@ class CudaStep:
         self._vals = [ctypes.c_void_p(t.data_ptr()) for t in
                       (self.words, self.queue_off, self.waits, self.counters, self.epochs, self.bufs, self.wd)]
         self._vals.append(ctypes.c_ulonglong(int(watchdog_s * 1e9)))
+        self.fault_ptr, _ = _ck(drv.cuModuleGetGlobal(self.module, b"fusec_fault"), "cuModuleGetGlobal(fusec_fault)")
+        self.prof: torch.Tensor | None = None
+        if plan.profile:   # (SM, fetched, waits satisfied, done) per instruction, globaltimer ns
+            self.prof = torch.zeros(plan.n_counters, 4, dtype=torch.int64, device=dev)
+            self._vals.append(ctypes.c_void_p(self.prof.data_ptr()))
         self._params = (ctypes.c_void_p * len(self._vals))(*[ctypes.addressof(v) for v in self._vals])
         self.outputs = [name for name in g.outputs]
 
@@ -111,6 +119,8 @@ class CudaStep:
             if p is not None and p == self.seen[i]:
                 continue
             self._guard(name, a)
+            if self.seen[i] is not None:
+                log.debug("input %s moved: %#x -> %#x", name, self.seen[i], p)
             self.seen[i] = p
             self.ptrs[self.slot[name]] = p
             changed = True
@@ -148,9 +158,38 @@ class CudaStep:
         buf = self.owned[r] if r in self.owned else args[self.g.inputs.index(r)]
         return buf.view(self.g.tensors[t].shape)
 
+    def profile_records(self) -> torch.Tensor:
+        """The last step's per-instruction records, int64 [instructions, 4] on the CPU:
+        (SM, fetched, waits satisfied, done) in %globaltimer ns (synchronizes).
+
+        Raises:
+            FusecError: the kernel was built without ``profile``.
+        """
+        if self.prof is None:
+            raise FusecError("this kernel was built without profile=True: no timeline recorded")
+        return self.prof.cpu()
+
+    def raise_if_fault(self) -> None:
+        """Read the kernel's index-fault record (synchronizes); raise IndexFaultError if a run-time
+        token id or position was out of range. Its access was skipped, so the step's outputs (and
+        a KV row it may have written) are invalid; the record is cleared."""
+        drv = _driver()
+        torch.cuda.synchronize(self.device)
+        rec = (ctypes.c_longlong * 4)()
+        _ck(drv.cuMemcpyDtoH(ctypes.addressof(rec), self.fault_ptr, 32), "cuMemcpyDtoH(fusec_fault)")
+        if not rec[0]:
+            return
+        _ck(drv.cuMemsetD32(self.fault_ptr, 0, 8), "cuMemsetD32(fusec_fault)")
+        what = _FAULTS.get(rec[1], f"index (code {rec[1]})")
+        raise IndexFaultError(f"megakernel: {what} {rec[2]} out of range [0, {rec[3]}); the step's "
+                              f"outputs are invalid", {"code": rec[1], "value": rec[2], "bound": rec[3]})
+
     def raise_if_watchdog(self) -> None:
-        """Read the watchdog record (synchronizes); raise WatchdogError if a wait timed out."""
+        """Read the watchdog and index-fault records (synchronizes); raise WatchdogError if a wait
+        timed out (after resetting counters, epochs and the record), else IndexFaultError if a
+        token id or position was out of range."""
         if not int(self.wd[0]):
+            self.raise_if_fault()
             return
         names = ["sm", "queue_index", "op", "counter", "value", "target", "instruction"]
         recs = [dict(zip(names, r[1:])) for r in self.wd[8:].view(-1, 8).tolist() if r[0]]
@@ -167,8 +206,9 @@ class CudaStep:
             f"value {f['value']}, target {f['target']} ({n} SMs stuck)", f)
 
     def reset(self) -> None:
-        """Zero counters, epochs and the watchdog record (after an aborted step)."""
+        """Zero counters, epochs, the watchdog and the index-fault records (after an aborted step)."""
         torch.cuda.synchronize(self.device)
         self.counters.zero_()
         self.epochs.zero_()
         self.wd.zero_()
+        _ck(_driver().cuMemsetD32(self.fault_ptr, 0, 8), "cuMemsetD32(fusec_fault)")

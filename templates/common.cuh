@@ -19,6 +19,21 @@ template <> __device__ __forceinline__ __half from_f<__half>(float x) { return _
 // round to T's precision, keep computing in fp32 (PyTorch rounds at each op's output)
 template <typename T> __device__ __forceinline__ float rnd(float x) { return to_f(from_f<T>(x)); }
 
+// Run-time index faults: the first out-of-range token id or position is recorded here
+// ([set, code, value, bound]) and its access skipped; the host raises IndexFaultError.
+// Codes: 1 token id (embedding), 2 position (table lookup), 3 RoPE position, 4 KV-cache write
+// position, 5 attention position.
+__device__ long long fusec_fault[4];
+__device__ __forceinline__ bool index_ok(i64 v, i64 bound, int code) {
+  if (v >= 0 && v < bound) return true;
+  if (atomicCAS(reinterpret_cast<unsigned long long*>(&fusec_fault[0]), 0ull, 1ull) == 0ull) {
+    fusec_fault[1] = code;
+    fusec_fault[2] = v;
+    fusec_fault[3] = bound;
+  }
+  return false;
+}
+
 __device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
   unsigned v;
   asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
@@ -72,35 +87,128 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
   return r;
 }
 
-// One row of a matvec: dot(w[0:K], xs[0:K]) by one warp; 16-byte weight loads when K allows.
-template <typename TW, int K>
-__device__ __forceinline__ float row_dot(const TW* __restrict__ w, const float* __restrict__ xs, int lane) {
-  constexpr int V = 16 / sizeof(TW);
-  float acc = 0.f;
-  if constexpr (K % V == 0) {
-#pragma unroll 4
-    for (int k = lane * V; k < K; k += 32 * V) {
-      const uint4 raw = __ldg(reinterpret_cast<const uint4*>(w + k));
-      const TW* e = reinterpret_cast<const TW*>(&raw);
-#pragma unroll
-      for (int j = 0; j < V; ++j) acc += to_f(e[j]) * xs[k + j];
-    }
-  } else {
-    for (int k = lane; k < K; k += 32) acc += to_f(__ldg(w + k)) * xs[k];
-  }
-  return warp_sum(acc);
+// 16-byte load of weights that are read once per step: read-only path, no L1 allocation.
+__device__ __forceinline__ uint4 ld_stream(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 { %0, %1, %2, %3 }, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
 }
 
-// RMSNorm of x (HF LlamaRMSNorm): ns[i] = rnd<TN>(w[i] * rnd<TX>(x[i] * rsqrt(mean(x^2) + eps))).
+// V consecutive elements of a shared-memory vector as floats; 16-byte loads when they fit.
+template <typename TS, int V>
+__device__ __forceinline__ void lds_vec(const TS* p, float (&f)[V]) {
+  if constexpr ((V * sizeof(TS)) % 16 == 0) {
+    constexpr int E = 16 / sizeof(TS);
+#pragma unroll
+    for (int c = 0; c < V / E; ++c) {
+      const uint4 raw = reinterpret_cast<const uint4*>(p)[c];
+      const TS* e = reinterpret_cast<const TS*>(&raw);
+#pragma unroll
+      for (int j = 0; j < E; ++j) f[c * E + j] = to_f(e[j]);
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < V; ++j) f[j] = to_f(p[j]);
+  }
+}
+
+#ifndef FUSEC_LOADS_IN_FLIGHT
+#define FUSEC_LOADS_IN_FLIGHT 8
+#endif
+
+// B batches of R rows: issue all R*B 16-byte weight loads, then the FMAs (memory-level
+// parallelism: the loads of a batch are in flight together).
+template <typename TW, typename TS, int R, int B>
+__device__ __forceinline__ void dot_batch(const TW* const (&w)[R], const TS* __restrict__ xs, int k,
+                                          float (&acc)[R]) {
+  constexpr int V = 16 / sizeof(TW), STEP = 32 * V;
+  uint4 raw[R][B];
+#pragma unroll
+  for (int b = 0; b < B; ++b)
+#pragma unroll
+    for (int r = 0; r < R; ++r) raw[r][b] = ld_stream(w[r] + k + b * STEP);
+#pragma unroll
+  for (int b = 0; b < B; ++b) {
+    float xv[V];
+    lds_vec<TS, V>(xs + k + b * STEP, xv);
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const TW* e = reinterpret_cast<const TW*>(&raw[r][b]);
+#pragma unroll
+      for (int j = 0; j < V; ++j) acc[r] = fmaf(to_f(e[j]), xv[j], acc[r]);
+    }
+  }
+}
+
+// R rows of a matvec by one warp: out[r] = dot(w[r][0:K], xs[0:K]) (fp32 accumulation), every
+// lane gets the sums. xs is the input vector in shared memory in its own dtype TS (exact);
+// weights stream with 16-byte loads, FUSEC_LOADS_IN_FLIGHT per lane in flight when K is a
+// multiple of a warp's step (32 x 16 bytes), one per row otherwise; scalar loads if K is not a
+// multiple of 16 bytes.
+template <typename TW, typename TS, int K, int R>
+__device__ __forceinline__ void dot_rows(const TW* const (&w)[R], const TS* __restrict__ xs, int lane,
+                                         float (&out)[R]) {
+  constexpr int V = 16 / sizeof(TW), STEP = 32 * V;
+  float acc[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) acc[r] = 0.f;
+  if constexpr (K % STEP == 0) {
+    constexpr int NK = K / STEP;
+    constexpr int B0 = FUSEC_LOADS_IN_FLIGHT / R > 0 ? FUSEC_LOADS_IN_FLIGHT / R : 1;
+    constexpr int B = NK < B0 ? NK : B0;
+    constexpr int NB = NK / B;
+#pragma unroll 1
+    for (int i = 0; i < NB; ++i) dot_batch<TW, TS, R, B>(w, xs, i * B * STEP + lane * V, acc);
+    if constexpr (NK % B != 0) {
+#pragma unroll
+      for (int i = NB * B; i < NK; ++i) dot_batch<TW, TS, R, 1>(w, xs, i * STEP + lane * V, acc);
+    }
+  } else if constexpr (K % V == 0) {   // 16-byte loads, K not a multiple of a warp's step
+#pragma unroll 2
+    for (int k = lane * V; k < K; k += STEP) dot_batch<TW, TS, R, 1>(w, xs, k, acc);
+  } else {
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+      for (int k = lane; k < K; k += 32) acc[r] = fmaf(to_f(__ldg(w[r] + k)), to_f(xs[k]), acc[r]);
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r) out[r] = warp_sum(acc[r]);
+}
+
+// One row of a matvec: dot(w[0:K], xs[0:K]) by one warp (see dot_rows).
+template <typename TW, typename TS, int K>
+__device__ __forceinline__ float row_dot(const TW* __restrict__ w, const TS* __restrict__ xs, int lane) {
+  const TW* const ws[1] = {w};
+  float out[1];
+  dot_rows<TW, TS, K, 1>(ws, xs, lane, out);
+  return out[0];
+}
+
+// Stage x[0:K] into shared memory in its own dtype (16-byte copies when K allows).
+template <typename TX, int K>
+__device__ __forceinline__ void stage_vec(const TX* __restrict__ x, TX* xs) {
+  constexpr int E = 16 / sizeof(TX);
+  if constexpr (K % E == 0) {
+    for (int i = threadIdx.x; i < K / E; i += blockDim.x)
+      reinterpret_cast<uint4*>(xs)[i] = __ldcg(reinterpret_cast<const uint4*>(x) + i);
+  } else {
+    for (int i = threadIdx.x; i < K; i += blockDim.x) xs[i] = __ldcg(x + i);
+  }
+  __syncthreads();
+}
+
+// RMSNorm of x (HF LlamaRMSNorm) into shared memory in the norm's output dtype TN (exact):
+// ns[i] = rnd<TN>(w[i] * rnd<TX>(x[i] * rsqrt(mean(x^2) + eps))).
 template <typename TX, typename TW, typename TN, int H>
-__device__ __forceinline__ void rms_prologue(const TX* x, const TW* w, float eps, float* ns, float* red) {
+__device__ __forceinline__ void rms_prologue(const TX* x, const TW* w, float eps, TN* ns, float* red) {
   float ss = 0.f;
   for (int i = threadIdx.x; i < H; i += blockDim.x) {
     const float v = to_f(__ldcg(x + i));
-    ns[i] = v;
     ss += v * v;
   }
   const float r = rsqrtf(block_sum(ss, red) / H + eps);
-  for (int i = threadIdx.x; i < H; i += blockDim.x) ns[i] = rnd<TN>(to_f(__ldg(w + i)) * rnd<TX>(ns[i] * r));
+  for (int i = threadIdx.x; i < H; i += blockDim.x)
+    ns[i] = from_f<TN>(to_f(__ldg(w + i)) * rnd<TX>(to_f(__ldcg(x + i)) * r));
   __syncthreads();
 }

@@ -130,3 +130,22 @@ def test_emit_cuda_writes_kernel_and_resource_report(tmp_path, capsys, monkeypat
     assert (out / "kernel.cubin").read_bytes()[:4] == b"\x7fELF"
     report = capsys.readouterr().out
     assert "kernel fusec_step (sm_90a" in report and "0 B spill stores" in report
+
+
+def test_timeline_command_errors_and_output(tmp_path, capsys):
+    code, err = _run(capsys, "timeline", str(tmp_path / "missing.json"))
+    assert code == 2 and "no such timeline file" in err
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"format": "something else"}')
+    code, err = _run(capsys, "timeline", str(bad))
+    assert code == 2 and "bad.json" in err
+    pytest.importorskip("matplotlib")
+    from test_profile import _random   # a small fake recorded step
+    from fusec.profile import Timeline
+    sched, records = _random()
+    src = tmp_path / "timeline.json"
+    Timeline.from_records(records, sched).save(src)
+    code = main(["timeline", str(src), "-o", str(tmp_path / "t.png")])
+    out = capsys.readouterr().out
+    assert code == 0 and (tmp_path / "t.png").stat().st_size > 1000
+    assert "instructions on" in out and "span" in out

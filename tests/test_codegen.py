@@ -10,14 +10,19 @@ from fusec.codegen import WORD, render
 from fusec.jit import compile_cuda
 
 
-@pytest.mark.parametrize("factory,dtype", [(hf_tiny.llama, torch.bfloat16), (hf_tiny.qwen3, torch.float32)])
-def test_tiny_kernel_renders_and_compiles(factory, dtype, tmp_path):
+def _tiny_decode_step(factory, dtype, num_sms):
+    """compile_model result of one decode step of a tiny HF model after a 3-token prefill."""
     model = factory().to(dtype)
     cache = hf_tiny.static_cache(model, 32)
     with torch.no_grad():
         model(input_ids=torch.randint(0, 128, (1, 3)), past_key_values=cache, use_cache=True)
-    res = compile_model(model, (), {"input_ids": torch.randint(0, 128, (1, 1)),
-                                    "past_key_values": cache, "use_cache": True}, {"num_sms": 12})
+    return compile_model(model, (), {"input_ids": torch.randint(0, 128, (1, 1)),
+                                     "past_key_values": cache, "use_cache": True}, {"num_sms": num_sms})
+
+
+@pytest.mark.parametrize("factory,dtype", [(hf_tiny.llama, torch.bfloat16), (hf_tiny.qwen3, torch.float32)])
+def test_tiny_kernel_renders_and_compiles(factory, dtype, tmp_path):
+    res = _tiny_decode_step(factory, dtype, 12)
     plan = render(res.schedule)
     s = res.schedule
     assert len(plan.words) == WORD * len(s.instrs)
@@ -30,4 +35,16 @@ def test_tiny_kernel_renders_and_compiles(factory, dtype, tmp_path):
     for kind in ("rms_qkv_rope", "attention_partial", "matvec_residual", "rms_gate_up_silu", "rms_lm_head"):
         assert f"{kind}<" in plan.source
     k = compile_cuda(plan.source, "fusec_step.cu", cache_dir=str(tmp_path))
+    k.assert_no_spills()
+
+
+def test_profile_and_defines_render_and_compile(tmp_path):
+    res = _tiny_decode_step(hf_tiny.llama, torch.bfloat16, 8)
+    plain = render(res.schedule)
+    prof = render(res.schedule, profile=True, defines={"FUSEC_LOADS_IN_FLIGHT": 16, "FUSEC_PREFETCH": 0})
+    assert not plain.profile and prof.profile
+    assert "unsigned long long* prof" in prof.source and "unsigned long long* prof" not in plain.source
+    assert "#define FUSEC_LOADS_IN_FLIGHT 16" in prof.source and "#define FUSEC_PREFETCH 0" in prof.source
+    assert prof.words == plain.words and prof.waits == plain.waits   # same schedule, more timestamps
+    k = compile_cuda(prof.source, "fusec_step.cu", cache_dir=str(tmp_path))
     k.assert_no_spills()

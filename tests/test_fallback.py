@@ -69,3 +69,23 @@ def test_option_types_are_checked():
     from fusec.errors import FusecError
     with pytest.raises(FusecError, match="num_sms='abc' must be an int"):
         Options.from_dict({"num_sms": "abc"})
+
+
+def test_profile_and_defines_options(monkeypatch):
+    from fusec.config import Options
+    from fusec.errors import FusecError
+    o = Options.from_dict({"profile_dir": "somewhere"})
+    assert o.profile and o.profile_step == 3
+    monkeypatch.setenv("FUSEC_DEFINES", "FUSEC_LOADS_IN_FLIGHT=16,FUSEC_PREFETCH=0")
+    monkeypatch.setenv("FUSEC_PROFILE", "prof")
+    o = Options.from_dict({})
+    assert o.defines == {"FUSEC_LOADS_IN_FLIGHT": "16", "FUSEC_PREFETCH": "0"}
+    assert o.profile and o.profile_dir == "prof"
+    monkeypatch.setenv("FUSEC_DEFINES", "NOVALUE")
+    with pytest.raises(FusecError, match="FUSEC_DEFINES"):
+        Options.from_dict({})
+    monkeypatch.delenv("FUSEC_DEFINES")
+    with pytest.raises(FusecError, match="profile_step=0 must be >= 1"):
+        Options.from_dict({"profile_step": 0})
+    with pytest.raises(FusecError, match="defines"):
+        Options.from_dict({"defines": ["A=1"]})

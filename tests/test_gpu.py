@@ -43,6 +43,42 @@ def test_tiny_fp32_decode_matches_eager(factory):
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("hidden,inter", [(512, 1024), (320, 640)])
+def test_mid_size_matvec_paths_match_eager(hidden, inter):
+    """Shapes where the batched 16-byte matvec path runs (K a multiple of 32 lanes x 16 B) and
+    where its per-lane tail runs (K = 320 in fp32), against eager in fp32 (1e-4); and the bf16
+    batched path against bf16 eager on the same cache (a gross-error bound: both round)."""
+    factory = lambda: hf_tiny.llama(hidden=hidden, inter=inter, heads=8, kv_heads=2, head_dim=64,  # noqa: E731
+                                    vocab=256)
+    gen = torch.Generator().manual_seed(5)
+    toks = [torch.randint(0, 128, (1, 1), generator=gen).cuda() for _ in range(6)]
+    model, cache = _tiny_on_gpu(factory, torch.float32)
+    ref_cache = copy.deepcopy(cache)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fusec", options={"fallback": "eager"})
+    with torch.no_grad():
+        for tok in toks:
+            a = compiled(input_ids=tok, past_key_values=cache, use_cache=True).logits.clone()
+            b = model(input_ids=tok, past_key_values=ref_cache, use_cache=True).logits
+            assert step_util.rel(a, b) < 1e-4
+    torch._dynamo.reset()
+    if hidden % 256:
+        return
+    bf = copy.deepcopy(model).to(torch.bfloat16)
+    torch.manual_seed(0)
+    cache = hf_tiny.static_cache(bf, 64)
+    with torch.no_grad():
+        bf(input_ids=torch.randint(0, 128, (1, 5), device="cuda"), past_key_values=cache, use_cache=True)
+    eager_cache = copy.deepcopy(cache)
+    compiled = torch.compile(bf, backend="fusec", options={"fallback": "eager"})
+    with torch.no_grad():
+        for tok in toks[:3]:
+            a = compiled(input_ids=tok, past_key_values=cache, use_cache=True).logits.float()
+            e = bf(input_ids=tok, past_key_values=eager_cache, use_cache=True).logits.float()
+            assert torch.isfinite(a).all() and step_util.rel(a, e) < 5e-2
+    torch._dynamo.reset()
+
+
 def test_watchdog_reports_a_missing_producer():
     from fusec.errors import WatchdogError
     model, cache = _tiny_on_gpu(hf_tiny.llama, torch.bfloat16)
@@ -61,6 +97,24 @@ def test_watchdog_reports_a_missing_producer():
     assert f["instruction"] == step.plan.words[victim * 8 + 7]
     assert 0 <= f["sm"] < step.plan.num_sms
     assert "watchdog" in str(e.value)
+
+
+def test_out_of_range_token_raises_index_fault():
+    from fusec.errors import IndexFaultError
+    model, cache = _tiny_on_gpu(hf_tiny.llama, torch.bfloat16)
+    ids = torch.randint(0, 128, (1, 1), device="cuda")
+    kwargs = {"input_ids": ids, "past_key_values": cache, "use_cache": True}
+    _, g, flat = step_util.capture(model, kwargs)
+    step, sched = step_util.build(g, flat)
+    step(*flat)  # a good step first
+    vocab = model.config.vocab_size
+    ids.fill_(vocab + 3)                      # same tensor: the kernel reads the new id
+    with pytest.raises(IndexFaultError) as e:
+        step(*flat)
+    assert e.value.code == 1 and e.value.value == vocab + 3 and e.value.bound == vocab
+    assert "token id" in str(e.value)
+    ids.fill_(1)
+    step(*flat)                               # the record was reset: the next step is clean
 
 
 def test_one_kernel_launch_per_decode_step():

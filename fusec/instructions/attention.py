@@ -18,7 +18,7 @@ import torch
 
 from ..env import Env
 from ..ir import Graph, Op
-from .base import Instruction, Region, Tile, register, split_range
+from .base import CTA_THREADS, Instruction, Region, Tile, register, split_range
 from .matvec_rows import elt
 
 
@@ -68,7 +68,12 @@ class AttentionPartial(Instruction):
     @classmethod
     def smem_floats(cls, op: Op, g: Graph) -> int:
         nq, nkv, d, chunk, nc, L = cls._dims(op, g)
-        return (nq // nkv) * (d + chunk)
+        rep = nq // nkv
+        esize = g.tensors[op.inputs["kcache"]].dtype.itemsize
+        vec = d % (16 // esize) == 0 and 32 % (d // (16 // esize)) == 0
+        # q [rep, d], scores [rep, chunk]; the vector value path adds per-warp partial outputs
+        # [warps, min(rep, 4), d] (heads go in groups of at most 4)
+        return rep * (d + chunk) + ((CTA_THREADS // 32) * min(rep, 4) * d if vec else 0)
 
     @staticmethod
     def _part_writes(op, g, gi, c, rep, d, nc):

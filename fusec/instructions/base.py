@@ -19,6 +19,9 @@ from ..ir import Graph, Op, Role
 
 KINDS: dict[str, type["Instruction"]] = {}
 
+#: Threads per CTA of the megakernel (16 warps); templates may size shared memory by it.
+CTA_THREADS = 512
+
 
 def register(cls: type["Instruction"]) -> type["Instruction"]:
     """Class decorator: make an instruction kind known by its ``name``."""

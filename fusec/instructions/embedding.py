@@ -25,7 +25,7 @@ class Embedding(Instruction):
     def cuda_args(cls, op: Op, g: Graph, bufs) -> dict:
         i = op.inputs
         return {"tw": bufs.ctype(i["table"]), "to": bufs.ctype(op.outputs["out"]),
-                "H": g.tensors[i["table"]].shape[1], "table": bufs.ptr(i["table"]),
+                "H": g.tensors[i["table"]].shape[1], "V": g.tensors[i["table"]].shape[0], "table": bufs.ptr(i["table"]),
                 "ids": bufs.ptr(i["ids"]), "out": bufs.ptr(op.outputs["out"])}
 
     @classmethod

@@ -105,7 +105,9 @@ class Generic(Instruction):
         """CUDA forms exist for ``table_lookup`` and a small ``aten.copy_`` (position counters)."""
         if op.kind == "table_lookup":
             out = op.outputs["out"]
-            return {"fn": "table_lookup", "t": bufs.ctype(out), "N": g.tensors[out].numel,
+            n = g.tensors[out].numel
+            return {"fn": "table_lookup", "t": bufs.ctype(out), "N": n,
+                    "P": g.tensors[op.inputs["table"]].numel // max(1, n),
                     "table": bufs.ptr(op.inputs["table"]), "pos": bufs.ptr(op.inputs["pos"]),
                     "out": bufs.ptr(out)}
         if op.kind == "aten.copy_.default":

@@ -79,6 +79,7 @@ class RmsQkvRope(Instruction):
                 "tw": bufs.ctype(i["wq"]), "to": bufs.ctype(o["q"]), "tt": bufs.ctype(i["cos_table"]),
                 "tc": bufs.ctype(o["kcache"]), "thn": bufs.ctype(i["q_norm_w"]) if hn else bufs.ctype(i["norm_w"]),
                 "H": g.tensors[i["x"]].numel, "NQ": nq, "NKV": nkv, "D": d, "L": L,
+                "RP": g.tensors[i["cos_table"]].shape[0],
                 "headnorm": "true" if hn else "false", "eps": repr(float(a["eps"])),
                 "qk_eps": repr(float(a.get("qk_eps", 0.0))),
                 "q_norm_w": bufs.ptr(i["q_norm_w"]) if hn else "nullptr",
