@@ -16,7 +16,7 @@ import jinja2
 import torch
 
 from . import template_dir
-from .errors import FallbackRequired
+from .errors import FallbackRequired, FusecError
 from .instructions import kind_of
 from .instructions.base import CTA_THREADS
 from .ir import Graph, Role
@@ -124,9 +124,19 @@ def render(s: Schedule, title: str = "", threads: int = THREADS, profile: bool =
             kinds.append(tmpl)
         mod = env.get_template(f"{tmpl}.cu.j2").module
         pf = mod.prefetch(args).strip() if hasattr(mod, "prefetch") else ""
+        st = mod.stage(args).strip() if hasattr(mod, "stage") else ""
         cases.append({"op": k, "name": op.name, "kind": op.kind, "layer": op.layer,
-                      "call": mod.call(args).strip(), "prefetch": pf})
+                      "call": mod.call(args).strip(), "prefetch": pf, "stage": st})
         smem = max(smem, cls.smem_floats(op, g))
+    smem = -(-smem // 4) * 4                      # the staging slots start 16-byte aligned
+    stage_off = smem
+    defines = dict(defines or {})
+    try:
+        stage, lif = int(defines.get("FUSEC_STAGE_WEIGHTS", 0)), int(defines.get("FUSEC_LOADS_IN_FLIGHT", 8))
+    except ValueError as e:
+        raise FusecError(f"defines: FUSEC_STAGE_WEIGHTS and FUSEC_LOADS_IN_FLIGHT take integers ({e})") from None
+    if stage:   # one slot per warp: FUSEC_LOADS_IN_FLIGHT x 32 lanes x 16 bytes
+        smem += (threads // 32) * lif * 32 * 4
     if smem * 4 > MAX_SMEM_BYTES:
         big = max(g.ops, key=lambda op: kind_of(op).smem_floats(op, g))
         raise FallbackRequired(f"op {big.name} ({big.kind}) needs {smem * 4} B of shared memory per CTA, "
@@ -145,7 +155,7 @@ def render(s: Schedule, title: str = "", threads: int = THREADS, profile: bool =
     source = env.get_template("kernel.cu.j2").render(
         title=title or "decode step", num_sms=s.num_sms, threads=threads, smem_bytes=smem * 4,
         n_instrs=len(s.instrs), n_ops=len(g.ops), n_waits=len(waits), kinds=kinds, macros=macros,
-        cases=cases, profile=profile, defines=dict(defines or {}))
+        cases=cases, profile=profile, defines=defines, stage_off=stage_off)
     return KernelPlan(source, bufs.names, words, queue_off, waits or [0], len(s.instrs),
                       max(16, smem * 4), threads, s.num_sms, profile)
 

@@ -117,17 +117,26 @@ __device__ __forceinline__ void lds_vec(const TS* p, float (&f)[V]) {
 #define FUSEC_LOADS_IN_FLIGHT 8
 #endif
 
-// B batches of R rows: issue all R*B 16-byte weight loads, then the FMAs (memory-level
-// parallelism: the loads of a batch are in flight together).
+#ifndef FUSEC_STAGE_WEIGHTS
+#define FUSEC_STAGE_WEIGHTS 0   // 1: each warp's first weight batch is copied to shared memory before the waits
+#endif
+
+// Batch shape of a matvec over R rows of length K: B loads of 16 bytes per row and lane in flight.
+template <typename TW, int K, int R>
+struct MatvecBatch {
+  static constexpr int V = 16 / sizeof(TW), STEP = 32 * V;
+  static constexpr bool VEC = K % STEP == 0;      // the batched path runs
+  static constexpr int NK = K / STEP;
+  static constexpr int B0 = FUSEC_LOADS_IN_FLIGHT / R > 0 ? FUSEC_LOADS_IN_FLIGHT / R : 1;
+  static constexpr int B = NK < B0 ? (NK > 0 ? NK : 1) : B0;
+  static constexpr int NB = NK / B;
+};
+
+// The FMAs of one batch: acc[r] += sum over b, j of raw[r][b][j] * xs[k + b * STEP + j].
 template <typename TW, typename TS, int R, int B>
-__device__ __forceinline__ void dot_batch(const TW* const (&w)[R], const TS* __restrict__ xs, int k,
+__device__ __forceinline__ void fma_batch(const uint4 (&raw)[R][B], const TS* __restrict__ xs, int k,
                                           float (&acc)[R]) {
   constexpr int V = 16 / sizeof(TW), STEP = 32 * V;
-  uint4 raw[R][B];
-#pragma unroll
-  for (int b = 0; b < B; ++b)
-#pragma unroll
-    for (int r = 0; r < R; ++r) raw[r][b] = ld_stream(w[r] + k + b * STEP);
 #pragma unroll
   for (int b = 0; b < B; ++b) {
     float xv[V];
@@ -141,28 +150,85 @@ __device__ __forceinline__ void dot_batch(const TW* const (&w)[R], const TS* __r
   }
 }
 
+// B batches of R rows: issue all R*B 16-byte weight loads, then the FMAs (memory-level
+// parallelism: the loads of a batch are in flight together).
+template <typename TW, typename TS, int R, int B>
+__device__ __forceinline__ void dot_batch(const TW* const (&w)[R], const TS* __restrict__ xs, int k,
+                                          float (&acc)[R]) {
+  constexpr int STEP = 32 * (16 / sizeof(TW));
+  uint4 raw[R][B];
+#pragma unroll
+  for (int b = 0; b < B; ++b)
+#pragma unroll
+    for (int r = 0; r < R; ++r) raw[r][b] = ld_stream(w[r] + k + b * STEP);
+  fma_batch<TW, TS, R, B>(raw, xs, k, acc);
+}
+
+// Asynchronous 16-byte copy global -> shared through L2 only (cp.async.cg), its commit and wait.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
+               ::"r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
+// Weight staging (FUSEC_STAGE_WEIGHTS): before its counter waits, each warp copies the first
+// batch of its first rows into its own slot of shared memory (FUSEC_LOADS_IN_FLIGHT x 32 uint4),
+// so the memory pipe works during the waits and the prologue. Lane l copies exactly the 16-byte
+// pieces it will read in dot_rows, so only its own cp.async.wait_all is needed.
+template <typename TW, int K, int R>
+__device__ __forceinline__ void stage_rows(const TW* const (&w)[R], uint4* slot, int lane) {
+  using M = MatvecBatch<TW, K, R>;
+  if constexpr (M::VEC) {
+#pragma unroll
+    for (int b = 0; b < M::B; ++b)
+#pragma unroll
+      for (int r = 0; r < R; ++r) cp_async16(slot + (r * M::B + b) * 32 + lane, w[r] + b * M::STEP + lane * M::V);
+    cp_async_commit();
+  }
+}
+
+// This warp's staging slot, or nullptr when staging is off.
+__device__ __forceinline__ uint4* stage_slot(float* stage_base) {
+#if FUSEC_STAGE_WEIGHTS
+  return reinterpret_cast<uint4*>(stage_base) + (threadIdx.x >> 5) * FUSEC_LOADS_IN_FLIGHT * 32;
+#else
+  return nullptr;
+#endif
+}
+
 // R rows of a matvec by one warp: out[r] = dot(w[r][0:K], xs[0:K]) (fp32 accumulation), every
 // lane gets the sums. xs is the input vector in shared memory in its own dtype TS (exact);
 // weights stream with 16-byte loads, FUSEC_LOADS_IN_FLIGHT per lane in flight when K is a
 // multiple of a warp's step (32 x 16 bytes), one per row otherwise; scalar loads if K is not a
-// multiple of 16 bytes.
+// multiple of 16 bytes. `staged`: this warp's staging slot holding the first batch of these
+// rows (see stage_rows), or nullptr.
 template <typename TW, typename TS, int K, int R>
 __device__ __forceinline__ void dot_rows(const TW* const (&w)[R], const TS* __restrict__ xs, int lane,
-                                         float (&out)[R]) {
-  constexpr int V = 16 / sizeof(TW), STEP = 32 * V;
+                                         float (&out)[R], const uint4* staged = nullptr) {
+  using M = MatvecBatch<TW, K, R>;
+  constexpr int V = M::V, STEP = M::STEP;
   float acc[R];
 #pragma unroll
   for (int r = 0; r < R; ++r) acc[r] = 0.f;
-  if constexpr (K % STEP == 0) {
-    constexpr int NK = K / STEP;
-    constexpr int B0 = FUSEC_LOADS_IN_FLIGHT / R > 0 ? FUSEC_LOADS_IN_FLIGHT / R : 1;
-    constexpr int B = NK < B0 ? NK : B0;
-    constexpr int NB = NK / B;
-#pragma unroll 1
-    for (int i = 0; i < NB; ++i) dot_batch<TW, TS, R, B>(w, xs, i * B * STEP + lane * V, acc);
-    if constexpr (NK % B != 0) {
+  if constexpr (M::VEC) {
+    constexpr int B = M::B, NB = M::NB;
+    int i0 = 0;
+    if (staged != nullptr) {
+      uint4 raw[R][B];
+      cp_async_wait_all();
 #pragma unroll
-      for (int i = NB * B; i < NK; ++i) dot_batch<TW, TS, R, 1>(w, xs, i * STEP + lane * V, acc);
+      for (int b = 0; b < B; ++b)
+#pragma unroll
+        for (int r = 0; r < R; ++r) raw[r][b] = staged[(r * B + b) * 32 + lane];
+      fma_batch<TW, TS, R, B>(raw, xs, lane * V, acc);
+      i0 = 1;
+    }
+#pragma unroll 1
+    for (int i = i0; i < NB; ++i) dot_batch<TW, TS, R, B>(w, xs, i * B * STEP + lane * V, acc);
+    if constexpr (M::NK % B != 0) {
+#pragma unroll
+      for (int i = NB * B; i < M::NK; ++i) dot_batch<TW, TS, R, 1>(w, xs, i * STEP + lane * V, acc);
     }
   } else if constexpr (K % V == 0) {   // 16-byte loads, K not a multiple of a warp's step
 #pragma unroll 2
@@ -178,10 +244,11 @@ __device__ __forceinline__ void dot_rows(const TW* const (&w)[R], const TS* __re
 
 // One row of a matvec: dot(w[0:K], xs[0:K]) by one warp (see dot_rows).
 template <typename TW, typename TS, int K>
-__device__ __forceinline__ float row_dot(const TW* __restrict__ w, const TS* __restrict__ xs, int lane) {
+__device__ __forceinline__ float row_dot(const TW* __restrict__ w, const TS* __restrict__ xs, int lane,
+                                         const uint4* staged = nullptr) {
   const TW* const ws[1] = {w};
   float out[1];
-  dot_rows<TW, TS, K, 1>(ws, xs, lane, out);
+  dot_rows<TW, TS, K, 1>(ws, xs, lane, out, staged);
   return out[0];
 }
 

@@ -40,11 +40,14 @@ def test_llama_3_2_1b_schedule(res):
 
 
 @pytest.mark.slow
-def test_llama_3_2_1b_kernel_compiles_without_spills(res, tmp_path):
-    """CI compile-check: the whole megakernel renders and NVRTC builds it for sm_90a."""
+@pytest.mark.parametrize("defines", [{}, {"FUSEC_STAGE_WEIGHTS": 1, "FUSEC_LOADS_IN_FLIGHT": 16}],
+                         ids=["default", "staged-lif16"])
+def test_llama_3_2_1b_kernel_compiles_without_spills(res, defines, tmp_path):
+    """CI compile-check: the whole megakernel renders and NVRTC builds it for sm_90a (the default
+    kernel and the heaviest tuning variant)."""
     from fusec.codegen import render
     from fusec.jit import compile_cuda
-    plan = render(res.schedule)
+    plan = render(res.schedule, defines=defines)
     k = compile_cuda(plan.source, "fusec_step.cu", cache_dir=str(tmp_path))
     assert k.cubin[:4] == b"\x7fELF"
     r = k.resources["fusec_step"]
