@@ -264,13 +264,17 @@ def cmd_timeline(ns: argparse.Namespace) -> int:
     """``fusec timeline``: draw a saved timeline as a PNG and print its summary line."""
     from .profile import MatplotlibMissing, render
     src = Path(ns.timeline_json)
-    if not src.is_file():
+    if not src.exists():
         raise FusecError(f"{src}: no such timeline file")
+    if not src.is_file():
+        raise FusecError(f"{src}: not a file (give the timeline.json a profiled step wrote)")
     out = Path(ns.out) if ns.out else src.with_name("timeline.png")
     try:
         s = render(src, out, title=ns.title)
     except MatplotlibMissing as e:
         raise FusecError(str(e)) from None
+    except json.JSONDecodeError as e:
+        raise FusecError(f"{src}: not valid JSON ({e})") from None
     except ValueError as e:
         raise FusecError(f"{src}: {e}") from None
     sys.stdout.write(f"{out}: {s['instructions']} instructions on {s['num_sms']} SMs, span {s['span_us']:.1f} us, "

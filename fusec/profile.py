@@ -151,7 +151,7 @@ class Timeline:
     def from_json(cls, data: dict[str, Any]) -> "Timeline":
         """Inverse of :meth:`to_json`. Raises ValueError for another format or version."""
         if data.get("format") != FORMAT or data.get("version") != VERSION:
-            raise ValueError(f"profile: not a {FORMAT} v{VERSION} file "
+            raise ValueError(f"not a {FORMAT} v{VERSION} file "
                              f"(format={data.get('format')!r}, version={data.get('version')!r})")
         try:
             metas = [InstrMeta(**{**m, "waits": tuple(m["waits"])}) for m in data["instructions"]]
