@@ -24,6 +24,12 @@ from .schedule import Schedule
 
 THREADS = CTA_THREADS
 MAX_SMEM_BYTES = 227 * 1024   # dynamic shared memory per CTA on sm_90 (opt-in maximum)
+#: Kernel tuning knobs (``#define``d at the top of every kernel) and their defaults; the
+#: ``defines`` option overrides them. FUSEC_LOADS_IN_FLIGHT: 16-byte weight loads in flight per
+#: lane in a matvec; FUSEC_PREFETCH: L2 bulk prefetch of this and the next instruction's
+#: weights before the counter waits; FUSEC_STAGE_WEIGHTS: each warp copies its first weight
+#: batch to shared memory (cp.async) before the counter waits.
+KNOBS = {"FUSEC_LOADS_IN_FLIGHT": 8, "FUSEC_PREFETCH": 1, "FUSEC_STAGE_WEIGHTS": 0}
 WORD = 8  # int32 per instruction word: op, p0, p1, p2, p3, wait_off, wait_cnt, counter id
 
 CTYPES = {torch.bfloat16: "__nv_bfloat16", torch.float32: "float", torch.float16: "__half",
@@ -98,8 +104,8 @@ def render(s: Schedule, title: str = "", threads: int = THREADS, profile: bool =
            defines: dict[str, Any] | None = None) -> KernelPlan:
     """Render ``s`` to a :class:`KernelPlan`.
 
-    ``profile`` adds per-instruction timestamps (see :class:`KernelPlan`); ``defines`` become
-    ``#define`` lines before the templates (tuning knobs such as ``FUSEC_LOADS_IN_FLIGHT``).
+    ``profile`` adds per-instruction timestamps (see :class:`KernelPlan`); ``defines`` override
+    the tuning knobs' defaults (:data:`KNOBS`) and add ``#define`` lines before the templates.
 
     Raises:
         FallbackRequired: an op (or a dtype) has no CUDA form, or needs more shared memory than
@@ -130,9 +136,9 @@ def render(s: Schedule, title: str = "", threads: int = THREADS, profile: bool =
         smem = max(smem, cls.smem_floats(op, g))
     smem = -(-smem // 4) * 4                      # the staging slots start 16-byte aligned
     stage_off = smem
-    defines = dict(defines or {})
+    defines = {**KNOBS, **(defines or {})}
     try:
-        stage, lif = int(defines.get("FUSEC_STAGE_WEIGHTS", 0)), int(defines.get("FUSEC_LOADS_IN_FLIGHT", 8))
+        stage, lif = int(defines["FUSEC_STAGE_WEIGHTS"]), int(defines["FUSEC_LOADS_IN_FLIGHT"])
     except ValueError as e:
         raise FusecError(f"defines: FUSEC_STAGE_WEIGHTS and FUSEC_LOADS_IN_FLIGHT take integers ({e})") from None
     if stage:   # one slot per warp: FUSEC_LOADS_IN_FLIGHT x 32 lanes x 16 bytes

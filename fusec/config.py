@@ -40,11 +40,9 @@ class Options:
             into ``profile_dir`` after step number ``profile_step`` (1-based).
         profile_dir: where the timeline goes (default ``fusec_profile``); setting it implies profile.
         profile_step: which step to record (later steps overwrite nothing).
-        defines: ``#define`` name -> value for the kernel source (tuning knobs:
-            ``FUSEC_LOADS_IN_FLIGHT``, 16-byte weight loads in flight per lane, default 8;
-            ``FUSEC_PREFETCH``, L2 prefetch of the next instruction's weights, default 1;
-            ``FUSEC_STAGE_WEIGHTS``, copy each warp's first weight batch to shared memory before
-            the counter waits, default 0).
+        defines: ``#define`` name -> value for the kernel source: the tuning knobs of
+            :data:`fusec.codegen.KNOBS` (``FUSEC_LOADS_IN_FLIGHT``, ``FUSEC_PREFETCH``,
+            ``FUSEC_STAGE_WEIGHTS``) and their defaults.
     """
 
     target: str | None = None

@@ -73,7 +73,18 @@ class ModelFileError(FusecError):
     """A model file given to the CLI is missing, has no build(), or build() returns the wrong shape."""
 
 
-class WatchdogError(FusecError):
+class KernelRecordError(FusecError):
+    """A failure the megakernel recorded on the device and the host read back; ``fields`` holds
+    the record, each field also an attribute."""
+
+    def __init__(self, message: str, fields: dict):
+        super().__init__(message)
+        self.fields = fields
+        for k, v in fields.items():
+            setattr(self, k, v)
+
+
+class WatchdogError(KernelRecordError):
     """A counter wait on the GPU ran past its timeout; the megakernel exited instead of hanging.
 
     Attributes:
@@ -81,18 +92,12 @@ class WatchdogError(FusecError):
         (``op`` is the opcode: the op's index in the schedule; ``op_name`` names it).
     """
 
-    def __init__(self, message: str, fields: dict):
-        super().__init__(message)
-        self.fields = fields
-        for k, v in fields.items():
-            setattr(self, k, v)
-
 
 class CudaError(FusecError):
     """A CUDA driver call failed; the message names the call and the error."""
 
 
-class IndexFaultError(FusecError):
+class IndexFaultError(KernelRecordError):
     """A run-time index read by the megakernel (token id, position) was out of range; the
     kernel skipped the access instead of faulting, so the step's outputs are invalid.
 
@@ -100,9 +105,3 @@ class IndexFaultError(FusecError):
         code: which index (1 token id, 2 table-lookup position, 3 RoPE position, 4 KV-cache write
             position, 5 attention position); value: the index; bound: its exclusive upper bound.
     """
-
-    def __init__(self, message: str, fields: dict):
-        super().__init__(message)
-        self.fields = fields
-        for k, v in fields.items():
-            setattr(self, k, v)

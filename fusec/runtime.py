@@ -6,8 +6,9 @@ are read by the kernel from the caller's device tensors; KV caches and position 
 written in place. Per call the guards compare each input's data pointer with the last call's
 and fully re-check (shape, dtype, device, contiguity, 16-byte alignment) only the ones that
 changed; a changed pointer is written to the kernel's pointer table (one small host-to-device
-copy, no kernel). After the launch the watchdog flag is read back (a sync) unless
-``check_watchdog`` is off; a set record raises :class:`WatchdogError` and resets the counters.
+copy, no kernel). After the launch the status (watchdog flag and index-fault record) is read
+back in one sync unless ``check_watchdog`` is off; a set watchdog raises :class:`WatchdogError`
+and resets the counters, a set fault raises :class:`IndexFaultError`.
 """
 from __future__ import annotations
 
@@ -80,7 +81,12 @@ class CudaStep:
         self.waits = torch.tensor(plan.waits, **i32)
         self.counters = torch.zeros(plan.n_counters + 1, **i32)   # +1: a counter nobody signals (tests)
         self.epochs = torch.zeros(plan.num_sms, **i32)
-        self.wd = torch.zeros(8 + 8 * plan.num_sms, **i32)  # header + one record per SM
+        # status: the index-fault record (int64 [set, code, value, bound]), then the watchdog
+        # (int32: header + one record per SM), so one read after a step sees both
+        n_wd = 8 + 8 * plan.num_sms
+        self.status = torch.zeros(4 + n_wd // 2, dtype=torch.int64, device=dev)
+        self.fault = self.status[:4]
+        self.wd = self.status[4:].view(torch.int32)
         self.input_pos = {name: g.inputs.index(name) for name in plan.buffers if name in g.inputs}
         self.slot = {name: k for k, name in enumerate(plan.buffers)}
         self.owned: dict[str, torch.Tensor] = {}
@@ -103,7 +109,9 @@ class CudaStep:
         self._vals = [ctypes.c_void_p(t.data_ptr()) for t in
                       (self.words, self.queue_off, self.waits, self.counters, self.epochs, self.bufs, self.wd)]
         self._vals.append(ctypes.c_ulonglong(int(watchdog_s * 1e9)))
-        self.fault_ptr, _ = _ck(drv.cuModuleGetGlobal(self.module, b"fusec_fault"), "cuModuleGetGlobal(fusec_fault)")
+        sym, _ = _ck(drv.cuModuleGetGlobal(self.module, b"fusec_fault"), "cuModuleGetGlobal(fusec_fault)")
+        fault_addr = ctypes.c_uint64(self.fault.data_ptr())   # the kernel's fault pointer, set once
+        _ck(drv.cuMemcpyHtoD(sym, ctypes.addressof(fault_addr), 8), "cuMemcpyHtoD(fusec_fault)")
         self.prof: torch.Tensor | None = None
         if plan.profile:   # (SM, fetched, waits satisfied, done) per instruction, globaltimer ns
             self.prof = torch.zeros(plan.n_counters, 4, dtype=torch.int64, device=dev)
@@ -169,27 +177,19 @@ class CudaStep:
             raise FusecError("this kernel was built without profile=True: no timeline recorded")
         return self.prof.cpu()
 
-    def raise_if_fault(self) -> None:
-        """Read the kernel's index-fault record (synchronizes); raise IndexFaultError if a run-time
-        token id or position was out of range. Its access was skipped, so the step's outputs (and
-        a KV row it may have written) are invalid; the record is cleared."""
-        drv = _driver()
-        torch.cuda.synchronize(self.device)
-        rec = (ctypes.c_longlong * 4)()
-        _ck(drv.cuMemcpyDtoH(ctypes.addressof(rec), self.fault_ptr, 32), "cuMemcpyDtoH(fusec_fault)")
-        if not rec[0]:
-            return
-        _ck(drv.cuMemsetD32(self.fault_ptr, 0, 8), "cuMemsetD32(fusec_fault)")
-        what = _FAULTS.get(rec[1], f"index (code {rec[1]})")
-        raise IndexFaultError(f"megakernel: {what} {rec[2]} out of range [0, {rec[3]}); the step's "
-                              f"outputs are invalid", {"code": rec[1], "value": rec[2], "bound": rec[3]})
-
     def raise_if_watchdog(self) -> None:
-        """Read the watchdog and index-fault records (synchronizes); raise WatchdogError if a wait
-        timed out (after resetting counters, epochs and the record), else IndexFaultError if a
-        token id or position was out of range."""
-        if not int(self.wd[0]):
-            self.raise_if_fault()
+        """Read the step's status (one synchronizing read); raise WatchdogError if a counter wait
+        timed out (after resetting counters, epochs and the records), IndexFaultError if a
+        run-time token id or position was out of range: its access was skipped, so the step's
+        outputs (and a KV row it may have written) are invalid, and the record is cleared."""
+        head = self.status[:5].cpu()
+        code_set, code, value, bound = head[:4].tolist()
+        if not int(head[4:].view(torch.int32)[0]):      # wd[0], the watchdog's abort flag
+            if code_set:
+                self.fault.zero_()
+                what = _FAULTS.get(code, f"index (code {code})")
+                raise IndexFaultError(f"megakernel: {what} {value} out of range [0, {bound}); the step's "
+                                      f"outputs are invalid", {"code": code, "value": value, "bound": bound})
             return
         names = ["sm", "queue_index", "op", "counter", "value", "target", "instruction"]
         recs = [dict(zip(names, r[1:])) for r in self.wd[8:].view(-1, 8).tolist() if r[0]]
@@ -210,5 +210,4 @@ class CudaStep:
         torch.cuda.synchronize(self.device)
         self.counters.zero_()
         self.epochs.zero_()
-        self.wd.zero_()
-        _ck(_driver().cuMemsetD32(self.fault_ptr, 0, 8), "cuMemsetD32(fusec_fault)")
+        self.status.zero_()

@@ -19,14 +19,15 @@ template <> __device__ __forceinline__ __half from_f<__half>(float x) { return _
 // round to T's precision, keep computing in fp32 (PyTorch rounds at each op's output)
 template <typename T> __device__ __forceinline__ float rnd(float x) { return to_f(from_f<T>(x)); }
 
-// Run-time index faults: the first out-of-range token id or position is recorded here
-// ([set, code, value, bound]) and its access skipped; the host raises IndexFaultError.
+// Run-time index faults: the first out-of-range token id or position is recorded in the host's
+// status buffer (fusec_fault points to int64 [set, code, value, bound]; the host sets the
+// pointer once at load) and its access skipped; the host raises IndexFaultError.
 // Codes: 1 token id (embedding), 2 position (table lookup), 3 RoPE position, 4 KV-cache write
 // position, 5 attention position.
-__device__ long long fusec_fault[4];
+__device__ long long* fusec_fault;
 __device__ __forceinline__ bool index_ok(i64 v, i64 bound, int code) {
   if (v >= 0 && v < bound) return true;
-  if (atomicCAS(reinterpret_cast<unsigned long long*>(&fusec_fault[0]), 0ull, 1ull) == 0ull) {
+  if (atomicCAS(reinterpret_cast<unsigned long long*>(fusec_fault), 0ull, 1ull) == 0ull) {
     fusec_fault[1] = code;
     fusec_fault[2] = v;
     fusec_fault[3] = bound;
@@ -113,13 +114,8 @@ __device__ __forceinline__ void lds_vec(const TS* p, float (&f)[V]) {
   }
 }
 
-#ifndef FUSEC_LOADS_IN_FLIGHT
-#define FUSEC_LOADS_IN_FLIGHT 8
-#endif
-
-#ifndef FUSEC_STAGE_WEIGHTS
-#define FUSEC_STAGE_WEIGHTS 0   // 1: each warp's first weight batch is copied to shared memory before the waits
-#endif
+// Tuning knobs FUSEC_LOADS_IN_FLIGHT, FUSEC_STAGE_WEIGHTS, FUSEC_PREFETCH: #defined at the top of
+// the kernel by codegen (fusec.codegen.KNOBS holds their defaults and meaning).
 
 // Batch shape of a matvec over R rows of length K: B loads of 16 bytes per row and lane in flight.
 template <typename TW, int K, int R>
