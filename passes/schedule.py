@@ -6,8 +6,12 @@ Expects: a fused graph and its tiles (``passes.tile``). Guarantees:
   order of the ops, so every queue is a linear extension of the DAG and the schedule cannot
   deadlock (the earliest unfinished instruction is always at the head of its queue with its
   producers done);
-* placement is greedy by bytes (cost model: a tile costs the bytes it moves), each tile to the
-  SM with the fewest bytes so far in the current layer, which balances every layer;
+* placement is list scheduling on a simulated clock: tiles are taken in program order
+  (within an op, largest first) and each goes to the SM that becomes free earliest. A tile
+  starts at ``max(SM free, latest producer finish)`` and lasts ``INSTR_OVERHEAD_US + bytes /
+  SM_BYTES_PER_US`` (cost model measured on the H200, docs/performance.md). So small tiles
+  that wait on a whole level (split-KV reduce) spread over SMs instead of queueing behind
+  each other, and every layer's bytes stay balanced;
 * an instruction waits for exactly the earlier instructions on *other* SMs whose regions
   conflict with its own: written regions it reads (RAW), and regions it overwrites that an
   earlier instruction read or wrote (WAR, WAW). Same-SM order needs no counter.
@@ -21,6 +25,12 @@ from fusec.ir import Graph
 from fusec.schedule import Instr, Schedule
 
 _LAYER_START = "rms_qkv_rope"
+
+# Cost model of one instruction on one SM (H200 timeline, Llama-3.2-1B step at position 2047):
+# ~2 us of fixed cost (counter waits, the template's prologue, the load pipeline's ramp) plus
+# the bytes it moves at the SM's share of the read bandwidth (4.2 TB/s / 132 SMs).
+INSTR_OVERHEAD_US = 2.0
+SM_BYTES_PER_US = 32e3
 
 
 def assign_layers(g: Graph) -> None:
@@ -37,33 +47,38 @@ def assign_layers(g: Graph) -> None:
         op.layer = layer
 
 
+def tile_cost_us(t: Tile) -> float:
+    """Predicted time of tile ``t`` on one SM in microseconds (the placement cost model)."""
+    return INSTR_OVERHEAD_US + t.bytes / SM_BYTES_PER_US
+
+
 def run(g: Graph, tiles: dict[str, list[Tile]], num_sms: int) -> Schedule:
     assign_layers(g)
     instrs: list[Instr] = []
-    queues: list[list[int]] = [[] for _ in range(num_sms)]
-    load = [(0, sm) for sm in range(num_sms)]
-    cur_layer = None
     for op in g.ops:
-        if op.layer != cur_layer:
-            cur_layer = op.layer
-            load = [(0, sm) for sm in range(num_sms)]
-        heap = list(load)
-        heapq.heapify(heap)
         for t in sorted(tiles[op.name], key=lambda t: -t.bytes):
-            b, sm = heapq.heappop(heap)
-            heapq.heappush(heap, (b + t.bytes, sm))
-            instrs.append(Instr(len(instrs), op.name, op.kind, t, sm, op.layer))
-        load = heap
-    # queues in program order (instrs are already in op order)
-    for i in instrs:
-        queues[i.sm].append(i.id)
-    _waits(instrs)
+            instrs.append(Instr(len(instrs), op.name, op.kind, t, -1, op.layer))
+    producers = _producers(instrs)
+    free = [(0.0, sm) for sm in range(num_sms)]          # heap of (time the SM is free, SM)
+    finish = [0.0] * len(instrs)
+    for ins, deps in zip(instrs, producers):
+        t_free, ins.sm = heapq.heappop(free)
+        ready = max((finish[p] for p in deps), default=0.0)
+        finish[ins.id] = max(t_free, ready) + tile_cost_us(ins.tile)
+        heapq.heappush(free, (finish[ins.id], ins.sm))
+    queues: list[list[int]] = [[] for _ in range(num_sms)]
+    for ins, deps in zip(instrs, producers):             # queues in program order
+        queues[ins.sm].append(ins.id)
+        ins.waits = sorted(p for p in deps if instrs[p].sm != ins.sm)
     return Schedule(num_sms, instrs, queues, g)
 
 
-def _waits(instrs: list[Instr]) -> None:
+def _producers(instrs: list[Instr]) -> list[set[int]]:
+    """Per instruction, the earlier instructions it must follow (independent of placement):
+    RAW on what it reads, WAW and WAR on what it writes."""
     reads: dict[str, list[tuple[Region, Instr]]] = {}
     writes: dict[str, list[tuple[Region, Instr]]] = {}
+    out: list[set[int]] = []
     start = 0
     while start < len(instrs):
         end = start
@@ -77,9 +92,9 @@ def _waits(instrs: list[Instr]) -> None:
             for r in ins.tile.writes:
                 need |= {w.id for wr, w in writes.get(r.tensor, ()) if wr.overlaps(r)}
                 need |= {x.id for rr, x in reads.get(r.tensor, ()) if rr.overlaps(r)}
-            ins.waits = sorted(p for p in need if instrs[p].sm != ins.sm)
+            out.append(need)
         # a write of this op supersedes older (earlier-op) accesses it covers completely:
-        # the writer waited on them, so later accesses ordered after it are ordered after them
+        # the writer is ordered after them, so later accesses ordered after it are too
         for ins in group:
             for r in ins.tile.writes:
                 reads[r.tensor] = [(rr, x) for rr, x in reads.get(r.tensor, ())
@@ -92,3 +107,4 @@ def _waits(instrs: list[Instr]) -> None:
             for r in ins.tile.writes:
                 writes.setdefault(r.tensor, []).append((r, ins))
         start = end
+    return out

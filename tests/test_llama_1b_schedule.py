@@ -56,3 +56,16 @@ def test_llama_3_2_1b_kernel_compiles_without_spills(res, defines, tmp_path):
     k.assert_no_spills()
     assert plan.smem_bytes <= 227 * 1024
     assert len(plan.queue_off) == 133 and plan.queue_off[-1] == len(res.schedule.instrs)
+
+
+@pytest.mark.slow
+def test_split_kv_reduce_spreads_over_sms(res):
+    """The reduce tiles of a layer wait on the same level (all split-KV partials), so list
+    scheduling puts them on distinct SMs instead of queueing them behind each other."""
+    by_op: dict[str, list[int]] = {}
+    for i in res.schedule.instrs:
+        if i.kind == "attention_reduce":
+            by_op.setdefault(i.op, []).append(i.sm)
+    assert len(by_op) == 16
+    for op, sms in by_op.items():
+        assert len(sms) > 1 and len(set(sms)) == len(sms), (op, sms)
