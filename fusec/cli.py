@@ -77,6 +77,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("-o", "--out", metavar="PNG", default=None,
                    help="output PNG (default: next to the input, timeline.png)")
     t.add_argument("--title", default="", help="chart title")
+    t.add_argument("--layer", type=int, default=None, metavar="N",
+                   help="also print when each op of decoder layer N ran (its critical path)")
     t.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return p
 
@@ -279,6 +281,17 @@ def cmd_timeline(ns: argparse.Namespace) -> int:
         raise FusecError(f"{src}: {e}") from None
     sys.stdout.write(f"{out}: {s['instructions']} instructions on {s['num_sms']} SMs, span {s['span_us']:.1f} us, "
                      f"mean idle share {s['idle_share_mean']:.1%}\n")
+    if ns.layer is not None:
+        from .profile import Timeline
+        rows = Timeline.load(src).op_windows(ns.layer)
+        if not rows:
+            raise FusecError(f"{src}: no instructions in layer {ns.layer}")
+        sys.stdout.write(f"{'op':<28} {'kind':<20} {'tiles':>5} {'SMs':>4} {'ready us':>9} "
+                         f"{'end us':>9} {'window':>7} {'busy':>6} {'GB/s':>7}\n")
+        for r in rows:
+            sys.stdout.write(f"{r['op'][:28]:<28} {r['kind'][:20]:<20} {r['tiles']:>5} {r['sms']:>4} "
+                             f"{r['first_ready']:>9.1f} {r['last_end']:>9.1f} {r['window_us']:>7.1f} "
+                             f"{r['mean_busy_us']:>6.2f} {r['gbps_window']:>7.0f}\n")
     return 0
 
 

@@ -85,9 +85,13 @@ def evaluate_many(g: Graph, targets: list[str], counter: str, positions: range,
     ops = [op for op in g.ops if op.name in need]
     out: dict[str, list[torch.Tensor]] = {t: [] for t in targets}
     info = g.tensors[counter]
+    # one Env (its constructor walks every tensor of the graph), fresh outputs per position:
+    # each position starts from the constants and weights only, as a new Env would
+    env = Env(g, [], device=torch.device("cpu"))
+    env.bufs.update(weights)
+    base = dict(env.bufs)
     for p in positions:
-        env = Env(g, [], device=torch.device("cpu"))
-        env.bufs.update(weights)
+        env.bufs = dict(base)
         env.bufs[counter] = torch.full(info.shape, p, dtype=info.dtype)
         for op in ops:
             run_op(op, env)

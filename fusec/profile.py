@@ -227,6 +227,39 @@ class Timeline:
             "per_layer": {l: hi - lo for l, (lo, hi) in sorted(layers.items())},
         }
 
+    def op_windows(self, layer: int | None = None) -> list[dict[str, Any]]:
+        """Per op (in first-start order), when its tiles ran: the critical path of a layer.
+
+        Args:
+            layer: only this decoder layer's ops (-1: work before the first layer); None: all.
+
+        Returns one dict per op, times in µs from the step's first start: ``op``, ``kind``,
+        ``layer``, ``tiles``, ``sms`` (distinct SMs), ``first_fetch`` (earliest t_start),
+        ``first_ready`` (earliest t_waited: its first producer level is done), ``last_end``,
+        ``window_us`` (last_end - first_ready), ``mean_busy_us``, ``mean_wait_us``, ``bytes``
+        and ``gbps_window`` (bytes / window, 1e9 bytes/s; how close the op streams to the
+        read bandwidth while it is the level the step waits on).
+        """
+        by_op: dict[str, list[int]] = {}
+        for i, m in enumerate(self.meta):
+            if layer is None or m.layer == layer:
+                by_op.setdefault(m.op, []).append(i)
+        out = []
+        for op, ids in by_op.items():
+            ready = min(self.waited[i] for i in ids)
+            end = max(self.end[i] for i in ids)
+            nbytes = sum(self.meta[i].bytes for i in ids)
+            out.append({
+                "op": op, "kind": self.meta[ids[0]].kind, "layer": self.meta[ids[0]].layer,
+                "tiles": len(ids), "sms": len({self.sm[i] for i in ids}),
+                "first_fetch": min(self.start[i] for i in ids), "first_ready": ready,
+                "last_end": end, "window_us": end - ready,
+                "mean_busy_us": sum(self.end[i] - self.waited[i] for i in ids) / len(ids),
+                "mean_wait_us": sum(self.waited[i] - self.start[i] for i in ids) / len(ids),
+                "bytes": nbytes, "gbps_window": _gbps(nbytes, end - ready),
+            })
+        return sorted(out, key=lambda r: (r["first_fetch"], r["op"]))
+
     # ---- outputs ------------------------------------------------------------------------
 
     def to_chrome_trace(self, path: str | os.PathLike) -> None:

@@ -70,6 +70,21 @@ def test_summary_by_hand():
     assert s["per_layer"] == pytest.approx({0: 5.0, 1: 7.0})
 
 
+
+def test_op_windows_by_hand():
+    sched, records = _hand()
+    sched.instrs[2].op = "op0"          # two tiles of one op on two SMs
+    tl = Timeline.from_records(records, sched)
+    assert [r["op"] for r in tl.op_windows()] == ["op0", "op1"]
+    a = tl.op_windows()[0]
+    assert (a["tiles"], a["sms"], a["bytes"]) == (2, 2, 4000)
+    assert (a["first_fetch"], a["first_ready"], a["last_end"]) == pytest.approx((0.0, 0.0, 8.0))
+    assert a["window_us"] == pytest.approx(8.0) and a["mean_busy_us"] == pytest.approx(3.5)
+    assert a["mean_wait_us"] == pytest.approx(1.0)
+    assert a["gbps_window"] == pytest.approx(4000 / 8e-6 / 1e9)
+    assert [r["op"] for r in tl.op_windows(layer=0)] == ["op0", "op1"]
+    assert tl.op_windows(layer=1)[0]["tiles"] == 1 and tl.op_windows(layer=7) == []
+
 def test_summary_random_consistent():
     sched, records = _random(seed=3)
     tl = Timeline.from_records(records, sched)
