@@ -16,14 +16,12 @@ _HERE = Path(__file__).resolve().parent
 
 def _load_tree_passes() -> None:
     """In a source checkout the passes live in the top-level ``passes/`` folder; an installed
-    wheel ships them as ``fusec/passes``. Make ``fusec.passes`` importable either way."""
+    wheel ships them as ``fusec/passes``. Make ``fusec.passes`` importable either way.
+
+    The checkout's own ``passes/`` wins over an editable install's mapping, so a second
+    checkout run with ``PYTHONPATH`` uses its passes with its own ``fusec/`` and templates."""
     if "fusec.passes" in sys.modules or (_HERE / "passes" / "__init__.py").is_file():
         return
-    try:
-        if importlib.util.find_spec("fusec.passes") is not None:
-            return
-    except ModuleNotFoundError:
-        pass
     init = _HERE.parent / "passes" / "__init__.py"
     if init.is_file():
         spec = importlib.util.spec_from_file_location("fusec.passes", init,
