@@ -271,6 +271,17 @@ def cmd_timeline(ns: argparse.Namespace) -> int:
     if not src.is_file():
         raise FusecError(f"{src}: not a file (give the timeline.json a profiled step wrote)")
     out = Path(ns.out) if ns.out else src.with_name("timeline.png")
+    rows = None
+    if ns.layer is not None:      # check the layer before writing anything
+        from .profile import Timeline
+        try:
+            rows = Timeline.load(src).op_windows(ns.layer)
+        except json.JSONDecodeError as e:
+            raise FusecError(f"{src}: not valid JSON ({e})") from None
+        except ValueError as e:
+            raise FusecError(f"{src}: {e}") from None
+        if not rows:
+            raise FusecError(f"{src}: no instructions in layer {ns.layer}")
     try:
         s = render(src, out, title=ns.title)
     except MatplotlibMissing as e:
@@ -281,11 +292,7 @@ def cmd_timeline(ns: argparse.Namespace) -> int:
         raise FusecError(f"{src}: {e}") from None
     sys.stdout.write(f"{out}: {s['instructions']} instructions on {s['num_sms']} SMs, span {s['span_us']:.1f} us, "
                      f"mean idle share {s['idle_share_mean']:.1%}\n")
-    if ns.layer is not None:
-        from .profile import Timeline
-        rows = Timeline.load(src).op_windows(ns.layer)
-        if not rows:
-            raise FusecError(f"{src}: no instructions in layer {ns.layer}")
+    if rows:
         sys.stdout.write(f"{'op':<28} {'kind':<20} {'tiles':>5} {'SMs':>4} {'ready us':>9} "
                          f"{'end us':>9} {'window':>7} {'busy':>6} {'GB/s':>7}\n")
         for r in rows:

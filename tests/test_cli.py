@@ -152,5 +152,6 @@ def test_timeline_command_errors_and_output(tmp_path, capsys):
     code = main(["timeline", str(src), "-o", str(tmp_path / "t.png"), "--layer", "1"])
     out = capsys.readouterr().out
     assert code == 0 and "window" in out and "op4" in out and "op0" not in out
-    code, err = _run(capsys, "timeline", str(src), "-o", str(tmp_path / "t.png"), "--layer", "99")
+    code, err = _run(capsys, "timeline", str(src), "-o", str(tmp_path / "t99.png"), "--layer", "99")
     assert code == 2 and "no instructions in layer 99" in err
+    assert not (tmp_path / "t99.png").exists()           # nothing written on a bad layer
