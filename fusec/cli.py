@@ -58,11 +58,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     c.add_argument(
         "--simulate", action="store_true",
-        help="run the schedule in the CPU simulator and check it against eager",
+        help="run the schedule in the CPU simulator: deadlock and hazard check, plus a numeric "
+             "check against eager for models that fit the simulator (see README)",
     )
     c.add_argument(
         "--emit-cuda", action="store_true",
-        help="also render the CUDA kernel (kernel.cu) into the output folder",
+        help="also render the CUDA kernel and compile it with NVRTC (kernel.cu, kernel.cubin)",
     )
     c.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     t = sub.add_parser(
@@ -232,6 +233,11 @@ def cmd_compile(ns: argparse.Namespace) -> int:
         if result.kernel is not None:
             (out_dir / "kernel.cu").write_text(result.cuda_source)
             (out_dir / "kernel.cubin").write_bytes(result.kernel.cubin)
+        else:   # a kernel of an earlier --emit-cuda run would not match this schedule
+            for stale in ("kernel.cu", "kernel.cubin"):
+                if (out_dir / stale).is_file():
+                    (out_dir / stale).unlink()
+                    log.info("removed %s of an earlier --emit-cuda run", out_dir / stale)
     except OSError as e:
         raise ModelFileError(f"cannot write the output folder {str(out_dir)!r}: {e}") from None
     log.info("wrote %s%s", out_dir, " (graph.txt, schedule.json, kernel.cu, kernel.cubin)"

@@ -130,6 +130,10 @@ def test_emit_cuda_writes_kernel_and_resource_report(tmp_path, capsys, monkeypat
     assert (out / "kernel.cubin").read_bytes()[:4] == b"\x7fELF"
     report = capsys.readouterr().out
     assert "kernel fusec_step (sm_90a" in report and "0 B spill stores" in report
+    # a later compile into the same folder without --emit-cuda leaves no mismatched kernel
+    assert main(["compile", str(example), "-o", str(out), "--num-sms", "4"]) == 0
+    assert (out / "schedule.json").is_file()
+    assert not (out / "kernel.cu").exists() and not (out / "kernel.cubin").exists()
 
 
 def test_timeline_command_errors_and_output(tmp_path, capsys):
