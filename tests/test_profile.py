@@ -70,7 +70,6 @@ def test_summary_by_hand():
     assert s["per_layer"] == pytest.approx({0: 5.0, 1: 7.0})
 
 
-
 def test_op_windows_by_hand():
     sched, records = _hand()
     sched.instrs[2].op = "op0"          # two tiles of one op on two SMs
@@ -84,6 +83,7 @@ def test_op_windows_by_hand():
     assert a["gbps_window"] == pytest.approx(4000 / 8e-6 / 1e9)
     assert [r["op"] for r in tl.op_windows(layer=0)] == ["op0", "op1"]
     assert tl.op_windows(layer=1)[0]["tiles"] == 1 and tl.op_windows(layer=7) == []
+
 
 def test_summary_random_consistent():
     sched, records = _random(seed=3)
