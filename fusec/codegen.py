@@ -118,17 +118,17 @@ def render(s: Schedule, title: str = "", threads: int = THREADS, profile: bool =
     env = _env()
     bufs = Buffers(g)
     op_index = {op.name: k for k, op in enumerate(g.ops)}
-    cases, kinds, smem = [], [], 0
+    cases, smem = [], 0
+    macros: dict[str, Any] = {}       # kind -> its template module, in first-use order
     for k, op in enumerate(g.ops):
         cls = kind_of(op)
         try:
             args = cls.cuda_args(op, g, bufs)
         except NotImplementedError as e:
             raise FallbackRequired(f"no CUDA form: {e}") from None
-        tmpl = cls.name
-        if tmpl not in kinds:
-            kinds.append(tmpl)
-        mod = env.get_template(f"{tmpl}.cu.j2").module
+        if cls.name not in macros:
+            macros[cls.name] = env.get_template(f"{cls.name}.cu.j2").module
+        mod = macros[cls.name]
         pf = mod.prefetch(args).strip() if hasattr(mod, "prefetch") else ""
         st = mod.stage(args).strip() if hasattr(mod, "stage") else ""
         cases.append({"op": k, "name": op.name, "kind": op.kind, "layer": op.layer,
@@ -147,7 +147,6 @@ def render(s: Schedule, title: str = "", threads: int = THREADS, profile: bool =
         big = max(g.ops, key=lambda op: kind_of(op).smem_floats(op, g))
         raise FallbackRequired(f"op {big.name} ({big.kind}) needs {smem * 4} B of shared memory per CTA, "
                                f"more than the {MAX_SMEM_BYTES} B an sm_90 CTA can have")
-    macros = {kname: env.get_template(f"{kname}.cu.j2").module for kname in kinds}
     words, waits, queue_off = [], [], [0]
     ops = g.op_by_name()
     for q in s.queues:
@@ -160,7 +159,7 @@ def render(s: Schedule, title: str = "", threads: int = THREADS, profile: bool =
         queue_off.append(len(words) // WORD)
     source = env.get_template("kernel.cu.j2").render(
         title=title or "decode step", num_sms=s.num_sms, threads=threads, smem_bytes=smem * 4,
-        n_instrs=len(s.instrs), n_ops=len(g.ops), n_waits=len(waits), kinds=kinds, macros=macros,
+        n_instrs=len(s.instrs), n_ops=len(g.ops), n_waits=len(waits), kinds=list(macros), macros=macros,
         cases=cases, profile=profile, defines=defines, stage_off=stage_off)
     return KernelPlan(source, bufs.names, words, queue_off, waits or [0], len(s.instrs),
                       max(16, smem * 4), threads, s.num_sms, profile)

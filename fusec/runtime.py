@@ -117,7 +117,11 @@ class CudaStep:
             self.prof = torch.zeros(plan.n_counters, 4, dtype=torch.int64, device=dev)
             self._vals.append(ctypes.c_void_p(self.prof.data_ptr()))
         self._params = (ctypes.c_void_p * len(self._vals))(*[ctypes.addressof(v) for v in self._vals])
-        self.outputs = [name for name in g.outputs]
+        # per output: its own buffer viewed in the output's shape, or (input index, shape)
+        self._outs: list[torch.Tensor | tuple[int, tuple[int, ...]]] = []
+        for t in g.outputs:
+            r, shape = g.root(t), tuple(g.tensors[t].shape)
+            self._outs.append(self.owned[r].view(shape) if r in self.owned else (g.inputs.index(r), shape))
 
     def _update_inputs(self, args: list[Any]) -> None:
         changed = False
@@ -159,12 +163,7 @@ class CudaStep:
             "cuLaunchCooperativeKernel")
         if self.check_watchdog:
             self.raise_if_watchdog()
-        return [self._out(t, args) for t in self.outputs]
-
-    def _out(self, t: str, args) -> torch.Tensor:
-        r = self.g.root(t)
-        buf = self.owned[r] if r in self.owned else args[self.g.inputs.index(r)]
-        return buf.view(self.g.tensors[t].shape)
+        return [o if isinstance(o, torch.Tensor) else args[o[0]].view(o[1]) for o in self._outs]
 
     def profile_records(self) -> torch.Tensor:
         """The last step's per-instruction records, int64 [instructions, 4] on the CPU:
