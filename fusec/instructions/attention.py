@@ -1,9 +1,12 @@
 """Split-KV decode attention (flash-decoding, Dao et al. 2023) with grouped-query attention.
 
-``attention_partial``: one tile per (KV head g, cache chunk c). For each query head of g's
-group it computes, over the valid rows ``[c*chunk, min((c+1)*chunk, pos+1))``, the running
-max ``m``, the sum of exponentials ``l`` and the unnormalized output ``o = sum exp(s-m) v``
-(fp32), and writes them to the partial buffers. An empty chunk writes m = -inf, l = 0, o = 0.
+``attention_partial``: one tile per (KV head g, split c). The valid rows ``[0, pos]`` are
+split evenly over the ``n_chunks`` tiles of a KV head at run time: tile c takes rows
+``[c*(pos+1)//n_chunks, (c+1)*(pos+1)//n_chunks)`` (:func:`split_rows`), at most ``chunk`` of
+them, so every tile has work once ``pos + 1 >= n_chunks`` whatever the position. For each
+query head of g's group it computes the running max ``m``, the sum of exponentials ``l`` and
+the unnormalized output ``o = sum exp(s-m) v`` (fp32), and writes them to the partial
+buffers. An empty split writes m = -inf, l = 0, o = 0.
 
 ``attention_reduce``: one tile per range of query heads merges the chunks with the
 log-sum-exp rule: ``M = max m_c``, ``out = sum e^(m_c-M) o_c / sum e^(m_c-M) l_c``.
@@ -20,6 +23,13 @@ from ..env import Env
 from ..ir import Graph, Op
 from .base import CTA_THREADS, Instruction, Region, Tile, register, split_range
 from .matvec_rows import elt
+
+
+def split_rows(c: int, pos: int, n_chunks: int) -> tuple[int, int]:
+    """Rows ``[r0, r1)`` of split ``c`` of the valid cache rows ``[0, pos]`` (even split,
+    the same integer arithmetic as the CUDA template)."""
+    n = pos + 1
+    return c * n // n_chunks, (c + 1) * n // n_chunks
 
 
 @register
@@ -39,22 +49,21 @@ class AttentionPartial(Instruction):
         tiles = []
         for gi in range(nkv):
             for c in range(nc):
-                r0, r1 = c * chunk, min(L, (c + 1) * chunk)
+                # the rows depend on the run-time position: declare the whole head
                 reads = [Region.of(g, op.inputs["q"], gi * rep * d, (gi + 1) * rep * d),
                          Region.whole(g, op.inputs["pos"])]
                 for cache in ("kcache", "vcache"):
-                    base = gi * L * d
-                    reads.append(Region.of(g, op.inputs[cache], base + r0 * d, base + r1 * d))
+                    reads.append(Region.of(g, op.inputs[cache], gi * L * d, (gi + 1) * L * d))
                 writes = cls._part_writes(op, g, gi, c, rep, d, nc)
-                kv = 2 * (r1 - r0) * d * elt(g, op.inputs["kcache"])
-                tiles.append(Tile(op.name, len(tiles), {"kv_head": gi, "chunk": c, "rows": [r0, r1]},
+                kv = 2 * -(-L // nc) * d * elt(g, op.inputs["kcache"])   # at the longest position
+                tiles.append(Tile(op.name, len(tiles), {"kv_head": gi, "chunk": c},
                                   reads, writes, 0, kv + rep * d * (2 + 4) + rep * 8))
         return tiles
 
     @classmethod
     def encode(cls, op: Op, tile: Tile) -> list[int]:
         p = tile.params
-        return [p["kv_head"], p["chunk"], p["rows"][0], p["rows"][1]]
+        return [p["kv_head"], p["chunk"], 0, 0]
 
     @classmethod
     def cuda_args(cls, op: Op, g: Graph, bufs) -> dict:
@@ -87,8 +96,7 @@ class AttentionPartial(Instruction):
     def runtime_regions(cls, op, tile, env):
         nq, nkv, d, chunk, nc, L = cls._dims(op, env.g)
         pos = int(env.read(op.inputs["pos"]).reshape(-1)[0])
-        r0, r1 = tile.params["rows"]
-        r1 = min(r1, pos + 1)
+        r0, r1 = split_rows(tile.params["chunk"], pos, nc)
         reads = tile.reads[:2]
         if r1 > r0:
             base = tile.params["kv_head"] * L * d
@@ -101,7 +109,7 @@ class AttentionPartial(Instruction):
         rep = nq // nkv
         gi, c = tile.params["kv_head"], tile.params["chunk"]
         pos = int(env.read(op.inputs["pos"]).reshape(-1)[0])
-        r0, r1 = tile.params["rows"][0], min(tile.params["rows"][1], pos + 1)
+        r0, r1 = split_rows(c, pos, nc)
         q = env.read(op.inputs["q"]).reshape(nq, d)[gi * rep:(gi + 1) * rep].float()
         o = env.flat(op.outputs["o_part"]).view(nq, nc, d)
         ml = env.flat(op.outputs["ml_part"]).view(nq, nc, 2)
