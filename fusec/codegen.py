@@ -28,8 +28,9 @@ MAX_SMEM_BYTES = 227 * 1024   # dynamic shared memory per CTA on sm_90 (opt-in m
 #: ``defines`` option overrides them. FUSEC_LOADS_IN_FLIGHT: 16-byte weight loads in flight per
 #: lane in a matvec; FUSEC_PREFETCH: L2 bulk prefetch of this and the next instruction's
 #: weights before the counter waits; FUSEC_STAGE_WEIGHTS: each warp copies its first weight
-#: batch to shared memory (cp.async) before the counter waits.
-KNOBS = {"FUSEC_LOADS_IN_FLIGHT": 8, "FUSEC_PREFETCH": 1, "FUSEC_STAGE_WEIGHTS": 0}
+#: batch to shared memory (cp.async) before the counter waits; FUSEC_PRELOAD: each lane loads
+#: its first weight batch into registers before the counter waits (not with staging).
+KNOBS = {"FUSEC_LOADS_IN_FLIGHT": 8, "FUSEC_PREFETCH": 1, "FUSEC_STAGE_WEIGHTS": 0, "FUSEC_PRELOAD": 0}
 WORD = 8  # int32 per instruction word: op, p0, p1, p2, p3, wait_off, wait_cnt, counter id
 
 CTYPES = {torch.bfloat16: "__nv_bfloat16", torch.float32: "float", torch.float16: "__half",
@@ -131,8 +132,9 @@ def render(s: Schedule, title: str = "", threads: int = THREADS, profile: bool =
         mod = macros[cls.name]
         pf = mod.prefetch(args).strip() if hasattr(mod, "prefetch") else ""
         st = mod.stage(args).strip() if hasattr(mod, "stage") else ""
+        pl = mod.preload(args).strip() if hasattr(mod, "preload") else ""
         cases.append({"op": k, "name": op.name, "kind": op.kind, "layer": op.layer,
-                      "call": mod.call(args).strip(), "prefetch": pf, "stage": st})
+                      "call": mod.call(args).strip(), "prefetch": pf, "stage": st, "preload": pl})
         smem = max(smem, cls.smem_floats(op, g))
     smem = -(-smem // 4) * 4                      # the staging slots start 16-byte aligned
     stage_off = smem

@@ -117,6 +117,21 @@ __device__ __forceinline__ void lds_vec(const TS* p, float (&f)[V]) {
 // Tuning knobs FUSEC_LOADS_IN_FLIGHT, FUSEC_STAGE_WEIGHTS, FUSEC_PREFETCH: #defined at the top of
 // the kernel by codegen (fusec.codegen.KNOBS holds their defaults and meaning).
 
+// The first weight batch of an instruction, loaded into registers before its counter waits
+// (FUSEC_PRELOAD); `ok` says whether this lane's warp has one. The kernel passes &batch (always
+// the same local, so it stays in registers once the matvec templates are inlined) or nullptr.
+struct PreBatch {
+  uint4 v[FUSEC_LOADS_IN_FLIGHT];
+  bool ok;
+};
+// The matvec templates are force-inlined with FUSEC_PRELOAD (a batch in registers cannot cross
+// a call); otherwise NVRTC chooses (it compiles faster).
+#if FUSEC_PRELOAD
+#define FUSEC_MATVEC_INLINE __forceinline__
+#else
+#define FUSEC_MATVEC_INLINE
+#endif
+
 // Batch shape of a matvec over R rows of length K: B loads of 16 bytes per row and lane in flight.
 template <typename TW, int K, int R>
 struct MatvecBatch {
@@ -184,6 +199,25 @@ __device__ __forceinline__ void stage_rows(const TW* const (&w)[R], uint4* slot,
   }
 }
 
+// Register preload (FUSEC_PRELOAD): before its counter waits, each lane loads the first batch
+// of its warp's first rows into registers, pre[r * B + b] = the 16 bytes dot_rows reads first.
+// Returns whether it did (the batched path runs and the rows exist).
+template <typename TW, int K, int R>
+__device__ __forceinline__ bool preload_rows(const TW* const (&w)[R], bool valid, PreBatch& pre, int lane) {
+  using M = MatvecBatch<TW, K, R>;
+  static_assert(M::B * R <= FUSEC_LOADS_IN_FLIGHT || !M::VEC, "preload batch exceeds its registers");
+  if constexpr (M::VEC) {
+    if (!valid) return false;
+#pragma unroll
+    for (int b = 0; b < M::B; ++b)
+#pragma unroll
+      for (int r = 0; r < R; ++r) pre.v[r * M::B + b] = ld_stream(w[r] + b * M::STEP + lane * M::V);
+    return true;
+  } else {
+    return false;
+  }
+}
+
 // This warp's staging slot, or nullptr when staging is off.
 __device__ __forceinline__ uint4* stage_slot(float* stage_base) {
 #if FUSEC_STAGE_WEIGHTS
@@ -198,10 +232,12 @@ __device__ __forceinline__ uint4* stage_slot(float* stage_base) {
 // weights stream with 16-byte loads, FUSEC_LOADS_IN_FLIGHT per lane in flight when K is a
 // multiple of a warp's step (32 x 16 bytes), one per row otherwise; scalar loads if K is not a
 // multiple of 16 bytes. `staged`: this warp's staging slot holding the first batch of these
-// rows (see stage_rows), or nullptr.
+// rows (see stage_rows), or nullptr. `pre`: the first batch already in this lane's registers
+// (see preload_rows), used when `use_pre`.
 template <typename TW, typename TS, int K, int R>
 __device__ __forceinline__ void dot_rows(const TW* const (&w)[R], const TS* __restrict__ xs, int lane,
-                                         float (&out)[R], const uint4* staged = nullptr) {
+                                         float (&out)[R], const uint4* staged = nullptr,
+                                         const PreBatch* pre = nullptr, bool use_pre = false) {
   using M = MatvecBatch<TW, K, R>;
   constexpr int V = M::V, STEP = M::STEP;
   float acc[R];
@@ -217,6 +253,14 @@ __device__ __forceinline__ void dot_rows(const TW* const (&w)[R], const TS* __re
       for (int b = 0; b < B; ++b)
 #pragma unroll
         for (int r = 0; r < R; ++r) raw[r][b] = staged[(r * B + b) * 32 + lane];
+      fma_batch<TW, TS, R, B>(raw, xs, lane * V, acc);
+      i0 = 1;
+    } else if (use_pre) {
+      uint4 raw[R][B];
+#pragma unroll
+      for (int b = 0; b < B; ++b)
+#pragma unroll
+        for (int r = 0; r < R; ++r) raw[r][b] = pre->v[r * B + b];
       fma_batch<TW, TS, R, B>(raw, xs, lane * V, acc);
       i0 = 1;
     }
@@ -241,10 +285,11 @@ __device__ __forceinline__ void dot_rows(const TW* const (&w)[R], const TS* __re
 // One row of a matvec: dot(w[0:K], xs[0:K]) by one warp (see dot_rows).
 template <typename TW, typename TS, int K>
 __device__ __forceinline__ float row_dot(const TW* __restrict__ w, const TS* __restrict__ xs, int lane,
-                                         const uint4* staged = nullptr) {
+                                         const uint4* staged = nullptr, const PreBatch* pre = nullptr,
+                                         bool use_pre = false) {
   const TW* const ws[1] = {w};
   float out[1];
-  dot_rows<TW, TS, K, 1>(ws, xs, lane, out, staged);
+  dot_rows<TW, TS, K, 1>(ws, xs, lane, out, staged, pre, use_pre);
   return out[0];
 }
 
