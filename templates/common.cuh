@@ -308,15 +308,37 @@ __device__ __forceinline__ void stage_vec(const TX* __restrict__ x, TX* xs) {
 
 // RMSNorm of x (HF LlamaRMSNorm) into shared memory in the norm's output dtype TN (exact):
 // ns[i] = rnd<TN>(w[i] * rnd<TX>(x[i] * rsqrt(mean(x^2) + eps))).
+// Each thread's x and w elements are loaded once, together (one memory round trip), and kept
+// in registers when there are at most 8 per thread; the sums run in the same order either way.
 template <typename TX, typename TW, typename TN, int H>
 __device__ __forceinline__ void rms_prologue(const TX* x, const TW* w, float eps, TN* ns, float* red) {
-  float ss = 0.f;
-  for (int i = threadIdx.x; i < H; i += blockDim.x) {
-    const float v = to_f(__ldcg(x + i));
-    ss += v * v;
+  constexpr int PER = (H + FUSEC_THREADS - 1) / FUSEC_THREADS;
+  if constexpr (PER <= 8) {
+    float xv[PER], wv[PER];
+#pragma unroll
+    for (int k = 0; k < PER; ++k) {
+      const int i = threadIdx.x + k * FUSEC_THREADS;
+      xv[k] = i < H ? to_f(__ldcg(x + i)) : 0.f;
+      wv[k] = i < H ? to_f(__ldg(w + i)) : 0.f;
+    }
+    float ss = 0.f;
+#pragma unroll
+    for (int k = 0; k < PER; ++k) ss += xv[k] * xv[k];
+    const float r = rsqrtf(block_sum(ss, red) / H + eps);
+#pragma unroll
+    for (int k = 0; k < PER; ++k) {
+      const int i = threadIdx.x + k * FUSEC_THREADS;
+      if (i < H) ns[i] = from_f<TN>(wv[k] * rnd<TX>(xv[k] * r));
+    }
+  } else {
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < H; i += blockDim.x) {
+      const float v = to_f(__ldcg(x + i));
+      ss += v * v;
+    }
+    const float r = rsqrtf(block_sum(ss, red) / H + eps);
+    for (int i = threadIdx.x; i < H; i += blockDim.x)
+      ns[i] = from_f<TN>(to_f(__ldg(w + i)) * rnd<TX>(to_f(__ldcg(x + i)) * r));
   }
-  const float r = rsqrtf(block_sum(ss, red) / H + eps);
-  for (int i = threadIdx.x; i < H; i += blockDim.x)
-    ns[i] = from_f<TN>(to_f(__ldg(w + i)) * rnd<TX>(to_f(__ldcg(x + i)) * r));
   __syncthreads();
 }
