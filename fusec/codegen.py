@@ -38,12 +38,28 @@ CTYPES = {torch.bfloat16: "__nv_bfloat16", torch.float32: "float", torch.float16
 
 
 class Buffers:
-    """Root buffer -> index in ``bufs[]``, with C types and pointer expressions."""
+    """Root buffer -> index in ``bufs[]``, with C types and pointer expressions; also hands out
+    spare counters (atomic tickets) after the ``counter_base`` instruction counters."""
 
-    def __init__(self, g: Graph):
+    def __init__(self, g: Graph, counter_base: int = 0):
         self.g = g
         self.names: list[str] = []
         self._ids: dict[str, int] = {}
+        self.counter_base = counter_base
+        self.n_spare = 0
+        self._spare: dict[str, tuple[int, int]] = {}
+
+    def counters(self, key: str, n: int) -> str:
+        """C expression of ``n`` spare ``unsigned`` counters owned by ``key`` (an op name): zero at
+        load and after every reset, never signalled by an instruction. The same key gets the
+        same counters."""
+        if key not in self._spare:
+            self._spare[key] = (self.counter_base + self.n_spare, n)
+            self.n_spare += n
+        base, have = self._spare[key]
+        if have != n:
+            raise ValueError(f"spare counters of {key}: asked for {n}, have {have}")
+        return f"(counters + {base})"
 
     def id(self, t: str) -> int:
         r = self.g.root(t)
@@ -77,9 +93,10 @@ class KernelPlan:
         words: instruction words, ``WORD`` int32 each, grouped by SM in queue order.
         queue_off: ``num_sms + 1`` offsets (in instructions) of each SM's queue in ``words``.
         waits: concatenated wait lists (counter ids).
-        n_counters: counters to allocate (one per instruction).
+        n_counters: counters to allocate: one per instruction (its id), then the spare ones
+            (atomic tickets, :meth:`Buffers.counters`).
         smem_bytes: dynamic shared memory per CTA.
-        profile: the kernel takes one more argument, a [n_counters, 4] uint64 buffer where each
+        profile: the kernel takes one more argument, a [instructions, 4] uint64 buffer where each
             instruction records (SM, fetched, waits satisfied, done) in %globaltimer ns.
     """
 
@@ -117,7 +134,7 @@ def render(s: Schedule, title: str = "", threads: int = THREADS, profile: bool =
         raise ValueError(f"threads={threads}: the templates size shared memory for {CTA_THREADS} threads")
     g = s.graph
     env = _env()
-    bufs = Buffers(g)
+    bufs = Buffers(g, counter_base=len(s.instrs))
     op_index = {op.name: k for k, op in enumerate(g.ops)}
     cases, smem = [], 0
     macros: dict[str, Any] = {}       # kind -> its template module, in first-use order
@@ -163,7 +180,7 @@ def render(s: Schedule, title: str = "", threads: int = THREADS, profile: bool =
         title=title or "decode step", num_sms=s.num_sms, threads=threads, smem_bytes=smem * 4,
         n_instrs=len(s.instrs), n_ops=len(g.ops), n_waits=len(waits), kinds=list(macros), macros=macros,
         cases=cases, profile=profile, defines=defines, stage_off=stage_off)
-    return KernelPlan(source, bufs.names, words, queue_off, waits or [0], len(s.instrs),
+    return KernelPlan(source, bufs.names, words, queue_off, waits or [0], len(s.instrs) + bufs.n_spare,
                       max(16, smem * 4), threads, s.num_sms, profile)
 
 

@@ -28,11 +28,29 @@ class Env:
         self.g = g
         self.device = device  # if set, ops that create tensors create them here
         self.bufs: dict[str, torch.Tensor] = {}
+        # atomic tickets (the GPU keeps them in spare counters): key -> value, and the order in
+        # which instructions took them; the simulator sets ``current`` to the running instruction
+        self.tickets: dict[Any, int] = {}
+        self.ticket_log: list[tuple[Any, int | None]] = []
+        self.current: int | None = None
         for name, a in zip(g.inputs, flat_args):
             self.bufs[name] = a
         for t in g.tensors.values():
             if t.role == Role.CONSTANT and t.alias_of is None:
                 self.bufs[t.name] = t.value
+
+    def take_ticket(self, key: Any) -> int:
+        """Atomic fetch-and-add of the ticket ``key`` (0 at the start of a step): returns the
+        old value and logs which instruction took it (the simulator turns consecutive takers
+        into happens-before edges, as the GPU's fence + atomicAdd + fence does)."""
+        old = self.tickets.get(key, 0)
+        self.tickets[key] = old + 1
+        self.ticket_log.append((key, self.current))
+        return old
+
+    def peek_ticket(self, key: Any) -> int:
+        """The ticket ``key``'s value without taking it."""
+        return self.tickets.get(key, 0)
 
     def read(self, name: str) -> torch.Tensor:
         """The tensor ``name`` in its own shape (a view of its root when it is an alias)."""

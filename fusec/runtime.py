@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .codegen import KernelPlan
+from .codegen import WORD, KernelPlan
 from .errors import CudaError, FusecError, IndexFaultError, WatchdogError
 from .ir import Graph, Role
 from .jit import CompiledKernel
@@ -114,7 +114,7 @@ class CudaStep:
         _ck(drv.cuMemcpyHtoD(sym, ctypes.addressof(fault_addr), 8), "cuMemcpyHtoD(fusec_fault)")
         self.prof: torch.Tensor | None = None
         if plan.profile:   # (SM, fetched, waits satisfied, done) per instruction, globaltimer ns
-            self.prof = torch.zeros(plan.n_counters, 4, dtype=torch.int64, device=dev)
+            self.prof = torch.zeros(len(plan.words) // WORD, 4, dtype=torch.int64, device=dev)  # one per instruction
             self._vals.append(ctypes.c_void_p(self.prof.data_ptr()))
         self._params = (ctypes.c_void_p * len(self._vals))(*[ctypes.addressof(v) for v in self._vals])
         # per output: its own buffer viewed in the output's shape, or (input index, shape)

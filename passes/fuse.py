@@ -4,7 +4,9 @@ Expects: a recognized, position-folded graph. Guarantees, with the same values:
 
 * RMSNorm -> Q/K/V linears -> [per-head q/k RMSNorm] -> RoPE (tables) -> KV-cache writes
   becomes one ``rms_qkv_rope`` op;
-* ``attention`` becomes ``attention_partial`` (split-KV) + ``attention_reduce``;
+* ``attention`` becomes one ``attention_partial`` (split-KV) whose last tile per KV head
+  merges the group (``attention_merge="last_tile"``, the default), or ``attention_partial`` +
+  ``attention_reduce`` (``attention_merge="reduce"``);
 * RMSNorm -> gate and up linears -> ``silu_mul`` becomes ``rms_gate_up_silu``;
 * linear + residual ``aten.add`` becomes ``matvec_residual``;
 * RMSNorm -> a single linear becomes ``rms_lm_head``;
@@ -149,7 +151,7 @@ def _qkv(c: _Ctx, att: Op, num_sms: int) -> bool:
     return True
 
 
-def _split_attention(c: _Ctx, att: Op, num_sms: int) -> None:
+def _split_attention(c: _Ctx, att: Op, num_sms: int, merge: str) -> None:
     g = c.g
     kc = g.tensors[g.root(att.inputs["k"])]
     _, nkv, L, d = kc.shape
@@ -165,6 +167,10 @@ def _split_attention(c: _Ctx, att: Op, num_sms: int) -> None:
               {"q": att.inputs["q"], "kcache": att.inputs["k"], "vcache": att.inputs["v"],
                "pos": att.inputs["pos"]}, {"o_part": o_part, "ml_part": ml_part},
               attrs=attrs, source=att.source)
+    if merge == "last_tile":
+        part.outputs["out"] = att.outputs["out"]
+        c.replace([att], [part])
+        return
     red = Op(g.fresh_name(f"{att.name}_reduce"), "attention_reduce",
              {"o_part": o_part, "ml_part": ml_part}, {"out": att.outputs["out"]},
              attrs=dict(attrs), source=att.source)
@@ -238,7 +244,8 @@ def _embedding(c: _Ctx, o: Op) -> bool:
     return True
 
 
-def run(g: Graph, num_sms: int = 132, max_fusions: int | None = None) -> Graph:
+def run(g: Graph, num_sms: int = 132, max_fusions: int | None = None,
+        attention_merge: str = "last_tile") -> Graph:
     c = _Ctx(g, max_fusions)
     counts: dict[str, int] = {}
 
@@ -250,7 +257,7 @@ def run(g: Graph, num_sms: int = 132, max_fusions: int | None = None) -> Graph:
     each("attention", lambda c, o: _qkv(c, o, num_sms))
     for o in [o for o in g.ops if o.kind == "attention"]:
         if c.allow():
-            _split_attention(c, o, num_sms)
+            _split_attention(c, o, num_sms, attention_merge)
     each("silu_mul", _gate_up)
     each("aten.add.Tensor", _residual)
     each("linear", _lm_head)

@@ -342,3 +342,25 @@ __device__ __forceinline__ void rms_prologue(const TX* x, const TW* w, float eps
   }
   __syncthreads();
 }
+
+// Log-sum-exp merge of NC split-KV partials (o_part [H][NC][D], ml [H][NC][{m, l}], fp32, read
+// from L2: other CTAs wrote them) for query heads [h0, h1): M = max m_c, w_c = exp(m_c - M)
+// (0 for an empty chunk), out = sum w_c o_c / sum w_c l_c. attention_reduce and the last-tile
+// merge of attention_partial.
+template <typename TO, int D, int NC>
+__device__ __forceinline__ void merge_split_kv(const float* __restrict__ o_part, const float* __restrict__ ml,
+                                               TO* __restrict__ out, int h0, int h1) {
+  for (int idx = threadIdx.x; idx < (h1 - h0) * D; idx += blockDim.x) {
+    const int h = h0 + idx / D, t = idx % D;
+    float m = -INFINITY;
+    for (int c = 0; c < NC; ++c) m = fmaxf(m, __ldcg(ml + (h * NC + c) * 2));
+    float num = 0.f, den = 0.f;
+    for (int c = 0; c < NC; ++c) {
+      const float mc = __ldcg(ml + (h * NC + c) * 2);
+      const float w = mc == -INFINITY ? 0.f : expf(mc - m);
+      num += w * __ldcg(o_part + (h * NC + c) * D + t);
+      den += w * __ldcg(ml + (h * NC + c) * 2 + 1);
+    }
+    out[h * D + t] = from_f<TO>(num / den);
+  }
+}

@@ -10,14 +10,14 @@ from fusec.codegen import WORD, render
 from fusec.jit import compile_cuda
 
 
-def _tiny_decode_step(factory, dtype, num_sms):
+def _tiny_decode_step(factory, dtype, num_sms, **options):
     """compile_model result of one decode step of a tiny HF model after a 3-token prefill."""
     model = factory().to(dtype)
     cache = hf_tiny.static_cache(model, 32)
     with torch.no_grad():
         model(input_ids=torch.randint(0, 128, (1, 3)), past_key_values=cache, use_cache=True)
     return compile_model(model, (), {"input_ids": torch.randint(0, 128, (1, 1)),
-                                     "past_key_values": cache, "use_cache": True}, {"num_sms": num_sms})
+                                     "past_key_values": cache, "use_cache": True}, {"num_sms": num_sms, **options})
 
 
 @pytest.mark.parametrize("factory,dtype", [(hf_tiny.llama, torch.bfloat16), (hf_tiny.qwen3, torch.float32)])
@@ -36,6 +36,32 @@ def test_tiny_kernel_renders_and_compiles(factory, dtype, tmp_path):
         assert f"{kind}<" in plan.source
     k = compile_cuda(plan.source, "fusec_step.cu", cache_dir=str(tmp_path))
     k.assert_no_spills()
+
+
+def test_last_tile_merge_renders_tickets_and_compiles(tmp_path):
+    """attention_merge="last_tile": no attention_reduce; each attention op owns one spare counter
+    (ticket) per KV head, after the instruction counters, and the kernel compiles."""
+    res = _tiny_decode_step(hf_tiny.llama, torch.bfloat16, 8, attention_merge="last_tile")
+    kinds = res.graph.count_kinds()
+    assert "attention_reduce" not in kinds
+    plan = render(res.schedule)
+    n_instr, n_att = len(res.schedule.instrs), kinds["attention_partial"]
+    n_kv = next(o for o in res.graph.ops if o.kind == "attention_partial").attrs["n_kv"]
+    assert plan.n_counters == n_instr + n_att * n_kv
+    for k in range(n_att):
+        assert f"(counters + {n_instr + k * n_kv})" in plan.source
+    assert plan.source.count("attention_partial_merge<") == n_att   # one call per attention op
+    k = compile_cuda(plan.source, "fusec_step.cu", cache_dir=str(tmp_path))
+    k.assert_no_spills()
+
+
+def test_reduce_merge_renders_and_compiles(tmp_path):
+    """attention_merge="reduce": a separate attention_reduce op, no spare counters."""
+    res = _tiny_decode_step(hf_tiny.llama, torch.bfloat16, 8, attention_merge="reduce")
+    assert res.graph.count_kinds()["attention_reduce"] == res.graph.count_kinds()["attention_partial"]
+    plan = render(res.schedule)
+    assert plan.n_counters == len(res.schedule.instrs) and "attention_partial_merge<" not in plan.source
+    compile_cuda(plan.source, "fusec_step.cu", cache_dir=str(tmp_path)).assert_no_spills()
 
 
 def test_profile_and_defines_render_and_compile(tmp_path):

@@ -33,16 +33,51 @@ def _cross_sm_consumer(s, kind):
 
 def test_removed_wait_is_a_hazard(compiled):
     s = compiled
-    victim = _cross_sm_consumer(s, "attention_reduce")
+    victim = _cross_sm_consumer(s, "matvec_residual")
     saved = victim.waits
     victim.waits = []
     try:
         with pytest.raises(HazardError) as e:
             Simulator(s, numeric=False).step()
         assert e.value.hazards[0]["kind"] == "RAW"
-        assert "attention_reduce" in e.value.hazards[0]["second"]
+        assert "matvec_residual" in e.value.hazards[0]["second"]
     finally:
         victim.waits = saved
+
+
+def test_last_tile_merge_needs_its_ticket_edges(monkeypatch):
+    """With attention_merge="last_tile" the merging tile reads partials of tiles it has no
+    counter wait on; only the tickets order them. Each KV head merges once per step, and
+    dropping the ticket edges from the hazard check turns those reads into RAW hazards."""
+    from fusec.instructions.attention import AttentionPartial
+    from fusec.sim import simulator
+    model = hf_tiny.llama(layers=1, heads=4, kv_heads=2)
+    cache = hf_tiny.static_cache(model, 64)
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, 128, (1, 40)), past_key_values=cache, use_cache=True)
+    step = ((), {"input_ids": torch.randint(0, 128, (1, 1)), "past_key_values": cache, "use_cache": True})
+    opts = {"num_sms": 8, "attention_merge": "last_tile", "simulate": True}
+    merged = []
+    real = AttentionPartial.run_tile.__func__
+
+    def spy(cls, op, tile, env):
+        nc, key = op.attrs["n_chunks"], (op.name, tile.params["kv_head"])
+        assert nc > 1
+        last = env.peek_ticket(key) % nc == nc - 1
+        real(cls, op, tile, env)
+        if last:
+            merged.append(tile.params["kv_head"])
+    monkeypatch.setattr(AttentionPartial, "run_tile", classmethod(spy))
+    compile_model(model, *step, opts)
+    assert sorted(merged) == [0, 1]
+    monkeypatch.setattr(simulator, "_ticket_edges", lambda env: {})
+    with pytest.raises(HazardError) as e:
+        compile_model(model, *step, opts)
+    # the merging tile reads partials that other tiles of its op wrote: RAW, or WAR when the
+    # writer comes later in program order than the merging tile
+    for h in e.value.hazards:
+        assert h["kind"] in ("RAW", "WAR") and h["buffer"].endswith("_part")
+        assert "attention_partial" in h["first"] and "attention_partial" in h["second"]
 
 
 def test_cyclic_wait_is_a_deadlock(compiled):
@@ -71,12 +106,20 @@ def test_queues_follow_program_order(compiled):
 
 
 def test_tiles_cover_outputs_exactly(compiled):
-    """Tiles of one op write disjoint regions (no write-write overlap inside an op)."""
+    """Tiles of one op write disjoint regions (no write-write overlap inside an op), except the
+    group output of a last-tile merge: every split-KV tile of a KV head declares it, and the
+    one that takes the last ticket writes it (the same region, never a partial overlap)."""
     by_op = {}
+    ops = compiled.graph.op_by_name()
     for i in compiled.instrs:
         by_op.setdefault(i.op, []).append(i)
     for op, ins in by_op.items():
-        regs = sorted((r.tensor, r.start, r.stop) for i in ins for r in i.tile.writes
-                      if compiled.graph.tensors[r.tensor].role.value not in ("kv_cache",))
+        regs = [(r.tensor, r.start, r.stop) for i in ins for r in i.tile.writes
+                if compiled.graph.tensors[r.tensor].role.value not in ("kv_cache",)]
+        if ops[op].kind == "attention_partial" and "out" in ops[op].outputs:
+            merged = compiled.graph.root(ops[op].outputs["out"])
+            assert sum(t == merged for t, _, _ in regs) == len(ins)   # one declaration per tile
+            regs = set(regs)
+        regs = sorted(regs)
         for (t1, a1, b1), (t2, a2, b2) in zip(regs, regs[1:]):
             assert t1 != t2 or b1 <= a2, f"{op}: overlapping writes"

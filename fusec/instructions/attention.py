@@ -11,6 +11,15 @@ buffers. An empty split writes m = -inf, l = 0, o = 0.
 ``attention_reduce``: one tile per range of query heads merges the chunks with the
 log-sum-exp rule: ``M = max m_c``, ``out = sum e^(m_c-M) o_c / sum e^(m_c-M) l_c``.
 
+Last-tile merge (``attention_partial`` with an ``out`` output, option
+``attention_merge="last_tile"``): no reduce op. Each tile, after its partial stores, takes an
+atomic ticket of its KV head (fence, add, fence); the tile that takes the ``n_chunks``-th
+ticket of the step merges the group's chunks into ``out`` itself. One grid-wide level less per
+layer. The tickets live in spare counters (:meth:`fusec.codegen.Buffers.counters`), are zero at
+load and after a reset, and grow by ``n_chunks`` per step, so "last" is ``ticket % n_chunks ==
+n_chunks - 1``. Every tile declares the group's ``out`` region as a write, so a consumer waits
+for all of the group's tiles.
+
 Shapes: q [Hq*D]; caches [1, Hkv, L, D]; o_part [Hq, C, D] fp32; ml_part [Hq, C, 2] fp32;
 out [Hq*D] in the model dtype. Source: ``torch.nn.functional.scaled_dot_product_attention``
 with a causal decode mask (``kv_index <= pos``).
@@ -23,6 +32,15 @@ from ..env import Env
 from ..ir import Graph, Op
 from .base import CTA_THREADS, Instruction, Region, Tile, register, split_range
 from .matvec_rows import elt
+
+
+def merge_partials(o: torch.Tensor, ml: torch.Tensor) -> torch.Tensor:
+    """Log-sum-exp merge of split-KV partials: o [H, C, D], ml [H, C, 2] (m, l) fp32 ->
+    out [H, D] fp32. Empty chunks (m = -inf, l = 0) weigh 0."""
+    m, l = ml[..., 0], ml[..., 1]
+    big = m.max(-1, keepdim=True).values
+    wgt = torch.exp(m - big)                      # empty chunks: exp(-inf) = 0
+    return (wgt[..., None] * o).sum(1) / (wgt * l).sum(-1, keepdim=True)
 
 
 def split_rows(c: int, pos: int, n_chunks: int) -> tuple[int, int]:
@@ -56,8 +74,13 @@ class AttentionPartial(Instruction):
                     reads.append(Region.of(g, op.inputs[cache], gi * L * d, (gi + 1) * L * d))
                 writes = cls._part_writes(op, g, gi, c, rep, d, nc)
                 kv = 2 * -(-L // nc) * d * elt(g, op.inputs["kcache"])   # at the longest position
+                merge = 0
+                if "out" in op.outputs:   # any tile of the group may be the one that merges it
+                    reads += cls._group_parts(op, g, gi, rep, d, nc)
+                    writes = writes + [cls._group_out(op, g, gi, rep, d)]
+                    merge = rep * (nc * (d + 2) * 4 + d * elt(g, op.outputs["out"])) // nc
                 tiles.append(Tile(op.name, len(tiles), {"kv_head": gi, "chunk": c},
-                                  reads, writes, 0, kv + rep * d * (2 + 4) + rep * 8))
+                                  reads, writes, 0, kv + rep * d * (2 + 4) + rep * 8 + merge))
         return tiles
 
     @classmethod
@@ -69,10 +92,14 @@ class AttentionPartial(Instruction):
     def cuda_args(cls, op: Op, g: Graph, bufs) -> dict:
         nq, nkv, d, chunk, nc, L = cls._dims(op, g)
         i, o = op.inputs, op.outputs
-        return {"tq": bufs.ctype(i["q"]), "tc": bufs.ctype(i["kcache"]), "NQ": nq, "NKV": nkv, "D": d,
+        args = {"tq": bufs.ctype(i["q"]), "tc": bufs.ctype(i["kcache"]), "NQ": nq, "NKV": nkv, "D": d,
                 "L": L, "CH": chunk, "NC": nc, "scale": repr(float(op.attrs["scale"])),
                 "q": bufs.ptr(i["q"]), "kcache": bufs.ptr(i["kcache"]), "vcache": bufs.ptr(i["vcache"]),
-                "pos": bufs.ptr(i["pos"]), "o_part": bufs.ptr(o["o_part"]), "ml_part": bufs.ptr(o["ml_part"])}
+                "pos": bufs.ptr(i["pos"]), "o_part": bufs.ptr(o["o_part"]), "ml_part": bufs.ptr(o["ml_part"]),
+                "merge": "out" in o}
+        if "out" in o:
+            args.update(to=bufs.ctype(o["out"]), out=bufs.ptr(o["out"]), tickets=bufs.counters(op.name, nkv))
+        return args
 
     @classmethod
     def smem_floats(cls, op: Op, g: Graph) -> int:
@@ -85,6 +112,17 @@ class AttentionPartial(Instruction):
         return rep * (d + chunk) + ((CTA_THREADS // 32) * min(rep, 4) * d if vec else 0)
 
     @staticmethod
+    def _group_parts(op, g, gi, rep, d, nc):
+        """The partials of KV head ``gi``'s query heads, all chunks."""
+        h0, h1 = gi * rep, (gi + 1) * rep
+        return [Region.of(g, op.outputs["o_part"], h0 * nc * d, h1 * nc * d),
+                Region.of(g, op.outputs["ml_part"], h0 * nc * 2, h1 * nc * 2)]
+
+    @staticmethod
+    def _group_out(op, g, gi, rep, d):
+        return Region.of(g, op.outputs["out"], gi * rep * d, (gi + 1) * rep * d)
+
+    @staticmethod
     def _part_writes(op, g, gi, c, rep, d, nc):
         w = []
         for h in range(gi * rep, (gi + 1) * rep):
@@ -95,16 +133,41 @@ class AttentionPartial(Instruction):
     @classmethod
     def runtime_regions(cls, op, tile, env):
         nq, nkv, d, chunk, nc, L = cls._dims(op, env.g)
+        rep, gi = nq // nkv, tile.params["kv_head"]
         pos = int(env.read(op.inputs["pos"]).reshape(-1)[0])
         r0, r1 = split_rows(tile.params["chunk"], pos, nc)
         reads = tile.reads[:2]
         if r1 > r0:
-            base = tile.params["kv_head"] * L * d
+            base = gi * L * d
             reads += [Region.of(env.g, op.inputs[c], base + r0 * d, base + r1 * d) for c in ("kcache", "vcache")]
-        return reads, tile.writes
+        writes = cls._part_writes(op, env.g, gi, tile.params["chunk"], rep, d, nc)
+        if "out" in op.outputs and cls._is_last(op, env, gi, nc, peek=True):
+            reads += cls._group_parts(op, env.g, gi, rep, d, nc)
+            writes.append(cls._group_out(op, env.g, gi, rep, d))
+        return reads, writes
+
+    @staticmethod
+    def _is_last(op: Op, env: Env, gi: int, nc: int, peek: bool = False) -> bool:
+        """Whether this tile's ticket of KV head ``gi`` is the step's last (takes it unless ``peek``)."""
+        key = (op.name, gi)
+        t = env.peek_ticket(key) if peek else env.take_ticket(key)
+        return t % nc == nc - 1
 
     @classmethod
     def run_tile(cls, op: Op, tile: Tile, env: Env) -> None:
+        nq, nkv, d, chunk, nc, L = cls._dims(op, env.g)
+        rep = nq // nkv
+        gi = tile.params["kv_head"]
+        cls._partial(op, tile, env)
+        if "out" in op.outputs and cls._is_last(op, env, gi, nc):
+            hs = slice(gi * rep, (gi + 1) * rep)
+            o = env.read(op.outputs["o_part"]).reshape(nq, nc, d)[hs]
+            ml = env.read(op.outputs["ml_part"]).reshape(nq, nc, 2)[hs]
+            dt = env.g.tensors[op.outputs["out"]].dtype
+            env.flat(op.outputs["out"])[gi * rep * d:(gi + 1) * rep * d] = merge_partials(o, ml).reshape(-1).to(dt)
+
+    @classmethod
+    def _partial(cls, op: Op, tile: Tile, env: Env) -> None:
         nq, nkv, d, chunk, nc, L = cls._dims(op, env.g)
         rep = nq // nkv
         gi, c = tile.params["kv_head"], tile.params["chunk"]
@@ -159,9 +222,6 @@ class AttentionReduce(Instruction):
         h0, h1 = tile.params["heads"]
         o = env.read(op.inputs["o_part"]).reshape(nq, nc, d)[h0:h1]
         ml = env.read(op.inputs["ml_part"]).reshape(nq, nc, 2)[h0:h1]
-        m, l = ml[..., 0], ml[..., 1]
-        big = m.max(-1, keepdim=True).values
-        wgt = torch.exp(m - big)                      # empty chunks: exp(-inf) = 0
-        out = (wgt[..., None] * o).sum(1) / (wgt * l).sum(-1, keepdim=True)
+        out = merge_partials(o, ml)
         dt = env.g.tensors[op.outputs["out"]].dtype
         env.flat(op.outputs["out"])[h0 * d:h1 * d] = out.reshape(-1).to(dt)

@@ -16,36 +16,53 @@ from ..instructions.base import Region
 from ..schedule import Schedule
 
 
-def happens_before(s: Schedule) -> list[int]:
-    """Bitset per instruction id: bit p set iff instruction p happens before it."""
+def happens_before(s: Schedule, extra: dict[int, list[int]] | None = None,
+                   order: list[int] | None = None) -> list[int]:
+    """Bitset per instruction id: bit p set iff instruction p happens before it.
+
+    Args:
+        extra: run-time edges, instruction id -> ids that happen before it (an atomic ticket
+            taken by one tile after another: fence, atomic add, fence).
+        order: the order the instructions ran in (a topological order of all edges); by
+            default program order, where every static edge points backwards.
+
+    Raises:
+        HazardError: an edge points to an instruction that had not run before.
+    """
+    extra = extra or {}
     hb = [0] * len(s.instrs)
     prev_on_sm: dict[int, int] = {}
     for q in s.queues:
         for a, b in zip(q, q[1:]):
             prev_on_sm[b] = a
-    for ins in s.instrs:
-        preds = list(ins.waits)
-        if ins.id in prev_on_sm:
-            preds.append(prev_on_sm[ins.id])
+    done = [False] * len(s.instrs)
+    for iid in (order if order is not None else range(len(s.instrs))):
+        ins = s.instrs[iid]
+        preds = list(ins.waits) + extra.get(iid, [])
+        if iid in prev_on_sm:
+            preds.append(prev_on_sm[iid])
         acc = 0
         for p in preds:
-            if p >= ins.id:
-                raise HazardError(f"{ins.describe()} depends on a later instruction #{p}", [])
+            if not done[p]:
+                raise HazardError(f"{ins.describe()} depends on instruction #{p}, which runs later", [])
             acc |= hb[p] | (1 << p)
-        hb[ins.id] = acc
+        hb[iid] = acc
+        done[iid] = True
     return hb
 
 
 def check_hazards(s: Schedule, regions: dict[int, tuple[list[Region], list[Region]]] | None = None,
-                  limit: int = 20) -> None:
+                  limit: int = 20, extra: dict[int, list[int]] | None = None,
+                  order: list[int] | None = None) -> None:
     """Raise :class:`HazardError` listing up to ``limit`` unordered conflicting pairs.
 
     Args:
         regions: instruction id -> (reads, writes) observed at run time; planned regions
             are used for instructions not in it.
+        extra, order: run-time happens-before edges and the run order (:func:`happens_before`).
     """
     regions = regions or {}
-    hb = happens_before(s)
+    hb = happens_before(s, extra, order)
     acc: dict[str, list[tuple[int, bool, Region]]] = {}
     for ins in s.instrs:
         rd, wr = regions.get(ins.id, (ins.tile.reads, ins.tile.writes))
@@ -65,6 +82,8 @@ def check_hazards(s: Schedule, regions: dict[int, tuple[list[Region], list[Regio
                 a, b = (oid, wid) if oid < wid else (wid, oid)
                 if (hb[b] >> a) & 1:
                     continue
+                if s.instrs[a].op == s.instrs[b].op and (hb[a] >> b) & 1:
+                    continue  # tiles of one op ordered at run time (a ticket), in either order
                 if oid < wid:
                     kind = "WAW" if owrite else "WAR"
                 else:

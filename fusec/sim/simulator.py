@@ -6,7 +6,9 @@ head instruction may start, runs that instruction's Python semantics (numeric mo
 increments its counter. If work remains and no SM can start, that is a deadlock, reported
 with the SM, queue index, instruction, counter, value and target of every blocked SM.
 After the step, :func:`fusec.sim.hazards.check_hazards` verifies with the exact run-time
-regions that every conflicting pair of accesses was ordered.
+regions that every conflicting pair of accesses was ordered: by queue order, counter waits,
+or an atomic ticket (each instruction that takes a ticket follows the one that took it
+before, as on the GPU; see :meth:`fusec.env.Env.take_ticket`).
 """
 from __future__ import annotations
 
@@ -61,6 +63,7 @@ class Simulator:
         blockers: dict[int, list[int]] = {}
         ready: list[int] = []
         regions = {}
+        order: list[int] = []
 
         def arm(sm: int) -> None:
             q = s.queues[sm]
@@ -84,8 +87,10 @@ class Simulator:
             sm = ready.pop(rng.randrange(len(ready)))
             ins = s.instrs[s.queues[sm][heads[sm]]]
             op = self.ops[ins.op]
+            order.append(ins.id)
             if env is not None:
                 cls = kind_of(op)
+                env.current = ins.id
                 regions[ins.id] = cls.runtime_regions(op, ins.tile, env)
                 cls.run_tile(op, ins.tile, env)
             self.counters[ins.id] += 1
@@ -99,7 +104,7 @@ class Simulator:
                     del missing[other]
                     ready.append(other)
         if self.check:
-            check_hazards(s, regions)
+            check_hazards(s, regions, extra=_ticket_edges(env), order=order)
         if env is None:
             return None
         return [env.read(t) for t in s.graph.outputs]
@@ -118,3 +123,17 @@ class Simulator:
                           f"counter {b['counter']}: value {b['value']}, target {b['target']}"
                           for b in blocked[:20])
         return DeadlockError(f"deadlock in step {e}: {len(blocked)} SM(s) blocked\n{lines}", blocked)
+
+
+def _ticket_edges(env: Env | None) -> dict[int, list[int]]:
+    """Happens-before edges of the step's atomic tickets: each instruction that took a ticket
+    follows the one that took the same ticket just before it (fence, atomic add, fence)."""
+    edges: dict[int, list[int]] = {}
+    last: dict[Any, int] = {}
+    for key, iid in (env.ticket_log if env is not None else ()):
+        if iid is None:
+            continue
+        if key in last:
+            edges.setdefault(iid, []).append(last[key])
+        last[key] = iid
+    return edges
