@@ -71,6 +71,17 @@ def test_option_types_are_checked():
         Options.from_dict({"num_sms": "abc"})
 
 
+def test_attention_merge_option(monkeypatch):
+    from fusec.config import Options
+    from fusec.errors import FusecError
+    assert Options.from_dict({}).attention_merge == "last_tile"
+    monkeypatch.setenv("FUSEC_ATTENTION_MERGE", "reduce")
+    assert Options.from_dict({}).attention_merge == "reduce"
+    assert Options.from_dict({"attention_merge": "last_tile"}).attention_merge == "last_tile"
+    with pytest.raises(FusecError, match="attention_merge='tree' must be one of"):
+        Options.from_dict({"attention_merge": "tree"})
+
+
 def test_profile_and_defines_options(monkeypatch):
     from fusec.config import Options
     from fusec.errors import FusecError
