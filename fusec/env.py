@@ -41,8 +41,9 @@ class Env:
 
     def take_ticket(self, key: Any) -> int:
         """Atomic fetch-and-add of the ticket ``key`` (0 at the start of a step): returns the
-        old value and logs which instruction took it (the simulator turns consecutive takers
-        into happens-before edges, as the GPU's fence + atomicAdd + fence does)."""
+        old value and logs which instruction took it. The simulator orders what each taker
+        does after its ticket (``Instruction.ticket_regions``) after the taker before it, as
+        the GPU's fence + atomic + fence does."""
         old = self.tickets.get(key, 0)
         self.tickets[key] = old + 1
         self.ticket_log.append((key, self.current))

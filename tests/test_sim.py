@@ -80,6 +80,38 @@ def test_last_tile_merge_needs_its_ticket_edges(monkeypatch):
         assert "attention_partial" in h["first"] and "attention_partial" in h["second"]
 
 
+def test_ticket_does_not_hide_a_missing_wait():
+    """A ticket orders only the merge after it: a split-KV tile whose counter waits on the QKV
+    tiles are removed is a hazard in every interleaving, even when another tile of its KV head
+    took the ticket first."""
+    import step_util
+    from fusec.config import Options
+    from fusec.pipeline import Dumper, lower
+    model = hf_tiny.llama(layers=1, heads=4, kv_heads=2)
+    cache = hf_tiny.static_cache(model, 64)
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, 128, (1, 40)), past_key_values=cache, use_cache=True)
+    _, g, flat = step_util.capture(model, {"input_ids": torch.randint(0, 128, (1, 1)),
+                                           "past_key_values": cache, "use_cache": True})
+    s = lower(g, flat, Options.from_dict({"num_sms": 8, "attention_merge": "last_tile"}), Dumper(None))
+    victims = [i for i in s.instrs if i.kind == "attention_partial" and i.waits]
+    assert len(victims) >= 4
+    hazards = 0
+    for victim in victims:
+        saved, victim.waits = victim.waits, []
+        try:
+            for seed in range(6):
+                args = [a.clone() if isinstance(a, torch.Tensor) else a for a in flat]
+                # never a silent pass: the hazard check fails it, or (when the victim runs
+                # before q exists at all) the numeric run cannot read q
+                with torch.no_grad(), pytest.raises((HazardError, KeyError)) as e:
+                    Simulator(s, seed=seed).step(args)
+                hazards += e.type is HazardError
+        finally:
+            victim.waits = saved
+    assert hazards >= len(victims)
+
+
 def test_cyclic_wait_is_a_deadlock(compiled):
     s = compiled
     a = s.instrs[s.queues[0][0]]

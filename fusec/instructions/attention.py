@@ -13,12 +13,13 @@ log-sum-exp rule: ``M = max m_c``, ``out = sum e^(m_c-M) o_c / sum e^(m_c-M) l_c
 
 Last-tile merge (``attention_partial`` with an ``out`` output, option
 ``attention_merge="last_tile"``): no reduce op. Each tile, after its partial stores, takes an
-atomic ticket of its KV head (fence, add, fence); the tile that takes the ``n_chunks``-th
-ticket of the step merges the group's chunks into ``out`` itself. One grid-wide level less per
-layer. The tickets live in spare counters (:meth:`fusec.codegen.Buffers.counters`), are zero at
-load and after a reset, and grow by ``n_chunks`` per step, so "last" is ``ticket % n_chunks ==
-n_chunks - 1``. Every tile declares the group's ``out`` region as a write, so a consumer waits
-for all of the group's tiles.
+atomic ticket of its KV head (fence, ``atomicInc``, fence); the tile that takes the
+``n_chunks``-th ticket of the step merges the group's chunks into ``out`` itself. One grid-wide
+level less per layer. The tickets live in spare counters
+(:meth:`fusec.codegen.Buffers.counters`), are zero at load and after a reset, and count
+``0 .. n_chunks - 1`` in every step (``atomicInc`` wraps to 0 after the last), so "last" is
+"took ``n_chunks - 1``" and no 32-bit overflow can shift it. Every tile declares the group's
+``out`` region as a write, so a consumer waits for all of the group's tiles.
 
 Shapes: q [Hq*D]; caches [1, Hkv, L, D]; o_part [Hq, C, D] fp32; ml_part [Hq, C, 2] fp32;
 out [Hq*D] in the model dtype. Source: ``torch.nn.functional.scaled_dot_product_attention``
@@ -140,11 +141,19 @@ class AttentionPartial(Instruction):
         if r1 > r0:
             base = gi * L * d
             reads += [Region.of(env.g, op.inputs[c], base + r0 * d, base + r1 * d) for c in ("kcache", "vcache")]
-        writes = cls._part_writes(op, env.g, gi, tile.params["chunk"], rep, d, nc)
-        if "out" in op.outputs and cls._is_last(op, env, gi, nc, peek=True):
-            reads += cls._group_parts(op, env.g, gi, rep, d, nc)
-            writes.append(cls._group_out(op, env.g, gi, rep, d))
-        return reads, writes
+        return reads, cls._part_writes(op, env.g, gi, tile.params["chunk"], rep, d, nc)
+
+    @classmethod
+    def ticket_regions(cls, op, tile, env):
+        """The merge, after the ticket: the group's partials and its output, if this tile's
+        ticket is the group's last of the step."""
+        if "out" not in op.outputs:
+            return [], []
+        nq, nkv, d, chunk, nc, L = cls._dims(op, env.g)
+        rep, gi = nq // nkv, tile.params["kv_head"]
+        if not cls._is_last(op, env, gi, nc, peek=True):
+            return [], []
+        return cls._group_parts(op, env.g, gi, rep, d, nc), [cls._group_out(op, env.g, gi, rep, d)]
 
     @staticmethod
     def _is_last(op: Op, env: Env, gi: int, nc: int, peek: bool = False) -> bool:

@@ -105,6 +105,13 @@ class Instruction:
         return tile.reads, tile.writes
 
     @classmethod
+    def ticket_regions(cls, op: Op, tile: Tile, env: Env) -> tuple[list[Region], list[Region]]:
+        """(reads, writes) ``tile`` makes after taking an atomic ticket (:meth:`Env.take_ticket`),
+        given run-time values and the tickets taken so far; called before :meth:`run_tile`.
+        Only these accesses are ordered by the ticket (default: none)."""
+        return [], []
+
+    @classmethod
     def encode(cls, op: Op, tile: Tile) -> list[int]:
         """Up to 4 int32 tile parameters for the instruction word (p0..p3); by default the
         tile's first range parameter (rows, units or heads)."""

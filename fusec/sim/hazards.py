@@ -1,28 +1,55 @@
-"""Hazard check: every two conflicting accesses must be ordered by counters or queue order.
+"""Hazard check: every two conflicting accesses must be ordered by counters, queue order or
+atomic tickets.
 
-Happens-before is the transitive closure of two kinds of edges: SM queue order, and a wait
-on a counter (the producer's stores happen before the consumer's loads). Two accesses
-conflict when they touch overlapping elements of one buffer, at least one writes, and they
-belong to different instructions. Tiles of one op are compared only with the regions
-observed at run time: their planned KV-cache regions (the whole head, since the row is
-chosen at run time) overlap without conflicting. For every conflicting pair (a before b in program order)
-``a`` must happen before ``b``; otherwise the pair is a hazard: RAW (b reads what a wrote),
-WAR (b overwrites what a read) or WAW.
+Happens-before is the transitive closure of three kinds of edges: SM queue order, a wait on a
+counter (the producer's stores happen before the consumer's loads), and an atomic ticket (an
+instruction that takes a ticket after another one does: fence, atomic add, fence). A ticket
+orders only what comes *after* it: an instruction that takes one has two phases, the accesses
+before its ticket (``pre``) and the ones after (``post``, e.g. the last-tile merge of split-KV
+attention), and a ticket edge X -> Y orders X's ``pre`` phase (and what was before it) before
+Y's ``post`` phase only. Queue and counter successors of an instruction follow both phases.
+
+Two accesses conflict when they touch overlapping elements of one buffer, at least one writes,
+and they belong to different instructions. Tiles of one op are compared only with the regions
+observed at run time: their planned KV-cache regions (the whole head, since the row is chosen
+at run time) overlap without conflicting. For every conflicting pair (a before b in program
+order) ``a``'s access must happen before ``b``'s (for two tiles of one op, ordered at run time
+by a ticket, either order will do); otherwise the pair is a hazard: RAW (b reads what a
+wrote), WAR (b overwrites what a read) or WAW.
 """
 from __future__ import annotations
+
+import dataclasses
 
 from ..errors import HazardError
 from ..instructions.base import Region
 from ..schedule import Schedule
 
+Regions = dict[int, tuple[list[Region], list[Region]]]
+
+
+@dataclasses.dataclass
+class HappensBefore:
+    """Per instruction id, bitsets over phases (bit ``2p`` = instruction p's ``pre`` phase,
+    bit ``2p + 1`` = its ``post`` phase): ``pre[i]`` holds the phases that happen before i
+    starts, ``post[i]`` those before i's post-ticket phase (a superset)."""
+
+    pre: list[int]
+    post: list[int]
+
+    def ordered(self, a: int, a_post: bool, b: int, b_post: bool) -> bool:
+        """Whether the access of instruction ``a`` (in its post phase if ``a_post``) happens
+        before the access of ``b`` (in its post phase if ``b_post``)."""
+        return bool(((self.post[b] if b_post else self.pre[b]) >> (2 * a + a_post)) & 1)
+
 
 def happens_before(s: Schedule, extra: dict[int, list[int]] | None = None,
-                   order: list[int] | None = None) -> list[int]:
-    """Bitset per instruction id: bit p set iff instruction p happens before it.
+                   order: list[int] | None = None) -> HappensBefore:
+    """Happens-before of the instructions' phases (:class:`HappensBefore`).
 
     Args:
-        extra: run-time edges, instruction id -> ids that happen before it (an atomic ticket
-            taken by one tile after another: fence, atomic add, fence).
+        extra: ticket edges, instruction id -> the instructions that took the same ticket just
+            before it; they order only its post-ticket phase.
         order: the order the instructions ran in (a topological order of all edges); by
             default program order, where every static edge points backwards.
 
@@ -30,59 +57,71 @@ def happens_before(s: Schedule, extra: dict[int, list[int]] | None = None,
         HazardError: an edge points to an instruction that had not run before.
     """
     extra = extra or {}
-    hb = [0] * len(s.instrs)
+    n = len(s.instrs)
+    pre, post, full, tick = [0] * n, [0] * n, [0] * n, [0] * n
     prev_on_sm: dict[int, int] = {}
     for q in s.queues:
         for a, b in zip(q, q[1:]):
             prev_on_sm[b] = a
-    done = [False] * len(s.instrs)
-    for iid in (order if order is not None else range(len(s.instrs))):
+    done = [False] * n
+    for iid in (order if order is not None else range(n)):
         ins = s.instrs[iid]
-        preds = list(ins.waits) + extra.get(iid, [])
-        if iid in prev_on_sm:
-            preds.append(prev_on_sm[iid])
+        preds = list(ins.waits) + ([prev_on_sm[iid]] if iid in prev_on_sm else [])
         acc = 0
-        for p in preds:
+        for p in preds + extra.get(iid, []):
             if not done[p]:
                 raise HazardError(f"{ins.describe()} depends on instruction #{p}, which runs later", [])
-            acc |= hb[p] | (1 << p)
-        hb[iid] = acc
+        for p in preds:
+            acc |= full[p]
+        pre[iid] = acc
+        # what happens before this instruction takes its ticket: its own pre phase, and what
+        # happened before the tickets taken before it
+        t = acc | (1 << (2 * iid))
+        for x in extra.get(iid, []):
+            t |= tick[x]
+        tick[iid] = t
+        post[iid] = t
+        full[iid] = t | (1 << (2 * iid + 1))
         done[iid] = True
-    return hb
+    return HappensBefore(pre, post)
 
 
-def check_hazards(s: Schedule, regions: dict[int, tuple[list[Region], list[Region]]] | None = None,
-                  limit: int = 20, extra: dict[int, list[int]] | None = None,
-                  order: list[int] | None = None) -> None:
+def check_hazards(s: Schedule, regions: Regions | None = None, limit: int = 20,
+                  extra: dict[int, list[int]] | None = None, order: list[int] | None = None,
+                  post_regions: Regions | None = None) -> None:
     """Raise :class:`HazardError` listing up to ``limit`` unordered conflicting pairs.
 
     Args:
         regions: instruction id -> (reads, writes) observed at run time; planned regions
             are used for instructions not in it.
-        extra, order: run-time happens-before edges and the run order (:func:`happens_before`).
+        extra, order: ticket edges and the run order (:func:`happens_before`).
+        post_regions: instruction id -> (reads, writes) after its ticket (the last-tile merge).
     """
     regions = regions or {}
+    post_regions = post_regions or {}
     hb = happens_before(s, extra, order)
-    acc: dict[str, list[tuple[int, bool, Region]]] = {}
+    acc: dict[str, list[tuple[int, bool, bool, Region]]] = {}   # (id, write, post phase, region)
     for ins in s.instrs:
-        rd, wr = regions.get(ins.id, (ins.tile.reads, ins.tile.writes))
-        for r in rd:
-            acc.setdefault(r.tensor, []).append((ins.id, False, r))
-        for r in wr:
-            acc.setdefault(r.tensor, []).append((ins.id, True, r))
+        phases = [(False, regions.get(ins.id, (ins.tile.reads, ins.tile.writes)))]
+        if ins.id in post_regions:
+            phases.append((True, post_regions[ins.id]))
+        for post, (rd, wr) in phases:
+            for r in rd:
+                acc.setdefault(r.tensor, []).append((ins.id, False, post, r))
+            for r in wr:
+                acc.setdefault(r.tensor, []).append((ins.id, True, post, r))
     found = []
     for buf, lst in acc.items():
-        ws = [x for x in lst if x[1]]
-        for wid, _, wreg in ws:
-            for oid, owrite, oreg in lst:
+        for wid, _, wpost, wreg in (x for x in lst if x[1]):
+            for oid, owrite, opost, oreg in lst:
                 if oid == wid or not wreg.overlaps(oreg) or (owrite and oid > wid):
                     continue
                 if s.instrs[oid].op == s.instrs[wid].op and (oid not in regions or wid not in regions):
                     continue  # planned regions of one op's tiles may overlap (KV row chosen at run time)
-                a, b = (oid, wid) if oid < wid else (wid, oid)
-                if (hb[b] >> a) & 1:
+                (a, ap), (b, bp) = sorted([(oid, opost), (wid, wpost)])
+                if hb.ordered(a, ap, b, bp):
                     continue
-                if s.instrs[a].op == s.instrs[b].op and (hb[a] >> b) & 1:
+                if s.instrs[a].op == s.instrs[b].op and hb.ordered(b, bp, a, ap):
                     continue  # tiles of one op ordered at run time (a ticket), in either order
                 if oid < wid:
                     kind = "WAW" if owrite else "WAR"

@@ -7,8 +7,9 @@ increments its counter. If work remains and no SM can start, that is a deadlock,
 with the SM, queue index, instruction, counter, value and target of every blocked SM.
 After the step, :func:`fusec.sim.hazards.check_hazards` verifies with the exact run-time
 regions that every conflicting pair of accesses was ordered: by queue order, counter waits,
-or an atomic ticket (each instruction that takes a ticket follows the one that took it
-before, as on the GPU; see :meth:`fusec.env.Env.take_ticket`).
+or an atomic ticket (the accesses an instruction makes after taking a ticket follow the
+instruction that took it before, as on the GPU; see :meth:`fusec.env.Env.take_ticket` and
+:meth:`fusec.instructions.base.Instruction.ticket_regions`).
 """
 from __future__ import annotations
 
@@ -64,6 +65,7 @@ class Simulator:
         ready: list[int] = []
         regions = {}
         order: list[int] = []
+        post_regions = {}
 
         def arm(sm: int) -> None:
             q = s.queues[sm]
@@ -92,6 +94,9 @@ class Simulator:
                 cls = kind_of(op)
                 env.current = ins.id
                 regions[ins.id] = cls.runtime_regions(op, ins.tile, env)
+                after = cls.ticket_regions(op, ins.tile, env)
+                if after[0] or after[1]:
+                    post_regions[ins.id] = after
                 cls.run_tile(op, ins.tile, env)
             self.counters[ins.id] += 1
             remaining -= 1
@@ -104,7 +109,7 @@ class Simulator:
                     del missing[other]
                     ready.append(other)
         if self.check:
-            check_hazards(s, regions, extra=_ticket_edges(env), order=order)
+            check_hazards(s, regions, extra=_ticket_edges(env), order=order, post_regions=post_regions)
         if env is None:
             return None
         return [env.read(t) for t in s.graph.outputs]
