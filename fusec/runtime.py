@@ -13,7 +13,9 @@ and resets the counters, a set fault raises :class:`IndexFaultError`.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -29,7 +31,9 @@ _FAULTS = {1: "token id (embedding row)", 2: "position (table lookup)", 3: "RoPE
            4: "KV-cache write position", 5: "attention position"}
 
 
+@functools.cache
 def _driver():
+    """cuda-python's driver module (imported once, on first use: the CPU path never needs it)."""
     from cuda.bindings import driver
     return driver
 
@@ -123,7 +127,7 @@ class CudaStep:
             r, shape = g.root(t), tuple(g.tensors[t].shape)
             self._outs.append(self.owned[r].view(shape) if r in self.owned else (g.inputs.index(r), shape))
 
-    def _update_inputs(self, args: list[Any]) -> None:
+    def _update_inputs(self, args: Sequence[Any]) -> None:
         changed = False
         for name, i in self.input_pos.items():
             a = args[i]
@@ -156,7 +160,7 @@ class CudaStep:
 
     def __call__(self, *args: Any) -> list[torch.Tensor]:
         drv = _driver()
-        self._update_inputs(list(args))
+        self._update_inputs(args)
         stream = drv.CUstream(torch.cuda.current_stream(self.device).cuda_stream)
         _ck(drv.cuLaunchCooperativeKernel(self.func, self.plan.num_sms, 1, 1, self.plan.threads, 1, 1,
                                           self.plan.smem_bytes, stream, ctypes.addressof(self._params)),
