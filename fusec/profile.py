@@ -343,7 +343,7 @@ class Timeline:
         log.info("profile: Gantt chart written to %s", path)
 
 
-def render(trace_json_path: str | os.PathLike, png_path: str | os.PathLike, title: str = "") -> dict[str, Any]:
+def render(timeline_json_path: str | os.PathLike, png_path: str | os.PathLike, title: str = "") -> dict[str, Any]:
     """Draw the PNG of a timeline saved by :meth:`Timeline.save`; returns its summary.
 
     Raises:
@@ -351,8 +351,8 @@ def render(trace_json_path: str | os.PathLike, png_path: str | os.PathLike, titl
         ValueError: not a timeline file (bad JSON, format or records).
         MatplotlibMissing (an ImportError): matplotlib is not installed.
     """
-    tl = Timeline.load(trace_json_path)
-    tl.to_png(png_path, title=title or os.path.basename(os.fspath(trace_json_path)))
+    tl = Timeline.load(timeline_json_path)
+    tl.to_png(png_path, title=title or os.path.basename(os.fspath(timeline_json_path)))
     return tl.summary()
 
 
