@@ -53,6 +53,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--variants", required=True, type=json.loads, help="JSON list of {name, options}")
     ap.add_argument("--profile", default=None, help="folder: record the first variant's timeline")
+    ap.add_argument("--profile-only", action="store_true",
+                    help="time nothing: record the first variant's timeline at every --positions "
+                         "value into --profile/p<position>")
     ap.add_argument("--out", default="build/variants.json")
     args, rest = ap.parse_known_args()
     dargs = decode.parse_args(["--engines", "fusec", "--no-warm-compile", *rest])
@@ -64,6 +67,12 @@ def main() -> int:
     bw = decode.read_bandwidth(dev, dargs.bandwidth_gib)
     floor_ms = sum(p.numel() * p.element_size() for p in model.parameters()) / bw * 1e3
     bench = decode.Bench(model, ex["MAX_CACHE_LEN"], dev, dargs)
+    if args.profile_only:
+        if not args.profile:
+            ap.error("--profile-only needs --profile DIR")
+        for pos in dargs.positions:
+            record_timeline(bench, args.variants[0].get("options", {}), f"{args.profile}/p{pos}", pos)
+        return 0
     rows = []
     for v in args.variants:
         dargs.fusec_options = v.get("options", {})

@@ -31,6 +31,7 @@ MAX_SMEM_BYTES = 227 * 1024   # dynamic shared memory per CTA on sm_90 (opt-in m
 #: batch to shared memory (cp.async) before the counter waits; FUSEC_PRELOAD: each lane loads
 #: its first weight batch into registers before the counter waits (not with staging).
 KNOBS = {"FUSEC_LOADS_IN_FLIGHT": 8, "FUSEC_PREFETCH": 1, "FUSEC_STAGE_WEIGHTS": 0, "FUSEC_PRELOAD": 0}
+PROF_MARKS = 6   # FUSEC_MARK(k) timestamps per instruction in a profiling build, k < PROF_MARKS
 WORD = 8  # int32 per instruction word: op, p0, p1, p2, p3, wait_off, wait_cnt, counter id
 
 CTYPES = {torch.bfloat16: "__nv_bfloat16", torch.float32: "float", torch.float16: "__half",
@@ -96,8 +97,9 @@ class KernelPlan:
         n_counters: counters to allocate: one per instruction (its id), then the spare ones
             (atomic tickets, :meth:`Buffers.counters`).
         smem_bytes: dynamic shared memory per CTA.
-        profile: the kernel takes one more argument, a [instructions, 4] uint64 buffer where each
-            instruction records (SM, fetched, waits satisfied, done) in %globaltimer ns.
+        profile: the kernel takes one more argument, a [instructions, 4 + PROF_MARKS] uint64
+            buffer where each instruction records (SM, fetched, waits satisfied, done) and then
+            the ``FUSEC_MARK(k)`` timestamps its template took (0: not taken), %globaltimer ns.
     """
 
     source: str
@@ -179,7 +181,7 @@ def render(s: Schedule, title: str = "", threads: int = THREADS, profile: bool =
     source = env.get_template("kernel.cu.j2").render(
         title=title or "decode step", num_sms=s.num_sms, threads=threads, smem_bytes=smem * 4,
         n_instrs=len(s.instrs), n_ops=len(g.ops), n_waits=len(waits), kinds=list(macros), macros=macros,
-        cases=cases, profile=profile, defines=defines, stage_off=stage_off)
+        cases=cases, profile=profile, prof_marks=PROF_MARKS, defines=defines, stage_off=stage_off)
     return KernelPlan(source, bufs.names, words, queue_off, waits or [0], len(s.instrs) + bufs.n_spare,
                       max(16, smem * 4), threads, s.num_sms, profile)
 

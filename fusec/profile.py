@@ -9,6 +9,10 @@ nanoseconds):
 - ``t_waited``: every counter it waits for was satisfied (its work began);
 - ``t_end``: its work was done and its counter released.
 
+Columns after the fourth, if any, are the template's marks (``FUSEC_MARK(k)`` in a template:
+when thread 0 passed point k; 0 where not taken). :meth:`Timeline.op_windows` gives their
+median offset from ``t_waited`` per op, so the time inside an instruction is seen by phase.
+
 :class:`Timeline` pairs these rows with the schedule's per-instruction metadata and keeps
 times in microseconds (float) from the earliest ``t_start``. ``wait`` is
 ``t_waited - t_start`` and ``busy`` is ``t_end - t_waited``. A timeline saved with
@@ -66,6 +70,8 @@ class Timeline:
         records: raw rows ``(sm, t_start_ns, t_waited_ns, t_end_ns)``, one per instruction id
             (Python ints, absolute ns).
         meta: :class:`InstrMeta` per instruction id (same order as ``records``).
+        marks: per instruction id, the template's mark timestamps (absolute ns, 0 = not
+            taken); empty tuples when the records have only 4 columns.
         num_sms: SMs of the schedule (the Gantt chart's rows).
         step_ms: wall time of the step measured outside the kernel, if given (else None).
         t0_ns: the earliest ``t_start``; ``start/waited/end`` are µs floats from it.
@@ -76,18 +82,20 @@ class Timeline:
         """Prefer :meth:`from_records` or :meth:`from_json`.
 
         Raises:
-            ValueError: no instructions, ``len(records) != len(meta)``, a row that is not 4
-                integers, an SM outside ``[0, num_sms)``, or times not in the order
+            ValueError: no instructions, ``len(records) != len(meta)``, rows of fewer than 4
+                integers or of different lengths, an SM outside ``[0, num_sms)``, or times not in the order
                 ``t_start <= t_waited <= t_end``.
         """
-        rows = [tuple(int(v) for v in r) for r in records]
-        if not rows:
+        full = [tuple(int(v) for v in r) for r in records]
+        if not full:
             raise ValueError("profile: no instruction records")
-        if len(rows) != len(meta):
-            raise ValueError(f"profile: {len(rows)} records for {len(meta)} instructions")
-        if any(len(r) != 4 for r in rows):
-            raise ValueError("profile: records must have shape [n_instructions, 4] "
-                             "(sm, t_start_ns, t_waited_ns, t_end_ns)")
+        if len(full) != len(meta):
+            raise ValueError(f"profile: {len(full)} records for {len(meta)} instructions")
+        if len(full[0]) < 4 or any(len(r) != len(full[0]) for r in full):
+            raise ValueError("profile: records must have shape [n_instructions, 4 + marks] "
+                             "(sm, t_start_ns, t_waited_ns, t_end_ns, mark_ns...)")
+        rows = [r[:4] for r in full]
+        self.marks: list[tuple[int, ...]] = [r[4:] for r in full]
         self.records: list[tuple[int, int, int, int]] = rows  # type: ignore[assignment]
         self.meta = list(meta)
         self.num_sms = int(num_sms)
@@ -143,7 +151,7 @@ class Timeline:
         """The raw data as a JSON-ready dict (records in absolute ns, per-instruction metadata)."""
         return {
             "format": FORMAT, "version": VERSION, "num_sms": self.num_sms, "step_ms": self.step_ms,
-            "records": [list(r) for r in self.records],
+            "records": [list(r) + list(m) for r, m in zip(self.records, self.marks)],
             "instructions": [{**dataclasses.asdict(m), "waits": list(m.waits)} for m in self.meta],
         }
 
@@ -257,8 +265,18 @@ class Timeline:
                 "mean_busy_us": sum(self.end[i] - self.waited[i] for i in ids) / len(ids),
                 "mean_wait_us": sum(self.waited[i] - self.start[i] for i in ids) / len(ids),
                 "bytes": nbytes, "gbps_window": _gbps(nbytes, end - ready),
+                "marks_us": self._mark_medians(ids),
             })
         return sorted(out, key=lambda r: (r["first_fetch"], r["op"]))
+
+    def _mark_medians(self, ids: list[int]) -> list[float | None]:
+        n = len(self.marks[0]) if self.marks else 0
+        out: list[float | None] = []
+        for k in range(n):
+            offs = sorted((self.marks[i][k] - self.t0_ns) / 1e3 - self.waited[i]
+                          for i in ids if self.marks[i][k] > 0)
+            out.append(offs[len(offs) // 2] if offs else None)
+        return out
 
     # ---- outputs ------------------------------------------------------------------------
 

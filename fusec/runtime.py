@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .codegen import WORD, KernelPlan
+from .codegen import PROF_MARKS, WORD, KernelPlan
 from .errors import CudaError, FusecError, IndexFaultError, WatchdogError
 from .ir import Graph, Role
 from .jit import CompiledKernel
@@ -117,8 +117,8 @@ class CudaStep:
         fault_addr = ctypes.c_uint64(self.fault.data_ptr())   # the kernel's fault pointer, set once
         _ck(drv.cuMemcpyHtoD(sym, ctypes.addressof(fault_addr), 8), "cuMemcpyHtoD(fusec_fault)")
         self.prof: torch.Tensor | None = None
-        if plan.profile:   # (SM, fetched, waits satisfied, done) per instruction, globaltimer ns
-            self.prof = torch.zeros(len(plan.words) // WORD, 4, dtype=torch.int64, device=dev)  # one per instruction
+        if plan.profile:   # (SM, fetched, waits satisfied, done, marks...) per instruction, globaltimer ns
+            self.prof = torch.zeros(len(plan.words) // WORD, 4 + PROF_MARKS, dtype=torch.int64, device=dev)
             self._vals.append(ctypes.c_void_p(self.prof.data_ptr()))
         self._params = (ctypes.c_void_p * len(self._vals))(*[ctypes.addressof(v) for v in self._vals])
         # per output: its own buffer viewed in the output's shape, or (input index, shape)
@@ -170,8 +170,9 @@ class CudaStep:
         return [o if isinstance(o, torch.Tensor) else args[o[0]].view(o[1]) for o in self._outs]
 
     def profile_records(self) -> torch.Tensor:
-        """The last step's per-instruction records, int64 [instructions, 4] on the CPU:
-        (SM, fetched, waits satisfied, done) in %globaltimer ns (synchronizes).
+        """The last step's per-instruction records, int64 [instructions, 4 + PROF_MARKS] on the
+        CPU: (SM, fetched, waits satisfied, done, then the template's FUSEC_MARK timestamps,
+        0 where not taken) in %globaltimer ns (synchronizes).
 
         Raises:
             FusecError: the kernel was built without ``profile``.

@@ -49,6 +49,16 @@ __device__ __forceinline__ unsigned long long globaltimer() {
   return t;
 }
 
+// Profiling marks: FUSEC_MARK(k) records when thread 0 passed point k of an instruction template
+// (k < FUSEC_MARKS); the profiling build writes them after the instruction's (SM, fetched,
+// waits satisfied, done) record. A no-op in other builds.
+#ifdef FUSEC_MARKS
+__shared__ unsigned long long fusec_marks[FUSEC_MARKS];
+#define FUSEC_MARK(k) do { if (threadIdx.x == 0) fusec_marks[k] = globaltimer(); } while (0)
+#else
+#define FUSEC_MARK(k) do { } while (0)
+#endif
+
 // Ask the copy engine to stream [p, p + bytes) into L2 (sm_90 bulk prefetch; no registers,
 // no completion to wait for). Used to issue an instruction's weight loads before its waits.
 __device__ __forceinline__ void prefetch_l2(const void* p, unsigned long long bytes) {

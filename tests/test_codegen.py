@@ -72,6 +72,7 @@ def test_profile_and_defines_render_and_compile(tmp_path):
     assert "unsigned long long* prof" in prof.source and "unsigned long long* prof" not in plain.source
     assert "#define FUSEC_LOADS_IN_FLIGHT 16" in prof.source and "#define FUSEC_PREFETCH 0" in prof.source
     assert prof.words == plain.words and prof.waits == plain.waits   # same schedule, more timestamps
+    assert "#define FUSEC_MARKS" in prof.source and "#define FUSEC_MARKS" not in plain.source
     k = compile_cuda(prof.source, "fusec_step.cu", cache_dir=str(tmp_path))
     k.assert_no_spills()
 

@@ -148,6 +148,24 @@ def test_accepts_tensor():
     assert a.to_json() == Timeline.from_records(records, sched).to_json()
 
 
+def test_marks_by_hand(tmp_path):
+    """Columns after the fourth are template marks: median offset from t_waited per op, 0 = not
+    taken; they survive the JSON round trip."""
+    sched, records = _hand()
+    sched.instrs[2].op = "op0"
+    marked = [r + m for r, m in zip(records, ([T0 + 1500, 0], [T0 + 5200, T0 + 5900], [T0 + 4500, 0]))]
+    tl = Timeline.from_records(marked, sched)
+    assert tl.records == [tuple(r) for r in records]
+    w = {r["op"]: r["marks_us"] for r in tl.op_windows()}
+    assert w["op0"][0] == pytest.approx(0.5) and w["op0"][1] is None      # both tiles 0.5 µs after ready
+    assert w["op1"] == pytest.approx([0.2, 0.9])
+    tl.save(tmp_path / "t.json")
+    assert Timeline.load(tmp_path / "t.json").marks == tl.marks
+    assert Timeline.from_records(records, sched).op_windows()[0]["marks_us"] == []
+    with pytest.raises(ValueError, match="4 \\+ marks"):
+        Timeline.from_records([records[0], records[1] + [1], records[2]], sched)
+
+
 def test_bad_records():
     sched, records = _hand()
     with pytest.raises(ValueError, match="3 instructions"):
