@@ -16,7 +16,7 @@ import jinja2
 import torch
 
 from . import template_dir
-from .errors import FallbackRequired, FusecError
+from .errors import FallbackRequired
 from .instructions import kind_of
 from .instructions.base import CTA_THREADS
 from .ir import Graph, Role
@@ -27,10 +27,9 @@ MAX_SMEM_BYTES = 227 * 1024   # dynamic shared memory per CTA on sm_90 (opt-in m
 #: Kernel tuning knobs (``#define``d at the top of every kernel) and their defaults; the
 #: ``defines`` option overrides them. FUSEC_LOADS_IN_FLIGHT: 16-byte weight loads in flight per
 #: lane in a matvec; FUSEC_PREFETCH: L2 bulk prefetch of this and the next instruction's
-#: weights before the counter waits; FUSEC_STAGE_WEIGHTS: each warp copies its first weight
-#: batch to shared memory (cp.async) before the counter waits; FUSEC_PRELOAD: each lane loads
-#: its first weight batch into registers before the counter waits (not with staging).
-KNOBS = {"FUSEC_LOADS_IN_FLIGHT": 8, "FUSEC_PREFETCH": 1, "FUSEC_STAGE_WEIGHTS": 0, "FUSEC_PRELOAD": 0}
+#: weights before the counter waits. (Staging the first weight batch in shared memory or in
+#: registers before the waits measured slower and was removed: docs/performance.md.)
+KNOBS = {"FUSEC_LOADS_IN_FLIGHT": 8, "FUSEC_PREFETCH": 1}
 PROF_MARKS = 6   # FUSEC_MARK(k) timestamps per instruction in a profiling build, k < PROF_MARKS
 WORD = 8  # int32 per instruction word: op, p0, p1, p2, p3, wait_off, wait_cnt, counter id
 
@@ -150,20 +149,10 @@ def render(s: Schedule, title: str = "", threads: int = THREADS, profile: bool =
             macros[cls.name] = env.get_template(f"{cls.name}.cu.j2").module
         mod = macros[cls.name]
         pf = mod.prefetch(args).strip() if hasattr(mod, "prefetch") else ""
-        st = mod.stage(args).strip() if hasattr(mod, "stage") else ""
-        pl = mod.preload(args).strip() if hasattr(mod, "preload") else ""
         cases.append({"op": k, "name": op.name, "kind": op.kind, "layer": op.layer,
-                      "call": mod.call(args).strip(), "prefetch": pf, "stage": st, "preload": pl})
+                      "call": mod.call(args).strip(), "prefetch": pf})
         smem = max(smem, cls.smem_floats(op, g))
-    smem = -(-smem // 4) * 4                      # the staging slots start 16-byte aligned
-    stage_off = smem
     defines = {**KNOBS, **(defines or {})}
-    try:
-        stage, lif = int(defines["FUSEC_STAGE_WEIGHTS"]), int(defines["FUSEC_LOADS_IN_FLIGHT"])
-    except ValueError as e:
-        raise FusecError(f"defines: FUSEC_STAGE_WEIGHTS and FUSEC_LOADS_IN_FLIGHT take integers ({e})") from None
-    if stage:   # one slot per warp: FUSEC_LOADS_IN_FLIGHT x 32 lanes x 16 bytes
-        smem += (threads // 32) * lif * 32 * 4
     if smem * 4 > MAX_SMEM_BYTES:
         big = max(g.ops, key=lambda op: kind_of(op).smem_floats(op, g))
         raise FallbackRequired(f"op {big.name} ({big.kind}) needs {smem * 4} B of shared memory per CTA, "
@@ -181,7 +170,7 @@ def render(s: Schedule, title: str = "", threads: int = THREADS, profile: bool =
     source = env.get_template("kernel.cu.j2").render(
         title=title or "decode step", num_sms=s.num_sms, threads=threads, smem_bytes=smem * 4,
         n_instrs=len(s.instrs), n_ops=len(g.ops), n_waits=len(waits), kinds=list(macros), macros=macros,
-        cases=cases, profile=profile, prof_marks=PROF_MARKS, defines=defines, stage_off=stage_off)
+        cases=cases, profile=profile, prof_marks=PROF_MARKS, defines=defines)
     return KernelPlan(source, bufs.names, words, queue_off, waits or [0], len(s.instrs) + bufs.n_spare,
                       max(16, smem * 4), threads, s.num_sms, profile)
 

@@ -124,23 +124,14 @@ __device__ __forceinline__ void lds_vec(const TS* p, float (&f)[V]) {
   }
 }
 
-// Tuning knobs FUSEC_LOADS_IN_FLIGHT, FUSEC_STAGE_WEIGHTS, FUSEC_PREFETCH: #defined at the top of
-// the kernel by codegen (fusec.codegen.KNOBS holds their defaults and meaning).
+// The per-layer matvec kinds (QKV, O/down projection, gate/up) are out-of-line functions: the
+// 16 cases of a kind (one per layer) call one copy of its code instead of inlining 16 (smaller
+// kernel text for the instruction cache, faster NVRTC). NVRTC made this choice by itself for
+// the measured Llama-3.2-1B kernels; this pins it.
+#define FUSEC_KIND_FN __noinline__
 
-// The first weight batch of an instruction, loaded into registers before its counter waits
-// (FUSEC_PRELOAD); `ok` says whether this lane's warp has one. The kernel passes &batch (always
-// the same local, so it stays in registers once the matvec templates are inlined) or nullptr.
-struct PreBatch {
-  uint4 v[FUSEC_LOADS_IN_FLIGHT];
-  bool ok;
-};
-// The matvec templates are force-inlined with FUSEC_PRELOAD (a batch in registers cannot cross
-// a call); otherwise NVRTC chooses (it compiles faster).
-#if FUSEC_PRELOAD
-#define FUSEC_MATVEC_INLINE __forceinline__
-#else
-#define FUSEC_MATVEC_INLINE
-#endif
+// Tuning knobs FUSEC_LOADS_IN_FLIGHT, FUSEC_PREFETCH: #defined at the top of the kernel by
+// codegen (fusec.codegen.KNOBS holds their defaults and meaning).
 
 // Batch shape of a matvec over R rows of length K: B loads of 16 bytes per row and lane in flight.
 template <typename TW, int K, int R>
@@ -185,69 +176,14 @@ __device__ __forceinline__ void dot_batch(const TW* const (&w)[R], const TS* __r
   fma_batch<TW, TS, R, B>(raw, xs, k, acc);
 }
 
-// Asynchronous 16-byte copy global -> shared through L2 only (cp.async.cg), its commit and wait.
-__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
-               ::"r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
-
-// Weight staging (FUSEC_STAGE_WEIGHTS): before its counter waits, each warp copies the first
-// batch of its first rows into its own slot of shared memory (FUSEC_LOADS_IN_FLIGHT x 32 uint4),
-// so the memory pipe works during the waits and the prologue. Lane l copies exactly the 16-byte
-// pieces it will read in dot_rows, so only its own cp.async.wait_all is needed.
-template <typename TW, int K, int R>
-__device__ __forceinline__ void stage_rows(const TW* const (&w)[R], uint4* slot, int lane) {
-  using M = MatvecBatch<TW, K, R>;
-  if constexpr (M::VEC) {
-#pragma unroll
-    for (int b = 0; b < M::B; ++b)
-#pragma unroll
-      for (int r = 0; r < R; ++r) cp_async16(slot + (r * M::B + b) * 32 + lane, w[r] + b * M::STEP + lane * M::V);
-    cp_async_commit();
-  }
-}
-
-// Register preload (FUSEC_PRELOAD): before its counter waits, each lane loads the first batch
-// of its warp's first rows into registers, pre[r * B + b] = the 16 bytes dot_rows reads first.
-// Returns whether it did (the batched path runs and the rows exist).
-template <typename TW, int K, int R>
-__device__ __forceinline__ bool preload_rows(const TW* const (&w)[R], bool valid, PreBatch& pre, int lane) {
-  using M = MatvecBatch<TW, K, R>;
-  static_assert(M::B * R <= FUSEC_LOADS_IN_FLIGHT || !M::VEC, "preload batch exceeds its registers");
-  if constexpr (M::VEC) {
-    if (!valid) return false;
-#pragma unroll
-    for (int b = 0; b < M::B; ++b)
-#pragma unroll
-      for (int r = 0; r < R; ++r) pre.v[r * M::B + b] = ld_stream(w[r] + b * M::STEP + lane * M::V);
-    return true;
-  } else {
-    return false;
-  }
-}
-
-// This warp's staging slot, or nullptr when staging is off.
-__device__ __forceinline__ uint4* stage_slot(float* stage_base) {
-#if FUSEC_STAGE_WEIGHTS
-  return reinterpret_cast<uint4*>(stage_base) + (threadIdx.x >> 5) * FUSEC_LOADS_IN_FLIGHT * 32;
-#else
-  return nullptr;
-#endif
-}
-
 // R rows of a matvec by one warp: out[r] = dot(w[r][0:K], xs[0:K]) (fp32 accumulation), every
 // lane gets the sums. xs is the input vector in shared memory in its own dtype TS (exact);
 // weights stream with 16-byte loads, FUSEC_LOADS_IN_FLIGHT per lane in flight when K is a
 // multiple of a warp's step (32 x 16 bytes), one per row otherwise; scalar loads if K is not a
-// multiple of 16 bytes. `staged`: this warp's staging slot holding the first batch of these
-// rows (see stage_rows), or nullptr. `pre`: the first batch already in this lane's registers
-// (see preload_rows), used when `use_pre`.
+// multiple of 16 bytes.
 template <typename TW, typename TS, int K, int R>
 __device__ __forceinline__ void dot_rows(const TW* const (&w)[R], const TS* __restrict__ xs, int lane,
-                                         float (&out)[R], const uint4* staged = nullptr,
-                                         const PreBatch* pre = nullptr, bool use_pre = false) {
+                                         float (&out)[R]) {
   using M = MatvecBatch<TW, K, R>;
   constexpr int V = M::V, STEP = M::STEP;
   float acc[R];
@@ -255,27 +191,8 @@ __device__ __forceinline__ void dot_rows(const TW* const (&w)[R], const TS* __re
   for (int r = 0; r < R; ++r) acc[r] = 0.f;
   if constexpr (M::VEC) {
     constexpr int B = M::B, NB = M::NB;
-    int i0 = 0;
-    if (staged != nullptr) {
-      uint4 raw[R][B];
-      cp_async_wait_all();
-#pragma unroll
-      for (int b = 0; b < B; ++b)
-#pragma unroll
-        for (int r = 0; r < R; ++r) raw[r][b] = staged[(r * B + b) * 32 + lane];
-      fma_batch<TW, TS, R, B>(raw, xs, lane * V, acc);
-      i0 = 1;
-    } else if (use_pre) {
-      uint4 raw[R][B];
-#pragma unroll
-      for (int b = 0; b < B; ++b)
-#pragma unroll
-        for (int r = 0; r < R; ++r) raw[r][b] = pre->v[r * B + b];
-      fma_batch<TW, TS, R, B>(raw, xs, lane * V, acc);
-      i0 = 1;
-    }
 #pragma unroll 1
-    for (int i = i0; i < NB; ++i) dot_batch<TW, TS, R, B>(w, xs, i * B * STEP + lane * V, acc);
+    for (int i = 0; i < NB; ++i) dot_batch<TW, TS, R, B>(w, xs, i * B * STEP + lane * V, acc);
     if constexpr (M::NK % B != 0) {
 #pragma unroll
       for (int i = NB * B; i < M::NK; ++i) dot_batch<TW, TS, R, 1>(w, xs, i * STEP + lane * V, acc);
@@ -294,12 +211,10 @@ __device__ __forceinline__ void dot_rows(const TW* const (&w)[R], const TS* __re
 
 // One row of a matvec: dot(w[0:K], xs[0:K]) by one warp (see dot_rows).
 template <typename TW, typename TS, int K>
-__device__ __forceinline__ float row_dot(const TW* __restrict__ w, const TS* __restrict__ xs, int lane,
-                                         const uint4* staged = nullptr, const PreBatch* pre = nullptr,
-                                         bool use_pre = false) {
+__device__ __forceinline__ float row_dot(const TW* __restrict__ w, const TS* __restrict__ xs, int lane) {
   const TW* const ws[1] = {w};
   float out[1];
-  dot_rows<TW, TS, K, 1>(ws, xs, lane, out, staged, pre, use_pre);
+  dot_rows<TW, TS, K, 1>(ws, xs, lane, out);
   return out[0];
 }
 

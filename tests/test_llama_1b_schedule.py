@@ -40,8 +40,7 @@ def test_llama_3_2_1b_schedule(res):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("defines", [{}, {"FUSEC_STAGE_WEIGHTS": 1, "FUSEC_LOADS_IN_FLIGHT": 16}],
-                         ids=["default", "staged-lif16"])
+@pytest.mark.parametrize("defines", [{}, {"FUSEC_LOADS_IN_FLIGHT": 16}], ids=["default", "lif16"])
 def test_llama_3_2_1b_kernel_compiles_without_spills(res, defines, tmp_path):
     """CI compile-check: the whole megakernel renders and NVRTC builds it for sm_90a (the default
     kernel and the heaviest tuning variant)."""
