@@ -43,6 +43,12 @@ __device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
 __device__ __forceinline__ void red_release(unsigned* p, unsigned v) {
   asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
+// atomicInc (wraps to 0 after `limit`) with acquire-release semantics at GPU scope
+__device__ __forceinline__ unsigned atom_inc_acq_rel(unsigned* p, unsigned limit) {
+  unsigned old;
+  asm volatile("atom.acq_rel.gpu.global.inc.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(limit) : "memory");
+  return old;
+}
 __device__ __forceinline__ unsigned long long globaltimer() {
   unsigned long long t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -63,6 +69,9 @@ __shared__ unsigned long long fusec_marks[FUSEC_MARKS];
 // no completion to wait for). Used to issue an instruction's weight loads before its waits.
 __device__ __forceinline__ void prefetch_l2(const void* p, unsigned long long bytes) {
   const char* c = static_cast<const char*>(p);
+#if FUSEC_PREFETCH_KB
+  if (bytes > FUSEC_PREFETCH_KB * 1024ull) bytes = FUSEC_PREFETCH_KB * 1024ull;   // only the first rows
+#endif
   while (bytes >= 16) {
     const unsigned n = bytes > (1ull << 20) ? (1u << 20) : (unsigned)(bytes & ~15ull);
     asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(c), "r"(n) : "memory");
