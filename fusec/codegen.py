@@ -29,11 +29,9 @@ MAX_SMEM_BYTES = 227 * 1024   # dynamic shared memory per CTA on sm_90 (opt-in m
 #: lane in a matvec; FUSEC_PREFETCH: L2 bulk prefetch of this and the next instruction's
 #: weights before the counter waits. (Staging the first weight batch in shared memory or in
 #: registers before the waits measured slower and was removed: docs/performance.md.)
-#: FUSEC_FENCE: a __threadfence before each release of a counter or ticket (1) or the
-#: release/acq_rel operation alone (0). FUSEC_ATTN_EARLY: split-KV tiles issue all their K and V
-#: loads before staging q. FUSEC_PREFETCH_KB: cap of each L2 prefetch range in KiB (0: none).
-KNOBS = {"FUSEC_LOADS_IN_FLIGHT": 8, "FUSEC_PREFETCH": 0, "FUSEC_PREFETCH_KB": 0, "FUSEC_FENCE": 0,
-         "FUSEC_ATTN_EARLY": 1}
+#: FUSEC_ATTN_EARLY: split-KV tiles issue all their K and V loads before staging q (the
+#: register softmax of attention_partial_early) or the two-pass path (0).
+KNOBS = {"FUSEC_LOADS_IN_FLIGHT": 8, "FUSEC_PREFETCH": 0, "FUSEC_ATTN_EARLY": 1}
 PROF_MARKS = 6   # FUSEC_MARK(k) timestamps per instruction in a profiling build, k < PROF_MARKS
 WORD = 8  # int32 per instruction word: op, p0, p1, p2, p3, wait_off, wait_cnt, counter id
 

@@ -47,8 +47,8 @@ class Options:
             "reduce" (a separate ``attention_reduce`` level after all partial tiles). The default
             "last_tile" measured 1.0-1.4% faster on the H200 (docs/performance.md section 8).
         defines: ``#define`` name -> value for the kernel source: the tuning knobs of
-            :data:`fusec.codegen.KNOBS` (``FUSEC_LOADS_IN_FLIGHT``, ``FUSEC_PREFETCH``) and
-            their defaults.
+            :data:`fusec.codegen.KNOBS` (``FUSEC_LOADS_IN_FLIGHT``, ``FUSEC_PREFETCH``,
+            ``FUSEC_ATTN_EARLY``) and their defaults.
     """
 
     target: str | None = None

@@ -69,9 +69,6 @@ __shared__ unsigned long long fusec_marks[FUSEC_MARKS];
 // no completion to wait for). Used to issue an instruction's weight loads before its waits.
 __device__ __forceinline__ void prefetch_l2(const void* p, unsigned long long bytes) {
   const char* c = static_cast<const char*>(p);
-#if FUSEC_PREFETCH_KB
-  if (bytes > FUSEC_PREFETCH_KB * 1024ull) bytes = FUSEC_PREFETCH_KB * 1024ull;   // only the first rows
-#endif
   while (bytes >= 16) {
     const unsigned n = bytes > (1ull << 20) ? (1u << 20) : (unsigned)(bytes & ~15ull);
     asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(c), "r"(n) : "memory");
@@ -139,7 +136,7 @@ __device__ __forceinline__ void lds_vec(const TS* p, float (&f)[V]) {
 // the measured Llama-3.2-1B kernels; this pins it.
 #define FUSEC_KIND_FN __noinline__
 
-// Tuning knobs FUSEC_LOADS_IN_FLIGHT, FUSEC_PREFETCH: #defined at the top of the kernel by
+// Tuning knobs FUSEC_LOADS_IN_FLIGHT, FUSEC_PREFETCH, FUSEC_ATTN_EARLY: #defined at the top of the kernel by
 // codegen (fusec.codegen.KNOBS holds their defaults and meaning).
 
 // Batch shape of a matvec over R rows of length K: B loads of 16 bytes per row and lane in flight.
