@@ -42,7 +42,7 @@ class CompileResult:
         """
         from .codegen import render
         from .jit import compile_cuda
-        plan = render(self.schedule)
+        plan = render(self.schedule, defines=self.opts.defines)
         self.cuda_source = plan.source
         self.kernel = compile_cuda(plan.source, "fusec_step.cu")
 
@@ -79,8 +79,8 @@ class CompileResult:
         lines.append(f"per-layer balance (max/mean bytes over SMs): worst {s['layer_balance_max']:.3f}, "
                      f"mean {s['layer_balance_mean']:.3f}")
         lines.append(f"predicted step time at {self.opts.bandwidth / 1e12:.1f} TB/s: "
-                     f"{s['predicted_ms_at_bandwidth']:.3f} ms (all bytes), "
-                     f"{s['predicted_ms_busiest_sm']:.3f} ms (busiest SM)")
+                     f"{s['predicted_ms_at_bandwidth'] * 1e3:.3g} us (all bytes), "
+                     f"{s['predicted_ms_busiest_sm'] * 1e3:.3g} us (busiest SM)")
         if self.simulated:
             lines.append(f"simulator: {self.simulated}")
         if self.kernel is not None:

@@ -53,8 +53,8 @@ def _parser() -> argparse.ArgumentParser:
         help="output folder (default: build/<model file stem>)",
     )
     c.add_argument(
-        "--num-sms", metavar="N", type=_positive_int, default=DEFAULT_NUM_SMS,
-        help=f"number of SMs to schedule for (default: {DEFAULT_NUM_SMS})",
+        "--num-sms", metavar="N", type=_positive_int, default=None,
+        help=f"number of SMs to schedule for (default: $FUSEC_NUM_SMS, else {DEFAULT_NUM_SMS})",
     )
     c.add_argument(
         "--simulate", action="store_true",
@@ -213,13 +213,15 @@ def cmd_compile(ns: argparse.Namespace) -> int:
 
     from .api import compile_model  # imported late: the checks above need none of the compiler
 
+    from .config import Options
+    num_sms = ns.num_sms or Options.from_dict({}).num_sms or DEFAULT_NUM_SMS
     options = {
-        "num_sms": ns.num_sms,
+        "num_sms": num_sms,
         "simulate": ns.simulate,
         "emit_cuda": ns.emit_cuda,
         "out_dir": str(out_dir),
     }
-    log.info("compiling for %d SMs%s", ns.num_sms, " and simulating" if ns.simulate else "")
+    log.info("compiling for %d SMs%s", num_sms, " and simulating" if ns.simulate else "")
     t0 = time.perf_counter()
     result = compile_model(model, args, kwargs, options=options)
     log.info("compiled in %.1f s", time.perf_counter() - t0)

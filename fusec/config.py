@@ -21,6 +21,22 @@ FALLBACKS = ("inductor", "eager")
 ATTENTION_MERGES = ("last_tile", "reduce")
 
 
+
+def _env_int(name: str, minimum: int) -> int:
+    """The environment variable ``name`` as an integer of at least ``minimum``.
+
+    Raises:
+        FusecError: it is not one (the message names the variable and its value).
+    """
+    text = os.environ[name]
+    try:
+        value = int(text)
+    except ValueError:
+        value = minimum - 1
+    if value < minimum:
+        raise FusecError(f"{name}={text!r}: expected an integer >= {minimum}")
+    return value
+
 @dataclasses.dataclass
 class Options:
     """Compilation options.
@@ -74,11 +90,11 @@ class Options:
         if os.environ.get("FUSEC_DUMP"):
             env["dump_dir"] = os.environ["FUSEC_DUMP"]
         if os.environ.get("FUSEC_NUM_SMS"):
-            env["num_sms"] = int(os.environ["FUSEC_NUM_SMS"])
+            env["num_sms"] = _env_int("FUSEC_NUM_SMS", 1)
         if os.environ.get("FUSEC_FALLBACK"):
             env["fallback"] = os.environ["FUSEC_FALLBACK"]
         if os.environ.get("FUSEC_MAX_FUSIONS"):
-            env["max_fusions"] = int(os.environ["FUSEC_MAX_FUSIONS"])
+            env["max_fusions"] = _env_int("FUSEC_MAX_FUSIONS", 0)
         if os.environ.get("FUSEC_ATTENTION_MERGE"):
             env["attention_merge"] = os.environ["FUSEC_ATTENTION_MERGE"]
         if os.environ.get("FUSEC_PROFILE"):

@@ -136,6 +136,27 @@ def test_emit_cuda_writes_kernel_and_resource_report(tmp_path, capsys, monkeypat
     assert not (out / "kernel.cu").exists() and not (out / "kernel.cubin").exists()
 
 
+def test_env_options_reach_the_cli(tmp_path, capsys, monkeypatch):
+    """FUSEC_NUM_SMS is the default of --num-sms; FUSEC_DEFINES reaches --emit-cuda's kernel; a
+    bad integer in the environment is a one-line error naming the variable."""
+    import json
+    example = ROOT / "examples" / "tiny_llama.py"
+    monkeypatch.setenv("FUSEC_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("FUSEC_NUM_SMS", "6")
+    monkeypatch.setenv("FUSEC_DEFINES", "FUSEC_LOADS_IN_FLIGHT=4")
+    out = tmp_path / "out"
+    assert main(["compile", str(example), "-o", str(out), "--emit-cuda"]) == 0
+    assert json.loads((out / "schedule.json").read_text())["num_sms"] == 6
+    assert "#define FUSEC_LOADS_IN_FLIGHT 4" in (out / "kernel.cu").read_text()
+    assert main(["compile", str(example), "-o", str(out), "--num-sms", "3"]) == 0   # the flag wins
+    assert json.loads((out / "schedule.json").read_text())["num_sms"] == 3
+    capsys.readouterr()
+    monkeypatch.setenv("FUSEC_NUM_SMS", "abc")
+    code, err = _run(capsys, "compile", str(example), "-o", str(out))
+    assert code == 2 and "Traceback" not in err
+    assert err.strip().splitlines()[-1] == "fusec: error: FUSEC_NUM_SMS='abc': expected an integer >= 1"
+
+
 def test_timeline_command_errors_and_output(tmp_path, capsys):
     code, err = _run(capsys, "timeline", str(tmp_path / "missing.json"))
     assert code == 2 and "no such timeline file" in err
