@@ -30,7 +30,8 @@ MAX_SMEM_BYTES = 227 * 1024   # dynamic shared memory per CTA on sm_90 (opt-in m
 #: weights before the counter waits. (Staging the first weight batch in shared memory or in
 #: registers before the waits measured slower and was removed: docs/performance.md.)
 #: FUSEC_ATTN_EARLY: split-KV tiles issue all their K and V loads before staging q (the
-#: register softmax of attention_partial_early) or the two-pass path (0).
+#: register softmax of attention_partial_early) or the two-pass path (0). 1 is the setting the
+#: last bench and GPU suite ran; 0 measured about 2% faster since (docs/performance.md §9).
 KNOBS = {"FUSEC_LOADS_IN_FLIGHT": 8, "FUSEC_PREFETCH": 0, "FUSEC_ATTN_EARLY": 1}
 PROF_MARKS = 6   # FUSEC_MARK(k) timestamps per instruction in a profiling build, k < PROF_MARKS
 WORD = 8  # int32 per instruction word: op, p0, p1, p2, p3, wait_off, wait_cnt, counter id

@@ -60,7 +60,8 @@ __device__ __forceinline__ unsigned long long globaltimer() {
 // waits satisfied, done) record. A no-op in other builds.
 #ifdef FUSEC_MARKS
 __shared__ unsigned long long fusec_marks[FUSEC_MARKS];
-#define FUSEC_MARK(k) do { if (threadIdx.x == 0) fusec_marks[k] = globaltimer(); } while (0)
+#define FUSEC_MARK(k) do { static_assert((k) < FUSEC_MARKS, "FUSEC_MARK slot out of range"); \
+                          if (threadIdx.x == 0) fusec_marks[k] = globaltimer(); } while (0)
 #else
 #define FUSEC_MARK(k) do { } while (0)
 #endif
