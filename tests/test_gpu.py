@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 import runpy
 from pathlib import Path
 
@@ -79,6 +80,18 @@ def test_mid_size_matvec_paths_match_eager(hidden, inter):
     torch._dynamo.reset()
 
 
+class _FusecWarnings(logging.Handler):
+    """Collects the warnings of the "fusec" logger (fallbacks are logged there), whatever pytest's
+    logging plugin does."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
 @pytest.mark.parametrize("defines", [{"FUSEC_ATTN_EARLY": 0}, {"FUSEC_ATTN_EARLY": 1}])
 def test_kernel_knobs_match_eager(defines):
     """Each setting of a kernel knob (codegen.KNOBS) against eager, in bf16 (the early split-KV
@@ -93,11 +106,17 @@ def test_kernel_knobs_match_eager(defines):
     ref_cache = copy.deepcopy(cache)
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="fusec", options={"fallback": "eager", "defines": defines})
-    with torch.no_grad():
-        for tok in toks:
-            a = compiled(input_ids=tok, past_key_values=cache, use_cache=True).logits.float()
-            b = model(input_ids=tok, past_key_values=ref_cache, use_cache=True).logits.float()
-            assert torch.isfinite(a).all() and step_util.rel(a, b) < 5e-2
+    seen = _FusecWarnings()
+    logging.getLogger("fusec").addHandler(seen)
+    try:
+        with torch.no_grad():
+            for tok in toks:
+                a = compiled(input_ids=tok, past_key_values=cache, use_cache=True).logits.float()
+                b = model(input_ids=tok, past_key_values=ref_cache, use_cache=True).logits.float()
+                assert torch.isfinite(a).all() and step_util.rel(a, b) < 5e-2
+    finally:
+        logging.getLogger("fusec").removeHandler(seen)
+    assert not seen.messages, f"the kernel did not run (a fallback compares eager with eager): {seen.messages}"
     torch._dynamo.reset()
 
 
