@@ -116,7 +116,8 @@ def test_kernel_knobs_match_eager(defines):
                 assert torch.isfinite(a).all() and step_util.rel(a, b) < 5e-2
     finally:
         logging.getLogger("fusec").removeHandler(seen)
-    assert not seen.messages, f"the kernel did not run (a fallback compares eager with eager): {seen.messages}"
+    fell_back = [m for m in seen.messages if "eagerly" in m or "; using " in m]
+    assert not fell_back, f"the kernel did not run (a fallback compares eager with eager): {fell_back}"
     torch._dynamo.reset()
 
 
