@@ -302,7 +302,8 @@ def cmd_timeline(ns: argparse.Namespace) -> int:
                      f"mean idle share {s['idle_share_mean']:.1%}\n")
     if rows:
         sys.stdout.write(f"{'op':<28} {'kind':<20} {'tiles':>5} {'SMs':>4} {'ready us':>9} "
-                         f"{'end us':>9} {'window':>7} {'busy':>6} {'GB/s':>7}  marks: median us after each tile's ready\n")
+                         f"{'end us':>9} {'window':>7} {'busy':>6} {'GB/s':>7}  "
+                         f"marks: median us after each tile's ready\n")
         for r in rows:
             marks = " ".join("-" if m is None else f"{m:.2f}" for m in r["marks_us"])
             sys.stdout.write(f"{r['op'][:28]:<28} {r['kind'][:20]:<20} {r['tiles']:>5} {r['sms']:>4} "

@@ -21,7 +21,6 @@ FALLBACKS = ("inductor", "eager")
 ATTENTION_MERGES = ("last_tile", "reduce")
 
 
-
 def _env_int(name: str, minimum: int) -> int:
     """The environment variable ``name`` as an integer of at least ``minimum``.
 
@@ -36,6 +35,7 @@ def _env_int(name: str, minimum: int) -> int:
     if value < minimum:
         raise FusecError(f"{name}={text!r}: expected an integer >= {minimum}")
     return value
+
 
 @dataclasses.dataclass
 class Options:

@@ -83,8 +83,8 @@ class Timeline:
 
         Raises:
             ValueError: no instructions, ``len(records) != len(meta)``, rows of fewer than 4
-                integers or of different lengths, an SM outside ``[0, num_sms)``, or times not in the order
-                ``t_start <= t_waited <= t_end``.
+                integers or of different lengths, an SM outside ``[0, num_sms)``, or times not
+                in the order ``t_start <= t_waited <= t_end``.
         """
         full = [tuple(int(v) for v in r) for r in records]
         if not full:
