@@ -43,7 +43,7 @@ class Env:
         """Atomic fetch-and-add of the ticket ``key`` (0 at the start of a step): returns the
         old value and logs which instruction took it. The simulator orders what each taker
         does after its ticket (``Instruction.ticket_regions``) after the taker before it, as
-        the GPU's fence + atomic + fence does."""
+        the GPU's acquire-release atomic does."""
         old = self.tickets.get(key, 0)
         self.tickets[key] = old + 1
         self.ticket_log.append((key, self.current))

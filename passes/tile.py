@@ -5,8 +5,8 @@ the tiles of an op write disjoint regions that together cover its fresh outputs 
 last-tile merge's output, which every split-KV tile of a KV head declares and the one with the
 last ticket writes); each tile's regions are exact flat element ranges of root buffers
 (KV-cache rows that depend on the run-time position are declared as the whole head,
-conservatively). Fused kinds aim at
-``num_sms`` tiles so each op's bytes spread over all SMs; generic ops are one tile.
+conservatively). Fused kinds aim at ``num_sms`` tiles so each op's bytes spread over all SMs;
+generic ops are one tile.
 """
 from __future__ import annotations
 

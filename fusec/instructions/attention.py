@@ -13,8 +13,8 @@ log-sum-exp rule: ``M = max m_c``, ``out = sum e^(m_c-M) o_c / sum e^(m_c-M) l_c
 
 Last-tile merge (``attention_partial`` with an ``out`` output, option
 ``attention_merge="last_tile"``): no reduce op. Each tile, after its partial stores, takes an
-atomic ticket of its KV head (fence, ``atomicInc``, fence); the tile that takes the
-``n_chunks``-th ticket of the step merges the group's chunks into ``out`` itself. One grid-wide
+atomic ticket of its KV head (a barrier, then one acquire-release ``atom.inc``); the tile that
+takes the ``n_chunks``-th ticket of the step merges the group's chunks into ``out`` itself. One grid-wide
 level less per layer. The tickets live in spare counters
 (:meth:`fusec.codegen.Buffers.counters`), are zero at load and after a reset, and count
 ``0 .. n_chunks - 1`` in every step (``atomicInc`` wraps to 0 after the last), so "last" is

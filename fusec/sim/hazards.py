@@ -3,7 +3,7 @@ atomic tickets.
 
 Happens-before is the transitive closure of three kinds of edges: SM queue order, a wait on a
 counter (the producer's stores happen before the consumer's loads), and an atomic ticket (an
-instruction that takes a ticket after another one does: fence, atomic add, fence). A ticket
+instruction that takes a ticket after another one does: an acquire-release atomic). A ticket
 orders only what comes *after* it: an instruction that takes one has two phases, the accesses
 before its ticket (``pre``) and the ones after (``post``, e.g. the last-tile merge of split-KV
 attention), and a ticket edge X -> Y orders X's ``pre`` phase (and what was before it) before

@@ -132,7 +132,7 @@ class Simulator:
 
 def _ticket_edges(env: Env | None) -> dict[int, list[int]]:
     """Happens-before edges of the step's atomic tickets: each instruction that took a ticket
-    follows the one that took the same ticket just before it (fence, atomic add, fence)."""
+    follows the one that took the same ticket just before it (an acquire-release atomic)."""
     edges: dict[int, list[int]] = {}
     last: dict[Any, int] = {}
     for key, iid in (env.ticket_log if env is not None else ()):
