@@ -41,7 +41,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -243,7 +243,7 @@ class Engine:
     input_pos: torch.Tensor | None = None               # [1] int64, handwritten only
     context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     config: dict[str, Any] = field(default_factory=dict)
-    compile_log: list[str] = field(default_factory=list)
+    watch: Any = None                                   # fusec.fallbacks.FallbackWatch, fusec only
 
     @property
     def compiled(self) -> bool:
@@ -264,17 +264,6 @@ class Engine:
             layer.values.normal_(generator=gen)
         self.tok.random_(0, self.vocab, generator=gen)
         self.set_position(position)
-
-
-class _FusecLog(logging.Handler):
-    """Collects the fusec logger's warnings (a fallback to another backend is one of them)."""
-
-    def __init__(self, sink: list[str]) -> None:
-        super().__init__(logging.WARNING)
-        self.sink = sink
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.sink.append(record.getMessage())
 
 
 def make_engine(name: str, bench: Bench) -> Engine:
@@ -302,17 +291,9 @@ def make_engine(name: str, bench: Bench) -> Engine:
         eng = Engine(name, lambda: hf_step(torch.compile(model, backend=fusec_backend, options=options)),
                      cache, tok, vocab, config={"options": options,
                                                 "resolved_options": asdict(resolved)})
-        fusec_log = logging.getLogger("fusec")
-
-        @contextlib.contextmanager
-        def watch_fallback() -> Iterator[None]:
-            handler = _FusecLog(eng.compile_log)
-            fusec_log.addHandler(handler)
-            try:
-                yield
-            finally:
-                fusec_log.removeHandler(handler)
-        eng.context = watch_fallback
+        from fusec.fallbacks import FallbackWatch
+        eng.watch = FallbackWatch()          # collects fusec's warnings while the engine runs
+        eng.context = lambda: eng.watch
         return eng
     if name == "handwritten":
         step = gptfast_llama.HandwrittenLlamaDecode(model, cache, attention=args.handwritten_attention,
@@ -365,10 +346,9 @@ def run_engine(eng: Engine, bench: Bench, record: dict[str, Any]) -> None:
                 record["compile_warm_s"] = warm
                 log.info("%s: compile warm %.1f s", eng.name, warm)
         if eng.name == "fusec":
-            record["fusec_warnings"] = list(eng.compile_log)
-            fell_back = [m for m in eng.compile_log if "; using " in m or "running this graph eagerly" in m]
-            if fell_back:
-                raise RuntimeError(f"fusec fell back to another backend: {fell_back[0]}")
+            record["fusec_warnings"] = list(eng.watch.warnings)
+            if eng.watch.fallbacks:
+                raise RuntimeError(f"fusec fell back to another backend: {eng.watch.fallbacks[0]}")
         for pos in args.positions:
             seed = args.seed * 100003 + pos
             eng.prepare(pos, seed)

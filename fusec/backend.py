@@ -7,7 +7,6 @@ with one log line saying why.
 """
 from __future__ import annotations
 
-import logging
 from typing import Any, Callable
 
 import torch
@@ -16,10 +15,8 @@ from .capture import aten_capture, check_decode_step
 from .compiled import CompiledStep
 from .config import Options
 from .errors import FallbackRequired
+from .fallbacks import warn as warn_fallback
 from .pipeline import Dumper, build_ir
-
-log = logging.getLogger("fusec")
-
 
 def _target(example_inputs: list[Any], opts: Options) -> str:
     if opts.target:
@@ -53,7 +50,7 @@ def fusec_backend(gm: torch.fx.GraphModule, example_inputs: list[Any],
 
         return aten_capture(gm, example_inputs, compiler)
     except FallbackRequired as e:
-        log.warning("fusec: %s; using %s", e, opts.fallback)
+        warn_fallback("fusec: %s; using %s", e, opts.fallback)
         return fallback(gm, example_inputs, opts.fallback)
 
 
@@ -64,5 +61,5 @@ def fallback(gm: torch.fx.GraphModule, example_inputs: list[Any], kind: str) -> 
             from torch._inductor.compile_fx import compile_fx
             return compile_fx(gm, example_inputs)
         except Exception as e:  # inductor needs a C++ compiler; eager always works
-            log.warning("fusec: inductor fallback failed (%s); running eagerly", type(e).__name__)
+            warn_fallback("fusec: inductor fallback failed (%s); running eagerly", type(e).__name__)
     return gm.forward

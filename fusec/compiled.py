@@ -8,6 +8,7 @@ import torch
 
 from .config import Options
 from .errors import FusecError
+from .fallbacks import warn as warn_fallback
 from .ir import Graph
 from .pipeline import Dumper, lower
 from .schedule import Schedule
@@ -47,7 +48,7 @@ class CompiledStep:
             try:
                 self.engine = self._build(list(args))
             except FusecError as e:
-                log.warning("fusec: running this graph eagerly: %s", e)
+                warn_fallback("fusec: running this graph eagerly: %s", e)
                 self.fallen_back = True
                 return self.aten_gm(*args)
         with torch.no_grad():

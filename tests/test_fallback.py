@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import hf_tiny
+from fusec.fallbacks import FallbackWatch
 
 
 class CumsumHead(torch.nn.Module):
@@ -32,6 +33,40 @@ def test_unsupported_op_falls_back_with_one_line(caplog):
     lines = [r for r in caplog.records if r.name == "fusec" and r.levelno >= logging.WARNING]
     assert len(lines) == 1
     assert "aten.cumsum" in lines[0].message and "using eager" in lines[0].message
+
+
+def test_fallback_watch_tells_fallbacks_from_other_warnings():
+    """FallbackWatch (what benchmarks and GPU tests use so they never measure another backend)
+    marks the fallback lines only: an unsupported op, a target without its device; a profile
+    warning on the simulator is a warning, not a fallback; nothing is collected once closed."""
+    torch._dynamo.reset()
+    m = CumsumHead().eval()
+    x, k, v = torch.randn(1, 1, 32), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16)
+    with torch.no_grad(), FallbackWatch() as w:
+        torch.compile(m, backend="fusec", options={"fallback": "eager"})(x, k, v)
+    assert len(w.fallbacks) == 1 and "aten.cumsum" in w.fallbacks[0] and w.warnings == w.fallbacks
+    torch._dynamo.reset()
+    model = hf_tiny.llama()
+    cache = hf_tiny.static_cache(model, 16)
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, 128, (1, 3)), past_key_values=cache, use_cache=True)
+    tok = torch.randint(0, 128, (1, 1))
+    with torch.no_grad(), FallbackWatch() as w:
+        torch.compile(model, backend="fusec", options={"profile": True, "target": "sim"})(
+            input_ids=tok, past_key_values=cache, use_cache=True)
+    assert w.fallbacks == [] and any("simulator target has none" in m for m in w.warnings)
+    torch._dynamo.reset()
+    if not torch.cuda.is_available():
+        with torch.no_grad(), FallbackWatch() as w:
+            torch.compile(model, backend="fusec", options={"target": "cuda", "fallback": "eager"})(
+                input_ids=tok, past_key_values=cache, use_cache=True)
+        assert len(w.fallbacks) == 1 and "no CUDA device" in w.fallbacks[0]
+        torch._dynamo.reset()
+    n = len(w.warnings)
+    with torch.no_grad():
+        torch.compile(m, backend="fusec", options={"fallback": "eager"})(x, k, v)
+    assert len(w.warnings) == n
+    torch._dynamo.reset()
 
 
 def test_prefill_falls_back_and_is_correct(caplog):

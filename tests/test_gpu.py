@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import copy
-import logging
 import runpy
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import torch
 
 import step_util
 import hf_tiny
+from fusec.fallbacks import FallbackWatch
 
 pytestmark = pytest.mark.gpu
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "llama_3_2_1b.py"
@@ -80,18 +80,6 @@ def test_mid_size_matvec_paths_match_eager(hidden, inter):
     torch._dynamo.reset()
 
 
-class _FusecWarnings(logging.Handler):
-    """Collects the warnings of the "fusec" logger (fallbacks are logged there), whatever pytest's
-    logging plugin does."""
-
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 @pytest.mark.parametrize("defines", [{"FUSEC_ATTN_EARLY": 0}, {"FUSEC_ATTN_EARLY": 1}])
 def test_kernel_knobs_match_eager(defines):
     """Each setting of a kernel knob (codegen.KNOBS) against eager, in bf16 (the early split-KV
@@ -106,18 +94,12 @@ def test_kernel_knobs_match_eager(defines):
     ref_cache = copy.deepcopy(cache)
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="fusec", options={"fallback": "eager", "defines": defines})
-    seen = _FusecWarnings()
-    logging.getLogger("fusec").addHandler(seen)
-    try:
-        with torch.no_grad():
-            for tok in toks:
-                a = compiled(input_ids=tok, past_key_values=cache, use_cache=True).logits.float()
-                b = model(input_ids=tok, past_key_values=ref_cache, use_cache=True).logits.float()
-                assert torch.isfinite(a).all() and step_util.rel(a, b) < 5e-2
-    finally:
-        logging.getLogger("fusec").removeHandler(seen)
-    fell_back = [m for m in seen.messages if "eagerly" in m or "; using " in m]
-    assert not fell_back, f"the kernel did not run (a fallback compares eager with eager): {fell_back}"
+    with torch.no_grad(), FallbackWatch() as watch:
+        for tok in toks:
+            a = compiled(input_ids=tok, past_key_values=cache, use_cache=True).logits.float()
+            b = model(input_ids=tok, past_key_values=ref_cache, use_cache=True).logits.float()
+            assert torch.isfinite(a).all() and step_util.rel(a, b) < 5e-2
+    assert not watch.fallbacks, f"the kernel did not run (a fallback compares eager with eager): {watch.fallbacks}"
     torch._dynamo.reset()
 
 

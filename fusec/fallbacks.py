@@ -1,0 +1,47 @@
+"""Fallback lines: how fusec says that a graph went to another backend, and how to watch for it.
+
+Every fallback is one WARNING line on the ``fusec`` logger (a graph fusec does not compile, a
+kernel that could not be built, an inductor fallback that failed); :func:`warn` marks its
+record with the attribute :data:`MARK`, so callers that must not measure or test another
+backend by mistake (benchmarks, GPU tests) recognize it without parsing the message.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+log = logging.getLogger("fusec")
+
+MARK = "fusec_fallback"   # LogRecord attribute set (True) on every fallback line
+
+
+def warn(msg: str, *args: Any) -> None:
+    """Log one fallback line (``logging`` %-style ``msg`` and ``args``) on the ``fusec`` logger."""
+    log.warning(msg, *args, extra={MARK: True})
+
+
+class FallbackWatch(logging.Handler):
+    """While open (``with FallbackWatch() as w:``), collects the ``fusec`` logger's warnings.
+
+    Attributes:
+        warnings: every WARNING-or-above message, in order.
+        fallbacks: the messages of fallback lines (:func:`warn`) among them.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.warnings: list[str] = []
+        self.fallbacks: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        msg = record.getMessage()
+        self.warnings.append(msg)
+        if getattr(record, MARK, False):
+            self.fallbacks.append(msg)
+
+    def __enter__(self) -> "FallbackWatch":
+        log.addHandler(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        log.removeHandler(self)
