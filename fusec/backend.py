@@ -7,6 +7,8 @@ with one log line saying why.
 """
 from __future__ import annotations
 
+import copy
+import logging
 from typing import Any, Callable
 
 import torch
@@ -17,6 +19,8 @@ from .config import Options
 from .errors import FallbackRequired
 from .fallbacks import warn as warn_fallback
 from .pipeline import Dumper, build_ir
+
+log = logging.getLogger("fusec")
 
 def _target(example_inputs: list[Any], opts: Options) -> str:
     if opts.target:
@@ -38,6 +42,20 @@ def fusec_backend(gm: torch.fx.GraphModule, example_inputs: list[Any],
         FusecError: only for invalid options; everything else falls back.
     """
     opts = Options.from_dict({**(options or {}), **kwargs})
+    if _symbolic(example_inputs):
+        # dynamo's automatic dynamic shapes (a second cache length, a second model): fusec
+        # compiles for concrete shapes, so it specializes on the values each call brings
+        try:
+            check_decode_step(gm)
+        except FallbackRequired as e:   # one line for the graph, not one per shape
+            warn_fallback("fusec: %s; using %s", e, opts.fallback)
+            return fallback(gm, example_inputs, opts.fallback)
+        return SpecializingStep(gm, opts)
+    return _compile(gm, example_inputs, opts)
+
+
+def _compile(gm: torch.fx.GraphModule, example_inputs: list[Any], opts: Options) -> Callable:
+    """Capture and compile ``gm`` for ``example_inputs`` (static shapes), or fall back."""
     try:
         check_decode_step(gm)
         target = _target(example_inputs, opts)
@@ -52,6 +70,76 @@ def fusec_backend(gm: torch.fx.GraphModule, example_inputs: list[Any],
     except FallbackRequired as e:
         warn_fallback("fusec: %s; using %s", e, opts.fallback)
         return fallback(gm, example_inputs, opts.fallback)
+
+
+def _symbolic(example_inputs: list[Any]) -> bool:
+    """Whether dynamo handed symbolic sizes: a SymInt input or a tensor with a symbolic shape."""
+    for x in example_inputs:
+        if isinstance(x, torch.SymInt):
+            return True
+        if isinstance(x, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in x.shape):
+            return True
+    return False
+
+
+class SpecializingStep:
+    """The step for a graph with symbolic sizes: compiled once per set of concrete sizes.
+
+    Dynamo marks a size dynamic when it sees a second value for it (a second StaticCache
+    length, a second model of the same class in one process) and hands the backend SymInt
+    inputs. A megakernel has compile-time shapes, so each call's concrete tensor shapes,
+    dtypes, devices and integer values form a key; the first call with a new key captures
+    ``gm`` again with those inputs and compiles it (a small per-shape kernel cache, at most
+    ``MAX_ENTRIES`` keys, least recently used out). No fallback happens for symbolic sizes.
+    """
+
+    MAX_ENTRIES = 8
+
+    def __init__(self, gm: torch.fx.GraphModule, opts: Options):
+        self.gm, self.opts = gm, opts
+        self.entries: dict[tuple, Callable] = {}
+        self.warned = False
+
+    @staticmethod
+    def key(args: tuple) -> tuple:
+        return tuple((tuple(a.shape), a.dtype, a.device) if isinstance(a, torch.Tensor) else
+                     (int(a) if isinstance(a, (int, torch.SymInt)) else type(a).__name__) for a in args)
+
+    def __call__(self, *args: Any) -> Any:
+        k = self.key(args)
+        fn = self.entries.pop(k, None)
+        if fn is None:
+            log.info("fusec: compiling the step for concrete sizes %s",
+                     [int(a) for a in args if isinstance(a, (int, torch.SymInt))])
+            fn = _specialized(self.gm, args, self.opts)
+            if len(self.entries) >= self.MAX_ENTRIES:
+                old = next(iter(self.entries))
+                self.entries.pop(old)
+                if not self.warned:
+                    self.warned = True
+                    moving = [i for i, (a, b) in enumerate(zip(old, k)) if a != b]
+                    log.warning("fusec: more than %d input sizes seen; every new size compiles a new kernel "
+                                "(arguments %s keep changing shape: pass an attention_mask of the static "
+                                "cache's full length, as generate() does)", self.MAX_ENTRIES, moving)
+        self.entries[k] = fn
+        return fn(*args)
+
+
+def _specialized(gm: torch.fx.GraphModule, args: tuple, opts: Options) -> Callable:
+    """``gm`` compiled with its integer inputs replaced by the values in ``args``; the returned
+    callable takes the full argument list and passes on the tensors."""
+    g = copy.deepcopy(gm.graph)
+    ints = [i for i, a in enumerate(args) if isinstance(a, (int, torch.SymInt))]
+    placeholders = [n for n in g.nodes if n.op == "placeholder"]
+    for i in ints:
+        node, value = placeholders[i], int(args[i])
+        for user in list(node.users):
+            user.args = torch.fx.node.map_arg(user.args, lambda n: value if n is node else n)
+            user.kwargs = torch.fx.node.map_arg(user.kwargs, lambda n: value if n is node else n)
+        g.erase_node(node)
+    keep = [i for i in range(len(args)) if i not in set(ints)]
+    inner = _compile(torch.fx.GraphModule(gm, g), [args[i] for i in keep], opts)
+    return lambda *a: inner(*[a[i] for i in keep])
 
 
 def fallback(gm: torch.fx.GraphModule, example_inputs: list[Any], kind: str) -> Callable:

@@ -38,10 +38,13 @@ def _val(node: Any) -> Any:
 
 
 def check_decode_step(gm: torch.fx.GraphModule) -> None:
-    """Raise :class:`NotDecodeStepError` unless every attention call sees one query token.
+    """Raise :class:`NotDecodeStepError` unless every attention call sees one query token and
+    reads a static KV cache.
 
     A decode step (batch 1, one new token) has at least one SDPA call whose query is
-    [1, heads, 1, head_dim]; a prefill has more than one query position.
+    [1, heads, 1, head_dim]; a prefill has more than one query position. A key that is a
+    ``torch.cat`` of the past keys and the new one (HF ``DynamicCache``) changes shape every
+    step: the message says to use a StaticCache.
     """
     n = 0
     for node in gm.graph.nodes:
@@ -56,6 +59,33 @@ def check_decode_step(gm: torch.fx.GraphModule) -> None:
                     f"(batch and query length must be 1) at {node_source(node) or node.name}")
     if n == 0:
         raise NotDecodeStepError("not a decode step: the graph has no attention call")
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in SDPA_TARGETS:
+            key = node.args[1] if len(node.args) > 1 else node.kwargs.get("key")
+            grown = _concatenated(key)
+            if grown is not None:
+                raise NotDecodeStepError(
+                    "the KV cache grows by concatenation (a DynamicCache) at "
+                    f"{node_source(grown) or grown.name}: fusec compiles decode steps over a static KV "
+                    "cache; pass a transformers StaticCache (generate(): cache_implementation=\"static\")")
+
+
+_VIEW_CALLS = {"view", "reshape", "expand", "contiguous", "transpose", "permute", "to", "clone",
+               "unsqueeze", "flatten", "__getitem__", "getitem", "expand_as", "repeat_interleave"}
+
+
+def _concatenated(node: Any) -> torch.fx.Node | None:
+    """The ``torch.cat`` node that ``node`` (an attention key) is, seen through views, or None."""
+    for _ in range(64):
+        if not isinstance(node, torch.fx.Node) or node.op not in ("call_function", "call_method"):
+            return None
+        name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+        if name == "cat" or node.target is torch.cat:
+            return node
+        if name not in _VIEW_CALLS or not node.args:
+            return None
+        node = node.args[0]
+    return None
 
 
 def strip_ignored_calls(gm: torch.fx.GraphModule) -> None:

@@ -37,7 +37,7 @@ PROF_MARKS = 6   # FUSEC_MARK(k) timestamps per instruction in a profiling build
 WORD = 8  # int32 per instruction word: op, p0, p1, p2, p3, wait_off, wait_cnt, counter id
 
 CTYPES = {torch.bfloat16: "__nv_bfloat16", torch.float32: "float", torch.float16: "__half",
-          torch.int64: "i64", torch.int32: "int"}
+          torch.int64: "i64", torch.int32: "int", torch.bool: "bool"}
 
 
 class Buffers:

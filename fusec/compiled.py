@@ -92,4 +92,15 @@ class CompiledStep:
         from .gpu import build_cuda_step
         step, self.schedule = build_cuda_step(self.graph, args, self.opts, self.dump)
         self._cuda_step = step
-        return lambda a: step(*a)
+        g = self.schedule.graph
+        # a 4-D output made inside the step is new KV-cache storage (a StaticCache initialized
+        # lazily in its first call): every call must return its own, not the kernel's buffer
+        fresh = [i for i, t in enumerate(g.outputs)
+                 if len(g.tensors[t].shape) >= 4 and g.root(t) not in g.inputs]
+        if not fresh:
+            return lambda a: step(*a)
+
+        def run(a: list[Any]) -> list[torch.Tensor]:
+            out = step(*a)
+            return [o.clone() if i in fresh else o for i, o in enumerate(out)]
+        return run

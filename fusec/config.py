@@ -19,6 +19,11 @@ from .errors import FusecError
 TARGETS = ("sim", "cuda")
 FALLBACKS = ("inductor", "eager")
 ATTENTION_MERGES = ("last_tile", "reduce")
+#: ``torch.compile``'s ``mode`` (HF ``CompileConfig`` passes "reduce-overhead" by default) and
+#: what it means to fusec: whether the step's launch is replayed from a CUDA graph fusec records
+#: itself (fewer microseconds of Python and driver work per step) or launched directly.
+MODES = {None: False, "default": False, "reduce-overhead": True, "max-autotune": True,
+         "max-autotune-no-cudagraphs": False}
 
 
 def _env_int(name: str, minimum: int) -> int:
@@ -65,6 +70,11 @@ class Options:
         defines: ``#define`` name -> value for the kernel source: the tuning knobs of
             :data:`fusec.codegen.KNOBS` (``FUSEC_LOADS_IN_FLIGHT``, ``FUSEC_PREFETCH``,
             ``FUSEC_ATTN_EARLY``) and their defaults.
+        mode: ``torch.compile``'s mode, passed by torch as a backend keyword: None or "default"
+            and "max-autotune-no-cudagraphs" launch the kernel directly each step;
+            "reduce-overhead" (HF generate()'s default) and "max-autotune" replay the launch
+            from a CUDA graph that fusec records itself (:data:`MODES`). fusec does no
+            autotuning: the two max-autotune modes equal the other two.
     """
 
     target: str | None = None
@@ -82,6 +92,12 @@ class Options:
     profile_step: int = 3
     attention_merge: str = "last_tile"
     defines: dict[str, Any] = dataclasses.field(default_factory=dict)
+    mode: str | None = None
+
+    @property
+    def graph_launch(self) -> bool:
+        """True when the step's launch is replayed from a CUDA graph (``mode``)."""
+        return MODES[self.mode]
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> "Options":
@@ -119,6 +135,8 @@ class Options:
             raise FusecError(f"option fallback={o.fallback!r} must be one of {FALLBACKS}")
         if o.attention_merge not in ATTENTION_MERGES:
             raise FusecError(f"option attention_merge={o.attention_merge!r} must be one of {ATTENTION_MERGES}")
+        if o.mode not in MODES:
+            raise FusecError(f"option mode={o.mode!r} must be one of {list(MODES)}")
         if o.num_sms is not None and o.num_sms < 1:
             raise FusecError(f"option num_sms={o.num_sms} must be >= 1")
         if o.profile_dir is not None and (d.get("profile") is not False):

@@ -2,7 +2,10 @@
 that depend only on one counter (RoPE tables, causal masks, KV-cache write indices).
 
 A *position counter* is a 0-d/1-element integer STATE input (HF StaticCache keeps one per
-layer as ``cumulative_length``). Its values lie in ``[0, L)`` with ``L`` the KV-cache length.
+layer as ``cumulative_length``) or a 1-element integer graph INPUT that is not a token id
+(``position_ids`` and ``cache_position``, which HF generate() passes to every decode step).
+Its values lie in ``[0, L)`` with ``L`` the KV-cache length: a static cache of ``L`` rows has no
+position beyond it, and a run-time value outside is an index fault, never a wrong result.
 """
 from __future__ import annotations
 
@@ -15,10 +18,30 @@ MAX_TABLE_BYTES = 64 << 20
 MAX_KNOWN_WEIGHT = 1 << 16  # weights up to this many elements may feed position tables
 
 
+_ID_READERS = ("aten.embedding.default", "aten.index_select.default", "aten.index.Tensor",
+               "aten._unsafe_index.Tensor", "embedding")
+
+
+def token_inputs(g: Graph) -> set[str]:
+    """Graph inputs read as row indices of a table (token ids: ``aten.embedding``'s indices)."""
+    ids: set[str] = set()
+    for op in g.ops:
+        if op.kind in _ID_READERS:
+            for slot, t in op.inputs.items():
+                if slot != "in0" and slot != "table":
+                    r = g.root(t)
+                    if r in g.inputs:
+                        ids.add(r)
+    return ids
+
+
 def counters(g: Graph) -> list[str]:
-    """Names of position counters: integer STATE inputs with one element."""
-    return [n for n in g.inputs if g.tensors[n].role == Role.STATE
-            and not g.tensors[n].dtype.is_floating_point and g.tensors[n].numel == 1]
+    """Names of position counters: integer STATE inputs with one element, and integer INPUTs
+    with one element that are not token ids (``position_ids``, ``cache_position``)."""
+    ids = token_inputs(g)
+    return [n for n in g.inputs if g.tensors[n].role in (Role.STATE, Role.INPUT) and n not in ids
+            and not g.tensors[n].dtype.is_floating_point and g.tensors[n].dtype != torch.bool
+            and g.tensors[n].numel == 1]
 
 
 def cache_length(g: Graph) -> int | None:

@@ -41,16 +41,29 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return xf * cos.float() + rot * sin.float()
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int, scale: float) -> torch.Tensor:
+def apply_mask(s: torch.Tensor, mask: torch.Tensor | None, kind: int) -> torch.Tensor:
+    """Scores ``s`` [..., n] (fp32) under an SDPA mask over the same rows: ``kind`` 1, bool
+    (False: -inf); 2, additive float; 0 or ``mask`` None: unchanged."""
+    if mask is None or not kind:
+        return s
+    m = mask.reshape(-1)[: s.shape[-1]]
+    if kind == 1:
+        return s.masked_fill(~m, float("-inf"))
+    return s + m.float()
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int, scale: float,
+           mask: torch.Tensor | None = None, mask_kind: int = 0) -> torch.Tensor:
     """Decode attention with GQA over cache positions ``[0, length)``.
 
-    q: [Hq, D]; k, v: [Hkv, L, D]. Returns fp32 [Hq, D]. Hq must be a multiple of Hkv.
+    q: [Hq, D]; k, v: [Hkv, L, D]; mask: [L] bool (``mask_kind`` 1) or additive float (2).
+    Returns fp32 [Hq, D]. Hq must be a multiple of Hkv.
     """
     hq, hkv = q.shape[0], k.shape[0]
     rep = hq // hkv
     kk = k[:, :length].float().repeat_interleave(rep, 0)
     vv = v[:, :length].float().repeat_interleave(rep, 0)
-    s = torch.einsum("hd,hld->hl", q.float(), kk) * scale
+    s = apply_mask(torch.einsum("hd,hld->hl", q.float(), kk) * scale, mask, mask_kind)
     p = torch.softmax(s, -1)
     return torch.einsum("hl,hld->hd", p, vv)
 
@@ -103,7 +116,8 @@ def _attention(op: Op, env: Env) -> None:
     v = env.read(op.inputs["v"])[0]
     q = env.read(op.inputs["q"]).reshape(-1, k.shape[-1])
     length = int(env.read(op.inputs["pos"]).reshape(-1)[0]) + 1
-    o = attend(q, k, v, length, op.attrs["scale"])
+    mask = env.read(op.inputs["mask"]) if "mask" in op.inputs else None
+    o = attend(q, k, v, length, op.attrs["scale"], mask, op.attrs.get("mask_kind", 0))
     env.set(op.outputs["out"], o.to(info.dtype).reshape(info.shape))
 
 

@@ -162,11 +162,13 @@ def _split_attention(c: _Ctx, att: Op, num_sms: int, merge: str) -> None:
     o_part = g.new_tensor(f"{att.name}_o_part", (nq, n_chunks, d), torch.float32)
     ml_part = g.new_tensor(f"{att.name}_ml_part", (nq, n_chunks, 2), torch.float32)
     attrs = {"scale": att.attrs["scale"], "n_q": nq, "n_kv": nkv, "head_dim": d,
-             "chunk": chunk, "n_chunks": n_chunks}
-    part = Op(g.fresh_name(f"{att.name}_partial"), "attention_partial",
-              {"q": att.inputs["q"], "kcache": att.inputs["k"], "vcache": att.inputs["v"],
-               "pos": att.inputs["pos"]}, {"o_part": o_part, "ml_part": ml_part},
-              attrs=attrs, source=att.source)
+             "chunk": chunk, "n_chunks": n_chunks, "mask_kind": att.attrs.get("mask_kind", 0)}
+    ins = {"q": att.inputs["q"], "kcache": att.inputs["k"], "vcache": att.inputs["v"],
+           "pos": att.inputs["pos"]}
+    if "mask" in att.inputs:
+        ins["mask"] = att.inputs["mask"]
+    part = Op(g.fresh_name(f"{att.name}_partial"), "attention_partial", ins,
+              {"o_part": o_part, "ml_part": ml_part}, attrs=attrs, source=att.source)
     if merge == "last_tile":
         part.outputs["out"] = att.outputs["out"]
         c.replace([att], [part])
@@ -235,8 +237,8 @@ def _lm_head(c: _Ctx, lin: Op) -> bool:
 
 
 def _embedding(c: _Ctx, o: Op) -> bool:
-    args = o.attrs["args"]
-    if len(args) != 2 or c.g.tensors[o.inputs["in1"]].numel != 1 or not c.allow():
+    args = o.attrs["args"]   # (weight, indices[, padding_idx, scale_grad, sparse]): the rest is training-only
+    if len(args) < 2 or c.g.tensors[o.inputs["in1"]].numel != 1 or not c.allow():
         return False
     fused = Op(o.name, "embedding", {"table": o.inputs["in0"], "ids": o.inputs["in1"]},
                {"out": o.outputs["out"]}, source=o.source)

@@ -3,7 +3,8 @@
 Expects: a graph fresh from capture (``aten.*`` ops, functionalized, mutations as
 ``copy_`` into graph inputs). Guarantees: no op is a pure reshape of contiguous bytes
 (``view``, ``_unsafe_view``, ``unsqueeze``, ``squeeze``, ``alias``, ``clone``, ``expand``
-without broadcasting, ``permute``/``transpose`` that only move size-1 dims); such outputs
+without broadcasting, ``permute``/``transpose`` that only move size-1 dims, a ``slice`` that
+keeps every element); such outputs
 are aliases of their input. Dead ops are removed. Values are unchanged.
 """
 from __future__ import annotations
@@ -30,6 +31,8 @@ def _order_preserving(g: Graph, op: Op) -> bool:
     if op.kind == "aten.expand.default":
         return tuple(src.shape) == tuple(dst.shape) or [s for s in src.shape if s != 1] == \
             [s for s in dst.shape if s != 1]
+    if op.kind == "aten.slice.Tensor":   # a slice that keeps every element (logits_to_keep=1)
+        return tuple(src.shape) == tuple(dst.shape)
     if op.kind in _PERMUTES:
         if op.kind == "aten.permute.default":
             perm = list(op.attrs["args"][1])

@@ -9,9 +9,13 @@ with the same values, by one op each:
 * ``rope(x, cos, sin)``     ``x * cos + cat(-x2, x1) * sin`` (``rotate_half``)
 * ``kv_write(pos, val) -> cache``  ``copy_(cache, index_put(cache, [None, None, pos], val))``;
   readers of the functional result read the cache buffer after the write
-* ``attention(q, k, v, pos; scale)``  ``fusec.sdpa`` over KV caches, seen through the GQA
-  ``repeat_kv`` expand, with a mask that equals ``kv_index <= pos`` for every position
-  (checked by evaluating the mask at every position of the cache)
+* ``attention(q, k, v, pos[, mask]; scale, mask_kind)``  ``fusec.sdpa`` over KV caches, seen
+  through the GQA ``repeat_kv`` expand. With a mask that equals ``kv_index <= pos`` for every
+  position (checked by evaluating the mask at every position of the cache) the mask is dropped
+  (``mask_kind`` 0). Any other mask over the ``L`` cache rows (HF generate()'s precomputed 4-D
+  bool mask, a mask built from a user's ``attention_mask``) is read by the attention:
+  ``mask_kind`` 1 (bool, True attends) or 2 (additive float); ``pos`` is then the row the step's
+  ``kv_write`` wrote, and rows past it are not read (a decode step's mask admits none)
 
 Anything that does not match stays as it was. Dead ops are removed.
 """
@@ -155,18 +159,47 @@ def _attention(g: Graph, weights: dict[str, torch.Tensor]) -> int:
             if mask not in checked:
                 checked[mask] = _causal_counter(g, mask, dep, ctrs, weights)
             ctr = checked[mask]
-        if not ok or ctr is None:
+        ins = {"q": q, "k": kc[0] if kc else None, "v": vc[0] if vc else None, "pos": ctr}
+        mask_kind = 0
+        if ok and ctr is None:   # a mask fusec cannot prove causal: attention reads it
+            ins["pos"], mask_kind = _write_position(g, new_ops, kc[0]), _mask_kind(g, mask)
+            ins["mask"] = mask
+        if not ok or ins["pos"] is None or mask_kind is None:
             log.info("attention %s left generic (mask or cache layout not recognized)", o.name)
             new_ops.append(o)
             continue
+        if not mask_kind:
+            ins.pop("mask", None)
         d = g.tensors[q].shape[-1]
-        new_ops.append(Op(o.name, "attention", {"q": q, "k": kc[0], "v": vc[0], "pos": ctr},
-                          {"out": o.outputs["out"]},
-                          attrs={"scale": float(scale) if scale is not None else default_scale(d)},
+        new_ops.append(Op(o.name, "attention", ins, {"out": o.outputs["out"]},
+                          attrs={"scale": float(scale) if scale is not None else default_scale(d),
+                                 "mask_kind": mask_kind},
                           source=o.source))
         n += 1
     g.ops = new_ops
     return n
+
+
+def _write_position(g: Graph, ops_before: list[Op], cache: str) -> str | None:
+    """The position tensor of the last ``kv_write`` into ``cache`` before the attention (int64,
+    one element): the row this step wrote, so the attention reads rows ``[0, pos]``."""
+    for o in reversed(ops_before):
+        if o.kind == "kv_write" and g.root(o.outputs["cache"]) == cache:
+            p = o.inputs["pos"]
+            return p if g.tensors[p].dtype == torch.int64 and g.tensors[p].numel == 1 else None
+    return None
+
+
+def _mask_kind(g: Graph, mask: str) -> int | None:
+    """1 for a bool mask (True: attend), 2 for an additive float mask, over the cache rows only
+    (numel == L: one mask for every head of a batch-1 decode step); None otherwise."""
+    info = g.tensors[mask]
+    length = position.cache_length(g)
+    if length is None or info.numel != length or info.shape[-1] != length:
+        return None
+    if info.dtype == torch.bool:
+        return 1
+    return 2 if info.dtype in (torch.float32, torch.bfloat16, torch.float16) else None
 
 
 def _causal_counter(g: Graph, mask: str, dep, ctrs, weights) -> str | None:

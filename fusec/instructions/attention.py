@@ -22,8 +22,10 @@ level less per layer. The tickets live in spare counters
 ``out`` region as a write, so a consumer waits for all of the group's tiles.
 
 Shapes: q [Hq*D]; caches [1, Hkv, L, D]; o_part [Hq, C, D] fp32; ml_part [Hq, C, 2] fp32;
-out [Hq*D] in the model dtype. Source: ``torch.nn.functional.scaled_dot_product_attention``
-with a causal decode mask (``kv_index <= pos``).
+out [Hq*D] in the model dtype; optional mask [L] (attr ``mask_kind`` 1: bool, False rows get
+-inf; 2: additive float, added to the scaled scores). Source:
+``torch.nn.functional.scaled_dot_product_attention`` with a causal decode mask
+(``kv_index <= pos``), and the mask when the graph passes one that fusec cannot prove causal.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ import torch
 
 from ..env import Env
 from ..ir import Graph, Op
+from ..semantics import apply_mask
 from .base import CTA_THREADS, Instruction, Region, Tile, register, split_range
 from .matvec_rows import elt
 
@@ -71,6 +74,8 @@ class AttentionPartial(Instruction):
                 # the rows depend on the run-time position: declare the whole head
                 reads = [Region.of(g, op.inputs["q"], gi * rep * d, (gi + 1) * rep * d),
                          Region.whole(g, op.inputs["pos"])]
+                if "mask" in op.inputs:
+                    reads.append(Region.whole(g, op.inputs["mask"]))
                 for cache in ("kcache", "vcache"):
                     reads.append(Region.of(g, op.inputs[cache], gi * L * d, (gi + 1) * L * d))
                 writes = cls._part_writes(op, g, gi, c, rep, d, nc)
@@ -97,7 +102,9 @@ class AttentionPartial(Instruction):
                 "L": L, "CH": chunk, "NC": nc, "scale": repr(float(op.attrs["scale"])),
                 "q": bufs.ptr(i["q"]), "kcache": bufs.ptr(i["kcache"]), "vcache": bufs.ptr(i["vcache"]),
                 "pos": bufs.ptr(i["pos"]), "o_part": bufs.ptr(o["o_part"]), "ml_part": bufs.ptr(o["ml_part"]),
-                "merge": "out" in o}
+                "merge": "out" in o, "MK": op.attrs.get("mask_kind", 0),
+                "mask": bufs.ptr(i["mask"]) if "mask" in i else "nullptr",
+                "tm": bufs.ctype(i["mask"]) if "mask" in i else "bool"}
         if "out" in o:
             args.update(to=bufs.ctype(o["out"]), out=bufs.ptr(o["out"]), tickets=bufs.counters(op.name, nkv))
         return args
@@ -137,7 +144,7 @@ class AttentionPartial(Instruction):
         rep, gi = nq // nkv, tile.params["kv_head"]
         pos = int(env.read(op.inputs["pos"]).reshape(-1)[0])
         r0, r1 = split_rows(tile.params["chunk"], pos, nc)
-        reads = tile.reads[:2]
+        reads = tile.reads[:3] if "mask" in op.inputs else tile.reads[:2]
         if r1 > r0:
             base = gi * L * d
             reads += [Region.of(env.g, op.inputs[c], base + r0 * d, base + r1 * d) for c in ("kcache", "vcache")]
@@ -193,9 +200,10 @@ class AttentionPartial(Instruction):
             return
         k = env.read(op.inputs["kcache"])[0, gi, r0:r1].float()
         v = env.read(op.inputs["vcache"])[0, gi, r0:r1].float()
-        s = (q @ k.T) * op.attrs["scale"]
+        mask = env.read(op.inputs["mask"]).reshape(-1)[r0:r1] if "mask" in op.inputs else None
+        s = apply_mask((q @ k.T) * op.attrs["scale"], mask, op.attrs.get("mask_kind", 0))
         m = s.max(-1).values
-        p = torch.exp(s - m[:, None])
+        p = torch.exp(s - m[:, None]).nan_to_num(0.0)   # a chunk masked whole: m = -inf, p = 0
         o[hs, c] = p @ v
         ml[hs, c, 0] = m
         ml[hs, c, 1] = p.sum(-1)

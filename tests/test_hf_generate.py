@@ -1,0 +1,169 @@
+"""HF generate() and the call patterns users write, through torch.compile(backend="fusec"),
+on the CPU simulator: same tokens / logits as eager, no fallback, fused into the fast kinds."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_tiny
+from fusec.compiled import CompiledStep
+from fusec.fallbacks import FallbackWatch
+
+
+@pytest.fixture
+def steps(monkeypatch):
+    """Every CompiledStep built while the test runs (to look at the graphs fusec compiled)."""
+    made: list[CompiledStep] = []
+    init = CompiledStep.__init__
+
+    def record(self, *a, **kw):
+        init(self, *a, **kw)
+        made.append(self)
+    monkeypatch.setattr(CompiledStep, "__init__", record)
+    return made
+
+
+def _compile_config(**kw):
+    from transformers.generation import CompileConfig
+    cc = CompileConfig(backend="fusec", **kw)   # HF defaults: mode="reduce-overhead", fullgraph=False
+    cc._compile_all_devices = True   # HF compiles on CUDA only unless told (this machine has no GPU)
+    return cc
+
+
+def _fast_kinds(step: CompiledStep) -> dict[str, int]:
+    kinds = step.schedule.graph.count_kinds()
+    leftovers = {k for k in kinds if k.startswith(("aten.", "fusec.")) or k in ("linear", "rmsnorm", "rope")}
+    assert leftovers <= {"aten.copy_.default"}, leftovers
+    return kinds
+
+
+@pytest.mark.parametrize("factory", [hf_tiny.llama, hf_tiny.qwen3])
+def test_generate_greedy_equals_eager(factory, steps):
+    """generate(..., cache_implementation="static", compile_config=CompileConfig(backend="fusec"))
+    with HF's defaults: 32 greedy tokens equal eager's; the decode step is one fused schedule
+    whose attention reads generate()'s 4-D mask; a pad_token_id is set, as checkpoints do."""
+    model = factory()
+    model.generation_config.pad_token_id = 0
+    model.config.pad_token_id = 0
+    prompt = torch.randint(1, model.config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(1))
+    ref = model.generate(prompt, max_new_tokens=32, do_sample=False, cache_implementation="static")
+    torch._dynamo.reset()
+    with FallbackWatch() as w:
+        out = model.generate(prompt, max_new_tokens=32, do_sample=False, cache_implementation="static",
+                             compile_config=_compile_config())
+    torch._dynamo.reset()
+    assert not w.fallbacks, w.fallbacks
+    assert torch.equal(out, ref)
+    (step,) = steps
+    assert step.calls == 31 and not step.fallen_back
+    kinds = _fast_kinds(step)
+    assert kinds["rms_qkv_rope"] == kinds["attention_partial"] == model.config.num_hidden_layers
+    att = [o for o in step.schedule.graph.ops if o.kind == "attention_partial"]
+    assert all(o.attrs["mask_kind"] == 1 and "mask" in o.inputs for o in att)
+
+
+def test_generate_sampling_through_hf_logits_processors():
+    """do_sample with temperature, top-k and top-p: HF's processors run on fusec's logits; with
+    the same seed the tokens equal eager generate()'s."""
+    model = hf_tiny.llama()
+    model.generation_config.pad_token_id = 0
+    prompt = torch.randint(1, 128, (1, 4), generator=torch.Generator().manual_seed(2))
+    kw = dict(max_new_tokens=16, do_sample=True, temperature=0.7, top_k=20, top_p=0.9,
+              cache_implementation="static")
+    torch.manual_seed(7)
+    ref = model.generate(prompt, **kw)
+    torch._dynamo.reset()
+    torch.manual_seed(7)
+    with FallbackWatch() as w:
+        out = model.generate(prompt, compile_config=_compile_config(), **kw)
+    torch._dynamo.reset()
+    assert not w.fallbacks, w.fallbacks
+    assert torch.equal(out, ref)
+
+
+def _loop(model, compiled, cache, ref_cache, n, kwargs_at, gen):
+    for i in range(n):
+        tok = torch.randint(0, model.config.vocab_size, (1, 1), generator=gen)
+        kw = kwargs_at(i)
+        a = compiled(input_ids=tok, past_key_values=cache, use_cache=True, **kw).logits
+        b = model(input_ids=tok, past_key_values=ref_cache, use_cache=True, **kw).logits
+        rel = ((a - b).norm() / b.norm()).item()
+        assert 0 < rel < 1e-4, (i, rel)   # 0 would mean eager ran
+
+
+def _prefilled(model, length, gen, prompt=4):
+    caches = [hf_tiny.static_cache(model, length) for _ in range(2)]
+    p = torch.randint(0, model.config.vocab_size, (1, prompt), generator=gen)
+    for c in caches:
+        model(input_ids=p, past_key_values=c, use_cache=True)
+    return caches
+
+
+def test_call_patterns_run_fusec(steps):
+    """A plain loop with explicit position_ids and cache_position, with a full-length
+    attention_mask, on a fresh (lazily initialized) cache, with a second and third cache length
+    and a second model in one process: every decode call runs fusec, never a fallback."""
+    gen = torch.Generator().manual_seed(3)
+    model = hf_tiny.llama(vocab=160)
+    model.config.pad_token_id = 0
+    model.model.embed_tokens.padding_idx = 0   # as a checkpoint with pad_token_id builds it
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fusec", options={"num_sms": 16})
+    with FallbackWatch() as w, torch.no_grad():
+        c, r = _prefilled(model, 24, gen)
+        _loop(model, compiled, c, r, 3, lambda i: dict(position_ids=torch.tensor([[4 + i]]),
+                                                         cache_position=torch.tensor([4 + i])), gen)
+
+        def mask(i):
+            am = torch.zeros(1, 24, dtype=torch.long)
+            am[:, : 5 + i] = 1
+            return {"attention_mask": am}
+        c, r = _prefilled(model, 24, gen)
+        _loop(model, compiled, c, r, 3, mask, gen)
+        # a fresh cache: the first call initializes it inside the compiled step
+        _loop(model, compiled, hf_tiny.static_cache(model, 24), hf_tiny.static_cache(model, 24), 2,
+              lambda i: {}, gen)
+        for length in (40, 56):   # dynamo marks the length dynamic: fusec specializes per length
+            c, r = _prefilled(model, length, gen)
+            _loop(model, compiled, c, r, 2, lambda i: {}, gen)
+        other = hf_tiny.llama(hidden=96, inter=128, heads=6, kv_heads=3, vocab=160, seed=1)
+        compiled_other = torch.compile(other, backend="fusec", options={"num_sms": 16})
+        c, r = _prefilled(other, 24, gen)
+        _loop(other, compiled_other, c, r, 2, lambda i: {}, gen)
+    torch._dynamo.reset()
+    assert not w.fallbacks, w.fallbacks
+    assert steps and not any(s.fallen_back for s in steps)
+
+
+def test_dynamic_cache_and_batch_say_what_to_change():
+    """What fusec cannot compile gets one fallback line each that says what to change."""
+    from transformers import DynamicCache
+    model = hf_tiny.llama()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fusec", options={"num_sms": 16, "fallback": "eager"})
+    with FallbackWatch() as w, torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        model(input_ids=torch.randint(0, 128, (1, 4)), past_key_values=cache, use_cache=True)
+        for _ in range(4):
+            compiled(input_ids=torch.randint(0, 128, (1, 1)), past_key_values=cache, use_cache=True)
+    torch._dynamo.reset()
+    assert len(w.fallbacks) == 2, w.fallbacks   # the static graph, then the dynamic one: once each
+    assert all("StaticCache" in f for f in w.fallbacks)
+
+
+def test_generate_decode_kernel_compiles_with_nvrtc(steps):
+    """The generate() decode step (attention with generate()'s bool mask) renders and compiles
+    for sm_90a."""
+    from fusec.codegen import render
+    from fusec.jit import compile_cuda
+    model = hf_tiny.llama()
+    model.generation_config.pad_token_id = 0
+    torch._dynamo.reset()
+    model.generate(torch.randint(1, 128, (1, 4)), max_new_tokens=3, do_sample=False,
+                   cache_implementation="static", compile_config=_compile_config())
+    torch._dynamo.reset()
+    (step,) = steps
+    plan = render(step.schedule)
+    assert "attention_partial_merge<float, float, float, 4, 2, 16" in plan.source and ", 1, bool>" in plan.source
+    kernel = compile_cuda(plan.source, "fusec_step.cu")
+    assert kernel.resources["fusec_step"]["spill_store_bytes"] == 0
