@@ -51,6 +51,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gptfast_llama  # noqa: E402
+import user_paths  # noqa: E402
 
 log = logging.getLogger("bench")
 
@@ -107,6 +108,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--bandwidth-gib", type=float, default=4.0,
                     help="buffer size (GiB) of the read-bandwidth probe")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-user-paths", dest="user_paths", action="store_false",
+                    help="skip the user-path table (plain loop, HF generate, fusec.generate)")
+    ap.add_argument("--gen-prompt", type=int, default=32, help="prompt tokens of the generate rows")
+    ap.add_argument("--gen-tokens", type=int, default=256, help="new tokens of the generate rows")
     args = ap.parse_args(argv)
     if not isinstance(args.fusec_options, dict) or not isinstance(args.handwritten_inductor, dict):
         ap.error("--fusec-options and --handwritten-inductor take a JSON object")
@@ -538,11 +543,18 @@ def _run(args: argparse.Namespace, caches: dict[str, str], argv: list[str] | Non
             gc.collect()
             torch.cuda.empty_cache()
     summarize(results)
+    if args.user_paths:
+        kernel = {p: v["median_ms"] for p, v in results["engines"].get("fusec", {}).get("positions", {}).items()
+                  if "median_ms" in v}
+        results["user_paths"] = user_paths.run(model, bench.max_cache_len, kernel, args.steps,
+                                               args.gen_prompt, args.gen_tokens, args.seed)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))
     log.info("wrote %s", out)
     print_table(results)
+    if "user_paths" in results:
+        user_paths.print_table(results["user_paths"])
     return 1 if any(r["status"] != "ok" for r in results["engines"].values()) else 0
 
 

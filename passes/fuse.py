@@ -9,7 +9,8 @@ Expects: a recognized, position-folded graph. Guarantees, with the same values:
   ``attention_reduce`` (``attention_merge="reduce"``);
 * RMSNorm -> gate and up linears -> ``silu_mul`` becomes ``rms_gate_up_silu``;
 * linear + residual ``aten.add`` becomes ``matvec_residual``;
-* RMSNorm -> a single linear becomes ``rms_lm_head``;
+* RMSNorm -> a single linear becomes ``rms_lm_head``; an ``argmax`` over its logits (greedy
+  decoding inside the step, :func:`fusec.generate`) becomes that op's ``token`` output;
 * ``aten.embedding`` becomes ``embedding``.
 
 A subgraph fuses only if none of its inner tensors is read outside it. Everything else is
@@ -236,6 +237,27 @@ def _lm_head(c: _Ctx, lin: Op) -> bool:
     return True
 
 
+def _lm_head_argmax(c: _Ctx, am: Op, num_sms: int) -> bool:
+    """``argmax(logits, -1)`` of an ``rms_lm_head``'s logits (batch 1): the LM-head tiles keep
+    their rows' best candidate and the tile with the last ticket merges them into the token."""
+    g = c.g
+    args = am.attrs["args"]
+    head = c.prod(am.inputs.get("in0", ""), "rms_lm_head") if "in0" in am.inputs else None
+    if head is None or "token" in head.outputs or not c.allow():
+        return False
+    logits = g.tensors[head.outputs["out"]]
+    dim = args[1] if len(args) > 1 else am.attrs["kwargs"].get("dim")
+    rows = g.tensors[head.inputs["w"]].shape[0]
+    if logits.numel != rows or g.tensors[am.outputs["out"]].numel != 1 or \
+            (dim is not None and dim % max(1, len(g.tensors[am.inputs["in0"]].shape)) !=
+             len(g.tensors[am.inputs["in0"]].shape) - 1):
+        return False
+    head.outputs["cand"] = g.new_tensor(f"{head.name}_cand", (num_sms, 2), torch.float32)
+    head.outputs["token"] = am.outputs["out"]
+    c.replace([am], [])
+    return True
+
+
 def _embedding(c: _Ctx, o: Op) -> bool:
     args = o.attrs["args"]   # (weight, indices[, padding_idx, scale_grad, sparse]): the rest is training-only
     if len(args) < 2 or c.g.tensors[o.inputs["in1"]].numel != 1 or not c.allow():
@@ -263,6 +285,7 @@ def run(g: Graph, num_sms: int = 132, max_fusions: int | None = None,
     each("silu_mul", _gate_up)
     each("aten.add.Tensor", _residual)
     each("linear", _lm_head)
+    each("aten.argmax.default", lambda c, o: _lm_head_argmax(c, o, num_sms))
     each("aten.embedding.default", _embedding)
     log.debug("fusions: %s", counts)
     return dce.run(g)

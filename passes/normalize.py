@@ -4,7 +4,8 @@ Expects: a graph fresh from capture (``aten.*`` ops, functionalized, mutations a
 ``copy_`` into graph inputs). Guarantees: no op is a pure reshape of contiguous bytes
 (``view``, ``_unsafe_view``, ``unsqueeze``, ``squeeze``, ``alias``, ``clone``, ``expand``
 without broadcasting, ``permute``/``transpose`` that only move size-1 dims, a ``slice`` that
-keeps every element); such outputs
+keeps every element, a ``select`` of a size-1 dim, ``aten.copy`` that neither casts nor
+broadcasts); such outputs
 are aliases of their input. Dead ops are removed. Values are unchanged.
 """
 from __future__ import annotations
@@ -33,6 +34,8 @@ def _order_preserving(g: Graph, op: Op) -> bool:
             [s for s in dst.shape if s != 1]
     if op.kind == "aten.slice.Tensor":   # a slice that keeps every element (logits_to_keep=1)
         return tuple(src.shape) == tuple(dst.shape)
+    if op.kind == "aten.select.int":     # selecting the only index of a size-1 dim
+        return src.numel == dst.numel
     if op.kind in _PERMUTES:
         if op.kind == "aten.permute.default":
             perm = list(op.attrs["args"][1])
@@ -47,12 +50,21 @@ def _order_preserving(g: Graph, op: Op) -> bool:
     return False
 
 
+def _functional_copy(g: Graph, op: Op) -> str | None:
+    """The source of ``aten.copy(dst, src)`` (the functional form of ``dst.copy_(src)``) when its
+    result is exactly src's bytes: same element count and dtype, so nothing is cast or broadcast."""
+    if op.kind != "aten.copy.default" or "in1" not in op.inputs or op.mutates:
+        return None
+    src, out = g.tensors[op.inputs["in1"]], g.tensors[op.outputs["out"]]
+    return op.inputs["in1"] if src.numel == out.numel and src.dtype == out.dtype else None
+
+
 def run(g: Graph) -> Graph:
     kept = []
     for op in g.ops:
-        if _order_preserving(g, op):
-            out = op.outputs["out"]
-            g.tensors[out].alias_of = op.inputs["in0"]
+        src = op.inputs.get("in0") if _order_preserving(g, op) else _functional_copy(g, op)
+        if src is not None:
+            g.tensors[op.outputs["out"]].alias_of = src
             continue
         kept.append(op)
     g.ops = kept

@@ -167,3 +167,51 @@ def test_generate_decode_kernel_compiles_with_nvrtc(steps):
     assert "attention_partial_merge<float, float, float, 4, 2, 16" in plan.source and ", 1, bool>" in plan.source
     kernel = compile_cuda(plan.source, "fusec_step.cu")
     assert kernel.resources["fusec_step"]["spill_store_bytes"] == 0
+
+
+class _GreedyStep(torch.nn.Module):
+    """One greedy decode step that feeds its token back in place (as fusec.generate does)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens, cache):
+        logits = self.model(input_ids=tokens, past_key_values=cache, use_cache=True).logits
+        nxt = logits[:, -1].argmax(-1)
+        tokens.copy_(nxt.view(1, 1))
+        return nxt
+
+
+@pytest.mark.parametrize("factory", [hf_tiny.llama, hf_tiny.qwen3])
+def test_lm_head_argmax_epilogue_matches_eager(factory, steps):
+    """argmax over the logits fuses into the LM head (per-tile candidates, last-ticket merge):
+    12 fed-back greedy tokens equal eager's, the simulator's hazard check passes, and the kernel
+    compiles with NVRTC."""
+    from fusec.codegen import render
+    from fusec.jit import compile_cuda
+    model = factory(vocab=300)
+    gen = torch.Generator().manual_seed(11)
+    caches = [hf_tiny.static_cache(model, 32) for _ in range(2)]
+    p = torch.randint(0, 300, (1, 4), generator=gen)
+    for c in caches:
+        model(input_ids=p, past_key_values=c, use_cache=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(_GreedyStep(model), backend="fusec", options={"num_sms": 7})
+    ours, ref = torch.tensor([[17]]), torch.tensor([[17]])
+    seen = set()
+    with FallbackWatch() as w, torch.no_grad():
+        for _ in range(12):
+            a, b = compiled(ours, caches[0]), _GreedyStep(model)(ref, caches[1])
+            assert int(a) == int(b) == int(ours) == int(ref)
+            seen.add(int(a))
+    torch._dynamo.reset()
+    assert not w.fallbacks, w.fallbacks
+    (step,) = steps
+    kinds = step.schedule.graph.count_kinds()
+    assert "aten.argmax.default" not in kinds and kinds["rms_lm_head"] == 1
+    head = next(o for o in step.schedule.graph.ops if o.kind == "rms_lm_head")
+    assert "token" in head.outputs
+    src = render(step.schedule).source
+    assert "rms_lm_head_argmax<" in src
+    assert compile_cuda(src, "fusec_step.cu").resources["fusec_step"]["spill_store_bytes"] == 0

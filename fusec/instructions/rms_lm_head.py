@@ -1,13 +1,25 @@
-"""rms_lm_head: ``out = W @ RMSNorm(x)`` over rows (final norm + LM head; any norm+linear).
+"""rms_lm_head: ``out = W @ RMSNorm(x)`` over rows (final norm + LM head; any norm+linear),
+optionally with the greedy token ``argmax(out)`` as an epilogue.
 
-Source: HF ``LlamaForCausalLM`` final ``norm`` and ``lm_head``. Shapes: x [H], norm_w [H],
-W [V, H], out [V] (the logits).
+Source: HF ``LlamaForCausalLM`` final ``norm`` and ``lm_head``; ``torch.argmax`` over the
+logits (greedy decoding). Shapes: x [H], norm_w [H], W [V, H], out [V] (the logits).
+
+Argmax epilogue (outputs ``cand`` fp32 [S, 2] and ``token`` int64 [1]; ``fuse`` adds them when
+the graph takes ``argmax(logits, -1)``): tile i of the NT tiles writes its rows' best logit,
+rounded to the logits' dtype as PyTorch compares them, and its row index into ``cand[i]``
+(the first index among equal values); after a barrier it takes an atomic ticket (one
+acquire-release ``atom.inc`` counting 0 .. NT-1, as the split-KV merge does) and the tile that
+takes the last ticket of the step merges the NT candidates into ``token`` (largest value, first
+index among equals: ``torch.argmax``'s tie rule). Every tile declares ``token`` as written, so a
+consumer waits for all of them. NaN logits are not ordered (``torch.argmax`` would pick them).
 """
 from __future__ import annotations
 
+import torch
+
 from ..env import Env
 from ..ir import Graph, Op
-from .base import Instruction, Tile, register
+from .base import Instruction, Region, Tile, register, split_range
 from .matvec_rows import rms_prologue, rms_rows_cuda_args, row_tiles
 
 
@@ -18,20 +30,73 @@ class RmsLmHead(Instruction):
     @classmethod
     def tiles(cls, op: Op, g: Graph, want: int) -> list[Tile]:
         rows = g.tensors[op.inputs["w"]].shape[0]
-        return row_tiles(op, g, want, [op.inputs["w"]], [op.inputs["x"], op.inputs["norm_w"]], [],
-                         op.outputs["out"], rows)
+        if "token" in op.outputs:
+            want = min(want, g.tensors[op.outputs["cand"]].shape[0])
+        tiles = row_tiles(op, g, want, [op.inputs["w"]], [op.inputs["x"], op.inputs["norm_w"]], [],
+                          op.outputs["out"], rows)
+        if "token" in op.outputs:
+            nt = len(tiles)
+            for i, t in enumerate(tiles):
+                t.params["index"] = i
+                t.writes += [Region.of(g, op.outputs["cand"], 2 * i, 2 * i + 2), Region.whole(g, op.outputs["token"])]
+                t.reads += [Region.of(g, op.outputs["cand"], 0, 2 * nt)]   # the merge, if last
+                t.act_bytes += 16
+        return tiles
+
+    @classmethod
+    def encode(cls, op: Op, tile: Tile) -> list[int]:
+        return [*tile.params["rows"], tile.params.get("index", 0)]
+
+    @classmethod
+    def _n_tiles(cls, op: Op, g: Graph) -> int:
+        rows = g.tensors[op.inputs["w"]].shape[0]
+        return len(split_range(rows, g.tensors[op.outputs["cand"]].shape[0]))
 
     @classmethod
     def cuda_args(cls, op: Op, g: Graph, bufs) -> dict:
-        return rms_rows_cuda_args(op, g, bufs, ("w",))
+        args = rms_rows_cuda_args(op, g, bufs, ("w",))
+        args["argmax"] = "token" in op.outputs
+        if args["argmax"]:
+            nt = cls._n_tiles(op, g)
+            args.update(NT=nt, cand=bufs.ptr(op.outputs["cand"]), token=bufs.ptr(op.outputs["token"]),
+                        ticket=bufs.counters(op.name, 1))
+        return args
 
     @classmethod
     def smem_floats(cls, op: Op, g: Graph) -> int:
         return g.tensors[op.inputs["x"]].numel
 
     @classmethod
+    def runtime_regions(cls, op: Op, tile: Tile, env: Env):
+        if "token" not in op.outputs:
+            return tile.reads, tile.writes
+        return tile.reads[:-1], [w for w in tile.writes if w.tensor != env.g.root(op.outputs["token"])]
+
+    @classmethod
+    def ticket_regions(cls, op: Op, tile: Tile, env: Env):
+        """The merge, after the ticket: every candidate and the token, if this tile's ticket is
+        the step's last."""
+        if "token" not in op.outputs:
+            return [], []
+        nt = cls._n_tiles(op, env.g)
+        if env.peek_ticket(op.name) % nt != nt - 1:
+            return [], []
+        return [Region.of(env.g, op.outputs["cand"], 0, 2 * nt)], [Region.whole(env.g, op.outputs["token"])]
+
+    @classmethod
     def run_tile(cls, op: Op, tile: Tile, env: Env) -> None:
         r0, r1 = tile.params["rows"]
         dt = env.g.tensors[op.outputs["out"]].dtype
         n = rms_prologue(op, env)
-        env.flat(op.outputs["out"])[r0:r1] = (env.read(op.inputs["w"])[r0:r1].float() @ n).to(dt)
+        logits = (env.read(op.inputs["w"])[r0:r1].float() @ n).to(dt)
+        env.flat(op.outputs["out"])[r0:r1] = logits
+        if "token" not in op.outputs:
+            return
+        nt, i = cls._n_tiles(op, env.g), tile.params["index"]
+        cand = env.flat(op.outputs["cand"])
+        best = int(torch.argmax(logits.float()))     # first index of the maximum
+        cand[2 * i], cand[2 * i + 1] = float(logits[best]), float(r0 + best)
+        if env.take_ticket(op.name) % nt == nt - 1:
+            c = cand[: 2 * nt].view(nt, 2)
+            k = int(torch.argmax(c[:, 0]))           # tiles are in row order: first max = first index
+            env.flat(op.outputs["token"])[0] = int(c[k, 1])
