@@ -5,12 +5,12 @@ Expects: a graph fresh from capture (``aten.*`` ops, functionalized, mutations a
 (``view``, ``_unsafe_view``, ``unsqueeze``, ``squeeze``, ``alias``, ``clone``, ``expand``
 without broadcasting, ``permute``/``transpose`` that only move size-1 dims, a ``slice`` that
 keeps every element, a ``select`` of a size-1 dim, ``aten.copy`` that neither casts nor
-broadcasts); such outputs
+broadcasts, a ``cat`` of one non-empty tensor); such outputs
 are aliases of their input. Dead ops are removed. Values are unchanged.
 """
 from __future__ import annotations
 
-from fusec.ir import Graph, Op
+from fusec.ir import Graph, Op, Ref
 
 from . import dce
 
@@ -59,9 +59,32 @@ def _functional_copy(g: Graph, op: Op) -> str | None:
     return op.inputs["in1"] if src.numel == out.numel and src.dtype == out.dtype else None
 
 
+def _drop_empty_cat_inputs(g: Graph, op: Op) -> None:
+    """``cat`` of an empty tensor (the pass-through part of a full rotary, Phi-3's
+    ``q[..., rot:]``) drops it: an op never reads a tensor of no elements."""
+    if op.kind != "aten.cat.default":
+        return
+    parts = list(op.attrs["args"][0])
+    keep = [a for a in parts if not (isinstance(a, Ref) and g.tensors[op.inputs[a.slot]].numel == 0)]
+    if len(keep) == len(parts) or not keep:
+        return
+    used = {a.slot for a in keep}
+    for a in parts:
+        if isinstance(a, Ref) and a.slot not in used and all(
+                not (isinstance(b, Ref) and b.slot == a.slot) for b in keep):
+            op.inputs.pop(a.slot, None)
+    op.attrs["args"] = (keep, *op.attrs["args"][1:])
+
+
 def run(g: Graph) -> Graph:
     kept = []
     for op in g.ops:
+        _drop_empty_cat_inputs(g, op)
+        if op.kind == "aten.cat.default" and len(op.attrs["args"][0]) == 1 and len(op.inputs) == 1:
+            only = next(iter(op.inputs.values()))
+            if g.tensors[only].numel == g.tensors[op.outputs["out"]].numel:
+                g.tensors[op.outputs["out"]].alias_of = only
+                continue
         src = op.inputs.get("in0") if _order_preserving(g, op) else _functional_copy(g, op)
         if src is not None:
             g.tensors[op.outputs["out"]].alias_of = src
