@@ -2,8 +2,8 @@
 
 Expects: a recognized, position-folded graph. Guarantees, with the same values:
 
-* RMSNorm -> Q/K/V linears -> [per-head q/k RMSNorm] -> RoPE (tables) -> KV-cache writes
-  becomes one ``rms_qkv_rope`` op;
+* RMSNorm -> Q/K/V linears [with biases, Qwen2] -> [per-head q/k RMSNorm] -> RoPE (tables)
+  -> KV-cache writes becomes one ``rms_qkv_rope`` op;
 * ``attention`` becomes one ``attention_partial`` (split-KV) whose last tile per KV head
   merges the group (``attention_merge="last_tile"``, the default), or ``attention_partial`` +
   ``attention_reduce`` (``attention_merge="reduce"``);
@@ -113,7 +113,8 @@ def _qkv(c: _Ctx, att: Op, num_sms: int) -> bool:
     lins["v"] = lin_v
     if set(norms) not in (set(), {"q", "k"}):
         return False
-    if any("b" in l.inputs for l in lins.values()):
+    biased = ["b" in l.inputs for l in lins.values()]
+    if any(biased) and not all(biased):   # Qwen2 biases q, k and v; a partial set stays unfused
         return False
     xs = {g.root(l.inputs["x"]) for l in lins.values()}
     if len(xs) != 1:
@@ -142,6 +143,8 @@ def _qkv(c: _Ctx, att: Op, num_sms: int) -> bool:
            "rope_pos": cos_q.inputs["pos"], "kv_pos": wk.inputs["pos"]}
     attrs = {"eps": rms.attrs["eps"], "norm_dtype": g.tensors[rms.outputs["out"]].dtype,
              "dtype": g.tensors[rope_q.outputs["out"]].dtype, "n_q": nq, "n_kv": nkv, "head_dim": d}
+    if all(biased):
+        ins["bq"], ins["bk"], ins["bv"] = (lins[h].inputs["b"] for h in "qkv")
     if norms:
         ins["q_norm_w"], ins["k_norm_w"] = norms["q"].inputs["w"], norms["k"].inputs["w"]
         attrs["qk_eps"] = norms["q"].attrs["eps"]

@@ -6,9 +6,11 @@ per-head RMSNorm (Qwen3 ``q_norm``/``k_norm``) and RoPE (Su et al. 2021, half-sp
 cos/sin looked up at the position in tables folded at compile time), then writes q heads to
 ``q`` and k/v heads into row ``kv_pos`` of the KV caches.
 
-Shapes: x [H]; norm_w [H]; wq [Hq*D, H]; wk, wv [Hkv*D, H]; cos_table, sin_table [L, .., D];
-kcache, vcache [1, Hkv, L, D]; q [Hq*D]. Numerics: fp32 math, rounded to the model dtype
-where PyTorch rounds (after the norm, after each projection, after RoPE).
+Shapes: x [H]; norm_w [H]; wq [Hq*D, H]; wk, wv [Hkv*D, H]; optional biases bq [Hq*D], bk, bv
+[Hkv*D] (Qwen2: ``addmm``, the bias added to the fp32 dot before the projection's rounding);
+cos_table, sin_table [L, .., D]; kcache, vcache [1, Hkv, L, D]; q [Hq*D]. Numerics: fp32 math,
+rounded to the model dtype where PyTorch rounds (after the norm, after each projection, after
+RoPE).
 """
 from __future__ import annotations
 
@@ -51,7 +53,7 @@ class RmsQkvRope(Instruction):
         n_units, half, align = cls._units(op, g)
         hid = g.tensors[op.inputs["wq"]].shape[1]
         vec = [op.inputs[s] for s in ("x", "norm_w", "cos_table", "sin_table", "rope_pos", "kv_pos",
-                                      "q_norm_w", "k_norm_w") if s in op.inputs]
+                                      "q_norm_w", "k_norm_w", "bq", "bk", "bv") if s in op.inputs]
         tiles = []
         for i, (u0, u1) in enumerate(split_range(n_units, want, align)):
             reads = [Region.whole(g, v) for v in vec]
@@ -83,7 +85,11 @@ class RmsQkvRope(Instruction):
                 "headnorm": "true" if hn else "false", "eps": repr(float(a["eps"])),
                 "qk_eps": repr(float(a.get("qk_eps", 0.0))),
                 "q_norm_w": bufs.ptr(i["q_norm_w"]) if hn else "nullptr",
-                "k_norm_w": bufs.ptr(i["k_norm_w"]) if hn else "nullptr"}
+                "k_norm_w": bufs.ptr(i["k_norm_w"]) if hn else "nullptr",
+                "bias": "true" if "bq" in i else "false"}
+        for s in ("bq", "bk", "bv"):
+            args[s] = bufs.ptr(i[s]) if s in i else "nullptr"
+        args["tb"] = bufs.ctype(i["bq"]) if "bq" in i else args["tw"]
         for s in ("x", "norm_w", "wq", "wk", "wv", "cos_table", "sin_table", "rope_pos", "kv_pos"):
             args[s] = bufs.ptr(i[s])
         for s in ("q", "kcache", "vcache"):
@@ -133,8 +139,11 @@ class RmsQkvRope(Instruction):
             wt = env.read(op.inputs[w])
             lo = slice(row * d + p0, row * d + p1)
             hi = slice(row * d + half + p0, row * d + half + p1)
-            y1 = (wt[lo].float() @ n).to(dt).float()
-            y2 = (wt[hi].float() @ n).to(dt).float()
+            y1, y2 = wt[lo].float() @ n, wt[hi].float() @ n
+            if "bq" in op.inputs:
+                b = env.read(op.inputs["b" + w[1]]).reshape(-1).float()
+                y1, y2 = y1 + b[lo], y2 + b[hi]
+            y1, y2 = y1.to(dt).float(), y2.to(dt).float()
             if out != "vcache":
                 nw = op.inputs.get("q_norm_w" if out == "q" else "k_norm_w")
                 if nw is not None:  # whole head (p0 = 0, p1 = half)
