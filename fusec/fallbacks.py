@@ -40,8 +40,13 @@ class FallbackWatch(logging.Handler):
             self.fallbacks.append(msg)
 
     def __enter__(self) -> "FallbackWatch":
+        # a logging set-up that drops warnings (a root level of ERROR) must not hide fallbacks
+        self._level = log.level
+        if log.getEffectiveLevel() > logging.WARNING:
+            log.setLevel(logging.WARNING)
         log.addHandler(self)
         return self
 
     def __exit__(self, *exc: Any) -> None:
         log.removeHandler(self)
+        log.setLevel(self._level)

@@ -11,6 +11,7 @@ Expects: a recognized, position-folded graph. Guarantees, with the same values:
 * linear + residual ``aten.add`` becomes ``matvec_residual``;
 * RMSNorm -> a single linear becomes ``rms_lm_head``; an ``argmax`` over its logits (greedy
   decoding inside the step, :func:`fusec.generate`) becomes that op's ``token`` output;
+* any other ``linear`` (batch 1) becomes ``matvec``, its rows spread over every SM;
 * ``aten.embedding`` becomes ``embedding``.
 
 A subgraph fuses only if none of its inner tensors is read outside it. Everything else is
@@ -261,6 +262,21 @@ def _lm_head_argmax(c: _Ctx, am: Op, num_sms: int) -> bool:
     return True
 
 
+def _matvec(c: _Ctx, lin: Op) -> bool:
+    """A linear layer no other fusion took (batch 1: x is one vector) becomes ``matvec``."""
+    g = c.g
+    w = g.tensors[lin.inputs["w"]]
+    if len(w.shape) != 2 or g.tensors[lin.inputs["x"]].numel != w.shape[1] or not c.allow():
+        return False
+    ins = {"x": lin.inputs["x"], "w": lin.inputs["w"]}
+    if "b" in lin.inputs:
+        if g.tensors[lin.inputs["b"]].numel != w.shape[0]:
+            return False
+        ins["b"] = lin.inputs["b"]
+    c.replace([lin], [Op(lin.name, "matvec", ins, dict(lin.outputs), source=lin.source)])
+    return True
+
+
 def _embedding(c: _Ctx, o: Op) -> bool:
     args = o.attrs["args"]   # (weight, indices[, padding_idx, scale_grad, sparse]): the rest is training-only
     if len(args) < 2 or c.g.tensors[o.inputs["in1"]].numel != 1 or not c.allow():
@@ -289,6 +305,7 @@ def run(g: Graph, num_sms: int = 132, max_fusions: int | None = None,
     each("aten.add.Tensor", _residual)
     each("linear", _lm_head)
     each("aten.argmax.default", lambda c, o: _lm_head_argmax(c, o, num_sms))
+    each("linear", _matvec)
     each("aten.embedding.default", _embedding)
     log.debug("fusions: %s", counts)
     return dce.run(g)

@@ -135,3 +135,21 @@ def test_profile_and_defines_options(monkeypatch):
         Options.from_dict({"profile_step": 0})
     with pytest.raises(FusecError, match="defines"):
         Options.from_dict({"defines": ["A=1"]})
+
+
+def test_fallback_watch_sees_fallbacks_under_a_quiet_logging_setup():
+    """A user's logging at ERROR must not hide fallback lines from FallbackWatch."""
+    import logging
+
+    from fusec.fallbacks import FallbackWatch, warn
+    log = logging.getLogger("fusec")
+    before = log.level
+    root = logging.getLogger().level
+    logging.getLogger().setLevel(logging.ERROR)
+    try:
+        with FallbackWatch() as w:
+            warn("fusec: test fallback %d", 1)
+        assert w.fallbacks == ["fusec: test fallback 1"]
+        assert log.level == before
+    finally:
+        logging.getLogger().setLevel(root)

@@ -86,3 +86,27 @@ def test_phi3_fused_qkv_compiles_and_matches(steps):
     used to crash the compiler; it now matches eager."""
     _decode_against_eager(phi3())
     assert steps and not steps[0].fallen_back
+
+
+def olmo2(vocab=128):
+    """Tiny OLMo-2 (q/k RMSNorm over the whole projection, post-norms), fp32."""
+    from transformers import Olmo2Config, Olmo2ForCausalLM
+    torch.manual_seed(0)
+    cfg = Olmo2Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=256, pad_token_id=0,
+                      eos_token_id=1, attn_implementation="sdpa")
+    return Olmo2ForCausalLM(cfg).eval().requires_grad_(False)
+
+
+def test_unfused_linears_become_matvec(steps):
+    """A family whose norms no fused kind covers (OLMo-2: post-norms, q/k norm over the whole
+    projection) still streams every projection over all SMs: no linear is left generic."""
+    _decode_against_eager(olmo2())
+    (step,) = steps
+    kinds = step.schedule.graph.count_kinds()
+    assert "linear" not in kinds and kinds["matvec"] >= 2 * 5
+    per_op = {}
+    for ins in step.schedule.instrs:
+        per_op.setdefault(ins.op, set()).add(ins.sm)
+    mv = [o.name for o in step.schedule.graph.ops if o.kind == "matvec"]
+    assert all(len(per_op[name]) > 1 for name in mv)   # tiled over several SMs, unlike a generic op
