@@ -16,7 +16,7 @@ import torch
 from .capture import aten_capture, check_decode_step
 from .compiled import CompiledStep
 from .config import Options
-from .errors import FallbackRequired
+from .errors import FallbackRequired, FusecError
 from .fallbacks import warn as warn_fallback
 from .pipeline import Dumper, build_ir
 
@@ -69,6 +69,13 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list[Any], opts: Options)
         return aten_capture(gm, example_inputs, compiler)
     except FallbackRequired as e:
         warn_fallback("fusec: %s; using %s", e, opts.fallback)
+        return fallback(gm, example_inputs, opts.fallback)
+    except FusecError:
+        raise
+    except Exception as e:   # AOT autograd could not trace the graph: never a crash
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        warn_fallback("fusec: capturing the graph to ATen failed (%s: %s); using %s", type(e).__name__,
+                      first[:200], opts.fallback)
         return fallback(gm, example_inputs, opts.fallback)
 
 

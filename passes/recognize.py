@@ -6,6 +6,7 @@ with the same values, by one op each:
 * ``linear(x, w[, b])``     ``mm(x, permute(w, [1, 0]))`` / ``addmm(b, x, permute(w))``, w a weight
 * ``rmsnorm(x, w; eps)``    HF ``LlamaRMSNorm``: ``w * (x * rsqrt(mean(x^2) + eps)).to(dtype)``
 * ``silu_mul(gate, up)``    ``gate * sigmoid(gate) * up``
+* ``layernorm(x[, w][, b]; eps)``  ``native_layer_norm`` over the last dim, statistics unread
 * ``rope(x, cos, sin)``     ``x * cos + cat(-x2, x1) * sin`` (``rotate_half``)
 * ``kv_write(pos, val) -> cache``  ``copy_(cache, index_put(cache, [None, None, pos], val))``;
   readers of the functional result read the cache buffer after the write
@@ -26,7 +27,7 @@ import logging
 import torch
 
 from fusec import position
-from fusec.ir import Graph, Op, Role
+from fusec.ir import Graph, Op, Ref, Role
 from fusec.pattern import Matcher, cast, lit, op, var
 from fusec.semantics import default_scale
 
@@ -91,6 +92,34 @@ def _rope_ok(g: Graph, b: dict) -> bool:
     d = g.tensors[b["x"]].shape[-1]
     dims_ok = all(b[k] in (-1, last) for k in ("d1", "d2", "d3"))
     return dims_ok and b["h"] == b["h2"] == d // 2 and b["end"] >= d
+
+
+def _layernorms(g: Graph) -> int:
+    """``aten.native_layer_norm(x, [H], w, b, eps)`` whose mean and rstd nobody reads ->
+    ``layernorm(x[, w][, b]; eps)`` over the last dim."""
+    users = g.users()
+    n = 0
+    new_ops = []
+    for o in g.ops:
+        if o.kind != "aten.native_layer_norm.default":
+            new_ops.append(o)
+            continue
+        x, shape, w, b, eps = (list(o.attrs["args"]) + [None] * 5)[:5]
+        xs = o.inputs[x.slot] if isinstance(x, Ref) else None
+        stats_read = any(users.get(g.root(o.outputs[s])) for s in ("out1", "out2") if s in o.outputs)
+        if xs is None or list(shape) != [g.tensors[xs].shape[-1]] or stats_read or eps is None:
+            new_ops.append(o)
+            continue
+        ins = {"x": xs}
+        if isinstance(w, Ref):
+            ins["w"] = o.inputs[w.slot]
+        if isinstance(b, Ref):
+            ins["b"] = o.inputs[b.slot]
+        new_ops.append(Op(o.name, "layernorm", ins, {"out": o.outputs["out0"]}, attrs={"eps": float(eps)},
+                          source=o.source))
+        n += 1
+    g.ops = new_ops
+    return n
 
 
 def _kv_writes(g: Graph) -> int:
@@ -226,6 +255,7 @@ def run(g: Graph, weights: dict[str, torch.Tensor] | None = None) -> Graph:
     for pattern, kind, slots, lits in RULES:
         counts[kind] = counts.get(kind, 0) + _rewrite(g, pattern, kind, slots, lits)
         dce.run(g)
+    counts["layernorm"] = _layernorms(g)
     counts["kv_write"] = _kv_writes(g)
     counts["attention"] = _attention(g, weights or {})
     dce.run(g)

@@ -110,3 +110,34 @@ def test_unfused_linears_become_matvec(steps):
         per_op.setdefault(ins.op, set()).add(ins.sm)
     mv = [o.name for o in step.schedule.graph.ops if o.kind == "matvec"]
     assert all(len(per_op[name]) > 1 for name in mv)   # tiled over several SMs, unlike a generic op
+
+
+def gpt_neox(vocab=128):
+    """Tiny GPT-NeoX/Pythia (LayerNorm with bias, parallel residual, partial rotary), fp32."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+    torch.manual_seed(0)
+    cfg = GPTNeoXConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                        vocab_size=vocab, max_position_embeddings=256, rotary_pct=0.25,
+                        use_parallel_residual=True, attn_implementation="sdpa")
+    return GPTNeoXForCausalLM(cfg).eval().requires_grad_(False)
+
+
+def stablelm(vocab=128):
+    """Tiny StableLM (LayerNorm with bias, partial rotary, GQA), fp32."""
+    from transformers import StableLmConfig, StableLmForCausalLM
+    torch.manual_seed(0)
+    cfg = StableLmConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=256,
+                         partial_rotary_factor=0.25, attn_implementation="sdpa")
+    return StableLmForCausalLM(cfg).eval().requires_grad_(False)
+
+
+@pytest.mark.parametrize("factory", [gpt_neox, stablelm])
+def test_layernorm_families_match_eager(factory, steps):
+    """native_layer_norm becomes the layernorm kind (it used to send the graph to inductor);
+    the projections are matvecs over all SMs; the step matches eager."""
+    _decode_against_eager(factory())
+    (step,) = steps
+    kinds = step.schedule.graph.count_kinds()
+    assert kinds["layernorm"] >= 4 and "aten.native_layer_norm.default" not in kinds
+    assert "linear" not in kinds and kinds["attention_partial"] == 2

@@ -25,7 +25,8 @@ _ELEMENTWISE = {
     "abs", "maximum", "minimum", "clamp", "reciprocal", "copy_", "erf", "gelu", "log", "expm1",
     "log1p", "zeros_like", "ones_like", "copy", "fill", "remainder", "floor_divide", "sign",
 }
-_REDUCE = {"mean", "sum", "amax", "amin", "any", "_softmax", "max", "argmax", "var_mean", "prod"}
+_REDUCE = {"mean", "sum", "amax", "amin", "any", "_softmax", "max", "argmax", "var_mean", "prod",
+           "native_layer_norm"}
 _MATVEC = {"mm", "addmm", "bmm"}
 _DATA = {
     "view", "_unsafe_view", "unsqueeze", "squeeze", "permute", "expand", "slice", "cat", "select",
