@@ -1,8 +1,8 @@
 """The compiler pipeline as one list of named stages.
 
 ``build_ir`` (capture -> IR) runs when dynamo hands over a graph; ``lower`` runs the passes
-with the real input values at the first call: normalize -> recognize -> fold_position ->
-fuse -> tile -> schedule. The IR checker runs after every pass and names the pass that
+with the real input values at the first call: normalize -> fold_constants -> recognize ->
+fold_position -> fuse -> tile -> schedule. The IR checker runs after every pass and names the pass that
 broke an invariant. With ``dump_dir`` set (or ``FUSEC_DUMP``), every stage writes its
 artifact there: ``00_aten.txt``, ``01_ir.txt``, ``02_normalize.txt`` ... ``schedule.json``.
 """
@@ -26,8 +26,8 @@ log = logging.getLogger("fusec")
 
 
 def _passes():
-    from fusec.passes import fold_position, fuse, normalize, recognize, schedule, tile
-    return normalize, recognize, fold_position, fuse, tile, schedule
+    from fusec.passes import fold_constants, fold_position, fuse, normalize, recognize, schedule, tile
+    return normalize, fold_constants, recognize, fold_position, fuse, tile, schedule
 
 
 class Dumper:
@@ -65,7 +65,7 @@ def lower(g: Graph, flat_args: list[Any], opts: Options, dump: Dumper) -> Schedu
         flat_args: real input tensors (weights are read to fold position tables and to
             evaluate attention masks).
     """
-    normalize, recognize, fold_position, fuse, tile, schedule = _passes()
+    normalize, fold_constants, recognize, fold_position, fuse, tile, schedule = _passes()
     g = g.copy()
     num_sms = opts.num_sms or 132
     # small weights (inv_freq ...) on the CPU: position tables and masks are evaluated there
@@ -73,6 +73,7 @@ def lower(g: Graph, flat_args: list[Any], opts: Options, dump: Dumper) -> Schedu
                if g.tensors[n].role == Role.WEIGHT and g.tensors[n].numel <= position.MAX_KNOWN_WEIGHT}
     stages: list[tuple[str, Callable[[Graph], Graph]]] = [
         ("normalize", normalize.run),
+        ("fold_constants", lambda g: fold_constants.run(g, weights)),
         ("recognize", lambda g: recognize.run(g, weights)),
         ("fold_position", lambda g: fold_position.run(g, weights)),
         ("fuse", lambda g: fuse.run(g, num_sms, opts.max_fusions, opts.attention_merge)),

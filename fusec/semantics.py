@@ -26,11 +26,16 @@ def semantic(kind: str):
     return deco
 
 
-def rms_normalize(x: torch.Tensor, w: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
-    """HF RMSNorm over the last dim: ``w * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)`` in fp32."""
+def rms_normalize(x: torch.Tensor, w: torch.Tensor, eps: float, dtype: torch.dtype,
+                  w_fp32: bool = False) -> torch.Tensor:
+    """HF RMSNorm over the last dim: ``w * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)`` in fp32
+    (Llama); with ``w_fp32`` the weight multiplies before the one rounding,
+    ``(x * rsqrt(mean(x^2) + eps) * w).to(dtype)`` (Gemma, whose ``w`` is ``1 + weight``)."""
     xf = x.float()
-    y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype).float()
-    return (w.float() * y).to(dtype)
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if w_fp32:
+        return (y * w.float()).to(dtype)
+    return (w.float() * y.to(x.dtype).float()).to(dtype)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -72,7 +77,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int, scale
 def _rmsnorm(op: Op, env: Env) -> None:
     x = env.read(op.inputs["x"])
     env.set(op.outputs["out"], rms_normalize(x, env.read(op.inputs["w"]), op.attrs["eps"],
-                                             env.g.tensors[op.outputs["out"]].dtype))
+                                             env.g.tensors[op.outputs["out"]].dtype,
+                                             op.attrs.get("w_fp32", False)))
 
 
 @semantic("linear")
@@ -99,6 +105,15 @@ def _silu_mul(op: Op, env: Env) -> None:
     g = env.read(op.inputs["gate"]).float()
     y = torch.nn.functional.silu(g) * env.read(op.inputs["up"]).float()
     env.set(op.outputs["out"], y.to(info.dtype).reshape(info.shape))
+
+
+@semantic("gelu_mul")
+def _gelu_mul(op: Op, env: Env) -> None:
+    info = env.g.tensors[op.outputs["out"]]
+    g = env.read(op.inputs["gate"]).float()
+    a = torch.nn.functional.gelu(g, approximate="tanh" if op.attrs["act"] == "gelu_tanh" else "none")
+    a = a.to(env.g.tensors[op.inputs["gate"]].dtype).float()   # GELU is its own op: rounded
+    env.set(op.outputs["out"], (a * env.read(op.inputs["up"]).float()).to(info.dtype).reshape(info.shape))
 
 
 @semantic("kv_write")

@@ -7,7 +7,8 @@ Expects: a recognized, position-folded graph. Guarantees, with the same values:
 * ``attention`` becomes one ``attention_partial`` (split-KV) whose last tile per KV head
   merges the group (``attention_merge="last_tile"``, the default), or ``attention_partial`` +
   ``attention_reduce`` (``attention_merge="reduce"``);
-* RMSNorm -> gate and up linears -> ``silu_mul`` becomes ``rms_gate_up_silu``;
+* RMSNorm -> gate and up linears -> ``silu_mul`` or ``gelu_mul`` becomes ``rms_gate_up_silu``
+  (attr ``act``);
 * linear + residual ``aten.add`` becomes ``matvec_residual``;
 * RMSNorm -> a single linear becomes ``rms_lm_head``; an ``argmax`` over its logits (greedy
   decoding inside the step, :func:`fusec.generate`) becomes that op's ``token`` output;
@@ -143,7 +144,8 @@ def _qkv(c: _Ctx, att: Op, num_sms: int) -> bool:
            "cos_table": cos_q.inputs["table"], "sin_table": sin_q.inputs["table"],
            "rope_pos": cos_q.inputs["pos"], "kv_pos": wk.inputs["pos"]}
     attrs = {"eps": rms.attrs["eps"], "norm_dtype": g.tensors[rms.outputs["out"]].dtype,
-             "dtype": g.tensors[rope_q.outputs["out"]].dtype, "n_q": nq, "n_kv": nkv, "head_dim": d}
+             "dtype": g.tensors[rope_q.outputs["out"]].dtype, "n_q": nq, "n_kv": nkv, "head_dim": d,
+             "w_fp32": rms.attrs.get("w_fp32", False)}
     if all(biased):
         ins["bq"], ins["bk"], ins["bv"] = (lins[h].inputs["b"] for h in "qkv")
     if norms:
@@ -197,7 +199,8 @@ def _gate_up(c: _Ctx, s: Op) -> bool:
     fused = Op(c.g.fresh_name("rms_gate_up_silu"), "rms_gate_up_silu",
                {"x": rms.inputs["x"], "norm_w": rms.inputs["w"], "wg": lg.inputs["w"], "wu": lu.inputs["w"]},
                {"out": s.outputs["out"]},
-               attrs={"eps": rms.attrs["eps"], "norm_dtype": c.g.tensors[rms.outputs["out"]].dtype},
+               attrs={"eps": rms.attrs["eps"], "norm_dtype": c.g.tensors[rms.outputs["out"]].dtype,
+                      "act": s.attrs.get("act", "silu"), "w_fp32": rms.attrs.get("w_fp32", False)},
                source=s.source)
     c.replace(inner, [fused])
     return True
@@ -235,7 +238,8 @@ def _lm_head(c: _Ctx, lin: Op) -> bool:
     fused = Op(c.g.fresh_name("rms_lm_head"), "rms_lm_head",
                {"x": rms.inputs["x"], "norm_w": rms.inputs["w"], "w": lin.inputs["w"]},
                {"out": lin.outputs["out"]},
-               attrs={"eps": rms.attrs["eps"], "norm_dtype": c.g.tensors[rms.outputs["out"]].dtype},
+               attrs={"eps": rms.attrs["eps"], "norm_dtype": c.g.tensors[rms.outputs["out"]].dtype,
+                      "w_fp32": rms.attrs.get("w_fp32", False)},
                source=lin.source)
     c.replace([rms, lin], [fused])
     return True
@@ -302,6 +306,7 @@ def run(g: Graph, num_sms: int = 132, max_fusions: int | None = None,
         if c.allow():
             _split_attention(c, o, num_sms, attention_merge)
     each("silu_mul", _gate_up)
+    each("gelu_mul", _gate_up)
     each("aten.add.Tensor", _residual)
     each("linear", _lm_head)
     each("aten.argmax.default", lambda c, o: _lm_head_argmax(c, o, num_sms))

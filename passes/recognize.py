@@ -4,8 +4,11 @@ Expects: a normalized graph (views are aliases). Guarantees: these subgraphs are
 with the same values, by one op each:
 
 * ``linear(x, w[, b])``     ``mm(x, permute(w, [1, 0]))`` / ``addmm(b, x, permute(w))``, w a weight
-* ``rmsnorm(x, w; eps)``    HF ``LlamaRMSNorm``: ``w * (x * rsqrt(mean(x^2) + eps)).to(dtype)``
+* ``rmsnorm(x, w; eps)``    HF ``LlamaRMSNorm``: ``w * (x * rsqrt(mean(x^2) + eps)).to(dtype)``;
+  Gemma's ``(x * rsqrt(mean(x^2) + eps) * w).to(dtype)`` (``w`` = the folded ``1 + weight``)
+  as ``rmsnorm`` with ``w_fp32``
 * ``silu_mul(gate, up)``    ``gate * sigmoid(gate) * up``
+* ``gelu_mul(gate, up; act)``  ``gelu(gate) * up`` (GeGLU; ``act`` "gelu_tanh" or "gelu")
 * ``layernorm(x[, w][, b]; eps)``  ``native_layer_norm`` over the last dim, statistics unread
 * ``rope(x, cos, sin)``     ``x * cos + cat(-x2, x1) * sin`` (``rotate_half``)
 * ``kv_write(pos, val) -> cache``  ``copy_(cache, index_put(cache, [None, None, pos], val))``;
@@ -40,11 +43,21 @@ def _is_weight(g: Graph, t: str) -> bool:
     return g.tensors[g.root(t)].role == Role.WEIGHT
 
 
+def _is_param(g: Graph, t: str) -> bool:
+    """A weight, or a constant folded from weights (Gemma's ``1 + weight``)."""
+    return g.tensors[g.root(t)].role in (Role.WEIGHT, Role.CONSTANT)
+
+
 _XF = cast(var("x"))
 RMSNORM = op("aten.mul.Tensor", var("w", _is_weight), cast(op(
     "aten.mul.Tensor", _XF, op("aten.rsqrt.default", op(
         "aten.add.Tensor", op("aten.mean.dim", op("aten.pow.Tensor_Scalar", _XF, 2), [-1], True),
         lit("eps"))), commutative=True)), commutative=True)
+# Gemma: (x * rsqrt(mean(x^2) + eps) * (1 + w)).to(dtype), the weight in fp32 before one rounding
+RMSNORM_W32 = cast(op("aten.mul.Tensor", op(
+    "aten.mul.Tensor", _XF, op("aten.rsqrt.default", op(
+        "aten.add.Tensor", op("aten.mean.dim", op("aten.pow.Tensor_Scalar", _XF, 2), [-1], True),
+        lit("eps"))), commutative=True), var("w", _is_param), commutative=True))
 LINEAR = op("aten.mm.default", var("x"), op("aten.permute.default", var("w", _is_weight), [1, 0]))
 LINEAR_BIAS = op("aten.addmm.default", var("b"), var("x"),
                  op("aten.permute.default", var("w", _is_weight), [1, 0]))
@@ -59,17 +72,22 @@ ROPE = op("aten.add.Tensor",
               op("aten.slice.Tensor", var("x"), lit("d2"), 0, lit("h2"), partial=True)], lit("d3")),
              var("sin"), commutative=True), commutative=True)
 
-# (pattern, semantic kind, input slots, attribute literals)
+GELU_MUL = op("aten.mul.Tensor", cast(op("aten.gelu.default", var("gate"), partial=True, bind="act")),
+              var("up"), commutative=True)
+
+# (pattern, semantic kind, input slots, attribute literals, fixed attributes)
 RULES = [
-    (LINEAR_BIAS, "linear", ("x", "w", "b"), ()),
-    (LINEAR, "linear", ("x", "w"), ()),
-    (RMSNORM, "rmsnorm", ("x", "w"), ("eps",)),
-    (SILU_MUL, "silu_mul", ("gate", "up"), ()),
-    (ROPE, "rope", ("x", "cos", "sin"), ()),
+    (LINEAR_BIAS, "linear", ("x", "w", "b"), (), {}),
+    (LINEAR, "linear", ("x", "w"), (), {}),
+    (RMSNORM_W32, "rmsnorm", ("x", "w"), ("eps",), {"w_fp32": True}),
+    (RMSNORM, "rmsnorm", ("x", "w"), ("eps",), {}),
+    (SILU_MUL, "silu_mul", ("gate", "up"), (), {}),
+    (GELU_MUL, "gelu_mul", ("gate", "up"), (), {}),
+    (ROPE, "rope", ("x", "cos", "sin"), (), {}),
 ]
 
 
-def _rewrite(g: Graph, pattern, kind: str, slots, lits) -> int:
+def _rewrite(g: Graph, pattern, kind: str, slots, lits, fixed) -> int:
     m = Matcher(g)
     n = 0
     new_ops = []
@@ -79,7 +97,13 @@ def _rewrite(g: Graph, pattern, kind: str, slots, lits) -> int:
         if b is None or (kind == "rope" and not _rope_ok(g, b)):
             new_ops.append(o)
             continue
-        attrs = {k: b[k] for k in lits}
+        attrs = {**{k: b[k] for k in lits}, **fixed}
+        if attrs.get("w_fp32") and g.tensors[b["x"]].dtype == g.tensors[out].dtype == torch.float32:
+            attrs["w_fp32"] = False   # in fp32 both orders round alike: keep the plain kernels
+        if kind == "gelu_mul":
+            gelu = m.producer(b["act"])
+            approx = gelu.attrs["kwargs"].get("approximate", gelu.attrs["args"][1] if len(gelu.attrs["args"]) > 1 else "none")
+            attrs["act"] = "gelu_tanh" if approx == "tanh" else "gelu"
         new_ops.append(Op(o.name, kind, {s: b[s] for s in slots}, {"out": out}, attrs=attrs,
                           source=o.source))
         n += 1
@@ -252,8 +276,8 @@ def _causal_counter(g: Graph, mask: str, dep, ctrs, weights) -> str | None:
 def run(g: Graph, weights: dict[str, torch.Tensor] | None = None) -> Graph:
     """Apply the rules; ``weights`` gives input values needed to evaluate masks."""
     counts = {}
-    for pattern, kind, slots, lits in RULES:
-        counts[kind] = counts.get(kind, 0) + _rewrite(g, pattern, kind, slots, lits)
+    for pattern, kind, slots, lits, fixed in RULES:
+        counts[kind] = counts.get(kind, 0) + _rewrite(g, pattern, kind, slots, lits, fixed)
         dce.run(g)
     counts["layernorm"] = _layernorms(g)
     counts["kv_write"] = _kv_writes(g)

@@ -239,10 +239,11 @@ __device__ __forceinline__ void stage_vec(const TX* __restrict__ x, TX* xs) {
 }
 
 // RMSNorm of x (HF LlamaRMSNorm) into shared memory in the norm's output dtype TN (exact):
-// ns[i] = rnd<TN>(w[i] * rnd<TX>(x[i] * rsqrt(mean(x^2) + eps))).
+// ns[i] = rnd<TN>(w[i] * rnd<TX>(x[i] * rsqrt(mean(x^2) + eps))); with WF32 (Gemma, w = 1 + weight)
+// the weight multiplies in fp32 before the one rounding: ns[i] = rnd<TN>(x[i] * rsqrt(...) * w[i]).
 // Each thread's x and w elements are loaded once, together (one memory round trip), and kept
 // in registers when there are at most 8 per thread; the sums run in the same order either way.
-template <typename TX, typename TW, typename TN, int H>
+template <typename TX, typename TW, typename TN, int H, bool WF32 = false>
 __device__ __forceinline__ void rms_prologue(const TX* x, const TW* w, float eps, TN* ns, float* red) {
   constexpr int PER = (H + FUSEC_THREADS - 1) / FUSEC_THREADS;
   if constexpr (PER <= 8) {
@@ -260,7 +261,7 @@ __device__ __forceinline__ void rms_prologue(const TX* x, const TW* w, float eps
 #pragma unroll
     for (int k = 0; k < PER; ++k) {
       const int i = threadIdx.x + k * FUSEC_THREADS;
-      if (i < H) ns[i] = from_f<TN>(wv[k] * rnd<TX>(xv[k] * r));
+      if (i < H) ns[i] = from_f<TN>(WF32 ? xv[k] * r * wv[k] : wv[k] * rnd<TX>(xv[k] * r));
     }
   } else {
     float ss = 0.f;
@@ -269,8 +270,10 @@ __device__ __forceinline__ void rms_prologue(const TX* x, const TW* w, float eps
       ss += v * v;
     }
     const float r = rsqrtf(block_sum(ss, red) / H + eps);
-    for (int i = threadIdx.x; i < H; i += blockDim.x)
-      ns[i] = from_f<TN>(to_f(__ldg(w + i)) * rnd<TX>(to_f(__ldcg(x + i)) * r));
+    for (int i = threadIdx.x; i < H; i += blockDim.x) {
+      const float xr = to_f(__ldcg(x + i)) * r, wi = to_f(__ldg(w + i));
+      ns[i] = from_f<TN>(WF32 ? xr * wi : wi * rnd<TX>(xr));
+    }
   }
   __syncthreads();
 }

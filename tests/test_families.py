@@ -141,3 +141,60 @@ def test_layernorm_families_match_eager(factory, steps):
     kinds = step.schedule.graph.count_kinds()
     assert kinds["layernorm"] >= 4 and "aten.native_layer_norm.default" not in kinds
     assert "linear" not in kinds and kinds["attention_partial"] == 2
+
+
+def gemma(vocab=128, dtype=torch.float32):
+    """Tiny Gemma ((1 + w) RMSNorm with non-trivial weights, GeGLU with gelu-tanh, embedding
+    scale, pad_token_id), fp32 or bf16."""
+    from transformers import GemmaConfig, GemmaForCausalLM
+    torch.manual_seed(0)
+    cfg = GemmaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, vocab_size=vocab, max_position_embeddings=256,
+                      pad_token_id=0, attn_implementation="sdpa")
+    m = GemmaForCausalLM(cfg).eval().requires_grad_(False)
+    for layer in m.model.layers:
+        layer.input_layernorm.weight.normal_(generator=torch.Generator().manual_seed(2))
+        layer.post_attention_layernorm.weight.normal_(generator=torch.Generator().manual_seed(3))
+    return m.to(dtype)
+
+
+def test_gemma_fuses_norm_geglu_and_matches(steps):
+    """Gemma: the (1 + w) weight folds to a constant, its RMSNorm (weight applied in fp32) and the
+    GeGLU MLP ride in the fused kinds; only the embedding scale stays generic."""
+    from fusec.codegen import render
+    from fusec.jit import compile_cuda
+    _decode_against_eager(gemma())
+    (step,) = steps
+    kinds = step.schedule.graph.count_kinds()
+    assert kinds["rms_qkv_rope"] == 2 and kinds["rms_gate_up_silu"] == 2 and kinds["rms_lm_head"] == 1
+    assert {k for k in kinds if k.startswith("aten.")} <= {"aten.copy_.default", "aten.mul.Tensor"}
+    gate_up = [o for o in step.schedule.graph.ops if o.kind == "rms_gate_up_silu"]
+    assert all(o.attrs["act"] == "gelu_tanh" for o in gate_up)
+    src = render(step.schedule).source
+    assert compile_cuda(src, "fusec_step.cu").resources["fusec_step"]["spill_store_bytes"] == 0
+
+
+def test_gemma_bf16_as_close_to_fp32_as_bf16_eager(steps):
+    """bf16 Gemma on the simulator: no further from the fp32 model than bf16 eager (x 1.5); its
+    norms apply the weight in fp32 before rounding (w_fp32) inside the fused kinds."""
+    from transformers import StaticCache
+    ref, model = gemma(), gemma(dtype=torch.bfloat16)
+    caches = [StaticCache(config=model.config, max_cache_len=32) for _ in range(3)]
+    p = torch.randint(0, 128, (1, 4), generator=torch.Generator().manual_seed(1))
+    ref(input_ids=p, past_key_values=caches[0])
+    for c in caches[1:]:
+        model(input_ids=p, past_key_values=c)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fusec", options={"num_sms": 16})
+    gen = torch.Generator().manual_seed(4)
+    with FallbackWatch() as w, torch.no_grad():
+        for _ in range(4):
+            t = torch.randint(0, 128, (1, 1), generator=gen)
+            r = ref(input_ids=t, past_key_values=caches[0]).logits.double()
+            e = model(input_ids=t, past_key_values=caches[1]).logits.double()
+            a = compiled(input_ids=t, past_key_values=caches[2]).logits.double()
+            assert (a - r).norm() / r.norm() <= 1.5 * (e - r).norm() / r.norm()
+    torch._dynamo.reset()
+    assert not w.fallbacks
+    fused = [o for o in steps[0].schedule.graph.ops if o.kind.startswith("rms_")]
+    assert len(fused) == 5 and all(o.attrs["w_fp32"] for o in fused)

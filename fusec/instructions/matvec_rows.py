@@ -48,7 +48,7 @@ def rms_rows_cuda_args(op: Op, g: Graph, bufs, weights: tuple[str, ...]) -> dict
     args = {"tx": bufs.ctype(i["x"]), "tnw": bufs.ctype(i["norm_w"]), "tn": bufs.cname(op.attrs["norm_dtype"]),
             "tw": bufs.ctype(i[weights[0]]), "to": bufs.ctype(o["out"]), "H": g.tensors[i["x"]].numel,
             "x": bufs.ptr(i["x"]), "norm_w": bufs.ptr(i["norm_w"]), "eps": repr(float(op.attrs["eps"])),
-            "out": bufs.ptr(o["out"])}
+            "out": bufs.ptr(o["out"]), "wf32": "true" if op.attrs.get("w_fp32") else "false"}
     args.update({w: bufs.ptr(i[w]) for w in weights})
     return args
 
@@ -56,4 +56,5 @@ def rms_rows_cuda_args(op: Op, g: Graph, bufs, weights: tuple[str, ...]) -> dict
 def rms_prologue(op: Op, env: Env):
     """RMSNorm of ``op.inputs["x"]`` with ``norm_w``/``eps``, recomputed per tile; fp32 [H]."""
     x = env.read(op.inputs["x"]).reshape(-1)
-    return rms_normalize(x, env.read(op.inputs["norm_w"]), op.attrs["eps"], op.attrs["norm_dtype"]).float()
+    return rms_normalize(x, env.read(op.inputs["norm_w"]), op.attrs["eps"], op.attrs["norm_dtype"],
+                         op.attrs.get("w_fp32", False)).float()

@@ -1,7 +1,9 @@
-"""rms_gate_up_silu: ``out = silu(Wg @ n) * (Wu @ n)`` with ``n = RMSNorm(x)``, over rows.
+"""rms_gate_up_silu: ``out = act(Wg @ n) * (Wu @ n)`` with ``n = RMSNorm(x)``, over rows.
 
 Source: the SwiGLU MLP of Llama (Shazeer 2020, "GLU Variants Improve Transformer") with
-HF ``LlamaRMSNorm`` in front; the norm is recomputed by every tile (x is a few KB).
+HF ``LlamaRMSNorm`` in front; the norm is recomputed by every tile (x is a few KB). The gate's
+activation (attr ``act``) is SiLU, or GELU (tanh approximation or exact) for Gemma's GeGLU;
+the norm may be Gemma's (attr ``w_fp32``, :func:`fusec.semantics.rms_normalize`).
 Shapes: x [H], norm_w [H], Wg/Wu [F, H], out [F].
 """
 from __future__ import annotations
@@ -12,6 +14,10 @@ from ..env import Env
 from ..ir import Graph, Op
 from .base import Instruction, Tile, register
 from .matvec_rows import rms_prologue, rms_rows_cuda_args, row_tiles
+
+
+#: gate activations, in the template's ACT order
+ACTS = ("silu", "gelu_tanh", "gelu")
 
 
 @register
@@ -26,7 +32,9 @@ class RmsGateUpSilu(Instruction):
 
     @classmethod
     def cuda_args(cls, op: Op, g: Graph, bufs) -> dict:
-        return rms_rows_cuda_args(op, g, bufs, ("wg", "wu"))
+        args = rms_rows_cuda_args(op, g, bufs, ("wg", "wu"))
+        args["act"] = ACTS.index(op.attrs.get("act", "silu"))
+        return args
 
     @classmethod
     def smem_floats(cls, op: Op, g: Graph) -> int:
@@ -39,4 +47,9 @@ class RmsGateUpSilu(Instruction):
         n = rms_prologue(op, env)
         gate = (env.read(op.inputs["wg"])[r0:r1].float() @ n).to(dt).float()
         up = (env.read(op.inputs["wu"])[r0:r1].float() @ n).to(dt).float()
-        env.flat(op.outputs["out"])[r0:r1] = (torch.nn.functional.silu(gate) * up).to(dt)
+        act = op.attrs.get("act", "silu")
+        if act == "silu":
+            a = torch.nn.functional.silu(gate)
+        else:   # GELU is its own op in PyTorch: rounded before the product
+            a = torch.nn.functional.gelu(gate, approximate="tanh" if act == "gelu_tanh" else "none").to(dt).float()
+        env.flat(op.outputs["out"])[r0:r1] = (a * up).to(dt)

@@ -86,7 +86,8 @@ class RmsQkvRope(Instruction):
                 "qk_eps": repr(float(a.get("qk_eps", 0.0))),
                 "q_norm_w": bufs.ptr(i["q_norm_w"]) if hn else "nullptr",
                 "k_norm_w": bufs.ptr(i["k_norm_w"]) if hn else "nullptr",
-                "bias": "true" if "bq" in i else "false"}
+                "bias": "true" if "bq" in i else "false",
+                "wf32": "true" if a.get("w_fp32") else "false"}
         for s in ("bq", "bk", "bv"):
             args[s] = bufs.ptr(i[s]) if s in i else "nullptr"
         args["tb"] = bufs.ctype(i["bq"]) if "bq" in i else args["tw"]

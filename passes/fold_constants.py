@@ -1,0 +1,62 @@
+"""fold_constants: compute at compile time what depends on no run-time value.
+
+Expects: a normalized graph and the values of its small weights (at most
+``position.MAX_KNOWN_WEIGHT`` elements: norm weights, ``inv_freq``, embedding scales).
+Guarantees: every ATen arithmetic, cast or creation op (not a view, a matmul or a mutation)
+whose reads are all constants or small weights, and whose outputs have at most ``MAX_ELEMENTS`` elements each, is gone; its
+outputs are CONSTANT tensors holding the values PyTorch computes (Gemma's ``1 + weight`` of
+its RMSNorm, an ``arange`` that builds positions). Values are unchanged. The constants are
+taken at compile time: weights changed later are not seen (as with any compiled graph).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from fusec import position
+from fusec.env import Env
+from fusec.ir import Graph, Role
+
+from . import dce
+
+log = logging.getLogger("fusec.passes.fold_constants")
+
+MAX_ELEMENTS = 1 << 16
+
+
+def _computes(op) -> bool:
+    """ATen arithmetic, casts and creation ops; views and matmuls of weights stay, so that the
+    patterns of ``recognize`` (``mm(x, permute(w))``) see the weights themselves."""
+    from fusec.instructions.generic import aten_category
+    return op.kind.startswith(("aten.", "prims.")) and aten_category(op.attrs["target"]) in ("elementwise", "reduce")
+
+
+def run(g: Graph, weights: dict[str, torch.Tensor] | None = None) -> Graph:
+    from fusec.semantics import run_op
+    weights = weights or {}
+    known = {n for n in g.inputs if n in weights and g.tensors[n].numel <= position.MAX_KNOWN_WEIGHT}
+    known |= {t.name for t in g.tensors.values() if t.role == Role.CONSTANT and t.alias_of is None}
+    env = Env(g, [], device=torch.device("cpu"))
+    env.bufs.update({n: weights[n] for n in known if n in weights})
+    kept, folded = [], 0
+    for op in g.ops:
+        fresh = op.fresh_outputs()
+        if (op.mutates or not _computes(op) or not fresh or
+                any(g.root(t) not in known for t in op.reads()) or
+                any(g.tensors[t].numel > MAX_ELEMENTS for t in fresh)):
+            kept.append(op)
+            continue
+        run_op(op, env)
+        for t in fresh:
+            info, r = g.tensors[t], g.root(t)
+            info.value = env.read(t).detach().clone().contiguous()
+            info.role, info.alias_of = Role.CONSTANT, None
+            known.add(t)
+            env.bufs[t] = info.value
+            if r != t:
+                known.add(r)
+        folded += 1
+    g.ops = kept
+    log.debug("folded %d constant ops", folded)
+    return dce.run(g)
