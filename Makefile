@@ -15,7 +15,7 @@ $(VENV)/.stamp: requirements.txt pyproject.toml setup.py
 	touch $@
 
 demo: venv
-	$(BIN)/fusec compile examples/llama_3_2_1b.py -o build/demo --simulate --emit-cuda
+	$(BIN)/fusec compile examples/llama_3_2_1b.py -o build/demo --simulate --emit-cuda --run
 
 test: venv
 	$(BIN)/python -m pytest -q

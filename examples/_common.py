@@ -44,16 +44,17 @@ def _skip_torch_default_init() -> Iterator[None]:
             cls.reset_parameters = fn  # type: ignore[method-assign]
 
 
-def make_llama(config: Any, dtype: torch.dtype, seed: int = 0) -> nn.Module:
-    """Create a randomly initialised ``LlamaForCausalLM`` in ``dtype`` on the CPU, in eval mode.
+def make_llama(config: Any, dtype: torch.dtype, seed: int = 0, device: str | torch.device = "cpu") -> nn.Module:
+    """Create a randomly initialised ``LlamaForCausalLM`` in ``dtype`` on ``device``, in eval mode.
 
-    The model is built directly in ``dtype`` (never materialised in fp32 first) with a fixed
-    seed, and its parameters do not require grad (a decode step is inference).
+    The model is built directly in ``dtype`` (never materialised in fp32 first) and directly
+    on ``device`` with a fixed seed (the weights depend on the device's random generator), and
+    its parameters do not require grad (a decode step is inference).
     """
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
-    with _default_dtype(dtype), torch.device("cpu"), _skip_torch_default_init():
+    with _default_dtype(dtype), torch.device(device), _skip_torch_default_init():
         model = LlamaForCausalLM(config)
     model.eval()
     model.requires_grad_(False)
@@ -67,14 +68,15 @@ def prefill_and_decode_args(
 
     Returns ``(args, kwargs)`` for the next decode step: the greedy next token as
     ``input_ids`` of shape ``[1, 1]``, the filled cache as ``past_key_values``, and
-    ``use_cache=True``.
+    ``use_cache=True``. The prompt, the cache and the token are on the model's device.
     """
     from transformers import StaticCache
 
     config = model.config
     cache = StaticCache(config=config, max_cache_len=max_cache_len)
     gen = torch.Generator().manual_seed(seed)
-    prompt = torch.randint(0, config.vocab_size, (1, prefill_len), generator=gen)
+    device = next(model.parameters()).device
+    prompt = torch.randint(0, config.vocab_size, (1, prefill_len), generator=gen).to(device)
     with torch.no_grad():
         out = model(input_ids=prompt, past_key_values=cache, use_cache=True)
     next_token = out.logits[:, -1:].argmax(dim=-1)  # [1, 1]

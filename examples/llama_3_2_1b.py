@@ -49,8 +49,12 @@ def make_config():
     return LlamaConfig(**CONFIG)
 
 
-def build():
-    """Return ``(model, args, kwargs)`` for one bf16 decode step of a random Llama-3.2-1B."""
-    model = _common.make_llama(make_config(), DTYPE, seed=0)
+def build(device="cpu"):
+    """Return ``(model, args, kwargs)`` for one bf16 decode step of a random Llama-3.2-1B.
+
+    ``device``: where the model, its KV cache and the token live (``fusec compile --run``
+    builds it on "cuda").
+    """
+    model = _common.make_llama(make_config(), DTYPE, seed=0, device=device)
     args, kwargs = _common.prefill_and_decode_args(model, MAX_CACHE_LEN, PREFILL_LEN, seed=0)
     return model, args, kwargs

@@ -13,8 +13,8 @@ import torch
 
 from .capture import aten_capture, check_decode_step
 from .config import Options
-from .errors import CaptureError, FusecError
-from .ir import Graph
+from .errors import CaptureError, FusecError, SimulationMismatchError
+from .ir import Graph, Role
 from .pipeline import Dumper, build_ir, lower
 from .schedule import Schedule
 from .sim import Simulator
@@ -22,6 +22,16 @@ from .sim import Simulator
 log = logging.getLogger("fusec")
 
 NUMERIC_SIM_MAX_BYTES = 256 << 20
+
+#: ``--simulate`` numeric check: largest relative error ``||sim - eager|| / ||eager||`` allowed
+#: per tensor, by the model's lowest floating precision (weights and KV caches). fp32: the
+#: tests' bound. bf16 / fp16: the simulator and eager round intermediates to 16 bits at
+#: different points (a fused instruction keeps fp32 where eager rounds), a few units of roundoff
+#: (2**-8 = 3.9e-3 in bf16, 2**-11 = 4.9e-4 in fp16) that add up over the layers: random bf16
+#: Llamas of 2 to 24 layers measured 6e-3 to 1.2e-2 (fp16: 1e-3). 5e-2 (bf16; the GPU tests'
+#: bound) and 1e-2 (fp16) leave room for deeper models and still fail a wrong semantic (a wrong
+#: weight, a lost or misplaced write, an offset), whose error is of order 1.
+SIM_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 
 
 class CompileResult:
@@ -99,12 +109,17 @@ def compile_model(model: torch.nn.Module, args: tuple, kwargs: dict | None = Non
     Args:
         model: an ``nn.Module`` (e.g. HF ``LlamaForCausalLM``).
         args, kwargs: one decode step's inputs (batch 1, one token, a static KV cache).
-        options: ``num_sms``, ``simulate`` (run one simulated step, numeric if the weights
-            are under 256 MiB, else structure-only), ``dump_dir``/``out_dir`` and any
+        options: ``num_sms``, ``simulate`` (run one simulated step, compared with eager if the
+            weights are under 256 MiB, else structure-only), ``dump_dir``/``out_dir`` and any
             :class:`fusec.config.Options` key.
 
+    With ``simulate`` and weights under :data:`NUMERIC_SIM_MAX_BYTES`, the KV caches and
+    counters are copied before the capture's eager run, and :func:`simulate_step` compares the
+    simulated step with eager on that pre-step state.
+
     Raises:
-        NotDecodeStepError, UnsupportedOpError, CaptureError, DeadlockError, HazardError.
+        NotDecodeStepError, UnsupportedOpError, CaptureError, DeadlockError, HazardError,
+        SimulationMismatchError.
     """
     options = dict(options or {})
     simulate = bool(options.pop("simulate", False))
@@ -124,7 +139,13 @@ def compile_model(model: torch.nn.Module, args: tuple, kwargs: dict | None = Non
 
             def run(*flat):
                 if not found:
-                    found.append((g, list(flat)))
+                    # the eager run below writes the KV caches and counters in place: keep
+                    # their pre-step values for the simulator's numeric check
+                    pre = None
+                    if simulate and weight_bytes(g) <= NUMERIC_SIM_MAX_BYTES:
+                        mut = set(mutated_inputs(g))
+                        pre = [a.detach().clone() if n in mut else a for n, a in zip(g.inputs, flat)]
+                    found.append((g, aten_gm, list(flat), pre))
                 return aten_gm(*flat)
             return run
         return aten_capture(gm, example_inputs, compiler)
@@ -147,19 +168,132 @@ def compile_model(model: torch.nn.Module, args: tuple, kwargs: dict | None = Non
         torch._dynamo.reset()
     if not found:
         raise CaptureError("the model call produced no graph to compile")
-    g, flat = found[0]
+    g, aten_gm, flat, pre = found[0]
     log.info("captured: %d ATen ops, %d inputs", len(g.ops), len(g.inputs))
     sched = lower(g, flat, opts, dump)
     simulated = None
     if simulate:
-        wbytes = sum(t.nbytes for t in g.tensors.values() if t.role.value == "weight")
-        numeric = wbytes <= NUMERIC_SIM_MAX_BYTES
-        log.info("simulating one step (%s)", "numeric" if numeric else "structure only")
-        sim = Simulator(sched, seed=opts.seed, numeric=numeric)
-        with torch.no_grad():
-            sim.step(flat if numeric else None)
-        simulated = f"one step {'numeric' if numeric else 'structure-only'}: no deadlock, no hazard"
+        simulated = simulate_step(g, aten_gm, pre, sched, opts.seed)
     result = CompileResult(sched, opts, simulated)
     if emit_cuda:
         result.emit_cuda()
     return result
+
+
+def weight_bytes(g: Graph) -> int:
+    """Bytes of the graph's weights (its WEIGHT inputs)."""
+    return sum(t.nbytes for t in g.tensors.values() if t.role == Role.WEIGHT)
+
+
+def mutated_inputs(g: Graph) -> list[str]:
+    """Graph inputs that the step writes in place (KV caches, position counters), in input order."""
+    written = {g.root(t) for op in g.ops for slot, t in op.outputs.items() if slot in op.mutates}
+    return [n for n in g.inputs
+            if g.tensors[n].role in (Role.KV_CACHE, Role.STATE) or g.root(n) in written]
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.0f}" if n >= 10 << 20 else f"{n / (1 << 20):.2g}"
+
+
+def _tolerance(g: Graph) -> float:
+    dts = {t.dtype for t in g.tensors.values()
+           if t.role in (Role.WEIGHT, Role.KV_CACHE) and t.dtype.is_floating_point}
+    return max((SIM_TOLERANCE.get(d, 5e-2) for d in dts), default=SIM_TOLERANCE[torch.float32])
+
+
+def _error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative error ``||a - b|| / ||b||`` (fp64; absolute when ``b`` is 0) for floating
+    tensors, NaN when ``a`` has NaN or Inf that ``b`` has not; the number of differing
+    elements for integer and bool tensors."""
+    if not b.dtype.is_floating_point:
+        return float((a.reshape(b.shape) != b).sum().item())
+    a, b = a.detach().reshape(b.shape).double(), b.detach().double()
+    bad_a, bad_b = ~torch.isfinite(a), ~torch.isfinite(b)
+    if bad_a.any() or bad_b.any():
+        if not torch.equal(bad_a, bad_b) or not torch.equal(a[bad_a], b[bad_b]):
+            return float("nan")
+        a, b = a[~bad_a], b[~bad_b]
+    diff, ref = (a - b).norm().item(), b.norm().item()
+    return diff / ref if ref > 0 else diff
+
+
+def simulate_step(g: Graph, aten_gm: Any, pre: list[Any] | None, sched: Schedule, seed: int) -> str:
+    """Run one step of ``sched`` in the simulator; returns the summary's simulator line.
+
+    With ``pre`` (the flat inputs before any step ran; given when the weights fit
+    :data:`NUMERIC_SIM_MAX_BYTES`) the step is numeric: the captured ATen graph ``aten_gm`` and
+    the simulator each run on their own copy of the pre-step KV caches and counters, and every
+    graph output and every written input buffer must agree within :data:`SIM_TOLERANCE` (for a
+    written buffer, over the elements either run changed). Without ``pre``: structure only.
+
+    Raises:
+        DeadlockError, HazardError: the schedule is broken.
+        SimulationMismatchError: a value differs; the message names the tensor and the error.
+    """
+    if pre is None:
+        wbytes = weight_bytes(g)
+        log.info("simulating one step (structure only)")
+        Simulator(sched, seed=seed, numeric=False).step(None)
+        return (f"one step structure only: the model has {_mib(wbytes)} MiB of weights, over the "
+                f"{_mib(NUMERIC_SIM_MAX_BYTES)} MiB numeric limit; values were not compared; "
+                "no deadlock, no hazard")
+    log.info("simulating one step (numeric, against eager)")
+    mut = mutated_inputs(g)
+    index = {n: i for i, n in enumerate(g.inputs)}
+
+    def fresh() -> list[Any]:
+        own = set(index[n] for n in mut)
+        return [a.clone() if i in own else a for i, a in enumerate(pre)]
+
+    with torch.no_grad():
+        ref_in = fresh()
+        ref_out = aten_gm(*ref_in)
+        ref_out = list(ref_out) if isinstance(ref_out, (list, tuple)) else [ref_out]
+        sim_in = fresh()
+        sim_out = Simulator(sched, seed=seed, numeric=True).step(sim_in)
+    if len(sim_out) != len(ref_out):
+        raise SimulationMismatchError(f"simulator: the step returned {len(sim_out)} outputs, eager "
+                                      f"{len(ref_out)}", [])
+    tol = _tolerance(g)
+    checked: list[dict] = []
+    for i, (name, a, b) in enumerate(zip(g.outputs, sim_out, ref_out)):
+        checked.append({"what": f"output {i}", "name": name, "sim": a, "ref": b})
+    sg = sched.graph    # its ops know their decoder layer
+    layer = {sg.root(t): op.layer for op in sg.ops for slot, t in op.outputs.items()
+             if slot in op.mutates and op.layer is not None}
+    for n in mut:
+        i = index[n]
+        a, b, p = sim_in[i], ref_in[i], pre[i]
+        changed = (a != p) | (b != p)       # NaN != NaN: a NaN either run left is compared
+        lay = f" of layer {layer[n]}" if n in layer else ""
+        checked.append({"what": f"written buffer{lay}", "name": n, "sim": a[changed], "ref": b[changed],
+                        "written": int(changed.sum().item())})
+    bad, worst = [], 0.0
+    for c in checked:
+        t = g.tensors[c["name"]]
+        err = _error(c["sim"], c["ref"])
+        exact = not t.dtype.is_floating_point
+        ok = err == 0 if exact else err < tol
+        if not exact:
+            worst = max(worst, err) if err == err else worst
+        if not ok:
+            dt = str(t.dtype).replace("torch.", "")
+            where = f", over the {c['written']} elements either run wrote" if "written" in c else ""
+            how = (f"{int(err)} of {c['ref'].numel()} elements differ" if exact
+                   else f"relative error {err:.3g} (tolerance {tol:g}{where})")
+            shape = ",".join(map(str, t.shape))
+            bad.append({"name": c["name"], "role": t.role.value, "shape": tuple(t.shape), "dtype": dt,
+                        "error": err, "tolerance": 0 if exact else tol,
+                        "text": f"{c['what']} {c['name']} ({t.role.value}, {dt}[{shape}]): {how}"})
+    if bad:
+        lines = [b.pop("text") for b in bad]
+        more = f" (and {len(bad) - 1} more: {', '.join(b['name'] for b in bad[1:4])}{', ...' * (len(bad) > 4)})" \
+            if len(bad) > 1 else ""
+        msg = "\n".join([f"simulator disagrees with eager: {lines[0]}{more}; the simulated step's values "
+                         "are wrong (an instruction's semantics or the schedule)", *lines[1:]])
+        raise SimulationMismatchError(msg, bad)
+    n_out = len(g.outputs)
+    return (f"one step numeric: {n_out} output{'s' * (n_out != 1)} and {len(mut)} written buffer"
+            f"{'s' * (len(mut) != 1)} match eager (max rel err {worst:.2g}, tolerance {tol:g}); "
+            "no deadlock, no hazard")

@@ -1,11 +1,12 @@
 """The ``fusec`` command line.
 
-``fusec compile model.py [-o DIR] [--num-sms N] [--simulate] [--emit-cuda] [-v]`` loads
+``fusec compile model.py [-o DIR] [--num-sms N] [--simulate] [--emit-cuda] [--run] [-v]`` loads
 ``model.py``, calls its ``build()`` (which returns ``(model, args)`` or ``(model, args, kwargs)``
 for one decode step), compiles that step and writes the artifacts to ``DIR`` (default
 ``build/<model file stem>``): ``graph.txt`` (the fused op graph) and ``schedule.json`` (the
 per-SM schedule). The human summary goes to stdout; stage lines go to stderr through
-``logging``.
+``logging``. ``--run`` (with a CUDA device) then builds the model on the GPU and prints the
+compiled step's median time next to eager's (:mod:`fusec.timing`).
 
 A problem with the model file or a :class:`fusec.errors.FusecError` while compiling is one line
 on stderr (``fusec: error: ...``) and exit status 2, with no traceback.
@@ -31,6 +32,14 @@ log = logging.getLogger("fusec")
 DEFAULT_NUM_SMS = 132
 
 EXIT_USAGE = 2
+
+#: ``--run``: timed steps (default of ``--run-steps``) and untimed warm-up steps per engine
+RUN_STEPS = 20
+RUN_WARMUP = 3
+#: ``--run``: a larger relative error of the compiled step's logits against eager's is a failure.
+#: A gross-error bound: two correct bf16 implementations of the 1B differ by ~3.5e-2
+#: (benchmarks/decode.py, CHECK_TOL), a wrong kernel by order 1.
+RUN_MAX_REL_ERR = 0.1
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -65,6 +74,14 @@ def _parser() -> argparse.ArgumentParser:
         "--emit-cuda", action="store_true",
         help="also render the CUDA kernel and compile it with NVRTC (kernel.cu, kernel.cubin)",
     )
+    c.add_argument(
+        "--run", action="store_true",
+        help="with a CUDA device: build the model again on it (build(device='cuda')), run it under "
+             "torch.compile(backend='fusec') and print its median step time next to eager's; "
+             "without one, print that it was skipped",
+    )
+    c.add_argument("--run-steps", metavar="N", type=_positive_int, default=RUN_STEPS,
+                   help=f"timed decode steps of --run, for fusec and for eager (default {RUN_STEPS})")
     c.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     t = sub.add_parser(
         "timeline",
@@ -126,8 +143,11 @@ def _where(e: BaseException, p: Path) -> str:
     return f"{type(e).__name__}: {e}{at}"
 
 
-def load_model_file(path: str | os.PathLike) -> tuple[Any, tuple, dict]:
+def load_model_file(path: str | os.PathLike, device: str | None = None) -> tuple[Any, tuple, dict]:
     """Run the model file ``path`` and return what its ``build()`` returns, normalized.
+
+    With ``device``, calls ``build(device=device)`` (``--run``); ``build`` must then take a
+    ``device`` argument.
 
     The file's folder is on ``sys.path`` while the file runs and while ``build()`` runs, so it
     can import helpers beside it. An exception raised by the file's own code becomes a
@@ -162,9 +182,14 @@ def load_model_file(path: str | os.PathLike) -> tuple[Any, tuple, dict]:
                 f"{path}: no build() function; it must define build() returning "
                 "(model, args) or (model, args, kwargs) for one decode step"
             )
+        if device is not None and not _takes_device(build):
+            raise ModelFileError(
+                f"{path}: build() takes no device argument; --run needs build(device=...) to build "
+                "the model, its KV cache and inputs on the GPU (see examples/tiny_llama.py)"
+            )
         t0 = time.perf_counter()
         try:
-            result = build()
+            result = build() if device is None else build(device=device)
         except Exception as e:
             raise ModelFileError(f"{path}: build() failed: {_where(e, p)}") from e
         log.debug("build() took %.1f s", time.perf_counter() - t0)
@@ -174,6 +199,16 @@ def load_model_file(path: str | os.PathLike) -> tuple[Any, tuple, dict]:
         except ValueError:
             pass
     return _check_build_result(path, result)
+
+
+def _takes_device(fn: Any) -> bool:
+    import inspect
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "device" and p.kind != p.POSITIONAL_ONLY or p.kind == p.VAR_KEYWORD
+               for p in params)
 
 
 def _check_build_result(path: str | os.PathLike, result: Any) -> tuple[Any, tuple, dict]:
@@ -247,7 +282,42 @@ def cmd_compile(ns: argparse.Namespace) -> int:
 
     summary = result.format_summary()
     sys.stdout.write(summary if summary.endswith("\n") else summary + "\n")
+    if ns.run:
+        import torch
+        if not torch.cuda.is_available():
+            sys.stdout.write("no CUDA device: --run skipped\n")
+        else:
+            del model, args, kwargs, result    # the CPU copy (the 1B: 2.5 GB) is not needed
+            run_step_timing(ns.model_py, "cuda", steps=ns.run_steps)
     return 0
+
+
+def run_step_timing(model_py: str | os.PathLike, device: str, *, steps: int = RUN_STEPS,
+                    warmup: int = RUN_WARMUP, options: dict[str, Any] | None = None) -> None:
+    """``--run``: build the model on ``device``, time it under fusec and eager, print one line.
+
+    Builds ``build(device=device)``, then :func:`fusec.timing.time_decode` (``warmup`` untimed
+    and ``steps`` timed steps per engine, from the same KV state) with ``options`` (default:
+    none, as ``torch.compile(model, backend="fusec")``; tests pass ``{"target": "sim"}``).
+
+    Raises:
+        ModelFileError: build() takes no device.
+        FusecError: fusec fell back to another backend (the times would not be fusec's), or the
+            compiled step's output is not within :data:`RUN_MAX_REL_ERR` of eager's.
+    """
+    from .timing import time_decode
+    log.info("--run: building %s on %s", model_py, device)
+    model, args, kwargs = load_model_file(model_py, device=device)
+    log.info("--run: %d warm-up and %d timed decode steps, fusec then eager", warmup, steps)
+    t = time_decode(model, args, kwargs, steps=steps, warmup=warmup, options=options)
+    if t.fallbacks:
+        raise FusecError(
+            f"--run: FUSEC FELL BACK, the compiled step did not run the fusec kernel "
+            f"({len(t.fallbacks)} fallback line(s)): {t.fallbacks[0]}")
+    if t.rel_err is not None and not t.rel_err <= RUN_MAX_REL_ERR:
+        raise FusecError(f"--run: the compiled step's output differs from eager's on the same step: "
+                         f"relative error {t.rel_err:.3g} (bound {RUN_MAX_REL_ERR:g})")
+    sys.stdout.write(t.line() + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:

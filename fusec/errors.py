@@ -105,3 +105,18 @@ class IndexFaultError(KernelRecordError):
         code: which index (1 token id, 2 table-lookup position, 3 RoPE position, 4 KV-cache write
             position, 5 attention position); value: the index; bound: its exclusive upper bound.
     """
+
+
+class SimulationMismatchError(FusecError):
+    """``--simulate``: a value the simulated step produced differs from eager execution of the
+    same captured ATen graph on the same inputs.
+
+    Attributes:
+        mismatches: one dict per differing tensor with keys ``name``, ``role``, ``shape``,
+            ``dtype``, ``error`` (relative error, or the number of differing elements for
+            integer tensors) and ``tolerance``.
+    """
+
+    def __init__(self, message: str, mismatches: list[dict]):
+        super().__init__(message)
+        self.mismatches = mismatches

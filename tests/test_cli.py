@@ -180,3 +180,135 @@ def test_timeline_command_errors_and_output(tmp_path, capsys):
     code, err = _run(capsys, "timeline", str(src), "-o", str(tmp_path / "t99.png"), "--layer", "99")
     assert code == 2 and "no instructions in layer 99" in err
     assert not (tmp_path / "t99.png").exists()           # nothing written on a bad layer
+
+
+def _simulate_tiny(tmp_path, capsys, *extra: str) -> tuple[int, str, str]:
+    code = main(["compile", str(ROOT / "examples" / "tiny_llama.py"), "-o", str(tmp_path / "out"),
+                 "--num-sms", "8", "--simulate", *extra])
+    cap = capsys.readouterr()
+    return code, cap.out, cap.err
+
+
+def test_simulate_is_numeric_against_eager(tmp_path, capsys):
+    """--simulate on a small model compares the logits and every written KV cache and counter
+    with eager execution of the same step, and says so with the measured error."""
+    import re
+    code, out, err = _simulate_tiny(tmp_path, capsys)
+    assert code == 0, err
+    line = next(ln for ln in out.splitlines() if ln.startswith("simulator:"))
+    m = re.search(r"one step numeric: 1 output and (\d+) written buffers match eager "
+                  r"\(max rel err (\S+), tolerance 0.0001\); no deadlock, no hazard", line)
+    assert m, line
+    assert int(m.group(1)) == 6                      # 2 layers x (K, V, position counter)
+    assert 0 < float(m.group(2)) < 1e-4              # 0 would mean nothing was computed
+
+
+def test_simulate_fails_on_corrupted_output(tmp_path, capsys, monkeypatch):
+    """An instruction kind whose simulated semantics are off by 1.0 is a one-line error naming
+    the graph output, its role, shape and dtype, and exit status 2."""
+    from fusec.instructions.matvec_residual import MatvecResidual
+    real = MatvecResidual.run_tile.__func__
+
+    def corrupted(cls, op, tile, env):
+        real(cls, op, tile, env)
+        r0, r1 = tile.params["rows"]
+        env.flat(op.outputs["out"])[r0:r1] += 1.0
+    monkeypatch.setattr(MatvecResidual, "run_tile", classmethod(corrupted))
+    code, out, err = _simulate_tiny(tmp_path, capsys)
+    assert code == 2 and "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("fusec: error: simulator disagrees with eager: output 0 ")
+    assert "(output, float32[1,1,300])" in last and "relative error" in last
+    assert "no deadlock" not in out
+
+
+def test_simulate_fails_on_corrupted_kv_write(tmp_path, capsys, monkeypatch):
+    """A stray write into a KV cache row the step does not read (so the logits are right) is
+    caught through the written buffers, and the error names the cache."""
+    from fusec.instructions.rms_qkv_rope import RmsQkvRope
+    real = RmsQkvRope.run_tile.__func__
+
+    def corrupted(cls, op, tile, env):
+        real(cls, op, tile, env)
+        if "vcache" in op.outputs:
+            kv_pos = int(env.read(op.inputs["kv_pos"]).reshape(-1)[0])
+            env.read(op.outputs["vcache"])[:, :, kv_pos + 1] = 1.0
+    monkeypatch.setattr(RmsQkvRope, "run_tile", classmethod(corrupted))
+    code, out, err = _simulate_tiny(tmp_path, capsys)
+    assert code == 2
+    last = err.strip().splitlines()[-1]
+    assert "simulator disagrees with eager: written buffer " in last
+    assert "(kv_cache, float32[1,2,64,16])" in last and "elements either run wrote" in last
+
+
+def test_simulate_structure_only_over_the_limit(tmp_path, capsys, monkeypatch):
+    """Over the numeric limit the summary says plainly that values were not compared."""
+    import fusec.api
+    monkeypatch.setattr(fusec.api, "NUMERIC_SIM_MAX_BYTES", 1024)
+    code, out, err = _simulate_tiny(tmp_path, capsys)
+    assert code == 0, err
+    import re
+    assert re.search(r"simulator: one step structure only: the model has [0-9.]+ MiB of weights, over "
+                     r"the 0.00098 MiB numeric limit; values were not compared; no deadlock, no hazard",
+                     out), out
+
+
+def test_run_without_cuda_is_skipped(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code = main(["compile", str(ROOT / "examples" / "tiny_llama.py"), "-o", str(tmp_path / "out"),
+                 "--num-sms", "4", "--run"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert out.splitlines()[-1] == "no CUDA device: --run skipped"
+    assert "fused ops by kind:" in out          # the rest is done as without --run
+
+
+def test_run_step_timing_on_the_simulator(capsys):
+    """--run's code path (build on the device, compile with the fusec backend, time fusec and
+    eager from the same KV state), here on the CPU with the simulator as the target."""
+    import re
+
+    from fusec.cli import run_step_timing
+    run_step_timing(ROOT / "examples" / "tiny_llama.py", "cpu", steps=2, warmup=1,
+                    options={"target": "sim", "num_sms": 8})
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    m = re.fullmatch(r"fusec step: (\S+) ms \(median of 2 at KV positions 5\.\.6\), eager: (\S+) ms, "
+                     r"speed-up (\S+) x; first step's output vs eager: rel err (\S+)", line)
+    assert m, line
+    assert float(m.group(1)) > 0 and float(m.group(2)) > 0
+    assert 0 < float(m.group(4)) < 1e-4          # 0 would mean eager was timed twice
+
+
+def test_time_decode_restores_the_state():
+    from fusec.timing import time_decode
+    model, args, kwargs = runpy.run_path(str(ROOT / "examples" / "tiny_llama.py"))["build"]()
+    cache = kwargs["past_key_values"]
+    before = [t.clone() for layer in cache.layers for t in (layer.keys, layer.values)]
+    t = time_decode(model, args, kwargs, steps=2, warmup=1, options={"target": "sim", "num_sms": 4})
+    assert len(t.fusec_ms) == len(t.eager_ms) == 2 and not t.fallbacks and t.position == 5
+    assert int(cache.get_seq_length()) == 5
+    after = [t.clone() for layer in cache.layers for t in (layer.keys, layer.values)]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+def test_run_fails_loudly_on_a_fallback(monkeypatch):
+    """A step that fusec hands to another backend is an error, never a timing of that backend."""
+    import fusec.backend
+    from fusec.cli import run_step_timing
+    from fusec.errors import FusecError, NotDecodeStepError
+
+    def refuse(gm):
+        raise NotDecodeStepError("refused by the test")
+    monkeypatch.setattr(fusec.backend, "check_decode_step", refuse)
+    with pytest.raises(FusecError, match="FUSEC FELL BACK.*refused by the test"):
+        run_step_timing(ROOT / "examples" / "tiny_llama.py", "cpu", steps=1, warmup=0,
+                        options={"target": "sim", "fallback": "eager"})
+
+
+def test_run_needs_build_with_device(tmp_path):
+    from fusec.cli import run_step_timing
+    from fusec.errors import ModelFileError
+    f = tmp_path / "nodevice.py"
+    f.write_text("import torch\n\ndef build():\n    return torch.nn.Linear(2, 2), ()\n")
+    with pytest.raises(ModelFileError, match="build\\(\\) takes no device argument"):
+        run_step_timing(f, "cpu", steps=1, warmup=0)
