@@ -142,6 +142,8 @@ def render(s: Schedule, title: str = "", threads: int = THREADS, profile: bool =
     op_index = {op.name: k for k, op in enumerate(g.ops)}
     cases, smem = [], 0
     macros: dict[str, Any] = {}       # kind -> its template module, in first-use order
+    gen_sources: dict[str, str] = {}  # generated generic-op functions (fusec.cudagen), by name
+    gen_helpers: list[str] = []       # the header files they need, once each
     for k, op in enumerate(g.ops):
         cls = kind_of(op)
         try:
@@ -151,6 +153,10 @@ def render(s: Schedule, title: str = "", threads: int = THREADS, profile: bool =
         if cls.name not in macros:
             macros[cls.name] = env.get_template(f"{cls.name}.cu.j2").module
         mod = macros[cls.name]
+        if "source" in args:
+            gen_sources.setdefault(args["name"], args["source"])
+            if args.get("helpers") and args["helpers"] not in gen_helpers:
+                gen_helpers.append(args["helpers"])
         pf = mod.prefetch(args).strip() if hasattr(mod, "prefetch") else ""
         cases.append({"op": k, "name": op.name, "kind": op.kind, "layer": op.layer,
                       "call": mod.call(args).strip(), "prefetch": pf})
@@ -173,7 +179,8 @@ def render(s: Schedule, title: str = "", threads: int = THREADS, profile: bool =
     source = env.get_template("kernel.cu.j2").render(
         title=title or "decode step", num_sms=s.num_sms, threads=threads, smem_bytes=smem * 4,
         n_instrs=len(s.instrs), n_ops=len(g.ops), n_waits=len(waits), kinds=list(macros), macros=macros,
-        cases=cases, profile=profile, prof_marks=PROF_MARKS, defines=defines)
+        cases=cases, profile=profile, prof_marks=PROF_MARKS, defines=defines,
+        gen_sources=list(gen_sources.values()), gen_helpers=gen_helpers)
     return KernelPlan(source, bufs.names, words, queue_off, waits or [0], len(s.instrs) + bufs.n_spare,
                       max(16, smem * 4), threads, s.num_sms, profile)
 

@@ -37,3 +37,64 @@ def qwen3(hidden=64, inter=96, layers=2, heads=4, kv_heads=2, head_dim=16, vocab
 def static_cache(model, max_len: int):
     from transformers import StaticCache
     return StaticCache(config=model.config, max_cache_len=max_len)
+
+
+def _small(cfg_cls, model_cls, seed=0, **kw):
+    torch.manual_seed(seed)
+    base = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=128, max_position_embeddings=256,
+                attn_implementation="sdpa")
+    base.update(kw)
+    return model_cls(cfg_cls(**base)).eval().requires_grad_(False)
+
+
+def qwen2_bias(seed=0):
+    """A tiny ``Qwen2ForCausalLM`` (q/k/v biases, made non-zero), fp32."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    m = _small(Qwen2Config, Qwen2ForCausalLM, seed, tie_word_embeddings=True)
+    gen = torch.Generator().manual_seed(seed + 1)
+    for layer in m.model.layers:
+        for p in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+            p.bias.normal_(generator=gen)
+    return m
+
+
+def gemma(seed=0):
+    """A tiny ``GemmaForCausalLM`` (GeGLU tanh MLP, 1 + w RMSNorm, scaled embedding), fp32."""
+    from transformers import GemmaConfig, GemmaForCausalLM
+    m = _small(GemmaConfig, GemmaForCausalLM, seed, head_dim=16)
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if "norm" in n:
+                p.uniform_(-0.5, 0.5)
+    return m
+
+
+def phi3_fused(seed=0):
+    """A tiny ``Phi3ForCausalLM`` (fused qkv and gate_up projections), fp32."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+    return _small(Phi3Config, Phi3ForCausalLM, seed, pad_token_id=0, eos_token_id=1, bos_token_id=1)
+
+
+def gpt_neox(seed=0):
+    """A tiny ``GPTNeoXForCausalLM`` (LayerNorm with bias, parallel residual, partial rotary,
+    fused qkv, GELU), fp32."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+    torch.manual_seed(seed)
+    cfg = GPTNeoXConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                        vocab_size=128, max_position_embeddings=256, rotary_pct=0.5,
+                        attn_implementation="sdpa")
+    return GPTNeoXForCausalLM(cfg).eval().requires_grad_(False)
+
+
+def olmo2(seed=0):
+    """A tiny ``Olmo2ForCausalLM`` (post-norms, q/k RMSNorm over all heads), fp32."""
+    from transformers import Olmo2Config, Olmo2ForCausalLM
+    return _small(Olmo2Config, Olmo2ForCausalLM, seed)
+
+
+def granite(seed=0):
+    """A tiny ``GraniteForCausalLM`` (embedding, residual, attention and logits multipliers), fp32."""
+    from transformers import GraniteConfig, GraniteForCausalLM
+    return _small(GraniteConfig, GraniteForCausalLM, seed, embedding_multiplier=2.0, residual_multiplier=0.5,
+                  attention_multiplier=0.2, logits_scaling=4.0)

@@ -24,9 +24,10 @@ _ELEMENTWISE = {
     "logical_or", "bitwise_not", "_to_copy", "full_like", "scalar_tensor", "arange", "full",
     "abs", "maximum", "minimum", "clamp", "reciprocal", "copy_", "erf", "gelu", "log", "expm1",
     "log1p", "zeros_like", "ones_like", "copy", "fill", "remainder", "floor_divide", "sign",
+    "bitwise_and", "bitwise_or", "bitwise_xor", "logical_xor", "clamp_min", "clamp_max",
 }
 _REDUCE = {"mean", "sum", "amax", "amin", "any", "_softmax", "max", "argmax", "var_mean", "prod",
-           "native_layer_norm"}
+           "native_layer_norm", "min", "argmin", "_log_softmax", "topk"}
 _MATVEC = {"mm", "addmm", "bmm"}
 _DATA = {
     "view", "_unsafe_view", "unsqueeze", "squeeze", "permute", "expand", "slice", "cat", "select",
@@ -103,7 +104,15 @@ class Generic(Instruction):
 
     @classmethod
     def cuda_args(cls, op: Op, g: Graph, bufs) -> dict[str, Any]:
-        """CUDA forms exist for ``table_lookup`` and a small ``aten.copy_`` (position counters)."""
+        """Hand-written forms for ``table_lookup`` and a small same-dtype ``aten.copy_``
+        (position counters); every other op gets a generated function (:mod:`fusec.cudagen`):
+        the result's ``source`` (and ``helpers``) are emitted once by codegen before the
+        dispatch switch, ``call`` is its case.
+
+        Raises:
+            NotImplementedError: no emitter for the op's kind.
+            FallbackRequired: the op's semantics have no CUDA form (the message names it).
+        """
         if op.kind == "table_lookup":
             out = op.outputs["out"]
             n = g.tensors[out].numel
@@ -117,8 +126,8 @@ class Generic(Instruction):
             if g.tensors[src].dtype == g.tensors[dst].dtype and g.tensors[src].numel == n and n <= 4096:
                 return {"fn": "copy_small", "t": bufs.ctype(dst), "N": n, "src": bufs.ptr(src),
                         "dst": bufs.ptr(dst)}
-        raise NotImplementedError(f"generic op {op.name} ({op.kind}) has no CUDA form"
-                                  f"{' [' + op.source + ']' if op.source else ''}")
+        from ..cudagen import generate
+        return generate(op, g, bufs)
 
     @classmethod
     def run_tile(cls, op: Op, tile: Tile, env: Env) -> None:

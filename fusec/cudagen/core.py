@@ -1,0 +1,249 @@
+"""The building blocks of the generic-op CUDA generator: an op's bound arguments, its buffers
+as function parameters, C literals and index arithmetic over static shapes.
+
+Every tensor of the IR is contiguous in its own static shape (an alias is a contiguous reshape
+of its root), so an op is ``out[i] = f(inputs at offsets computed from i)``: :meth:`Ctx.coords`
+turns a flat index into coordinates and :func:`offset` coordinates into an element offset
+under any strides (0 for a broadcast dim).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import torch
+
+from ..errors import FallbackRequired
+from ..ir import Graph, Op, Ref, Role
+
+FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+INTS = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
+class Unsupported(FallbackRequired):
+    """An op whose semantics the generator cannot express; the message names op and source."""
+
+
+def contiguous_strides(shape: Sequence[int]) -> list[int]:
+    """Element strides of a contiguous tensor of ``shape``."""
+    st, acc = [], 1
+    for s in reversed(list(shape)):
+        st.append(acc)
+        acc *= int(s)
+    return st[::-1]
+
+
+def broadcast_strides(shape: Sequence[int], out_shape: Sequence[int]) -> list[int]:
+    """Strides of a contiguous tensor of ``shape`` read under broadcasting to ``out_shape``
+    (right-aligned; size-1 and missing dims get stride 0)."""
+    shape, out_shape = list(shape), list(out_shape)
+    if len(shape) > len(out_shape):
+        if math.prod(shape[: len(shape) - len(out_shape)]) != 1:
+            raise ValueError(f"shape {shape} does not broadcast to {out_shape}")
+        shape = shape[len(shape) - len(out_shape):]
+    st = contiguous_strides(shape)
+    pad = len(out_shape) - len(shape)
+    out = [0] * pad
+    for d, (s, t) in enumerate(zip(shape, st)):
+        o = out_shape[pad + d]
+        if s == o:
+            out.append(t if s != 1 else 0)
+        elif s == 1:
+            out.append(0)
+        else:
+            raise ValueError(f"shape {shape} does not broadcast to {out_shape}")
+    return out
+
+
+def offset(coords: Sequence[str], strides: Sequence[int], base: int | str = 0) -> str:
+    """C expression of ``base + sum(coords[d] * strides[d])`` (terms with a 0 stride or a
+    ``"0"`` coordinate dropped)."""
+    terms = [] if base in (0, "0") else [str(base)]
+    for c, s in zip(coords, strides):
+        if s == 0 or c == "0":
+            continue
+        terms.append(c if s == 1 else f"{c} * {s}")
+    return " + ".join(terms) if terms else "0"
+
+
+def literal(v: Any, ctype: str) -> str:
+    """C literal of the Python scalar ``v`` converted to ``ctype`` ('float', 'i64' or 'bool')
+    as PyTorch converts a Scalar argument to the op's compute type."""
+    if isinstance(v, torch.Tensor):
+        v = v.item()
+    if ctype == "bool":
+        return "true" if v else "false"
+    if ctype == "i64":
+        if isinstance(v, float):
+            if not math.isfinite(v):
+                raise ValueError(f"non-finite scalar {v} in an integer op")
+            v = int(v)
+        v = int(v)
+        return f"(i64)({v}LL)" if v != -(2 ** 63) else "(i64)(-9223372036854775807LL - 1)"
+    if isinstance(v, bool):
+        return "1.f" if v else "0.f"
+    if isinstance(v, int):
+        return f"(float)({v}LL)" if abs(v) >= 2 ** 24 else f"{v}.f"
+    if math.isnan(v):
+        return "gx_nan()"
+    if math.isinf(v):
+        return "gx_inf()" if v > 0 else "(-gx_inf())"
+    return f"(float)({float(v)!r})"
+
+
+def compute_type(dtype: torch.dtype) -> str:
+    """The C type an op computes in for values of ``dtype``: float (fp32 opmath), i64 or bool."""
+    if dtype in FLOATS:
+        return "float"
+    if dtype == torch.bool:
+        return "bool"
+    if dtype in INTS:
+        return "i64"
+    raise Unsupported(f"dtype {dtype}")
+
+
+class Ctx:
+    """One op being generated: its bound arguments, its buffers as function parameters, and the
+    lines of the function body.
+
+    Args:
+        op: the op (``aten.*``/``prims.*``/``fusec.*`` with a call template, or a semantic op).
+        g: its graph.
+        bufs: a :class:`fusec.codegen.Buffers` (pointer expressions of the root buffers).
+    """
+
+    def __init__(self, op: Op, g: Graph, bufs: Any):
+        self.op, self.g, self.bufs = op, g, bufs
+        self.params: list[tuple[str, str, str]] = []    # (param name, C type, pointer expression)
+        self.roots: list[str] = []                      # root buffer of each parameter
+        self._param_of: dict[str, str] = {}             # root tensor -> param name
+        self.lines: list[str] = []
+        self._n = 0
+        self.smem_floats = 0
+        self.args = self._bind() if "target" in op.attrs else {}
+
+    # --- arguments ---------------------------------------------------------------------------
+    def _bind(self) -> dict[str, Any]:
+        target = self.op.attrs["target"]
+        schema = target._schema
+        out: dict[str, Any] = {}
+        pos = list(self.op.attrs.get("args", ()))
+        kw = dict(self.op.attrs.get("kwargs", {}))
+        for i, a in enumerate(schema.arguments):
+            if i < len(pos) and not a.kwarg_only:
+                out[a.name] = pos[i]
+            elif a.name in kw:
+                out[a.name] = kw.pop(a.name)
+            elif a.has_default_value():
+                out[a.name] = a.default_value
+            else:
+                out[a.name] = None
+        out.update(kw)
+        return out
+
+    def tensor(self, v: Any) -> str | None:
+        """Tensor name of an argument value (a ``Ref``), or None for a scalar / None."""
+        return self.op.inputs[v.slot] if isinstance(v, Ref) else None
+
+    def arg_tensor(self, name: str) -> str:
+        t = self.tensor(self.args.get(name))
+        if t is None:
+            raise self.fail(f"argument {name} is not a tensor")
+        return t
+
+    @property
+    def out(self) -> str:
+        """The op's single output tensor (``out`` or ``mut0`` slot)."""
+        o = self.op.outputs
+        return o.get("out") or o.get("mut0") or next(iter(o.values()))
+
+    def fail(self, why: str) -> Unsupported:
+        op = self.op
+        src = f" [{op.source}]" if op.source else ""
+        return Unsupported(f"generic op {op.name} ({op.kind}): {why}{src}")
+
+    # --- tensors -----------------------------------------------------------------------------
+    def shape(self, t: str) -> tuple[int, ...]:
+        return tuple(int(s) for s in self.g.tensors[t].shape)
+
+    def numel(self, t: str) -> int:
+        return self.g.tensors[t].numel
+
+    def dtype(self, t: str) -> torch.dtype:
+        return self.g.tensors[t].dtype
+
+    def ctype(self, t: str) -> str:
+        """C type of ``t``'s elements (Unsupported for fp64 and other dtypes fusec has no CUDA type for)."""
+        try:
+            return self.bufs.cname(self.dtype(t))
+        except FallbackRequired:
+            raise self.fail(f"dtype {self.dtype(t)} of {t} has no CUDA type in fusec") from None
+
+    def ptr(self, t: str) -> str:
+        """Parameter name of ``t``'s root buffer (one parameter per root)."""
+        root = self.g.root(t)
+        if root not in self._param_of:
+            name = f"p{len(self.params)}"
+            self.ctype(t)
+            expr = self.bufs.ptr(t)
+            ctype = expr[2:expr.index("*")]   # "((const float*)bufs[3])" -> "const float"
+            self.params.append((name, ctype, expr))
+            self.roots.append(root)
+            self._param_of[root] = name
+        return self._param_of[root]
+
+    def readonly(self, t: str) -> bool:
+        return self.g.tensors[self.g.root(t)].role in (Role.WEIGHT, Role.CONSTANT, Role.INPUT)
+
+    def load(self, t: str, off: str) -> str:
+        """C expression loading element ``off`` of ``t`` in its own type."""
+        fn = "gx_ldg" if self.readonly(t) else "gx_ldcg"
+        return f"{fn}({self.ptr(t)} + ({off}))"
+
+    def load_as(self, t: str, off: str, ctype: str) -> str:
+        """Element ``off`` of ``t`` converted to ``ctype``."""
+        return f"gx_cast<{ctype}>({self.load(t, off)})"
+
+    def store(self, t: str, off: str, value: str, vtype: str | None = None) -> str:
+        """C statement storing ``value`` (converted to ``t``'s type) at element ``off``."""
+        ct = self.ctype(t)
+        v = value if vtype == ct else f"gx_cast<{ct}>({value})"
+        return f"{self.ptr(t)}[{off}] = {v};"
+
+    # --- code --------------------------------------------------------------------------------
+    def fresh(self, stem: str = "v") -> str:
+        self._n += 1
+        return f"{stem}{self._n}"
+
+    def emit(self, *lines: str) -> None:
+        self.lines.extend(lines)
+
+    def index_type(self, *extra: int) -> str:
+        """``int`` when every tensor of the op (and ``extra`` sizes) has fewer than 2^31 elements."""
+        sizes = [self.numel(t) for t in list(self.op.inputs.values()) + list(self.op.outputs.values())]
+        return "int" if max(sizes + list(extra) + [1]) < 2 ** 31 else "i64"
+
+    def coords(self, shape: Sequence[int], var: str, ix: str) -> list[str]:
+        """Emit the decomposition of flat index ``var`` over ``shape`` (row-major); returns one
+        C expression per dim ("0" for size-1 dims)."""
+        dims = [d for d, s in enumerate(shape) if s != 1]
+        out = ["0"] * len(shape)
+        if not dims:
+            return out
+        r = self.fresh("r")
+        self.emit(f"{ix} {r} = {var};")
+        for d in reversed(dims):
+            c = self.fresh("c")
+            if d == dims[0]:
+                self.emit(f"const {ix} {c} = {r};")
+            else:
+                self.emit(f"const {ix} {c} = {r} % {shape[d]}; {r} /= {shape[d]};")
+            out[d] = c
+        return out
+
+    def loop(self, n: int | str, var: str, ix: str) -> str:
+        """Opening line of the CTA-strided loop ``for var in range(n)`` (close it with ``}``)."""
+        return f"for ({ix} {var} = threadIdx.x; {var} < {n}; {var} += blockDim.x) {{"
+
+    def body(self) -> str:
+        return "\n".join("  " + ln for ln in self.lines)

@@ -1,0 +1,208 @@
+"""Semantic ops left unfused (reference semantics in :mod:`fusec.semantics`): ``rmsnorm``,
+``rope``, ``silu_mul``, ``gelu_mul``, ``kv_write``, ``attention``, and ``fusec.sdpa`` (PyTorch SDPA on
+materialized K/V)."""
+from __future__ import annotations
+
+import math
+
+from . import emitter
+from .core import Ctx, broadcast_strides, literal, offset
+from .pointwise import Operand, elementwise
+
+CODE_KV_POS, CODE_ATTN_POS = 4, 5   # index_ok codes (templates/common.cuh)
+
+
+@emitter("rmsnorm")
+def _rmsnorm(ctx: Ctx) -> None:
+    """HF RMSNorm over the last dim (H = numel(w)), one warp per row:
+    out = rnd<out>(w * rnd<x>(x * rsqrt(mean(x^2) + eps))); with attr ``w_fp32`` (Gemma)
+    out = rnd<out>(x * rsqrt(mean(x^2) + eps) * w)."""
+    x, w, out = ctx.op.inputs["x"], ctx.op.inputs["w"], ctx.out
+    H = ctx.numel(w)
+    if ctx.numel(x) % H or ctx.numel(out) != ctx.numel(x):
+        raise ctx.fail(f"rmsnorm of {ctx.shape(x)} by a weight of {H}")
+    rows = ctx.numel(x) // H
+    tx = ctx.ctype(x)
+    eps = literal(float(ctx.op.attrs["eps"]), "float")
+    w_fp32 = bool(ctx.op.attrs.get("w_fp32", False))
+    wy = f"{ctx.load_as(w, 'k', 'float')} * y" if not w_fp32 else f"y * {ctx.load_as(w, 'k', 'float')}"
+    ctx.emit(f"for (int row = GX_WARP; row < {rows}; row += GX_NWARPS) {{", "  float ss = 0.f;",
+             f"  for (int k = GX_LANE; k < {H}; k += GX_NLANES) {{",
+             f"    const float v = {ctx.load_as(x, f'row * {H} + k', 'float')};", "    ss += v * v;", "  }",
+             f"  const float r = rsqrtf(gx_warp_reduce(ss, GxSum()) / {H}.f + {eps});",
+             f"  for (int k = GX_LANE; k < {H}; k += GX_NLANES) {{",
+             f"    const float y = {'' if w_fp32 else f'gx_f(gx_cast<{tx}>('}"
+             f"{ctx.load_as(x, f'row * {H} + k', 'float')} * r{'' if w_fp32 else '))'};",
+             "    " + ctx.store(out, f"row * {H} + k", wy, "float"),
+             "  }", "}")
+
+
+@emitter("rope")
+def _rope(ctx: Ctx) -> None:
+    """Half-split RoPE: out = x * cos + cat(-x2, x1) * sin (fp32), cos/sin broadcast to x."""
+    x, c, s, out = ctx.op.inputs["x"], ctx.op.inputs["cos"], ctx.op.inputs["sin"], ctx.out
+    xs = ctx.shape(x)
+    D = xs[-1]
+    h = D // 2
+    if ctx.numel(out) != ctx.numel(x) or D % 2:
+        raise ctx.fail(f"rope of x {xs} into {ctx.shape(out)}")
+    try:
+        cst, sst = broadcast_strides(ctx.shape(c), xs), broadcast_strides(ctx.shape(s), xs)
+    except ValueError as e:
+        raise ctx.fail(str(e)) from None
+    ix = ctx.index_type()
+    ctx.emit(ctx.loop(ctx.numel(x), "i", ix))
+    co = ctx.coords(xs, "i", ix)
+    d = co[-1]
+    ctx.emit(f"const float xv = {ctx.load_as(x, 'i', 'float')};",
+             f"const float rot = {d} < {h} ? -{ctx.load_as(x, f'i + {h}', 'float')} : "
+             f"{ctx.load_as(x, f'i - {h}', 'float')};",
+             f"const float y = xv * {ctx.load_as(c, offset(co, cst), 'float')} + "
+             f"rot * {ctx.load_as(s, offset(co, sst), 'float')};",
+             f"{ctx.store(out, 'i', 'y', 'float')}", "}")
+
+
+@emitter("silu_mul")
+def _silu_mul(ctx: Ctx) -> None:
+    """out = silu(gate) * up in fp32, rounded once."""
+    elementwise(ctx, [Operand(tensor=ctx.op.inputs["gate"], ctype="float"),
+                      Operand(tensor=ctx.op.inputs["up"], ctype="float")], "float",
+                lambda g, u: f"gx_silu({g}) * {u}")
+
+
+@emitter("gelu_mul")
+def _gelu_mul(ctx: Ctx) -> None:
+    """out = rnd<gate>(gelu(gate)) * up in fp32, rounded once (attr ``act``: "gelu" or
+    "gelu_tanh"); GELU is its own op in the model, so its result rounds to gate's dtype."""
+    act = ctx.op.attrs.get("act", "gelu")
+    fn = {"gelu": "gx_gelu", "gelu_tanh": "gx_gelu_tanh"}.get(act)
+    if fn is None:
+        raise ctx.fail(f"gelu_mul act={act!r}")
+    tg = ctx.ctype(ctx.op.inputs["gate"])
+    elementwise(ctx, [Operand(tensor=ctx.op.inputs["gate"], ctype="float"),
+                      Operand(tensor=ctx.op.inputs["up"], ctype="float")], "float",
+                lambda g, u: f"gx_f(gx_cast<{tg}>({fn}({g}))) * {u}")
+
+
+@emitter("kv_write")
+def _kv_write(ctx: Ctx) -> None:
+    """cache[:, :, pos] = val (in place); an out-of-range pos is fault code 4, no write."""
+    cache, pos, val = ctx.op.outputs["cache"], ctx.op.inputs["pos"], ctx.op.inputs["val"]
+    B, H, L, D = ctx.shape(cache)
+    if ctx.numel(val) != B * H * D:
+        raise ctx.fail(f"kv_write of {ctx.shape(val)} into {ctx.shape(cache)}")
+    ix = ctx.index_type()
+    ctx.emit(f"const i64 p = {ctx.load_as(pos, '0', 'i64')};",
+             f"if (!index_ok(p, {L}, {CODE_KV_POS})) return;",
+             ctx.loop(B * H * D, "i", ix),
+             f"  {ctx.store(cache, f'(i / {D} * {L} + p) * {D} + i % {D}', ctx.load(val, 'i'), ctx.ctype(val))}",
+             "}")
+
+
+def _attend_rows(ctx: Ctx, *, rows: int, D: int, Dv: int, q_off: str, k_row: str, v_row: str, n_keys: str,
+                 scale: float, out_off: str, q: str, k: str, v: str, mask_expr: str | None = None,
+                 mask_kind: int = 0, setup: list[str] = (), skip: str | None = None) -> None:
+    """One warp per query row: online softmax over keys t < n_keys of scale * q.k (+ mask),
+    out = sum p_t v_t / sum p_t (fp32). ``q_off``/``out_off`` are in terms of the row ``h``,
+    ``k_row``/``v_row`` the element offsets of key/value row ``t``."""
+    out = ctx.out
+    ctx.emit(f"constexpr int PQ = ({D} + GX_NLANES - 1) / GX_NLANES, PV = ({Dv} + GX_NLANES - 1) / GX_NLANES;",
+             f"for (int h = GX_WARP; h < {rows}; h += GX_NWARPS) {{", *[f"  {s}" for s in setup],
+             "  float qv[PQ], acc[PV];",
+             "  for (int j = 0; j < PQ; ++j) {",
+             "    const int d = GX_LANE + j * GX_NLANES;",
+             f"    qv[j] = d < {D} ? {ctx.load_as(q, f'{q_off} + d', 'float')} : 0.f;", "  }",
+             "  for (int j = 0; j < PV; ++j) acc[j] = 0.f;",
+             "  float m = -gx_inf(), l = 0.f;",
+             f"  for (int t = 0; t < {n_keys}; ++t) {{")
+    if skip:
+        ctx.emit(f"    if ({skip}) continue;")
+    ctx.emit("    float s = 0.f;",
+             "    for (int j = 0; j < PQ; ++j) {",
+             "      const int d = GX_LANE + j * GX_NLANES;",
+             f"      if (d < {D}) s += qv[j] * {ctx.load_as(k, f'{k_row} + d', 'float')};", "    }",
+             f"    s = gx_warp_reduce(s, GxSum()) * {literal(float(scale), 'float')};")
+    if mask_expr is not None:
+        if mask_kind == 1:
+            ctx.emit(f"    if (!{mask_expr}) continue;")
+        else:
+            ctx.emit(f"    s += {mask_expr};")
+    ctx.emit("    if (s == -gx_inf()) continue;",
+             "    const float mn = gx_max(m, s);",
+             "    const float corr = m == -gx_inf() ? 0.f : expf(m - mn);",
+             "    const float pe = expf(s - mn);",
+             "    l = l * corr + pe;",
+             "    for (int j = 0; j < PV; ++j) {",
+             "      const int d = GX_LANE + j * GX_NLANES;",
+             f"      acc[j] = acc[j] * corr + (d < {Dv} ? pe * {ctx.load_as(v, f'{v_row} + d', 'float')} : 0.f);",
+             "    }",
+             "    m = mn;", "  }",
+             "  for (int j = 0; j < PV; ++j) {",
+             "    const int d = GX_LANE + j * GX_NLANES;",
+             f"    if (d < {Dv}) {ctx.store(out, f'{out_off} + d', 'acc[j] / l', 'float')}", "  }", "}")
+
+
+@emitter("attention")
+def _attention(ctx: Ctx) -> None:
+    """Decode attention over cache rows 0..pos (GQA), optional mask (mask_kind 1: bool, 2:
+    additive), one warp per query head; an out-of-range pos is fault code 5."""
+    op = ctx.op
+    q, k, v, pos = op.inputs["q"], op.inputs["k"], op.inputs["v"], op.inputs["pos"]
+    kshape = ctx.shape(k)
+    if len(kshape) != 4 or kshape[0] != 1:
+        raise ctx.fail(f"attention over a cache of shape {kshape}")
+    _, hkv, L, D = kshape
+    hq = ctx.numel(q) // D
+    if hq % hkv or ctx.numel(q) != hq * D or ctx.numel(ctx.out) != hq * D:
+        raise ctx.fail(f"attention of q {ctx.shape(q)} over {kshape}")
+    mask = op.inputs.get("mask")
+    kind = int(op.attrs.get("mask_kind", 0)) if mask is not None else 0
+    ctx.emit(f"const i64 p = {ctx.load_as(pos, '0', 'i64')};",
+             f"if (!index_ok(p, {L}, {CODE_ATTN_POS})) return;",
+             "const int n = (int)p + 1;")
+    mexpr = None
+    if kind == 1:
+        mexpr = ctx.load_as(mask, "t", "bool")
+    elif kind == 2:
+        mexpr = ctx.load_as(mask, "t", "float")
+    _attend_rows(ctx, rows=hq, D=D, Dv=D, q_off=f"h * {D}", k_row=f"(kh * {L} + t) * {D}",
+                 v_row=f"(kh * {L} + t) * {D}", n_keys="n", scale=op.attrs["scale"], out_off=f"h * {D}",
+                 q=q, k=k, v=v, mask_expr=mexpr, mask_kind=kind, setup=[f"const int kh = h / {hq // hkv};"])
+
+
+@emitter("fusec.sdpa")
+def _sdpa(ctx: Ctx) -> None:
+    """fusec.sdpa(q [B,Hq,S,D], k [B,Hk,L,D], v [B,Hk,L,Dv], attn_mask, dropout_p, is_causal,
+    scale, enable_gqa): PyTorch SDPA over all L keys; bool mask (False: excluded) or additive
+    float mask, broadcast to [B,Hq,S,L]; is_causal keeps keys t <= s; one warp per (b, h, s)."""
+    a = ctx.args
+    q, k, v = ctx.arg_tensor("q"), ctx.arg_tensor("k"), ctx.arg_tensor("v")
+    if a.get("dropout_p"):
+        raise ctx.fail("SDPA with dropout")
+    qs, ks, vs = ctx.shape(q), ctx.shape(k), ctx.shape(v)
+    if len(qs) != 4 or len(ks) != 4 or len(vs) != 4:
+        raise ctx.fail(f"SDPA of q {qs}, k {ks}, v {vs} (4-D only)")
+    B, Hq, S, D = qs
+    _, Hk, L, _ = ks
+    Dv = vs[-1]
+    if Hq % Hk:
+        raise ctx.fail(f"SDPA with {Hq} query heads over {Hk} KV heads")
+    scale = a.get("scale")
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    rows = B * Hq * S
+    setup = [f"const int s_ = h % {S}; const int hh = (h / {S}) % {Hq}; const int b_ = h / {S * Hq};",
+             f"const int kh = b_ * {Hk} + hh / {Hq // Hk};"]
+    mexpr, kind = None, 0
+    mask = ctx.tensor(a.get("attn_mask"))
+    if mask is not None:
+        try:
+            mst = broadcast_strides(ctx.shape(mask), [B, Hq, S, L])
+        except ValueError as e:
+            raise ctx.fail(str(e)) from None
+        kind = 1 if ctx.dtype(mask).is_floating_point is False and ctx.ctype(mask) == "bool" else 2
+        moff = offset(["b_", "hh", "s_", "t"], mst)
+        mexpr = ctx.load_as(mask, moff, "bool" if kind == 1 else "float")
+    _attend_rows(ctx, rows=rows, D=D, Dv=Dv, q_off=f"h * {D}", k_row=f"(kh * {L} + t) * {D}",
+                 v_row=f"(kh * {L} + t) * {Dv}", n_keys=str(L), scale=scale, out_off=f"h * {Dv}",
+                 q=q, k=k, v=v, mask_expr=mexpr, mask_kind=kind, setup=setup,
+                 skip="t > s_" if a.get("is_causal") else None)
