@@ -56,8 +56,11 @@ class Options:
         max_fusions: apply at most this many fusions (bisecting); None = all.
         bandwidth: bytes/s used to predict step time from bytes (4.3e12: H200 measured read).
         watchdog_s: GPU counter waits give up after this many seconds (WatchdogError).
-        check_watchdog: read the watchdog record after every GPU step (a host sync); turn off
-            for CUDA-graph capture and benchmarks.
+        check_watchdog: before every GPU step, read the status the kernel writes to host-mapped
+            memory (a plain memory read: no sync, no copy; capturable) and raise what an earlier
+            step recorded: WatchdogError (counters reset) or IndexFaultError (record cleared).
+            A fault therefore raises at the NEXT call. Off, only ``raise_if_watchdog()`` on the
+            step (which synchronizes first) reports.
         profile: GPU only: build the kernel with per-instruction timestamps and write the per-SM
             timeline (``trace.json`` for ui.perfetto.dev, ``timeline.json``, ``timeline.png``)
             into ``profile_dir`` after step number ``profile_step`` (1-based).

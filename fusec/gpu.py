@@ -39,5 +39,5 @@ def build_cuda_step(g: Graph, args: list[Any], opts: Options, dump: Dumper) -> t
              describe(plan), res.get("registers", -1), res.get("stack_frame_bytes", -1),
              res.get("spill_store_bytes", -1), time.perf_counter() - t0, ", cached" if kernel.cache_hit else "")
     step = CudaStep(sched.graph, plan, kernel, args, watchdog_s=opts.watchdog_s,
-                    check_watchdog=opts.check_watchdog)
+                    check_watchdog=opts.check_watchdog, graph_launch=opts.graph_launch)
     return step, sched

@@ -1,27 +1,53 @@
 """runtime: load the megakernel's CUBIN with the driver API and launch one decode step.
 
 One cooperative launch per step: grid = number of SMs scheduled (one CTA per SM, all resident),
-on torch's current stream, so a step can be captured in a CUDA graph. Token ids and positions
-are read by the kernel from the caller's device tensors; KV caches and position counters are
-written in place. Per call the guards compare each input's data pointer with the last call's
-and fully re-check (shape, dtype, device, contiguity, 16-byte alignment) only the ones that
-changed; a changed pointer is written to the kernel's pointer table (one small host-to-device
-copy, no kernel). After the launch the status (watchdog flag and index-fault record) is read
-back in one sync unless ``check_watchdog`` is off; a set watchdog raises :class:`WatchdogError`
-and resets the counters, a set fault raises :class:`IndexFaultError`.
+on torch's current stream. Token ids and positions are read by the kernel from the caller's
+device tensors; KV caches and position counters are written in place.
+
+The host never waits for the device on the default path: a call makes no sync and no
+host<->device copy.
+- Status: the kernel writes its records (the first index fault; the watchdog's stuck waits) to
+  page-locked host memory mapped into the device (``cuMemHostAlloc`` with
+  ``CU_MEMHOSTALLOC_DEVICEMAP``), then sets a flag word there; the abort flag the watchdog spins
+  on stays in device memory. Before each launch the call reads that flag (a plain memory read,
+  when ``check_watchdog`` is on, the default); if an earlier step recorded something, it waits
+  for the device (the error path only), raises :class:`WatchdogError` (after resetting counters,
+  epochs and records) or :class:`IndexFaultError` (after clearing the fault) and does not
+  launch. So a fault raises at the NEXT call, or at :meth:`CudaStep.raise_if_watchdog`, the
+  explicit check that synchronizes first.
+- Inputs: per call the guards compare each input's data pointer with the last call's and fully
+  re-check (shape, dtype, device, contiguity, 16-byte alignment) only the ones that changed; a
+  changed pointer is written into the kernel's device pointer table ``bufs`` by one or two
+  4-byte ``cuMemsetD32Async`` on the launch stream (the value travels in the call: no staging
+  buffer, stream-ordered, capturable).
+- CUDA graphs: a call made while torch's current stream is capturing (``torch.cuda.graph``)
+  launches the kernel with a device pointer table of its own, written at capture time with the
+  pointers of the tensors passed then (outside the graph: a copy on a side stream, waited for,
+  in relaxed capture mode) and never written again (captured launches with the same pointers
+  share it). The graph holds the kernel node alone; it bakes the tensors seen at capture time
+  (replay with the same tensors, updated in place), and its replays never disturb the eager
+  calls' table. It must not outlive this CudaStep (which owns that table). The status is not
+  checked during a capture (its error path synchronizes).
+- ``graph_launch`` (option ``mode`` "reduce-overhead" / "max-autotune"): the step records a
+  CUDA graph of its own single launch at its first call outside a capture and replays it with
+  ``cuGraphLaunch``. Its kernel node's parameters point to device arrays allocated once here
+  (instruction words, counters, the pointer table ``bufs``...), never reallocated, so the graph
+  stays valid when an input moves: the call rewrites ``bufs`` before the replay as above. If the
+  graph cannot be instantiated the step logs one warning and launches directly.
 """
 from __future__ import annotations
 
 import ctypes
 import functools
 import logging
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from .codegen import PROF_MARKS, WORD, KernelPlan
-from .errors import CudaError, FusecError, IndexFaultError, WatchdogError
+from .errors import CudaError, FusecError, IndexFaultError, KernelRecordError, WatchdogError
 from .ir import Graph, Role
 from .jit import CompiledKernel
 
@@ -29,6 +55,47 @@ log = logging.getLogger("fusec.runtime")
 
 _FAULTS = {1: "token id (embedding row)", 2: "position (table lookup)", 3: "RoPE position",
            4: "KV-cache write position", 5: "attention position"}
+
+#: The host-mapped status (templates/common.cuh): ST_HEAD int64 header words, then one record
+#: of 8 int32 per SM (claimed, then WD_FIELDS), as the device watchdog's ``wd`` records.
+ST_ANY, ST_FAULT, ST_CODE, ST_VALUE, ST_BOUND, ST_WATCHDOG = 0, 1, 2, 3, 4, 5
+ST_HEAD = 8
+WD_FIELDS = ("sm", "queue_index", "op", "counter", "value", "target", "instruction")
+
+
+def status_error(head: Sequence[int], records: Sequence[Sequence[int]],
+                 op_name: Callable[[int], str]) -> KernelRecordError | None:
+    """The error a status record stands for, or None when it records nothing.
+
+    Args:
+        head: the ST_HEAD int64 header words (any, fault, code, value, bound, watchdog, ...).
+        records: one row of 8 ints per SM: claimed (1: a record), then :data:`WD_FIELDS`.
+        op_name: the op's name for an opcode.
+
+    A watchdog record wins over a fault. The root cause is the record with the smallest
+    instruction id (waits point backwards, so its producer is the one that never came) among
+    the records of the step that fired: those with the smallest target (the step's epoch;
+    a later step, queued before the host noticed, stops at its first wait).
+    """
+    if head[ST_WATCHDOG]:
+        recs = [dict(zip(WD_FIELDS, r[1:8])) for r in records if r[0] == 1]
+        if not recs:
+            return WatchdogError("megakernel watchdog fired but recorded no wait", {})
+        step = min(r["target"] for r in recs)
+        recs = [r for r in recs if r["target"] == step]
+        f = dict(min(recs, key=lambda r: r["instruction"]))
+        f["op_name"] = op_name(f["op"])
+        f["stuck_sms"] = len(recs)
+        return WatchdogError(
+            f"megakernel watchdog: SM {f['sm']} queue[{f['queue_index']}] op {f['op']} ({f['op_name']}) "
+            f"instruction #{f['instruction']} waited past the timeout on counter {f['counter']}: "
+            f"value {f['value']}, target {f['target']} ({len(recs)} SMs stuck)", f)
+    if head[ST_FAULT]:
+        code, value, bound = (int(head[k]) for k in (ST_CODE, ST_VALUE, ST_BOUND))
+        what = _FAULTS.get(code, f"index (code {code})")
+        return IndexFaultError(f"megakernel: {what} {value} out of range [0, {bound}); the step's "
+                               f"outputs are invalid", {"code": code, "value": value, "bound": bound})
+    return None
 
 
 @functools.cache
@@ -49,6 +116,50 @@ def _ck(res: Any, what: str) -> Any:
     return None
 
 
+class _Owned:
+    """Driver resources of one CudaStep (page-locked host memory, device memory, a graph exec),
+    released together by its finalizer, in the CUDA context they were made in; errors are
+    ignored there (a finalizer may run at interpreter exit)."""
+
+    def __init__(self, ctx: Any):
+        self.ctx = ctx
+        self.host: list[int] = []
+        self.dev: list[int] = []
+        self.graphs: list[Any] = []
+        self.streams: list[Any] = []
+
+    def release(self) -> None:
+        try:
+            drv = _driver()
+            drv.cuCtxPushCurrent(self.ctx)
+            for g in self.graphs:
+                drv.cuGraphExecDestroy(g)
+            for st in self.streams:
+                drv.cuStreamDestroy(st)
+            for p in self.dev:
+                drv.cuMemFree(p)
+            for p in self.host:
+                drv.cuMemFreeHost(p)
+            drv.cuCtxPopCurrent()
+        except Exception:   # noqa: BLE001 - nothing to do about it at teardown
+            pass
+        self.graphs, self.streams, self.dev, self.host = [], [], [], []
+
+
+class _RelaxedCapture:
+    """This thread's stream-capture mode relaxed for a moment: lets a call made during a capture
+    fill (and if needed allocate) its private pointer table outside the graph, work the
+    capture does not record (:meth:`CudaStep._launch_captured`)."""
+
+    def __enter__(self) -> None:
+        drv = _driver()
+        self.prev = _ck(drv.cuThreadExchangeStreamCaptureMode(
+            drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED), "cuThreadExchangeStreamCaptureMode")
+
+    def __exit__(self, *exc: Any) -> None:
+        _driver().cuThreadExchangeStreamCaptureMode(self.prev)
+
+
 class CudaStep:
     """A loaded megakernel and its device state (instruction words, counters, buffers).
 
@@ -56,18 +167,24 @@ class CudaStep:
         g: the scheduled graph; plan: :func:`fusec.codegen.render` output; kernel: its CUBIN.
         flat_args: the first call's inputs (they fix the device and the input layouts).
         watchdog_s: seconds a counter wait may spin before the kernel gives up.
+        check_watchdog: read the host-mapped status at every call (no sync) and raise what an
+            earlier step recorded; off, only :meth:`raise_if_watchdog` reports.
+        graph_launch: replay the launch from a CUDA graph recorded at the first call.
     """
 
     def __init__(self, g: Graph, plan: KernelPlan, kernel: CompiledKernel, flat_args: list[Any],
-                 watchdog_s: float = 2.0, check_watchdog: bool = True):
+                 watchdog_s: float = 2.0, check_watchdog: bool = True, graph_launch: bool = False):
         drv = _driver()
         self.g, self.plan = g, plan
         self.check_watchdog = check_watchdog
+        self.graph_launch = graph_launch
         dev = next(a.device for a in flat_args if isinstance(a, torch.Tensor) and a.is_cuda)
         self.device = dev
         torch.cuda.set_device(dev)
         torch.cuda.current_stream(dev)  # make torch's primary context current
         _ck(drv.cuInit(0), "cuInit")
+        self._owned = _Owned(_ck(drv.cuCtxGetCurrent(), "cuCtxGetCurrent"))
+        weakref.finalize(self, self._owned.release)
         self.module = _ck(drv.cuModuleLoadData(kernel.cubin), "cuModuleLoadData")
         self.func = _ck(drv.cuModuleGetFunction(self.module, b"fusec_step"), "cuModuleGetFunction")
         _ck(drv.cuFuncSetAttribute(self.func,
@@ -85,12 +202,21 @@ class CudaStep:
         self.waits = torch.tensor(plan.waits, **i32)
         self.counters = torch.zeros(plan.n_counters + 1, **i32)   # +1: a counter nobody signals (tests)
         self.epochs = torch.zeros(plan.num_sms, **i32)
-        # status: the index-fault record (int64 [set, code, value, bound]), then the watchdog
-        # (int32: header + one record per SM), so one read after a step sees both
+        # device status: the index-fault word (int64 [0], taken by the kernel's atomicCAS; 3
+        # spare), then the watchdog (int32: the abort flag the spin polls, header, one record
+        # per SM); their records are reported to the host-mapped status when they fire
         n_wd = 8 + 8 * plan.num_sms
         self.status = torch.zeros(4 + n_wd // 2, dtype=torch.int64, device=dev)
         self.fault = self.status[:4]
         self.wd = self.status[4:].view(torch.int32)
+        # host-mapped status (page-locked, read without a sync): ST_HEAD int64, then 8 int32 per SM
+        self._status_bytes = 8 * ST_HEAD + 4 * 8 * plan.num_sms
+        host = self._host_alloc(self._status_bytes, drv.CU_MEMHOSTALLOC_DEVICEMAP | drv.CU_MEMHOSTALLOC_PORTABLE)
+        ctypes.memset(host, 0, self._status_bytes)
+        self._status_host = host
+        self._head = (ctypes.c_int64 * ST_HEAD).from_address(host)
+        self._recs = (ctypes.c_int32 * (8 * plan.num_sms)).from_address(host + 8 * ST_HEAD)
+        status_dev = int(_ck(drv.cuMemHostGetDevicePointer(host, 0), "cuMemHostGetDevicePointer"))
         self.input_pos = {name: g.inputs.index(name) for name in plan.buffers if name in g.inputs}
         self.slot = {name: k for k, name in enumerate(plan.buffers)}
         self.owned: dict[str, torch.Tensor] = {}
@@ -103,45 +229,83 @@ class CudaStep:
             else:
                 fill = float("nan") if info.dtype.is_floating_point else -7
                 self.owned[name] = torch.full(info.shape, fill, dtype=info.dtype, device=dev)
+        # the pointer table: ptrs mirrors what the device table `bufs` holds once the stream
+        # reaches the last call's writes; seen[i]: input i's data pointer at the last call
         self.ptrs = [0] * len(plan.buffers)
         self.seen: list[int | None] = [None] * len(g.inputs)
         for k, name in enumerate(plan.buffers):
             if name in self.owned:
                 self.ptrs[k] = self.owned[name].data_ptr()
-        self.bufs = torch.zeros(len(plan.buffers), dtype=torch.int64, device=dev)
-        self._update_inputs(flat_args)
+        for name, i in self.input_pos.items():
+            self._guard(name, flat_args[i])
+            self.seen[i] = self.ptrs[self.slot[name]] = flat_args[i].data_ptr()
+        self.bufs = torch.tensor(self.ptrs, dtype=torch.int64, device=dev)   # never reallocated
+        self._bufs_addr = self.bufs.data_ptr()
+        # captured launches: device pointer tables, one per distinct set of pointers (filled
+        # once from a page-locked staging table by a copy on the side stream, then frozen and
+        # shared by every captured launch with those pointers); unused ones in _tables
+        self._table_bytes = 8 * len(self.ptrs)
+        self._tables: list[int] = []
+        self._frozen: dict[tuple[int, ...], int] = {}
+        self._grow_tables(4)
+        self._stage = self._host_alloc(self._table_bytes, drv.CU_MEMHOSTALLOC_PORTABLE)
+        self._side = _ck(drv.cuStreamCreate(drv.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
+        self._owned.streams.append(self._side)
         self._vals = [ctypes.c_void_p(t.data_ptr()) for t in
                       (self.words, self.queue_off, self.waits, self.counters, self.epochs, self.bufs, self.wd)]
         self._vals.append(ctypes.c_ulonglong(int(watchdog_s * 1e9)))
-        sym, _ = _ck(drv.cuModuleGetGlobal(self.module, b"fusec_fault"), "cuModuleGetGlobal(fusec_fault)")
-        fault_addr = ctypes.c_uint64(self.fault.data_ptr())   # the kernel's fault pointer, set once
-        _ck(drv.cuMemcpyHtoD(sym, ctypes.addressof(fault_addr), 8), "cuMemcpyHtoD(fusec_fault)")
+        for sym_name, value in ((b"fusec_fault", self.fault.data_ptr()), (b"fusec_status", status_dev)):
+            sym, _ = _ck(drv.cuModuleGetGlobal(self.module, sym_name), f"cuModuleGetGlobal({sym_name.decode()})")
+            addr = ctypes.c_uint64(value)   # the kernel's status pointers, set once
+            _ck(drv.cuMemcpyHtoD(sym, ctypes.addressof(addr), 8), f"cuMemcpyHtoD({sym_name.decode()})")
         self.prof: torch.Tensor | None = None
         if plan.profile:   # (SM, fetched, waits satisfied, done, marks...) per instruction, globaltimer ns
             self.prof = torch.zeros(len(plan.words) // WORD, 4 + PROF_MARKS, dtype=torch.int64, device=dev)
             self._vals.append(ctypes.c_void_p(self.prof.data_ptr()))
-        self._params = (ctypes.c_void_p * len(self._vals))(*[ctypes.addressof(v) for v in self._vals])
+        self._params = self._param_array(self._vals)
+        self._graph: Any = None          # the instantiated graph of one launch (graph_launch)
+        self._graph_tried = False
         # per output: its own buffer viewed in the output's shape, or (input index, shape)
         self._outs: list[torch.Tensor | tuple[int, tuple[int, ...]]] = []
         for t in g.outputs:
             r, shape = g.root(t), tuple(g.tensors[t].shape)
             self._outs.append(self.owned[r].view(shape) if r in self.owned else (g.inputs.index(r), shape))
 
-    def _update_inputs(self, args: Sequence[Any]) -> None:
-        changed = False
+    @staticmethod
+    def _param_array(vals: list[Any]) -> Any:
+        return (ctypes.c_void_p * len(vals))(*[ctypes.addressof(v) for v in vals])
+
+    def _host_alloc(self, nbytes: int, flags: int) -> int:
+        host = int(_ck(_driver().cuMemHostAlloc(nbytes, flags), "cuMemHostAlloc"))
+        self._owned.host.append(host)
+        return host
+
+    def _grow_tables(self, n: int) -> None:
+        """n more device pointer tables for captured launches."""
+        dev = int(_ck(_driver().cuMemAlloc(n * self._table_bytes), "cuMemAlloc(pointer tables)"))
+        self._owned.dev.append(dev)
+        self._tables += [dev + k * self._table_bytes for k in reversed(range(n))]
+
+    def _write_ptr(self, k: int, p: int, stream: Any) -> None:
+        """bufs[k] = p, stream-ordered: a 4-byte memset per changed half (capturable, no staging)."""
+        drv = _driver()
+        old, addr = self.ptrs[k], self._bufs_addr + 8 * k
+        self.ptrs[k] = p
+        for half in (0, 1):
+            v = (p >> (32 * half)) & 0xFFFFFFFF
+            if v != (old >> (32 * half)) & 0xFFFFFFFF:
+                _ck(drv.cuMemsetD32Async(addr + 4 * half, v, 1, stream), "cuMemsetD32Async(pointer table)")
+
+    def _update_inputs(self, args: Sequence[Any], stream: Any) -> None:
         for name, i in self.input_pos.items():
             a = args[i]
             p = a.data_ptr() if isinstance(a, torch.Tensor) else None
             if p is not None and p == self.seen[i]:
                 continue
             self._guard(name, a)
-            if self.seen[i] is not None:
-                log.debug("input %s moved: %#x -> %#x", name, self.seen[i], p)
+            log.debug("input %s moved: %#x -> %#x", name, self.seen[i], p)
             self.seen[i] = p
-            self.ptrs[self.slot[name]] = p
-            changed = True
-        if changed:
-            self.bufs.copy_(torch.tensor(self.ptrs, dtype=torch.int64))
+            self._write_ptr(self.slot[name], p, stream)
 
     def _guard(self, name: str, a: Any) -> None:
         info = self.g.tensors[name]
@@ -158,15 +322,76 @@ class CudaStep:
         if a.data_ptr() % 16:
             raise FusecError(f"{where}: data pointer not 16-byte aligned")
 
+    def _launch(self, params: Any, stream: Any) -> None:
+        _ck(_driver().cuLaunchCooperativeKernel(self.func, self.plan.num_sms, 1, 1, self.plan.threads, 1, 1,
+                                                self.plan.smem_bytes, stream, ctypes.addressof(params)),
+            "cuLaunchCooperativeKernel")
+
+    def _launch_captured(self, args: Sequence[Any], stream: Any) -> None:
+        """The launch inside a capture, with a device pointer table that holds this call's
+        pointers and is never written again (shared by the captured launches with the same
+        pointers). A new one is written now, outside the graph (a copy on the side stream,
+        waited for, in relaxed capture mode): the graph holds the kernel node alone and bakes
+        the tensors seen at capture time."""
+        drv = _driver()
+        ptrs = list(self.ptrs)
+        for name, i in self.input_pos.items():
+            self._guard(name, args[i])
+            ptrs[self.slot[name]] = args[i].data_ptr()
+        key = tuple(ptrs)
+        dev = self._frozen.get(key)
+        if dev is None:
+            with _RelaxedCapture():
+                if not self._tables:
+                    self._grow_tables(2 * len(self._owned.dev) + 2)
+                dev = self._tables.pop()
+                (ctypes.c_uint64 * len(ptrs)).from_address(self._stage)[:] = ptrs
+                _ck(drv.cuMemcpyHtoDAsync(dev, self._stage, self._table_bytes, self._side),
+                    "cuMemcpyHtoDAsync(pointer table)")
+                _ck(drv.cuStreamSynchronize(self._side), "cuStreamSynchronize(side stream)")
+            self._frozen[key] = dev
+        vals = list(self._vals)
+        vals[5] = ctypes.c_void_p(dev)   # bufs
+        self._launch(self._param_array(vals), stream)
+
+    def _record_graph(self) -> None:
+        """Record and instantiate a graph of one launch (stream capture on a side stream); on
+        failure log one line and keep launching directly."""
+        drv = _driver()
+        self._graph_tried = True
+        side, graph = self._side, None
+        try:
+            _ck(drv.cuStreamBeginCapture(side, drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
+                "cuStreamBeginCapture")
+            launched = drv.cuLaunchCooperativeKernel(self.func, self.plan.num_sms, 1, 1, self.plan.threads, 1, 1,
+                                                     self.plan.smem_bytes, side, ctypes.addressof(self._params))
+            graph = _ck(drv.cuStreamEndCapture(side), "cuStreamEndCapture")
+            _ck(launched, "cuLaunchCooperativeKernel (captured)")
+            self._graph = _ck(drv.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
+            self._owned.graphs.append(self._graph)
+        except CudaError as e:
+            self._graph = None
+            log.warning("fusec: CUDA graph of the step's launch not instantiated (%s): launching directly", e)
+        finally:
+            if graph is not None:
+                drv.cuGraphDestroy(graph)
+
     def __call__(self, *args: Any) -> list[torch.Tensor]:
         drv = _driver()
-        self._update_inputs(args)
         stream = drv.CUstream(torch.cuda.current_stream(self.device).cuda_stream)
-        _ck(drv.cuLaunchCooperativeKernel(self.func, self.plan.num_sms, 1, 1, self.plan.threads, 1, 1,
-                                          self.plan.smem_bytes, stream, ctypes.addressof(self._params)),
-            "cuLaunchCooperativeKernel")
-        if self.check_watchdog:
-            self.raise_if_watchdog()
+        capturing = _ck(drv.cuStreamIsCapturing(stream), "cuStreamIsCapturing")
+        if capturing != drv.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE:
+            self._launch_captured(args, stream)
+        else:
+            if self.check_watchdog and self._head[ST_ANY]:
+                self._raise_recorded()        # an earlier step recorded a fault: the error path
+            self._update_inputs(args, stream)
+            if self.graph_launch and not self._graph_tried:
+                self._record_graph()
+            if self._graph is not None:
+                _ck(drv.cuGraphLaunch(self._graph, stream), "cuGraphLaunch")
+            else:
+                self._launch(self._params, stream)
         return [o if isinstance(o, torch.Tensor) else args[o[0]].view(o[1]) for o in self._outs]
 
     def profile_records(self) -> torch.Tensor:
@@ -181,37 +406,40 @@ class CudaStep:
             raise FusecError("this kernel was built without profile=True: no timeline recorded")
         return self.prof.cpu()
 
+    def recorded_error(self) -> KernelRecordError | None:
+        """The error the host-mapped status records now, or None (reads memory only: no sync,
+        so a step still running may record later)."""
+        n = self.plan.num_sms
+        recs = [self._recs[8 * k:8 * k + 8] for k in range(n)]
+        return status_error(list(self._head), recs, self._op_name)
+
+    def _op_name(self, op: int) -> str:
+        return self.g.ops[op].name if 0 <= op < len(self.g.ops) else "?"
+
     def raise_if_watchdog(self) -> None:
-        """Read the step's status (one synchronizing read); raise WatchdogError if a counter wait
-        timed out (after resetting counters, epochs and the records), IndexFaultError if a
-        run-time token id or position was out of range: its access was skipped, so the step's
-        outputs (and a KV row it may have written) are invalid, and the record is cleared."""
-        head = self.status[:5].cpu()
-        code_set, code, value, bound = head[:4].tolist()
-        if not int(head[4:].view(torch.int32)[0]):      # wd[0], the watchdog's abort flag
-            if code_set:
-                self.fault.zero_()
-                what = _FAULTS.get(code, f"index (code {code})")
-                raise IndexFaultError(f"megakernel: {what} {value} out of range [0, {bound}); the step's "
-                                      f"outputs are invalid", {"code": code, "value": value, "bound": bound})
-            return
-        names = ["sm", "queue_index", "op", "counter", "value", "target", "instruction"]
-        recs = [dict(zip(names, r[1:])) for r in self.wd[8:].view(-1, 8).tolist() if r[0]]
-        n = len(recs)
-        self.reset()
-        if not recs:
-            raise WatchdogError("megakernel watchdog fired but recorded no wait", {})
-        f = min(recs, key=lambda r: r["instruction"])   # the root cause: waits point backwards
-        f["op_name"] = self.g.ops[f["op"]].name if 0 <= f["op"] < len(self.g.ops) else "?"
-        f["stuck_sms"] = n
-        raise WatchdogError(
-            f"megakernel watchdog: SM {f['sm']} queue[{f['queue_index']}] op {f['op']} ({f['op_name']}) "
-            f"instruction #{f['instruction']} waited past the timeout on counter {f['counter']}: "
-            f"value {f['value']}, target {f['target']} ({n} SMs stuck)", f)
+        """The explicit, synchronizing check: wait for the device, then raise what the steps
+        recorded: WatchdogError if a counter wait timed out (after resetting counters, epochs
+        and the records), IndexFaultError if a run-time token id or position was out of range:
+        its access was skipped, so that step's outputs (and a KV row it may have written) are
+        invalid, and the record is cleared."""
+        self._raise_recorded()
+
+    def _raise_recorded(self) -> None:
+        torch.cuda.synchronize(self.device)     # every step launched so far has written its records
+        err = self.recorded_error()
+        if self._head[ST_WATCHDOG]:
+            self.reset()
+        elif self._head[ST_ANY]:
+            self.fault.zero_()
+            ctypes.memset(self._status_host, 0, 8 * ST_HEAD)
+        if err is not None:
+            raise err
 
     def reset(self) -> None:
-        """Zero counters, epochs, the watchdog and the index-fault records (after an aborted step)."""
+        """Zero counters, epochs, the watchdog and the index-fault records (after an aborted
+        step; synchronizes)."""
         torch.cuda.synchronize(self.device)
         self.counters.zero_()
         self.epochs.zero_()
         self.status.zero_()
+        ctypes.memset(self._status_host, 0, self._status_bytes)

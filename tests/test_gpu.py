@@ -1,4 +1,5 @@
-"""GPU tests (H200): the megakernel against PyTorch, the watchdog, one launch per step."""
+"""GPU tests (H200): the megakernel against PyTorch, the watchdog and index faults (reported
+without a host sync), CUDA graphs (captured by torch, or the step's own), one launch per step."""
 from __future__ import annotations
 
 import copy
@@ -104,6 +105,9 @@ def test_kernel_knobs_match_eager(defines):
 
 
 def test_watchdog_reports_a_missing_producer():
+    """A wait on a counter nobody signals: the step returns at once (no sync), the kernel gives
+    up on the GPU; raise_if_watchdog (synchronizing) reports it, and so does the next call
+    (before launching). Counters are reset: the repaired step runs again."""
     from fusec.errors import WatchdogError
     model, cache = _tiny_on_gpu(hf_tiny.llama, torch.bfloat16)
     kwargs = {"input_ids": torch.randint(0, 128, (1, 1), device="cuda"), "past_key_values": cache,
@@ -111,19 +115,36 @@ def test_watchdog_reports_a_missing_producer():
     _, g, flat = step_util.capture(model, kwargs)
     step, sched = step_util.build(g, flat, watchdog_s=0.2)
     step(*flat)  # a good step first
+    step.raise_if_watchdog()
     victim = next(i for i in range(len(step.plan.words) // 8) if step.plan.words[i * 8 + 6] > 0)
     woff = step.plan.words[victim * 8 + 5]
+    good = step.plan.waits[woff]
     step.waits[woff] = step.plan.n_counters      # a counter that no instruction signals
+    step(*flat)                                  # returns: the status is read at the next call
     with pytest.raises(WatchdogError) as e:
-        step(*flat)
+        step.raise_if_watchdog()
     f = e.value.fields
     assert f["counter"] == step.plan.n_counters and f["value"] == 0 and f["target"] == 2
     assert f["instruction"] == step.plan.words[victim * 8 + 7]
-    assert 0 <= f["sm"] < step.plan.num_sms
+    assert 0 <= f["sm"] < step.plan.num_sms and f["stuck_sms"] >= 1
     assert "watchdog" in str(e.value)
+    step.waits[woff] = good                      # repaired; the counters were reset (epoch 1)
+    step(*flat)
+    step.raise_if_watchdog()
+    step.waits[woff] = step.plan.n_counters      # again, now reported by the next call
+    step(*flat)
+    torch.cuda.synchronize()                     # the watchdog has fired and written its records
+    with pytest.raises(WatchdogError) as e:
+        step(*flat)
+    f = e.value.fields
+    assert f["counter"] == step.plan.n_counters and f["target"] == 2
+    assert f["instruction"] == step.plan.words[victim * 8 + 7]
 
 
 def test_out_of_range_token_raises_index_fault():
+    """An out-of-range token id: the step returns (no sync), the NEXT call raises (before
+    launching) with code, value and bound; raise_if_watchdog reports it too. The record is
+    cleared: the following steps are clean."""
     from fusec.errors import IndexFaultError
     model, cache = _tiny_on_gpu(hf_tiny.llama, torch.bfloat16)
     ids = torch.randint(0, 128, (1, 1), device="cuda")
@@ -131,14 +152,126 @@ def test_out_of_range_token_raises_index_fault():
     _, g, flat = step_util.capture(model, kwargs)
     step, sched = step_util.build(g, flat)
     step(*flat)  # a good step first
+    step.raise_if_watchdog()
     vocab = model.config.vocab_size
     ids.fill_(vocab + 3)                      # same tensor: the kernel reads the new id
+    step(*flat)                               # returns: nothing was recorded before this launch
+    torch.cuda.synchronize()
+    ids.fill_(1)
     with pytest.raises(IndexFaultError) as e:
         step(*flat)
     assert e.value.code == 1 and e.value.value == vocab + 3 and e.value.bound == vocab
+    assert e.value.fields == {"code": 1, "value": vocab + 3, "bound": vocab}
     assert "token id" in str(e.value)
-    ids.fill_(1)
     step(*flat)                               # the record was reset: the next step is clean
+    step.raise_if_watchdog()
+    ids.fill_(vocab + 5)
+    step(*flat)
+    with pytest.raises(IndexFaultError) as e:
+        step.raise_if_watchdog()              # the explicit check: synchronizes, then reads
+    assert e.value.code == 1 and e.value.value == vocab + 5 and e.value.bound == vocab
+    ids.fill_(2)
+    step(*flat)
+    step.raise_if_watchdog()
+
+
+def test_default_plain_loop_makes_no_host_sync():
+    """Default options: a plain loop of compiled decode steps (a new token tensor each step, so
+    the pointer table is rewritten every step) makes no torch-level sync and matches eager."""
+    model, cache = _tiny_on_gpu(hf_tiny.llama, torch.float32)
+    ref = copy.deepcopy(cache)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fusec", options={"fallback": "eager"})
+    gen = torch.Generator().manual_seed(11)
+    toks = [torch.randint(0, 128, (1, 1), generator=gen).cuda() for _ in range(10)]
+    with torch.no_grad(), FallbackWatch() as w:
+        for tok in toks[:2]:                  # compile and warm up (syncs allowed here)
+            compiled(input_ids=tok, past_key_values=cache, use_cache=True)
+            model(input_ids=tok, past_key_values=ref, use_cache=True)
+        torch.cuda.synchronize()
+        outs = []
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for tok in toks[2:]:
+                outs.append(compiled(input_ids=tok, past_key_values=cache, use_cache=True).logits.clone())
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        for step, (tok, a) in enumerate(zip(toks[2:], outs)):
+            b = model(input_ids=tok, past_key_values=ref, use_cache=True).logits
+            assert torch.isfinite(a).all() and step_util.rel(a, b) < 1e-4, step
+    assert not w.fallbacks, f"the kernel did not run: {w.fallbacks}"
+    for l1, l2 in zip(cache.layers, ref.layers):
+        assert int(l1.cumulative_length) == int(l2.cumulative_length)
+    torch._dynamo.reset()
+
+
+def test_compiled_step_replays_from_a_torch_cuda_graph():
+    """The compiled step captured in torch.cuda.graph (default options) and replayed with a
+    static token tensor: the kernel advances the cache positions itself, so each replay is the
+    next step; matches eager (fp32). Eager calls after the replays still see their own
+    tensors (the graph's pointer table is its own)."""
+    model, cache = _tiny_on_gpu(hf_tiny.llama, torch.float32)
+    ref = copy.deepcopy(cache)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fusec", options={"fallback": "eager"})
+    gen = torch.Generator().manual_seed(12)
+    toks = [torch.randint(0, 128, (1, 1), generator=gen).cuda() for _ in range(10)]
+    static = torch.zeros(1, 1, dtype=torch.long, device="cuda")
+    with torch.no_grad(), FallbackWatch() as w:
+        for tok in toks[:2]:                  # compile and warm up, eagerly
+            a = compiled(input_ids=tok, past_key_values=cache, use_cache=True).logits.clone()
+            b = model(input_ids=tok, past_key_values=ref, use_cache=True).logits
+            assert step_util.rel(a, b) < 1e-4
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            logits = compiled(input_ids=static, past_key_values=cache, use_cache=True).logits
+        for step, tok in enumerate(toks[2:8]):
+            static.copy_(tok)
+            graph.replay()
+            a = logits.clone()
+            b = model(input_ids=tok, past_key_values=ref, use_cache=True).logits
+            assert torch.isfinite(a).all() and step_util.rel(a, b) < 1e-4, step
+        for tok in toks[8:]:                  # eager calls again, with other tensors
+            a = compiled(input_ids=tok, past_key_values=cache, use_cache=True).logits.clone()
+            b = model(input_ids=tok, past_key_values=ref, use_cache=True).logits
+            assert step_util.rel(a, b) < 1e-4
+    assert not w.fallbacks, f"the kernel did not run: {w.fallbacks}"
+    for l1, l2 in zip(cache.layers, ref.layers):
+        assert int(l1.cumulative_length) == int(l2.cumulative_length) == 5 + len(toks)
+        assert step_util.rel(l1.keys, l2.keys) < 1e-5 and step_util.rel(l1.values, l2.values) < 1e-5
+    torch._dynamo.reset()
+
+
+def test_reduce_overhead_mode_matches_eager():
+    """mode="reduce-overhead": the step replays a CUDA graph of its own launch (recorded at the
+    first call); a new token tensor each step rewrites the pointer table under the graph.
+    Matches eager (fp32), no fallback, no "graph not instantiated" line."""
+    model, cache = _tiny_on_gpu(hf_tiny.llama, torch.float32)
+    ref = copy.deepcopy(cache)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fusec", options={"fallback": "eager", "mode": "reduce-overhead"})
+    gen = torch.Generator().manual_seed(13)
+    with torch.no_grad(), FallbackWatch() as w:
+        for step in range(8):
+            tok = torch.randint(0, 128, (1, 1), generator=gen).cuda()
+            a = compiled(input_ids=tok, past_key_values=cache, use_cache=True).logits.clone()
+            b = model(input_ids=tok, past_key_values=ref, use_cache=True).logits
+            assert torch.isfinite(a).all() and step_util.rel(a, b) < 1e-4, step
+    assert not w.fallbacks, f"the kernel did not run: {w.fallbacks}"
+    assert not [m for m in w.warnings if "CUDA graph" in m], w.warnings
+    for l1, l2 in zip(cache.layers, ref.layers):
+        assert int(l1.cumulative_length) == int(l2.cumulative_length)
+    torch._dynamo.reset()
+    # the step itself: its graph exists and replays
+    _, g, flat = step_util.capture(model, {"input_ids": torch.randint(0, 128, (1, 1), device="cuda"),
+                                           "past_key_values": cache, "use_cache": True})
+    step, _ = step_util.build(g, flat, mode="reduce-overhead")
+    out = step(*flat)[0].clone()
+    assert step._graph is not None
+    step(*flat)
+    step.raise_if_watchdog()
+    assert torch.isfinite(out).all()
 
 
 def test_one_kernel_launch_per_decode_step():
