@@ -288,7 +288,7 @@ def make_engine(name: str, bench: Bench) -> Engine:
     if name == "fusec":
         from fusec.backend import fusec_backend    # works without the entry point installed
         from fusec.config import Options
-        options = {"check_watchdog": False, **args.fusec_options}
+        options = dict(args.fusec_options)   # the defaults a user gets (no host sync since the status went host-mapped)
         resolved = Options.from_dict(options)          # with the FUSEC_* environment
         if resolved.profile:
             raise RuntimeError("profile builds a slower, instrumented kernel: not for the peer table "

@@ -38,3 +38,12 @@ def template_dir() -> Path:
     """Folder of the Jinja templates (package data when installed, ``templates/`` in a checkout)."""
     inside = _HERE / "templates"
     return inside if inside.is_dir() else _HERE.parent / "templates"
+
+
+def __getattr__(name: str):
+    """Lazy exports: ``fusec.generate`` (imports torch and transformers on first use)."""
+    if name == "generate":
+        from .generate import generate
+        globals()["generate"] = generate
+        return generate
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -133,6 +133,10 @@ def test_call_patterns_run_fusec(steps):
     torch._dynamo.reset()
     assert not w.fallbacks, w.fallbacks
     assert steps and not any(s.fallen_back for s in steps)
+    from fusec.codegen import render
+    from fusec.jit import compile_cuda
+    for s in steps:   # every graph these patterns made has a CUDA kernel (NVRTC, sm_90a)
+        compile_cuda(render(s.schedule).source, "fusec_step.cu")
 
 
 def test_dynamic_cache_and_batch_say_what_to_change():

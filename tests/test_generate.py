@@ -1,0 +1,210 @@
+"""fusec.generate on the CPU simulator: HF generate()'s tokens, EOS, streamer, sampling, errors."""
+from __future__ import annotations
+
+import copy
+import sys
+
+import pytest
+import torch
+
+import fusec
+import hf_tiny
+from fusec.errors import FusecError
+from fusec.fallbacks import FallbackWatch
+
+OPTS = {"num_sms": 8}
+FAST = {"num_sms": 8, "check_hazards": False}   # tests of the driver loop: skip the hazard check
+
+
+@pytest.fixture
+def steps(monkeypatch):
+    """Every CompiledStep built while the test runs."""
+    from fusec.compiled import CompiledStep
+    made = []
+    init = CompiledStep.__init__
+
+    def record(self, *a, **kw):
+        init(self, *a, **kw)
+        made.append(self)
+    monkeypatch.setattr(CompiledStep, "__init__", record)
+    return made
+
+
+@pytest.fixture
+def gen_module():
+    import fusec.generate  # noqa: F401 - the submodule (the package attribute is the function)
+    return sys.modules["fusec.generate"]
+
+
+def _prompt(seed: int, vocab: int = 128) -> torch.Tensor:
+    return torch.randint(1, vocab, (1, 5), generator=torch.Generator().manual_seed(seed))
+
+
+def _hf(model, prompt, n, **kw):
+    return model.generate(prompt, max_new_tokens=n, do_sample=False, cache_implementation="static",
+                          pad_token_id=0, **kw)
+
+
+@pytest.mark.parametrize("factory", [hf_tiny.llama, hf_tiny.qwen3])
+def test_greedy_equals_hf_generate(factory, steps):
+    """16 greedy tokens equal HF generate(cache_implementation="static")'s, token for token; the
+    decode step compiles with fusec (no fallback line), its argmax fused into the LM head."""
+    model = factory()
+    prompt = _prompt(1)
+    ref = _hf(model, prompt, 16)
+    torch._dynamo.reset()
+    with FallbackWatch() as w:
+        out = fusec.generate(model, prompt, 16, options=OPTS)
+    torch._dynamo.reset()
+    assert not w.fallbacks, w.fallbacks
+    assert out.dtype == torch.int64 and out.shape == ref.shape == (1, 21)
+    assert torch.equal(out, ref)
+    (step,) = steps
+    assert step.calls == 15 and not step.fallen_back
+    copy.deepcopy(model)   # the compiled step kept on the model does not travel with a copy
+    g = step.schedule.graph
+    assert "aten.argmax.default" not in g.count_kinds()
+    assert "token" in next(o for o in g.ops if o.kind == "rms_lm_head").outputs
+
+
+def test_eos_stream_and_chunks(gen_module, monkeypatch):
+    """With chunks of 3 steps (the host one chunk behind): the output stops after the first eos,
+    as HF generate's with that eos_token_id; the streamer gets the prompt, then every new token
+    in order, then end(); a list of eos ids and eos_token_id=[] (never stop) work."""
+    monkeypatch.setattr(gen_module, "CHUNK", 3)
+    model = hf_tiny.qwen3(layers=1)
+    prompt = _prompt(0)
+    full = _hf(model, prompt, 12)[0, 5:].tolist()   # 99, 67, 91, 8, 10, 126, 99, 67, 23, 20, 16, 3
+    k = 8                                           # eos in the third decode chunk
+    eos = full[k]
+    assert eos not in full[:k]
+    ref = _hf(model, prompt, 12, eos_token_id=eos)
+    assert ref.shape[1] == 5 + k + 1
+
+    class Streamer:
+        def __init__(self):
+            self.puts, self.ended = [], 0
+
+        def put(self, t):
+            assert t.device.type == "cpu"
+            self.puts.append(t.clone())
+
+        def end(self):
+            self.ended += 1
+    s = Streamer()
+    torch._dynamo.reset()
+    with FallbackWatch() as w:
+        out = fusec.generate(model, prompt, 12, eos_token_id=eos, streamer=s, options=FAST)
+        assert torch.equal(out, ref)
+        assert torch.equal(s.puts[0], prompt) and s.ended == 1
+        assert torch.cat([p.view(-1) for p in s.puts[1:]]).tolist() == full[:k + 1]
+        assert len(s.puts) > 3   # chunk by chunk (prefill token, then chunks of 3)
+        # several eos ids: the first one produced stops; [] never stops
+        out2 = fusec.generate(model, prompt, 12, eos_token_id=[127, full[3]], options=FAST)
+        assert out2[0, 5:].tolist() == full[:4]
+        out3 = fusec.generate(model, prompt, 12, eos_token_id=[], options=FAST)
+        assert out3[0, 5:].tolist() == full
+        # eos as the prefill's token: no decode step
+        out4 = fusec.generate(model, prompt, 12, eos_token_id=full[0], options=FAST)
+        assert out4[0, 5:].tolist() == full[:1]
+    torch._dynamo.reset()
+    assert not w.fallbacks, w.fallbacks
+
+
+def test_default_eos_is_generation_config():
+    """eos_token_id=None takes model.generation_config.eos_token_id, as HF does."""
+    model = hf_tiny.qwen3(layers=1)
+    prompt = _prompt(0)
+    full = _hf(model, prompt, 6)[0, 5:].tolist()
+    model.generation_config.eos_token_id = full[2]
+    torch._dynamo.reset()
+    out = fusec.generate(model, prompt, 6, options=FAST)
+    torch._dynamo.reset()
+    assert out[0, 5:].tolist() == full[:3]
+
+
+def test_sampling_reproducible_and_top_k_1_is_greedy():
+    """Sampling with a seeded generator (selection as torch ops after the step): same seed, same
+    tokens; top_k=1 equals greedy; no fallback."""
+    model = hf_tiny.qwen3(layers=1)
+    prompt = _prompt(3)
+    greedy = _hf(model, prompt, 6)   # qwen3's tiny config has no eos
+    torch._dynamo.reset()
+    with FallbackWatch() as w:
+        runs = {}
+        for name, kw in {"top_k": dict(temperature=0.8, top_k=20),
+                         "top_p": dict(temperature=1.3, top_k=50, top_p=0.9)}.items():
+            a, b, c = (fusec.generate(model, prompt, 6, do_sample=True, options=FAST,
+                                      generator=torch.Generator().manual_seed(s), **kw) for s in (5, 5, 6))
+            assert torch.equal(a, b), name
+            assert a.shape == (1, 11) and torch.equal(a[:, :5], prompt)
+            assert ((a >= 0) & (a < 128)).all()
+            runs[name] = (a, c)
+        one = fusec.generate(model, prompt, 6, do_sample=True, top_k=1, temperature=0.5, options=FAST,
+                             generator=torch.Generator().manual_seed(1))
+    torch._dynamo.reset()
+    assert not w.fallbacks, w.fallbacks
+    assert torch.equal(one, greedy)
+    # sampling is not greedy: over the runs, some token differs from the greedy one
+    assert any(not torch.equal(x, greedy) for pair in runs.values() for x in pair)
+
+
+def test_sampling_inside_the_megakernel(gen_module, monkeypatch, steps):
+    """SAMPLE_IN_GRAPH: temperature, top-k and the Gumbel-max argmax compile into the decode
+    step (generic instructions in the simulator, no fallback) and draw the same tokens as the
+    torch-ops selection with the same seed."""
+    model = hf_tiny.qwen3(layers=1)
+    prompt = _prompt(3)
+    kw = dict(do_sample=True, temperature=1.5, top_k=30, options=FAST)
+    torch._dynamo.reset()
+    with FallbackWatch() as w:
+        outside = fusec.generate(model, prompt, 6, generator=torch.Generator().manual_seed(2), **kw)
+        monkeypatch.setattr(gen_module, "SAMPLE_IN_GRAPH", True)
+        inside = fusec.generate(model, prompt, 6, generator=torch.Generator().manual_seed(2), **kw)
+    torch._dynamo.reset()
+    assert not w.fallbacks, w.fallbacks
+    assert torch.equal(inside, outside)
+    kinds = steps[-1].schedule.graph.count_kinds()
+    assert "aten.topk.default" in kinds and "aten.argmax.default" in kinds, kinds
+
+
+def test_select_matches_hf_warpers():
+    """The on-device selection keeps exactly the tokens HF's temperature / top-k / top-p
+    warpers keep: with noise, only kept tokens are ever drawn; argmax of -inf-masked logits."""
+    from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
+                                                         TopPLogitsWarper)
+
+    from fusec.generate import _gumbel_, _select
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(1, 50, generator=g)
+    x = TemperatureLogitsWarper(0.7)(None, logits.clone())
+    x = TopKLogitsWarper(10)(None, x)
+    x = TopPLogitsWarper(0.8)(None, x)
+    kept = set(torch.isfinite(x[0]).nonzero().view(-1).tolist())
+    drawn = {int(_select(logits, _gumbel_(torch.rand(1, 50, generator=g)), 0.7, 10, 0.8)) for _ in range(400)}
+    assert drawn <= kept and len(drawn) >= 2
+    assert int(_select(logits, None, 1.0, None, None)) == int(logits.argmax())
+
+
+def test_argument_errors():
+    model = hf_tiny.llama(layers=1)
+    ids = torch.randint(0, 128, (1, 4))
+    bad = [
+        (dict(input_ids=torch.randint(0, 128, (2, 4))), "batch must be 1"),
+        (dict(input_ids=ids.float()), "input_ids must be"),
+        (dict(input_ids=ids[:, :0]), "prompt is empty"),
+        (dict(max_new_tokens=0), "max_new_tokens"),
+        (dict(do_sample=True, temperature=0.0), "temperature"),
+        (dict(do_sample=True, top_p=0.0), "top_p"),
+        (dict(do_sample=True, top_p=1.5), "top_p"),
+        (dict(do_sample=True, top_k=-1), "top_k"),
+        (dict(streamer=object()), "streamer"),
+        (dict(eos_token_id="x"), "eos_token_id"),
+        (dict(options={"no_such_option": 1}), "unknown fusec option"),
+        (dict(model=model.model), "causal LM"),
+        (dict(model=torch.nn.Linear(2, 2)), "config"),
+    ]
+    for kw, msg in bad:
+        args = {"model": model, "input_ids": ids, "max_new_tokens": 4, **kw}
+        with pytest.raises(FusecError, match=msg):
+            fusec.generate(args.pop("model"), args.pop("input_ids"), args.pop("max_new_tokens"), **args)
