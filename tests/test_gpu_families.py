@@ -22,7 +22,15 @@ from fusec.fallbacks import FallbackWatch
 
 pytestmark = pytest.mark.gpu
 
-FAMILIES = {"llama": hf_tiny.llama, "qwen3": hf_tiny.qwen3, "qwen2": fam.qwen2, "phi3": fam.phi3,
+def _smollm2():
+    """A Llama with pad_token_id set (SmolLM2's checkpoints): the embedding has a padding_idx."""
+    m = hf_tiny.llama(vocab=160)
+    m.config.pad_token_id = 0
+    m.model.embed_tokens.padding_idx = 0
+    return m
+
+
+FAMILIES = {"llama": hf_tiny.llama, "smollm2": _smollm2, "qwen3": hf_tiny.qwen3, "qwen2": fam.qwen2, "phi3": fam.phi3,
             "gemma": fam.gemma, "olmo2": fam.olmo2, "gpt_neox": fam.gpt_neox, "stablelm": fam.stablelm}
 REPORT = Path(os.environ.get("FUSEC_FAMILY_REPORT", Path(__file__).resolve().parent.parent / "build" / "families-gpu.json"))
 
