@@ -23,6 +23,38 @@ from . import dce
 log = logging.getLogger("fusec.passes.fold_position")
 
 
+def _signature(g: Graph, targets: list[str], counter: str, weights: dict[str, torch.Tensor]) -> tuple:
+    """What the tables of ``targets`` depend on, with the counter's name left out: the ops that
+    compute them (kinds, literal arguments, shapes, dtypes), their inputs numbered by first use,
+    and the values of the weights and constants they read. Two counters with equal signatures
+    get equal tables."""
+    need: set[str] = set()
+    for t in targets:
+        need |= {o.name for o in position.subgraph_ops(g, t)}
+    ids: dict[str, str] = {g.root(counter): "C"}
+
+    def ident(t: str) -> object:
+        r = g.root(t)
+        if r not in ids:
+            info = g.tensors[r]
+            if info.role in (Role.CONSTANT, Role.WEIGHT):
+                v = info.value if info.value is not None else weights.get(r)
+                ids[r] = ("value", info.dtype, tuple(info.shape),
+                          hash(v.numpy().tobytes()) if v is not None and v.dtype != torch.bfloat16 else r)
+            else:
+                ids[r] = f"t{len(ids)}"
+        return (ids[r], tuple(g.tensors[t].shape), g.tensors[t].dtype)
+
+    sig = []
+    for o in g.ops:
+        if o.name in need:
+            lits = {k: v for k, v in o.attrs.items() if k not in ("target",)}
+            sig.append((o.kind, repr(lits.get("args")), repr(lits.get("kwargs")),
+                        tuple(ident(x) for x in o.reads()), tuple(ident(x) for x in o.fresh_outputs())))
+    sig.append(tuple(ident(t) for t in targets))
+    return tuple(sig)
+
+
 def run(g: Graph, weights: dict[str, torch.Tensor] | None = None) -> Graph:
     ctrs = position.counters(g)
     length = position.cache_length(g)
@@ -53,10 +85,15 @@ def run(g: Graph, weights: dict[str, torch.Tensor] | None = None) -> Graph:
                      g.tensors[t].nbytes)
             continue
         by_counter.setdefault(c, []).append(t)
+    done: dict[tuple, list[torch.Tensor]] = {}   # subgraph signature -> its tables
     for c, ts in by_counter.items():
-        vals = position.evaluate_many(g, ts, c, range(length), weights or {})
-        for t in ts:
-            values[t] = torch.stack([v.reshape(g.tensors[t].shape) for v in vals[t]]).contiguous()
+        sig = _signature(g, ts, c, weights or {})
+        if sig not in done:   # every layer's counter drives the same subgraph: evaluate it once
+            vals = position.evaluate_many(g, ts, c, range(length), weights or {})
+            done[sig] = [torch.stack([v.reshape(g.tensors[t].shape) for v in vals[t]]).contiguous()
+                         for t in ts]
+        for t, table in zip(ts, done[sig]):
+            values[t] = table
     for t, table in values.items():
         c, info = frontier[t], g.tensors[t]
         owner = prods[t]
