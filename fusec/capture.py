@@ -113,6 +113,34 @@ def aten_capture(gm: torch.fx.GraphModule, example_inputs: list[Any],
     gm2 = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
     strip_ignored_calls(gm2)
     rewrite_sdpa(gm2)
-    return aot_module_simplified(gm2, example_inputs, fw_compiler=compiler,
+    owned = model_tensors(gm2, example_inputs)
+
+    def fw(aten_gm: torch.fx.GraphModule, ex: list[Any]) -> Callable:
+        lifted = len(ex) - len(owned)   # AOT lifts the graph module's own parameters first
+        if owned and lifted >= 0:
+            aten_gm.meta[MODEL_TENSORS] = [True] * lifted + owned
+        return compiler(aten_gm, ex)
+    return aot_module_simplified(gm2, example_inputs, fw_compiler=fw,
                                  decompositions=core_aten_decompositions(),
                                  keep_inference_input_mutations=True)
+
+
+#: key of ``GraphModule.meta`` on the ATen graph: per flat input, whether it is a parameter or
+#: buffer of the model (True) or a tensor the caller passed (False)
+MODEL_TENSORS = "fusec_model_tensors"
+
+
+def model_tensors(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> list[bool]:
+    """Per graph input of a dynamo graph: True for the model's parameters and buffers (dynamo's
+    source ``L['self']...._parameters[...]`` / ``._buffers[...]``, or an ``nn.Parameter``),
+    False for what the caller passes (token ids, masks, ``inputs_embeds``, cache tensors).
+    Empty if the placeholders and the inputs do not line up."""
+    nodes = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(nodes) != len(example_inputs):
+        return []
+    out = []
+    for n, x in zip(nodes, example_inputs):
+        ga = n.meta.get("grapharg")
+        src = ga.source.name if ga is not None and getattr(ga, "source", None) is not None else ""
+        out.append(isinstance(x, torch.nn.Parameter) or "._parameters[" in src or "._buffers[" in src)
+    return out

@@ -90,27 +90,35 @@ class CompiledStep:
             sim = Simulator(self.schedule, seed=self.opts.seed, check=self.opts.check_hazards)
             return lambda a: [o.clone() for o in sim.step(a)]
         from .gpu import build_cuda_step
-        g = self.graph
+        g0 = self.graph
         dev = next(a.device for a in args if isinstance(a, torch.Tensor) and a.is_cuda)
         # a small CPU tensor the step only reads (a fresh StaticCache's position counter, made
         # on the CPU and moved inside its first call) is copied to the GPU at every call
-        on_cpu = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.device.type == "cpu"]
-        for i in on_cpu:
-            info = g.tensors[g.inputs[i]]
+        def check(i: int) -> None:
+            info = g0.tensors[g0.inputs[i]]
             if info.numel > 64 or info.role.value in ("kv_cache", "state"):
-                raise FusecError(f"input {g.inputs[i]} ({info.role.value}, {info.numel} elements) lives on the "
+                raise FusecError(f"input {g0.inputs[i]} ({info.role.value}, {info.numel} elements) lives on the "
                                  f"CPU; the megakernel reads and writes GPU memory: move it to {dev}")
+            if torch.cuda.is_current_stream_capturing():
+                raise FusecError(f"input {g0.inputs[i]} lives on the CPU: a CUDA graph cannot capture its copy")
 
-        def to_dev(a: list[Any]) -> list[Any]:
-            return [x.to(dev, non_blocking=True) if i in on_cpu else x for i, x in enumerate(a)] if on_cpu else a
-        step, self.schedule = build_cuda_step(g, to_dev(args), self.opts, self.dump)
+        on_cpu = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.device.type == "cpu"]
+
+        def to_dev(a: list[Any]) -> list[Any]:   # checked at every call: a later call may differ
+            out = list(a)
+            for i, x in enumerate(a):
+                if isinstance(x, torch.Tensor) and x.device.type == "cpu":
+                    check(i)
+                    out[i] = x.to(dev, non_blocking=True)
+            return out
+        step, self.schedule = build_cuda_step(g0, to_dev(args), self.opts, self.dump)
         self._cuda_step = step
         g = self.schedule.graph
         # a 4-D output made inside the step is new KV-cache storage (a StaticCache initialized
         # lazily in its first call): every call must return its own, not the kernel's buffer
         fresh = [i for i, t in enumerate(g.outputs)
                  if len(g.tensors[t].shape) >= 4 and g.root(t) not in g.inputs]
-        if not fresh and not on_cpu:
+        if not fresh and not on_cpu:   # a CPU tensor arriving later fails the runtime's input guard
             return lambda a: step(*a)
 
         def run(a: list[Any]) -> list[torch.Tensor]:

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from .capture import node_source
+from .capture import MODEL_TENSORS, node_source
 from .errors import UnsupportedOpError
 from .instructions.generic import aten_category
 from .ir import Graph, Op, Ref, Role, TensorInfo
@@ -20,8 +20,11 @@ def graph_from_aten(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Grap
     """Translate an ATen FX graph into a :class:`Graph`.
 
     Roles: inputs written by ``copy_`` are KV_CACHE (4-D float) or STATE (others); float
-    inputs that are read only are WEIGHT; other inputs are INPUT; ``get_attr`` tensors are
-    CONSTANT. Every ``call_function`` becomes an ``aten.*`` op with an argument template.
+    inputs that are read only are WEIGHT when they are the model's parameters or buffers (the
+    capture records which, ``gm.meta[MODEL_TENSORS]``; without that record every float
+    read-only input counts as one); other inputs are INPUT (token ids, positions, a float
+    ``attention_mask``, ``inputs_embeds``: read at run time, never folded); ``get_attr``
+    tensors are CONSTANT. Every ``call_function`` becomes an ``aten.*`` op with an argument template.
 
     Raises:
         UnsupportedOpError: an op that no instruction kind can place (names op and source line).
@@ -33,6 +36,7 @@ def graph_from_aten(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Grap
         if n.op == "call_function" and n.target is torch.ops.aten.copy_.default:
             if isinstance(n.args[0], torch.fx.Node) and n.args[0].op == "placeholder":
                 mutated.add(n.args[0].name)
+    owned = gm.meta.get(MODEL_TENSORS)
     env: dict[str, str] = {}  # fx node name -> tensor name (or tuple element names)
     idx = 0
     for n in nodes:
@@ -42,7 +46,7 @@ def graph_from_aten(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Grap
                 raise UnsupportedOpError(f"graph input {n.name} is not a tensor ({type(v).__name__})")
             if n.name in mutated:
                 role = Role.KV_CACHE if (v.dim() == 4 and v.is_floating_point()) else Role.STATE
-            elif v.is_floating_point():
+            elif v.is_floating_point() and (owned is None or idx >= len(owned) or owned[idx]):
                 role = Role.WEIGHT
             else:
                 role = Role.INPUT

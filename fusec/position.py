@@ -23,15 +23,23 @@ _ID_READERS = ("aten.embedding.default", "aten.index_select.default", "aten.inde
 
 
 def token_inputs(g: Graph) -> set[str]:
-    """Graph inputs read as row indices of a table (token ids: ``aten.embedding``'s indices)."""
+    """Graph inputs that row indices of a table are computed from (token ids: what reaches
+    ``aten.embedding``'s indices, directly or through ops such as ``ids.long()``)."""
+    prods = g.producers()
     ids: set[str] = set()
-    for op in g.ops:
-        if op.kind in _ID_READERS:
-            for slot, t in op.inputs.items():
-                if slot != "in0" and slot != "table":
-                    r = g.root(t)
-                    if r in g.inputs:
-                        ids.add(r)
+    seen: set[str] = set()
+    stack = [g.root(t) for op in g.ops if op.kind in _ID_READERS
+             for slot, t in op.inputs.items() if slot not in ("in0", "table")]
+    while stack:
+        r = stack.pop()
+        if r in seen:
+            continue
+        seen.add(r)
+        if r in g.inputs:
+            ids.add(r)
+        p = prods.get(r)
+        if p is not None:
+            stack.extend(g.root(x) for x in p.reads())
     return ids
 
 

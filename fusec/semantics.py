@@ -69,7 +69,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int, scale
     kk = k[:, :length].float().repeat_interleave(rep, 0)
     vv = v[:, :length].float().repeat_interleave(rep, 0)
     s = apply_mask(torch.einsum("hd,hld->hl", q.float(), kk) * scale, mask, mask_kind)
-    p = torch.softmax(s, -1)
+    p = torch.softmax(s, -1).nan_to_num(0.0)   # every row masked: 0, as SDPA
     return torch.einsum("hl,hld->hd", p, vv)
 
 
@@ -130,8 +130,9 @@ def _attention(op: Op, env: Env) -> None:
     k = env.read(op.inputs["k"])[0]
     v = env.read(op.inputs["v"])[0]
     q = env.read(op.inputs["q"]).reshape(-1, k.shape[-1])
-    length = int(env.read(op.inputs["pos"]).reshape(-1)[0]) + 1
     mask = env.read(op.inputs["mask"]) if "mask" in op.inputs else None
+    # a mask decides over every cache row; without one the step attends rows [0, pos]
+    length = k.shape[1] if mask is not None else int(env.read(op.inputs["pos"]).reshape(-1)[0]) + 1
     o = attend(q, k, v, length, op.attrs["scale"], mask, op.attrs.get("mask_kind", 0))
     env.set(op.outputs["out"], o.to(info.dtype).reshape(info.shape))
 

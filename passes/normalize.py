@@ -76,9 +76,19 @@ def _drop_empty_cat_inputs(g: Graph, op: Op) -> None:
     op.attrs["args"] = (keep, *op.attrs["args"][1:])
 
 
+_COPIES = {"aten.clone.default", "aten.copy.default", "aten.lift_fresh_copy.default", "aten.alias.default"}
+
+
 def run(g: Graph) -> Graph:
+    # a copy of a graph input that the step writes in place keeps the value from before the write
+    # (``prev.copy_(tokens); tokens.copy_(next)``): it stays a real copy, never an alias
+    written = {g.root(op.outputs[s]) for op in g.ops for s in op.mutates}
+    written &= set(g.inputs)
     kept = []
     for op in g.ops:
+        if op.kind in _COPIES and any(g.root(t) in written for t in op.inputs.values()):
+            kept.append(op)
+            continue
         _drop_empty_cat_inputs(g, op)
         if op.kind == "aten.cat.default" and len(op.attrs["args"][0]) == 1 and len(op.inputs) == 1:
             only = next(iter(op.inputs.values()))

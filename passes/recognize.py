@@ -18,8 +18,9 @@ with the same values, by one op each:
   position (checked by evaluating the mask at every position of the cache) the mask is dropped
   (``mask_kind`` 0). Any other mask over the ``L`` cache rows (HF generate()'s precomputed 4-D
   bool mask, a mask built from a user's ``attention_mask``) is read by the attention:
-  ``mask_kind`` 1 (bool, True attends) or 2 (additive float); ``pos`` is then the row the step's
-  ``kv_write`` wrote, and rows past it are not read (a decode step's mask admits none)
+  ``mask_kind`` 1 (bool, True attends) or 2 (additive float); the attention then reads every
+  cache row and the mask decides (``pos``, the row the step's ``kv_write`` wrote, only orders it
+  after the write)
 
 Anything that does not match stays as it was. Dead ops are removed.
 """

@@ -322,6 +322,6 @@ __device__ __forceinline__ void merge_split_kv(const float* __restrict__ o_part,
       num += w * __ldcg(o_part + (h * NC + c) * D + t);
       den += w * __ldcg(ml + (h * NC + c) * 2 + 1);
     }
-    out[h * D + t] = from_f<TO>(num / den);
+    out[h * D + t] = from_f<TO>(den > 0.f ? num / den : 0.f);   // every row masked: 0, as SDPA
   }
 }

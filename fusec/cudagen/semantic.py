@@ -139,13 +139,14 @@ def _attend_rows(ctx: Ctx, *, rows: int, D: int, Dv: int, q_off: str, k_row: str
              "    m = mn;", "  }",
              "  for (int j = 0; j < PV; ++j) {",
              "    const int d = GX_LANE + j * GX_NLANES;",
-             f"    if (d < {Dv}) {ctx.store(out, f'{out_off} + d', 'acc[j] / l', 'float')}", "  }", "}")
+             f"    if (d < {Dv}) {ctx.store(out, f'{out_off} + d', 'l > 0.f ? acc[j] / l : 0.f', 'float')}", "  }", "}")
 
 
 @emitter("attention")
 def _attention(ctx: Ctx) -> None:
-    """Decode attention over cache rows 0..pos (GQA), optional mask (mask_kind 1: bool, 2:
-    additive), one warp per query head; an out-of-range pos is fault code 5."""
+    """Decode attention over cache rows 0..pos (GQA), or over every row with a mask (mask_kind 1:
+    bool, 2: additive; the mask decides), one warp per query head; an out-of-range pos is fault
+    code 5."""
     op = ctx.op
     q, k, v, pos = op.inputs["q"], op.inputs["k"], op.inputs["v"], op.inputs["pos"]
     kshape = ctx.shape(k)
@@ -159,7 +160,7 @@ def _attention(ctx: Ctx) -> None:
     kind = int(op.attrs.get("mask_kind", 0)) if mask is not None else 0
     ctx.emit(f"const i64 p = {ctx.load_as(pos, '0', 'i64')};",
              f"if (!index_ok(p, {L}, {CODE_ATTN_POS})) return;",
-             "const int n = (int)p + 1;")
+             f"const int n = {L if kind else '(int)p + 1'};")   # a mask decides over every row
     mexpr = None
     if kind == 1:
         mexpr = ctx.load_as(mask, "t", "bool")

@@ -23,7 +23,9 @@ level less per layer. The tickets live in spare counters
 
 Shapes: q [Hq*D]; caches [1, Hkv, L, D]; o_part [Hq, C, D] fp32; ml_part [Hq, C, 2] fp32;
 out [Hq*D] in the model dtype; optional mask [L] (attr ``mask_kind`` 1: bool, False rows get
--inf; 2: additive float, added to the scaled scores). Source:
+-inf; 2: additive float, added to the scaled scores). With a mask every row of the cache,
+``[0, L)``, is split over the tiles and the mask decides which count (as SDPA does), whatever
+the position; a group whose every row is masked outputs 0 (SDPA's safe softmax). Source:
 ``torch.nn.functional.scaled_dot_product_attention`` with a causal decode mask
 (``kv_index <= pos``), and the mask when the graph passes one that fusec cannot prove causal.
 """
@@ -43,8 +45,10 @@ def merge_partials(o: torch.Tensor, ml: torch.Tensor) -> torch.Tensor:
     out [H, D] fp32. Empty chunks (m = -inf, l = 0) weigh 0."""
     m, l = ml[..., 0], ml[..., 1]
     big = m.max(-1, keepdim=True).values
-    wgt = torch.exp(m - big)                      # empty chunks: exp(-inf) = 0
-    return (wgt[..., None] * o).sum(1) / (wgt * l).sum(-1, keepdim=True)
+    wgt = torch.exp(m - big).nan_to_num(0.0)      # empty chunks: exp(-inf) = 0
+    den = (wgt * l).sum(-1, keepdim=True)
+    out = (wgt[..., None] * o).sum(1) / den
+    return torch.where(den > 0, out, torch.zeros_like(out))   # every row masked: 0, as SDPA
 
 
 def split_rows(c: int, pos: int, n_chunks: int) -> tuple[int, int]:
@@ -139,10 +143,18 @@ class AttentionPartial(Instruction):
         return w
 
     @classmethod
+    def _pos(cls, op: Op, env: Env) -> int:
+        """The last cache row the tile group reads: the step's position, or L - 1 when a mask
+        decides (the mask, not the position, says which rows count)."""
+        if "mask" in op.inputs:
+            return env.g.tensors[op.inputs["kcache"]].shape[2] - 1
+        return int(env.read(op.inputs["pos"]).reshape(-1)[0])
+
+    @classmethod
     def runtime_regions(cls, op, tile, env):
         nq, nkv, d, chunk, nc, L = cls._dims(op, env.g)
         rep, gi = nq // nkv, tile.params["kv_head"]
-        pos = int(env.read(op.inputs["pos"]).reshape(-1)[0])
+        pos = cls._pos(op, env)
         r0, r1 = split_rows(tile.params["chunk"], pos, nc)
         reads = tile.reads[:3] if "mask" in op.inputs else tile.reads[:2]
         if r1 > r0:
@@ -187,7 +199,7 @@ class AttentionPartial(Instruction):
         nq, nkv, d, chunk, nc, L = cls._dims(op, env.g)
         rep = nq // nkv
         gi, c = tile.params["kv_head"], tile.params["chunk"]
-        pos = int(env.read(op.inputs["pos"]).reshape(-1)[0])
+        pos = cls._pos(op, env)
         r0, r1 = split_rows(c, pos, nc)
         q = env.read(op.inputs["q"]).reshape(nq, d)[gi * rep:(gi + 1) * rep].float()
         o = env.flat(op.outputs["o_part"]).view(nq, nc, d)

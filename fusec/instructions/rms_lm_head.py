@@ -11,7 +11,7 @@ rounded to the logits' dtype as PyTorch compares them, and its row index into ``
 acquire-release ``atom.inc`` counting 0 .. NT-1, as the split-KV merge does) and the tile that
 takes the last ticket of the step merges the NT candidates into ``token`` (largest value, first
 index among equals: ``torch.argmax``'s tie rule). Every tile declares ``token`` as written, so a
-consumer waits for all of them. NaN logits are not ordered (``torch.argmax`` would pick them).
+consumer waits for all of them. NaN ranks above every number, as in ``torch.argmax``.
 """
 from __future__ import annotations
 
