@@ -109,7 +109,8 @@ def compile_model(model: torch.nn.Module, args: tuple, kwargs: dict | None = Non
     Args:
         model: an ``nn.Module`` (e.g. HF ``LlamaForCausalLM``).
         args, kwargs: one decode step's inputs (batch 1, one token, a static KV cache).
-        options: ``num_sms``, ``simulate`` (run one simulated step, compared with eager if the
+        options: ``num_sms``, ``numeric_limit_bytes`` (default 256 MiB of weights),
+            ``simulate`` (run one simulated step, compared with eager if the
             weights are under 256 MiB, else structure-only), ``dump_dir``/``out_dir`` and any
             :class:`fusec.config.Options` key.
 
@@ -123,6 +124,7 @@ def compile_model(model: torch.nn.Module, args: tuple, kwargs: dict | None = Non
     """
     options = dict(options or {})
     simulate = bool(options.pop("simulate", False))
+    numeric_limit = int(options.pop("numeric_limit_bytes", NUMERIC_SIM_MAX_BYTES))
     emit_cuda = bool(options.pop("emit_cuda", False))
     out_dir = options.pop("out_dir", None)
     if not options.get("dump_dir"):
@@ -142,7 +144,7 @@ def compile_model(model: torch.nn.Module, args: tuple, kwargs: dict | None = Non
                     # the eager run below writes the KV caches and counters in place: keep
                     # their pre-step values for the simulator's numeric check
                     pre = None
-                    if simulate and weight_bytes(g) <= NUMERIC_SIM_MAX_BYTES:
+                    if simulate and weight_bytes(g) <= numeric_limit:
                         mut = set(mutated_inputs(g))
                         pre = [a.detach().clone() if n in mut else a for n, a in zip(g.inputs, flat)]
                     found.append((g, aten_gm, list(flat), pre))
@@ -173,7 +175,7 @@ def compile_model(model: torch.nn.Module, args: tuple, kwargs: dict | None = Non
     sched = lower(g, flat, opts, dump)
     simulated = None
     if simulate:
-        simulated = simulate_step(g, aten_gm, pre, sched, opts.seed)
+        simulated = simulate_step(g, aten_gm, pre, sched, opts.seed, numeric_limit)
     result = CompileResult(sched, opts, simulated)
     if emit_cuda:
         result.emit_cuda()
@@ -218,7 +220,8 @@ def _error(a: torch.Tensor, b: torch.Tensor) -> float:
     return diff / ref if ref > 0 else diff
 
 
-def simulate_step(g: Graph, aten_gm: Any, pre: list[Any] | None, sched: Schedule, seed: int) -> str:
+def simulate_step(g: Graph, aten_gm: Any, pre: list[Any] | None, sched: Schedule, seed: int,
+                  numeric_limit: int = NUMERIC_SIM_MAX_BYTES) -> str:
     """Run one step of ``sched`` in the simulator; returns the summary's simulator line.
 
     With ``pre`` (the flat inputs before any step ran; given when the weights fit
@@ -236,7 +239,7 @@ def simulate_step(g: Graph, aten_gm: Any, pre: list[Any] | None, sched: Schedule
         log.info("simulating one step (structure only)")
         Simulator(sched, seed=seed, numeric=False).step(None)
         return (f"one step structure only: the model has {_mib(wbytes)} MiB of weights, over the "
-                f"{_mib(NUMERIC_SIM_MAX_BYTES)} MiB numeric limit; values were not compared; "
+                f"{_mib(numeric_limit)} MiB numeric limit (--numeric-limit-mib); values were not compared; "
                 "no deadlock, no hazard")
     log.info("simulating one step (numeric, against eager)")
     mut = mutated_inputs(g)

@@ -71,6 +71,11 @@ def _parser() -> argparse.ArgumentParser:
              "check against eager for models that fit the simulator (see README)",
     )
     c.add_argument(
+        "--numeric-limit-mib", metavar="MIB", type=_positive_float, default=256.0,
+        help="--simulate compares values with eager for models with at most this many MiB of "
+             "weights (default 256; larger ones get the structure-only check)",
+    )
+    c.add_argument(
         "--emit-cuda", action="store_true",
         help="also render the CUDA kernel and compile it with NVRTC (kernel.cu, kernel.cubin)",
     )
@@ -99,6 +104,17 @@ def _parser() -> argparse.ArgumentParser:
                    help="also print when each op of decoder layer N ran (its critical path)")
     t.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return p
+
+
+def _positive_float(text: str) -> float:
+    """argparse type: a number above 0 (a clear one-line error otherwise)."""
+    try:
+        v = float(text)
+    except ValueError:
+        v = 0.0
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"expected a number above 0, got {text!r}")
+    return v
 
 
 def _positive_int(text: str) -> int:
@@ -253,6 +269,7 @@ def cmd_compile(ns: argparse.Namespace) -> int:
     options = {
         "num_sms": num_sms,
         "simulate": ns.simulate,
+        "numeric_limit_bytes": int(ns.numeric_limit_mib * (1 << 20)),
         "emit_cuda": ns.emit_cuda,
         "out_dir": str(out_dir),
     }

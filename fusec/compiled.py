@@ -8,7 +8,7 @@ import torch
 
 from .config import Options
 from .errors import FusecError
-from .fallbacks import warn as warn_fallback
+from .fallbacks import note_compiled, warn as warn_fallback
 from .ir import Graph
 from .pipeline import Dumper, lower
 from .schedule import Schedule
@@ -47,6 +47,7 @@ class CompiledStep:
         if self.engine is None:
             try:
                 self.engine = self._build(list(args))
+                note_compiled()
             except FusecError as e:
                 warn_fallback("fusec: running this graph eagerly: %s", e)
                 self.fallen_back = True

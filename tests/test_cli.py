@@ -242,14 +242,14 @@ def test_simulate_fails_on_corrupted_kv_write(tmp_path, capsys, monkeypatch):
 
 
 def test_simulate_structure_only_over_the_limit(tmp_path, capsys, monkeypatch):
-    """Over the numeric limit the summary says plainly that values were not compared."""
-    import fusec.api
-    monkeypatch.setattr(fusec.api, "NUMERIC_SIM_MAX_BYTES", 1024)
-    code, out, err = _simulate_tiny(tmp_path, capsys)
+    """Over the numeric limit (--numeric-limit-mib) the summary says plainly that values were
+    not compared."""
+    code, out, err = _simulate_tiny(tmp_path, capsys, "--numeric-limit-mib", str(1024 / (1 << 20)))
     assert code == 0, err
     import re
     assert re.search(r"simulator: one step structure only: the model has [0-9.]+ MiB of weights, over "
-                     r"the 0.00098 MiB numeric limit; values were not compared; no deadlock, no hazard",
+                     r"the 0.00098 MiB numeric limit \(--numeric-limit-mib\); values were not compared; "
+                     r"no deadlock, no hazard",
                      out), out
 
 

@@ -153,3 +153,30 @@ def test_fallback_watch_sees_fallbacks_under_a_quiet_logging_setup():
         assert log.level == before
     finally:
         logging.getLogger().setLevel(root)
+
+
+def test_fallback_watch_counts_compiled_steps_and_still_prints(capsys):
+    """The watch tells whether fusec compiled anything, and with no logging configured its
+    lines still reach stderr (the watch must not swallow the one log line)."""
+    import logging
+
+    import hf_tiny
+    from fusec.fallbacks import FallbackWatch, warn
+    root_handlers = logging.getLogger().handlers[:]
+    logging.getLogger().handlers.clear()
+    try:
+        with FallbackWatch() as w:
+            warn("fusec: test fallback %d", 2)
+        assert w.compiled == 0 and "fusec: test fallback 2" in capsys.readouterr().err
+        model = hf_tiny.llama()
+        cache = hf_tiny.static_cache(model, 16)
+        with torch.no_grad():
+            model(input_ids=torch.randint(0, 128, (1, 3)), past_key_values=cache, use_cache=True)
+            torch._dynamo.reset()
+            compiled = torch.compile(model, backend="fusec", options={"num_sms": 8})
+            with FallbackWatch() as w:
+                compiled(input_ids=torch.randint(0, 128, (1, 1)), past_key_values=cache, use_cache=True)
+            torch._dynamo.reset()
+        assert w.compiled == 1 and not w.fallbacks
+    finally:
+        logging.getLogger().handlers[:] = root_handlers
