@@ -126,7 +126,7 @@ def compile_model(model: torch.nn.Module, args: tuple, kwargs: dict | None = Non
     simulate = bool(options.pop("simulate", False))
     numeric_limit = int(options.pop("numeric_limit_bytes", NUMERIC_SIM_MAX_BYTES))
     emit_cuda = bool(options.pop("emit_cuda", False))
-    out_dir = options.pop("out_dir", None)
+    options.pop("out_dir", None)   # the CLI writes its files itself
     if not options.get("dump_dir"):
         options.pop("dump_dir", None)
     opts = Options.from_dict(options)

@@ -14,3 +14,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def steps(monkeypatch):
+    """Every ``fusec.compiled.CompiledStep`` built while the test runs (to look at the graphs and
+    schedules fusec compiled behind ``torch.compile``)."""
+    from fusec.compiled import CompiledStep
+    made: list = []
+    init = CompiledStep.__init__
+
+    def record(self, *a, **kw):
+        init(self, *a, **kw)
+        made.append(self)
+    monkeypatch.setattr(CompiledStep, "__init__", record)
+    return made

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fusec.compiled import CompiledStep
 from fusec.fallbacks import FallbackWatch
 
 
@@ -33,16 +32,6 @@ def phi3(vocab=128):
     return Phi3ForCausalLM(cfg).eval().requires_grad_(False)
 
 
-@pytest.fixture
-def steps(monkeypatch):
-    made: list[CompiledStep] = []
-    init = CompiledStep.__init__
-
-    def record(self, *a, **kw):
-        init(self, *a, **kw)
-        made.append(self)
-    monkeypatch.setattr(CompiledStep, "__init__", record)
-    return made
 
 
 def _decode_against_eager(model, n=8):

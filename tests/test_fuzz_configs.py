@@ -16,7 +16,6 @@ import random
 import pytest
 import torch
 
-from fusec.compiled import CompiledStep
 from fusec.fallbacks import FallbackWatch
 
 SEED = int(os.environ.get("FUSEC_FUZZ_SEED", "2026"))
@@ -61,16 +60,6 @@ def build(c: dict) -> torch.nn.Module:
     return m
 
 
-@pytest.fixture
-def steps(monkeypatch):
-    made: list[CompiledStep] = []
-    init = CompiledStep.__init__
-
-    def record(self, *a, **kw):
-        init(self, *a, **kw)
-        made.append(self)
-    monkeypatch.setattr(CompiledStep, "__init__", record)
-    return made
 
 
 @pytest.mark.slow

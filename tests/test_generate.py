@@ -16,18 +16,6 @@ OPTS = {"num_sms": 8}
 FAST = {"num_sms": 8, "check_hazards": False}   # tests of the driver loop: skip the hazard check
 
 
-@pytest.fixture
-def steps(monkeypatch):
-    """Every CompiledStep built while the test runs."""
-    from fusec.compiled import CompiledStep
-    made = []
-    init = CompiledStep.__init__
-
-    def record(self, *a, **kw):
-        init(self, *a, **kw)
-        made.append(self)
-    monkeypatch.setattr(CompiledStep, "__init__", record)
-    return made
 
 
 @pytest.fixture

@@ -10,17 +10,6 @@ from fusec.compiled import CompiledStep
 from fusec.fallbacks import FallbackWatch
 
 
-@pytest.fixture
-def steps(monkeypatch):
-    """Every CompiledStep built while the test runs (to look at the graphs fusec compiled)."""
-    made: list[CompiledStep] = []
-    init = CompiledStep.__init__
-
-    def record(self, *a, **kw):
-        init(self, *a, **kw)
-        made.append(self)
-    monkeypatch.setattr(CompiledStep, "__init__", record)
-    return made
 
 
 def _compile_config(**kw):

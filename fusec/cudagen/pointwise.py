@@ -9,11 +9,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-import torch
-
 from ..ir import Ref
 from . import emitter
-from .core import FLOATS, Ctx, broadcast_strides, compute_type, contiguous_strides, literal, offset
+from .core import FLOATS, Ctx, broadcast_strides, compute_type, literal, offset
 
 
 @dataclasses.dataclass

@@ -6,8 +6,6 @@ output dtype before the add. Shapes: x [K], W [N, K], residual [N], out [N].
 """
 from __future__ import annotations
 
-import torch
-
 from ..env import Env
 from ..ir import Graph, Op
 from .base import Instruction, Tile, register
