@@ -187,3 +187,37 @@ def test_gemma_bf16_as_close_to_fp32_as_bf16_eager(steps):
     assert not w.fallbacks
     fused = [o for o in steps[0].schedule.graph.ops if o.kind.startswith("rms_")]
     assert len(fused) == 5 and all(o.attrs["w_fp32"] for o in fused)
+
+
+def cohere(vocab=128):
+    """Tiny Cohere (bias-free LayerNorm as mean/var ops, interleaved RoPE, parallel block,
+    logit scale), fp32."""
+    from transformers import CohereConfig, CohereForCausalLM
+    torch.manual_seed(0)
+    cfg = CohereConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=256, pad_token_id=0,
+                       bos_token_id=1, eos_token_id=2, attn_implementation="sdpa")
+    return CohereForCausalLM(cfg).eval().requires_grad_(False)
+
+
+def olmo(vocab=128):
+    """Tiny OLMo (non-parametric LayerNorm: no weight, no bias), fp32."""
+    from transformers import OlmoConfig, OlmoForCausalLM
+    torch.manual_seed(0)
+    cfg = OlmoConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=256, pad_token_id=0,
+                     bos_token_id=1, eos_token_id=2, attn_implementation="sdpa")
+    return OlmoForCausalLM(cfg).eval().requires_grad_(False)
+
+
+@pytest.mark.parametrize("factory", [cohere, olmo])
+def test_generic_heavy_families_match_eager_and_emit_cuda(factory, steps):
+    """Families whose norms or rotary have no fused kind still run as one schedule: their
+    projections are matvecs over all SMs, the rest generated ops; the kernel compiles."""
+    from fusec.codegen import render
+    from fusec.jit import compile_cuda
+    _decode_against_eager(factory())
+    (step,) = steps
+    kinds = step.schedule.graph.count_kinds()
+    assert "linear" not in kinds and kinds["attention_partial"] == 2
+    compile_cuda(render(step.schedule).source, "fusec_step.cu")
