@@ -93,24 +93,22 @@ class CompiledStep:
         from .gpu import build_cuda_step
         g0 = self.graph
         dev = next(a.device for a in args if isinstance(a, torch.Tensor) and a.is_cuda)
-        # a small CPU tensor the step only reads (a fresh StaticCache's position counter, made
-        # on the CPU and moved inside its first call) is copied to the GPU at every call
-        def check(i: int) -> None:
-            info = g0.tensors[g0.inputs[i]]
-            if info.numel > 64 or info.role.value in ("kv_cache", "state"):
-                raise FusecError(f"input {g0.inputs[i]} ({info.role.value}, {info.numel} elements) lives on the "
-                                 f"CPU; the megakernel reads and writes GPU memory: move it to {dev}")
-            if torch.cuda.is_current_stream_capturing():
-                raise FusecError(f"input {g0.inputs[i]} lives on the CPU: a CUDA graph cannot capture its copy")
-
         on_cpu = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.device.type == "cpu"]
 
-        def to_dev(a: list[Any]) -> list[Any]:   # checked at every call: a later call may differ
+        def to_dev(a: list[Any]) -> list[Any]:
+            """A small CPU tensor the step only reads (a fresh StaticCache's position counter, made
+            on the CPU and moved inside its first call) is copied to the GPU, at every call."""
             out = list(a)
             for i, x in enumerate(a):
-                if isinstance(x, torch.Tensor) and x.device.type == "cpu":
-                    check(i)
-                    out[i] = x.to(dev, non_blocking=True)
+                if not (isinstance(x, torch.Tensor) and x.device.type == "cpu"):
+                    continue
+                name, info = g0.inputs[i], g0.tensors[g0.inputs[i]]
+                if info.numel > 64 or info.role.value in ("kv_cache", "state"):
+                    raise FusecError(f"input {name} ({info.role.value}, {info.numel} elements) lives on the "
+                                     f"CPU; the megakernel reads and writes GPU memory: move it to {dev}")
+                if torch.cuda.is_current_stream_capturing():
+                    raise FusecError(f"input {name} lives on the CPU: a CUDA graph cannot capture its copy")
+                out[i] = x.to(dev, non_blocking=True)
             return out
         step, self.schedule = build_cuda_step(g0, to_dev(args), self.opts, self.dump)
         self._cuda_step = step

@@ -249,16 +249,13 @@ def _lm_head_argmax(c: _Ctx, am: Op, num_sms: int) -> bool:
     """``argmax(logits, -1)`` of an ``rms_lm_head``'s logits (batch 1): the LM-head tiles keep
     their rows' best candidate and the tile with the last ticket merges them into the token."""
     g = c.g
-    args = am.attrs["args"]
-    head = c.prod(am.inputs.get("in0", ""), "rms_lm_head") if "in0" in am.inputs else None
-    if head is None or "token" in head.outputs or not c.allow():
+    head = c.prod(am.inputs["in0"], "rms_lm_head") if "in0" in am.inputs else None
+    if head is None or "token" in head.outputs:
         return False
-    logits = g.tensors[head.outputs["out"]]
+    args, nd = am.attrs["args"], len(g.tensors[am.inputs["in0"]].shape)
     dim = args[1] if len(args) > 1 else am.attrs["kwargs"].get("dim")
-    rows = g.tensors[head.inputs["w"]].shape[0]
-    if logits.numel != rows or g.tensors[am.outputs["out"]].numel != 1 or \
-            (dim is not None and dim % max(1, len(g.tensors[am.inputs["in0"]].shape)) !=
-             len(g.tensors[am.inputs["in0"]].shape) - 1):
+    if g.tensors[head.outputs["out"]].numel != g.tensors[head.inputs["w"]].shape[0] or \
+            g.tensors[am.outputs["out"]].numel != 1 or (dim is not None and dim % nd != nd - 1) or not c.allow():
         return False
     head.outputs["cand"] = g.new_tensor(f"{head.name}_cand", (num_sms, 2), torch.float32)
     head.outputs["token"] = am.outputs["out"]
@@ -270,13 +267,10 @@ def _matvec(c: _Ctx, lin: Op) -> bool:
     """A linear layer no other fusion took (batch 1: x is one vector) becomes ``matvec``."""
     g = c.g
     w = g.tensors[lin.inputs["w"]]
-    if len(w.shape) != 2 or g.tensors[lin.inputs["x"]].numel != w.shape[1] or not c.allow():
+    if len(w.shape) != 2 or g.tensors[lin.inputs["x"]].numel != w.shape[1] or \
+            ("b" in lin.inputs and g.tensors[lin.inputs["b"]].numel != w.shape[0]) or not c.allow():
         return False
-    ins = {"x": lin.inputs["x"], "w": lin.inputs["w"]}
-    if "b" in lin.inputs:
-        if g.tensors[lin.inputs["b"]].numel != w.shape[0]:
-            return False
-        ins["b"] = lin.inputs["b"]
+    ins = {k: lin.inputs[k] for k in ("x", "w", "b") if k in lin.inputs}
     c.replace([lin], [Op(lin.name, "matvec", ins, dict(lin.outputs), source=lin.source)])
     return True
 

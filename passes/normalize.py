@@ -68,10 +68,9 @@ def _drop_empty_cat_inputs(g: Graph, op: Op) -> None:
     keep = [a for a in parts if not (isinstance(a, Ref) and g.tensors[op.inputs[a.slot]].numel == 0)]
     if len(keep) == len(parts) or not keep:
         return
-    used = {a.slot for a in keep}
+    used = {a.slot for a in keep if isinstance(a, Ref)}
     for a in parts:
-        if isinstance(a, Ref) and a.slot not in used and all(
-                not (isinstance(b, Ref) and b.slot == a.slot) for b in keep):
+        if isinstance(a, Ref) and a.slot not in used:
             op.inputs.pop(a.slot, None)
     op.attrs["args"] = (keep, *op.attrs["args"][1:])
 
@@ -79,23 +78,26 @@ def _drop_empty_cat_inputs(g: Graph, op: Op) -> None:
 _COPIES = {"aten.clone.default", "aten.copy.default", "aten.lift_fresh_copy.default", "aten.alias.default"}
 
 
+def _alias_source(g: Graph, op: Op, written: set[str]) -> str | None:
+    """The tensor whose bytes ``op``'s output is, or None when the op must stay."""
+    if op.kind in _COPIES and any(g.root(t) in written for t in op.inputs.values()):
+        return None   # a copy of an input written later in the step keeps the old value
+    if op.kind == "aten.cat.default":
+        _drop_empty_cat_inputs(g, op)
+        if len(op.attrs["args"][0]) == 1 and len(op.inputs) == 1:
+            only = next(iter(op.inputs.values()))
+            return only if g.tensors[only].numel == g.tensors[op.outputs["out"]].numel else None
+        return None
+    return op.inputs.get("in0") if _order_preserving(g, op) else _functional_copy(g, op)
+
+
 def run(g: Graph) -> Graph:
-    # a copy of a graph input that the step writes in place keeps the value from before the write
-    # (``prev.copy_(tokens); tokens.copy_(next)``): it stays a real copy, never an alias
-    written = {g.root(op.outputs[s]) for op in g.ops for s in op.mutates}
-    written &= set(g.inputs)
+    # inputs the step writes in place (``prev.copy_(tokens); tokens.copy_(next)``): a copy of one
+    # stays a real copy, never an alias
+    written = {g.root(op.outputs[s]) for op in g.ops for s in op.mutates} & set(g.inputs)
     kept = []
     for op in g.ops:
-        if op.kind in _COPIES and any(g.root(t) in written for t in op.inputs.values()):
-            kept.append(op)
-            continue
-        _drop_empty_cat_inputs(g, op)
-        if op.kind == "aten.cat.default" and len(op.attrs["args"][0]) == 1 and len(op.inputs) == 1:
-            only = next(iter(op.inputs.values()))
-            if g.tensors[only].numel == g.tensors[op.outputs["out"]].numel:
-                g.tensors[op.outputs["out"]].alias_of = only
-                continue
-        src = op.inputs.get("in0") if _order_preserving(g, op) else _functional_copy(g, op)
+        src = _alias_source(g, op, written)
         if src is not None:
             g.tensors[op.outputs["out"]].alias_of = src
             continue

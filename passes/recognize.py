@@ -207,23 +207,20 @@ def _attention(g: Graph, weights: dict[str, torch.Tensor]) -> int:
         q, k, v, mask, dropout, is_causal, scale, gqa = [
             o.inputs[a.slot] if hasattr(a, "slot") else a for a in o.attrs["args"]]
         kc, vc = _cache_of(g, prods, k), _cache_of(g, prods, v)
-        ok = kc and vc and kc[1] == vc[1] and not dropout and not is_causal and mask is not None
-        ctr = None
-        if ok:
+        ins: dict[str, str | None] = {}
+        mask_kind: int | None = None
+        if kc and vc and kc[1] == vc[1] and not dropout and not is_causal and mask is not None:
             if mask not in checked:
                 checked[mask] = _causal_counter(g, mask, dep, ctrs, weights)
-            ctr = checked[mask]
-        ins = {"q": q, "k": kc[0] if kc else None, "v": vc[0] if vc else None, "pos": ctr}
-        mask_kind = 0
-        if ok and ctr is None:   # a mask fusec cannot prove causal: attention reads it
-            ins["pos"], mask_kind = _write_position(g, new_ops, kc[0]), _mask_kind(g, mask)
-            ins["mask"] = mask
-        if not ok or ins["pos"] is None or mask_kind is None:
+            ins = {"q": q, "k": kc[0], "v": vc[0], "pos": checked[mask]}
+            mask_kind = 0
+            if ins["pos"] is None:   # a mask fusec cannot prove causal: the attention reads it
+                ins["pos"], ins["mask"] = _write_position(g, new_ops, kc[0]), mask
+                mask_kind = _mask_kind(g, mask)
+        if mask_kind is None or ins["pos"] is None:
             log.info("attention %s left generic (mask or cache layout not recognized)", o.name)
             new_ops.append(o)
             continue
-        if not mask_kind:
-            ins.pop("mask", None)
         d = g.tensors[q].shape[-1]
         new_ops.append(Op(o.name, "attention", ins, {"out": o.outputs["out"]},
                           attrs={"scale": float(scale) if scale is not None else default_scale(d),
@@ -236,7 +233,8 @@ def _attention(g: Graph, weights: dict[str, torch.Tensor]) -> int:
 
 def _write_position(g: Graph, ops_before: list[Op], cache: str) -> str | None:
     """The position tensor of the last ``kv_write`` into ``cache`` before the attention (int64,
-    one element): the row this step wrote, so the attention reads rows ``[0, pos]``."""
+    one element): the row this step wrote. A masked attention reads every row (the mask
+    decides); its ``pos`` input orders it after the write."""
     for o in reversed(ops_before):
         if o.kind == "kv_write" and g.root(o.outputs["cache"]) == cache:
             p = o.inputs["pos"]

@@ -53,3 +53,14 @@ def poison(step) -> None:
     for name, t in step.owned.items():
         if step.g.tensors[name].role.value != "constant":
             t.fill_(float("nan") if t.dtype.is_floating_point else -7)
+
+
+def tiny_on_gpu(factory, dtype, max_len=64, prompt=5):
+    """A tiny HF model from ``factory`` on the GPU in ``dtype`` and its StaticCache of
+    ``max_len`` rows, prefilled eagerly with ``prompt`` random tokens."""
+    import hf_tiny
+    model = factory().to(device="cuda", dtype=dtype)
+    cache = hf_tiny.static_cache(model, max_len)
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, 128, (1, prompt), device="cuda"), past_key_values=cache, use_cache=True)
+    return model, cache

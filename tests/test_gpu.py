@@ -17,17 +17,9 @@ pytestmark = pytest.mark.gpu
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "llama_3_2_1b.py"
 
 
-def _tiny_on_gpu(factory, dtype, max_len=64, prompt=5):
-    model = factory().to(device="cuda", dtype=dtype)
-    cache = hf_tiny.static_cache(model, max_len)
-    with torch.no_grad():
-        model(input_ids=torch.randint(0, 128, (1, prompt), device="cuda"), past_key_values=cache, use_cache=True)
-    return model, cache
-
-
 @pytest.mark.parametrize("factory", [hf_tiny.llama, hf_tiny.qwen3])
 def test_tiny_fp32_decode_matches_eager(factory):
-    model, cache = _tiny_on_gpu(factory, torch.float32)
+    model, cache = step_util.tiny_on_gpu(factory, torch.float32)
     ref = copy.deepcopy(cache)
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="fusec", options={"fallback": "eager"})
@@ -54,7 +46,7 @@ def test_mid_size_matvec_paths_match_eager(hidden, inter):
                                     vocab=256)
     gen = torch.Generator().manual_seed(5)
     toks = [torch.randint(0, 128, (1, 1), generator=gen).cuda() for _ in range(6)]
-    model, cache = _tiny_on_gpu(factory, torch.float32)
+    model, cache = step_util.tiny_on_gpu(factory, torch.float32)
     ref_cache = copy.deepcopy(cache)
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="fusec", options={"fallback": "eager"})
@@ -91,7 +83,7 @@ def test_kernel_knobs_match_eager(defines):
                                     vocab=256)
     gen = torch.Generator().manual_seed(7)
     toks = [torch.randint(0, 128, (1, 1), generator=gen).cuda() for _ in range(8)]
-    model, cache = _tiny_on_gpu(factory, torch.bfloat16, max_len=64, prompt=9)
+    model, cache = step_util.tiny_on_gpu(factory, torch.bfloat16, max_len=64, prompt=9)
     ref_cache = copy.deepcopy(cache)
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="fusec", options={"fallback": "eager", "defines": defines})
@@ -109,7 +101,7 @@ def test_watchdog_reports_a_missing_producer():
     up on the GPU; raise_if_watchdog (synchronizing) reports it, and so does the next call
     (before launching). Counters are reset: the repaired step runs again."""
     from fusec.errors import WatchdogError
-    model, cache = _tiny_on_gpu(hf_tiny.llama, torch.bfloat16)
+    model, cache = step_util.tiny_on_gpu(hf_tiny.llama, torch.bfloat16)
     kwargs = {"input_ids": torch.randint(0, 128, (1, 1), device="cuda"), "past_key_values": cache,
               "use_cache": True}
     _, g, flat = step_util.capture(model, kwargs)
@@ -146,7 +138,7 @@ def test_out_of_range_token_raises_index_fault():
     launching) with code, value and bound; raise_if_watchdog reports it too. The record is
     cleared: the following steps are clean."""
     from fusec.errors import IndexFaultError
-    model, cache = _tiny_on_gpu(hf_tiny.llama, torch.bfloat16)
+    model, cache = step_util.tiny_on_gpu(hf_tiny.llama, torch.bfloat16)
     ids = torch.randint(0, 128, (1, 1), device="cuda")
     kwargs = {"input_ids": ids, "past_key_values": cache, "use_cache": True}
     _, g, flat = step_util.capture(model, kwargs)
@@ -178,7 +170,7 @@ def test_out_of_range_token_raises_index_fault():
 def test_default_plain_loop_makes_no_host_sync():
     """Default options: a plain loop of compiled decode steps (a new token tensor each step, so
     the pointer table is rewritten every step) makes no torch-level sync and matches eager."""
-    model, cache = _tiny_on_gpu(hf_tiny.llama, torch.float32)
+    model, cache = step_util.tiny_on_gpu(hf_tiny.llama, torch.float32)
     ref = copy.deepcopy(cache)
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="fusec", options={"fallback": "eager"})
@@ -210,7 +202,7 @@ def test_compiled_step_replays_from_a_torch_cuda_graph():
     static token tensor: the kernel advances the cache positions itself, so each replay is the
     next step; matches eager (fp32). Eager calls after the replays still see their own
     tensors (the graph's pointer table is its own)."""
-    model, cache = _tiny_on_gpu(hf_tiny.llama, torch.float32)
+    model, cache = step_util.tiny_on_gpu(hf_tiny.llama, torch.float32)
     ref = copy.deepcopy(cache)
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="fusec", options={"fallback": "eager"})
@@ -247,7 +239,7 @@ def test_reduce_overhead_mode_matches_eager():
     """mode="reduce-overhead": the step replays a CUDA graph of its own launch (recorded at the
     first call); a new token tensor each step rewrites the pointer table under the graph.
     Matches eager (fp32), no fallback, no "graph not instantiated" line."""
-    model, cache = _tiny_on_gpu(hf_tiny.llama, torch.float32)
+    model, cache = step_util.tiny_on_gpu(hf_tiny.llama, torch.float32)
     ref = copy.deepcopy(cache)
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="fusec", options={"fallback": "eager", "mode": "reduce-overhead"})
@@ -275,7 +267,7 @@ def test_reduce_overhead_mode_matches_eager():
 
 
 def test_one_kernel_launch_per_decode_step():
-    model, cache = _tiny_on_gpu(hf_tiny.llama, torch.bfloat16)
+    model, cache = step_util.tiny_on_gpu(hf_tiny.llama, torch.bfloat16)
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="fusec", options={"check_watchdog": False})
     with torch.no_grad():

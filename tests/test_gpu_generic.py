@@ -17,18 +17,10 @@ pytestmark = pytest.mark.gpu
 FAMILIES = ["llama", "qwen3", "qwen2_bias", "gemma", "phi3_fused", "gpt_neox", "olmo2", "granite"]
 
 
-def _tiny_on_gpu(factory, dtype, max_len=64, prompt=5):
-    model = factory().to(device="cuda", dtype=dtype)
-    cache = hf_tiny.static_cache(model, max_len)
-    with torch.no_grad():
-        model(input_ids=torch.randint(0, 128, (1, prompt), device="cuda"), past_key_values=cache, use_cache=True)
-    return model, cache
-
-
 @pytest.mark.parametrize("max_fusions", [0, None])
 @pytest.mark.parametrize("name", FAMILIES)
 def test_family_decode_matches_eager(name, max_fusions):
-    model, cache = _tiny_on_gpu(getattr(hf_tiny, name), torch.float32)
+    model, cache = step_util.tiny_on_gpu(getattr(hf_tiny, name), torch.float32)
     ref = copy.deepcopy(cache)
     torch._dynamo.reset()
     opts = {"fallback": "eager"} if max_fusions is None else {"fallback": "eager", "max_fusions": max_fusions}

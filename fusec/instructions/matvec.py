@@ -11,7 +11,7 @@ from __future__ import annotations
 from ..env import Env
 from ..ir import Graph, Op
 from .base import Instruction, Tile, register
-from .matvec_rows import row_tiles
+from .matvec_rows import row_tiles, rows_dot
 
 
 @register
@@ -41,8 +41,7 @@ class Matvec(Instruction):
     def run_tile(cls, op: Op, tile: Tile, env: Env) -> None:
         r0, r1 = tile.params["rows"]
         dt = env.g.tensors[op.outputs["out"]].dtype
-        x = env.read(op.inputs["x"]).reshape(-1).float()
-        y = env.read(op.inputs["w"])[r0:r1].float() @ x
+        y = rows_dot(op, env, r0, r1)
         if "b" in op.inputs:
             y = y + env.read(op.inputs["b"]).reshape(-1)[r0:r1].float()
         env.flat(op.outputs["out"])[r0:r1] = y.to(dt)

@@ -1,6 +1,8 @@
 """Shared row tiling for matvec-based instruction kinds (rows of ``W @ x``)."""
 from __future__ import annotations
 
+import torch
+
 from ..env import Env
 from ..ir import Graph, Op
 from ..semantics import rms_normalize
@@ -40,6 +42,12 @@ def row_tiles(op: Op, g: Graph, want: int, weights: list[str], vec_inputs: list[
         tiles.append(Tile(op.name, i, {"rows": [r0, r1]}, reads, [Region.of(g, out, r0, r1)],
                           wbytes, abytes))
     return tiles
+
+
+def rows_dot(op: Op, env: Env, r0: int, r1: int) -> torch.Tensor:
+    """``W[r0:r1] @ x`` in fp32 (unrounded) for a row-tiled matvec kind (inputs ``w``, ``x``)."""
+    x = env.read(op.inputs["x"]).reshape(-1).float()
+    return env.read(op.inputs["w"])[r0:r1].float() @ x
 
 
 def rms_rows_cuda_args(op: Op, g: Graph, bufs, weights: tuple[str, ...]) -> dict:
