@@ -4,8 +4,8 @@ Expects: a normalized graph and the values of its small weights (at most
 ``position.MAX_KNOWN_WEIGHT`` elements: norm weights, ``inv_freq``, embedding scales).
 Guarantees: every ATen arithmetic, cast or creation op (not a view, a matmul or a mutation)
 whose reads are all constants or small weights, and whose outputs have at most
-``MAX_ELEMENTS`` elements each, is gone; its outputs are CONSTANT tensors holding the values PyTorch computes (Gemma's ``1 + weight`` of
-its RMSNorm, an ``arange`` that builds positions). Values are unchanged. The constants are
+``MAX_ELEMENTS`` elements each, is gone; its outputs are CONSTANT tensors holding the values
+PyTorch computes (Gemma's ``1 + weight`` of its RMSNorm, an ``arange`` that builds positions). Values are unchanged. The constants are
 taken at compile time: weights changed later are not seen (as with any compiled graph).
 """
 from __future__ import annotations
