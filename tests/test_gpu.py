@@ -269,7 +269,7 @@ def test_reduce_overhead_mode_matches_eager():
 def test_one_kernel_launch_per_decode_step():
     model, cache = step_util.tiny_on_gpu(hf_tiny.llama, torch.bfloat16)
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend="fusec", options={"check_watchdog": False})
+    compiled = torch.compile(model, backend="fusec", options={})
     with torch.no_grad():
         for _ in range(2):
             compiled(input_ids=torch.randint(0, 128, (1, 1), device="cuda"), past_key_values=cache, use_cache=True)
