@@ -31,7 +31,8 @@ def _smollm2():
 
 
 FAMILIES = {"llama": hf_tiny.llama, "smollm2": _smollm2, "qwen3": hf_tiny.qwen3, "qwen2": fam.qwen2, "phi3": fam.phi3,
-            "gemma": fam.gemma, "olmo2": fam.olmo2, "gpt_neox": fam.gpt_neox, "stablelm": fam.stablelm}
+            "gemma": fam.gemma, "olmo2": fam.olmo2, "gpt_neox": fam.gpt_neox, "stablelm": fam.stablelm,
+            "cohere": fam.cohere, "olmo": fam.olmo, "granite": hf_tiny.granite}
 REPORT = Path(os.environ.get("FUSEC_FAMILY_REPORT", Path(__file__).resolve().parent.parent / "build" / "families-gpu.json"))
 
 
