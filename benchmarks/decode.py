@@ -286,7 +286,7 @@ def make_engine(name: str, bench: Bench) -> Engine:
     if name == "inductor":
         return Engine(name, lambda: hf_step(torch.compile(model)), cache, tok, vocab)
     if name == "fusec":
-        from fusec.backend import fusec_backend    # works without the entry point installed
+        from fusec.frontend.backend import fusec_backend    # works without the entry point installed
         from fusec.config import Options
         options = dict(args.fusec_options)   # the defaults a user gets (no host sync since the status went host-mapped)
         resolved = Options.from_dict(options)          # with the FUSEC_* environment

@@ -36,7 +36,7 @@ log = logging.getLogger("variants")
 def record_timeline(bench: decode.Bench, options: dict[str, Any], folder: str, position: int) -> None:
     """Compile with ``options`` plus profiling and run 3 steps at ``position``: the fusec backend
     writes the timeline of the third into ``folder``."""
-    from fusec.backend import fusec_backend
+    from fusec.frontend.backend import fusec_backend
     torch._dynamo.reset()
     cache = bench.new_cache()
     tok = torch.randint(0, bench.model.config.vocab_size, (1, 1), device=bench.device)

@@ -43,7 +43,7 @@ def template_dir() -> Path:
 def __getattr__(name: str):
     """Lazy exports: ``fusec.generate`` (imports torch and transformers on first use)."""
     if name == "generate":
-        from .generate import generate
+        from fusec.generate import generate
         globals()["generate"] = generate
         return generate
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -11,13 +11,13 @@ from typing import Any
 
 import torch
 
-from .capture import aten_capture, check_decode_step
-from .config import Options
-from .errors import CaptureError, FusecError, SimulationMismatchError
-from .ir import Graph, Role
-from .pipeline import Dumper, build_ir, lower
-from .schedule import Schedule
-from .sim import Simulator
+from fusec.frontend.capture import aten_capture, check_decode_step
+from fusec.config import Options
+from fusec.errors import CaptureError, FusecError, SimulationMismatchError
+from fusec.ir import Graph, Role
+from fusec.pipeline import Dumper, build_ir, lower
+from fusec.ir.schedule import Schedule
+from fusec.sim import Simulator
 
 log = logging.getLogger("fusec")
 
@@ -41,7 +41,7 @@ class CompileResult:
         self.schedule = schedule
         self.opts = opts
         self.simulated = simulated
-        self.kernel = None   # fusec.jit.CompiledKernel after emit_cuda()
+        self.kernel = None   # fusec.cuda.jit.CompiledKernel after emit_cuda()
         self.cuda_source: str | None = None
 
     def emit_cuda(self) -> None:
@@ -50,11 +50,9 @@ class CompileResult:
         Raises:
             FallbackRequired: an op has no CUDA form; JitError: NVRTC failed.
         """
-        from .codegen import render
-        from .jit import compile_cuda
-        plan = render(self.schedule, defines=self.opts.defines)
+        from fusec.cuda.build import compile_kernel
+        plan, self.kernel = compile_kernel(self.schedule, self.opts)
         self.cuda_source = plan.source
-        self.kernel = compile_cuda(plan.source, "fusec_step.cu")
 
     @property
     def graph(self) -> Graph:

@@ -6,7 +6,7 @@ for one decode step), compiles that step and writes the artifacts to ``DIR`` (de
 ``build/<model file stem>``): ``graph.txt`` (the fused op graph) and ``schedule.json`` (the
 per-SM schedule). The human summary goes to stdout; stage lines go to stderr through
 ``logging``. ``--run`` (with a CUDA device) then builds the model on the GPU and prints the
-compiled step's median time next to eager's (:mod:`fusec.timing`).
+compiled step's median time next to eager's (:mod:`fusec.runtime.timing`).
 
 A problem with the model file or a :class:`fusec.errors.FusecError` while compiling is one line
 on stderr (``fusec: error: ...``) and exit status 2, with no traceback.
@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from .errors import FusecError, ModelFileError
+from fusec.errors import FusecError, ModelFileError
 
 log = logging.getLogger("fusec")
 
@@ -262,9 +262,9 @@ def cmd_compile(ns: argparse.Namespace) -> int:
     model, args, kwargs = load_model_file(ns.model_py)
     log.info("build() returned %s in %.1f s", type(model).__name__, time.perf_counter() - t0)
 
-    from .api import compile_model  # imported late: the checks above need none of the compiler
+    from fusec.api import compile_model  # imported late: the checks above need none of the compiler
 
-    from .config import Options
+    from fusec.config import Options
     num_sms = ns.num_sms or Options.from_dict({}).num_sms or DEFAULT_NUM_SMS
     options = {
         "num_sms": num_sms,
@@ -313,7 +313,7 @@ def run_step_timing(model_py: str | os.PathLike, device: str, *, steps: int = RU
                     warmup: int = RUN_WARMUP, options: dict[str, Any] | None = None) -> None:
     """``--run``: build the model on ``device``, time it under fusec and eager, print one line.
 
-    Builds ``build(device=device)``, then :func:`fusec.timing.time_decode` (``warmup`` untimed
+    Builds ``build(device=device)``, then :func:`fusec.runtime.timing.time_decode` (``warmup`` untimed
     and ``steps`` timed steps per engine, from the same KV state) with ``options`` (default:
     none, as ``torch.compile(model, backend="fusec")``; tests pass ``{"target": "sim"}``).
 
@@ -322,7 +322,7 @@ def run_step_timing(model_py: str | os.PathLike, device: str, *, steps: int = RU
         FusecError: fusec fell back to another backend (the times would not be fusec's), or the
             compiled step's output is not within :data:`RUN_MAX_REL_ERR` of eager's.
     """
-    from .timing import time_decode
+    from fusec.runtime.timing import time_decode
     log.info("--run: building %s on %s", model_py, device)
     model, args, kwargs = load_model_file(model_py, device=device)
     log.info("--run: %d warm-up and %d timed decode steps, fusec then eager", warmup, steps)
@@ -359,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def cmd_timeline(ns: argparse.Namespace) -> int:
     """``fusec timeline``: draw a saved timeline as a PNG and print its summary line."""
-    from .profile import MatplotlibMissing, render
+    from fusec.runtime.profile import MatplotlibMissing, render
     src = Path(ns.timeline_json)
     if not src.exists():
         raise FusecError(f"{src}: no such timeline file")
@@ -368,7 +368,7 @@ def cmd_timeline(ns: argparse.Namespace) -> int:
     out = Path(ns.out) if ns.out else src.with_name("timeline.png")
     rows = None
     if ns.layer is not None:      # check the layer before writing anything
-        from .profile import Timeline
+        from fusec.runtime.profile import Timeline
         try:
             rows = Timeline.load(src).op_windows(ns.layer)
         except json.JSONDecodeError as e:

@@ -14,7 +14,7 @@ import os
 import re
 from typing import Any
 
-from .errors import FusecError
+from fusec.errors import FusecError
 
 TARGETS = ("sim", "cuda")
 FALLBACKS = ("inductor", "eager")
@@ -71,7 +71,7 @@ class Options:
             "reduce" (a separate ``attention_reduce`` level after all partial tiles). The default
             "last_tile" measured 1.0-1.4% faster on the H200 (docs/performance.md section 8).
         defines: ``#define`` name -> value for the kernel source: the tuning knobs of
-            :data:`fusec.codegen.KNOBS` (``FUSEC_LOADS_IN_FLIGHT``, ``FUSEC_PREFETCH``,
+            :data:`fusec.cuda.codegen.KNOBS` (``FUSEC_LOADS_IN_FLIGHT``, ``FUSEC_PREFETCH``,
             ``FUSEC_ATTN_EARLY``) and their defaults.
         mode: ``torch.compile``'s mode, passed by torch as a backend keyword: None or "default"
             and "max-autotune-no-cudagraphs" launch the kernel directly each step;

@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
-from .errors import FusecError
-from .fallbacks import FallbackWatch
-from .fallbacks import warn as warn_fallback
+from fusec.errors import FusecError
+from fusec.fallbacks import FallbackWatch
+from fusec.fallbacks import warn as warn_fallback
 
 log = logging.getLogger("fusec")
 
@@ -330,7 +330,7 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: in
     """
     from transformers import StaticCache
 
-    from .config import Options
+    from fusec.config import Options
 
     device = _check_model(model)
     input_ids = _check_args(input_ids, max_new_tokens, do_sample, temperature, top_k, top_p, streamer,

@@ -16,11 +16,11 @@ from typing import Any, Callable
 
 import torch
 
-from . import position
-from .config import Options
-from .from_fx import graph_from_aten
-from .ir import Graph, Role
-from .schedule import Schedule
+from fusec.ir import position
+from fusec.config import Options
+from fusec.frontend.from_fx import graph_from_aten
+from fusec.ir import Graph, Role
+from fusec.ir.schedule import Schedule
 
 log = logging.getLogger("fusec")
 

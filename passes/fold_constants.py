@@ -14,11 +14,11 @@ import logging
 
 import torch
 
-from fusec import position
-from fusec.env import Env
+from fusec.ir import position
+from fusec.ir.env import Env
 from fusec.ir import Graph, Role
 
-from . import dce
+from fusec.passes import dce
 
 log = logging.getLogger("fusec.passes.fold_constants")
 
@@ -33,7 +33,7 @@ def _computes(op) -> bool:
 
 
 def run(g: Graph, weights: dict[str, torch.Tensor] | None = None) -> Graph:
-    from fusec.semantics import run_op
+    from fusec.ir.semantics import run_op
     weights = weights or {}
     known = {n for n in g.inputs if n in weights and g.tensors[n].numel <= position.MAX_KNOWN_WEIGHT}
     known |= {t.name for t in g.tensors.values() if t.role == Role.CONSTANT and t.alias_of is None}

@@ -15,10 +15,10 @@ import logging
 
 import torch
 
-from fusec import position
+from fusec.ir import position
 from fusec.ir import Graph, Op, Role, TensorInfo
 
-from . import dce
+from fusec.passes import dce
 
 log = logging.getLogger("fusec.passes.fold_position")
 

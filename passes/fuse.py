@@ -28,7 +28,7 @@ import torch
 
 from fusec.ir import Graph, Op
 
-from . import dce
+from fusec.passes import dce
 
 log = logging.getLogger("fusec.passes.fuse")
 

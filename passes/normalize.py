@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from fusec.ir import Graph, Op, Ref
 
-from . import dce
+from fusec.passes import dce
 
 _RESHAPES = {"aten.view.default", "aten._unsafe_view.default", "aten.unsqueeze.default",
              "aten.squeeze.dim", "aten.squeeze.dims", "aten.squeeze.default", "aten.alias.default",

@@ -30,12 +30,12 @@ import logging
 
 import torch
 
-from fusec import position
+from fusec.ir import position
 from fusec.ir import Graph, Op, Ref, Role
-from fusec.pattern import Matcher, cast, lit, op, var
-from fusec.semantics import default_scale
+from fusec.ir.pattern import Matcher, cast, lit, op, var
+from fusec.ir.semantics import default_scale
 
-from . import dce
+from fusec.passes import dce
 
 log = logging.getLogger("fusec.passes.recognize")
 

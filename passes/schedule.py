@@ -2,7 +2,7 @@
 
 Expects: a fused graph and its tiles (``passes.tile``). Guarantees:
 
-* every tile is one :class:`fusec.schedule.Instr` on one SM; each SM's queue is in program
+* every tile is one :class:`fusec.ir.schedule.Instr` on one SM; each SM's queue is in program
   order of the ops, so every queue is a linear extension of the DAG and the schedule cannot
   deadlock (the earliest unfinished instruction is always at the head of its queue with its
   producers done);
@@ -23,7 +23,7 @@ import heapq
 
 from fusec.instructions.base import Region, Tile
 from fusec.ir import Graph
-from fusec.schedule import Instr, Schedule
+from fusec.ir.schedule import Instr, Schedule
 
 _LAYER_START = "rms_qkv_rope"
 

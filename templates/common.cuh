@@ -164,7 +164,7 @@ __device__ __forceinline__ void lds_vec(const TS* p, float (&f)[V]) {
 #define FUSEC_KIND_FN __noinline__
 
 // Tuning knobs FUSEC_LOADS_IN_FLIGHT, FUSEC_PREFETCH, FUSEC_ATTN_EARLY: #defined at the top of the kernel by
-// codegen (fusec.codegen.KNOBS holds their defaults and meaning).
+// codegen (fusec.cuda.codegen.KNOBS holds their defaults and meaning).
 
 // Batch shape of a matvec over R rows of length K: B loads of 16 bytes per row and lane in flight.
 template <typename TW, int K, int R>

@@ -1,7 +1,7 @@
 // Helpers of the generated generic ops (fusec/cudagen): loads, dtype casts, warp reductions and
 // the scalar math whose PyTorch semantics need more than one C operator. Emitted once, before
 // the generated op functions, in kernels that have any.
-// Portable: with GX_HOST defined (fusec/cudagen/host.py provides the shim) the same code
+// Portable: with GX_HOST defined (fusec/cuda/gen/host.py provides the shim) the same code
 // compiles as single-thread host C++, which is how the CPU tests check the generated ops.
 #ifndef GX_HOST
 #define GX_LANE ((int)(threadIdx.x & 31))

@@ -18,9 +18,9 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def steps(monkeypatch):
-    """Every ``fusec.compiled.CompiledStep`` built while the test runs (to look at the graphs and
+    """Every ``fusec.runtime.compiled.CompiledStep`` built while the test runs (to look at the graphs and
     schedules fusec compiled behind ``torch.compile``)."""
-    from fusec.compiled import CompiledStep
+    from fusec.runtime.compiled import CompiledStep
     made: list = []
     init = CompiledStep.__init__
 

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from fusec.capture import aten_capture
+from fusec.frontend.capture import aten_capture
 from fusec.config import Options
-from fusec.from_fx import graph_from_aten
+from fusec.frontend.from_fx import graph_from_aten
 from fusec.pipeline import Dumper
 
 
@@ -30,7 +30,7 @@ def capture(model, kwargs):
 
 
 def build(g, flat, **options):
-    from fusec.gpu import build_cuda_step
+    from fusec.cuda.build import build_cuda_step
     step, sched = build_cuda_step(g, flat, Options.from_dict(options), Dumper(None))
     return step, sched
 

@@ -166,7 +166,7 @@ def test_timeline_command_errors_and_output(tmp_path, capsys):
     assert code == 2 and "bad.json" in err
     pytest.importorskip("matplotlib")
     from test_profile import _random   # a small fake recorded step
-    from fusec.profile import Timeline
+    from fusec.runtime.profile import Timeline
     sched, records = _random()
     src = tmp_path / "timeline.json"
     Timeline.from_records(records, sched).save(src)
@@ -280,7 +280,7 @@ def test_run_step_timing_on_the_simulator(capsys):
 
 
 def test_time_decode_restores_the_state():
-    from fusec.timing import time_decode
+    from fusec.runtime.timing import time_decode
     model, args, kwargs = runpy.run_path(str(ROOT / "examples" / "tiny_llama.py"))["build"]()
     cache = kwargs["past_key_values"]
     before = [t.clone() for layer in cache.layers for t in (layer.keys, layer.values)]
@@ -293,13 +293,13 @@ def test_time_decode_restores_the_state():
 
 def test_run_fails_loudly_on_a_fallback(monkeypatch):
     """A step that fusec hands to another backend is an error, never a timing of that backend."""
-    import fusec.backend
+    import fusec.frontend.backend
     from fusec.cli import run_step_timing
     from fusec.errors import FusecError, NotDecodeStepError
 
     def refuse(gm):
         raise NotDecodeStepError("refused by the test")
-    monkeypatch.setattr(fusec.backend, "check_decode_step", refuse)
+    monkeypatch.setattr(fusec.frontend.backend, "check_decode_step", refuse)
     with pytest.raises(FusecError, match="FUSEC FELL BACK.*refused by the test"):
         run_step_timing(ROOT / "examples" / "tiny_llama.py", "cpu", steps=1, warmup=0,
                         options={"target": "sim", "fallback": "eager"})

@@ -6,8 +6,8 @@ import torch
 
 import hf_tiny
 from fusec.api import compile_model
-from fusec.codegen import WORD, render
-from fusec.jit import compile_cuda
+from fusec.cuda.codegen import WORD, render
+from fusec.cuda.jit import compile_cuda
 
 
 def _tiny_decode_step(factory, dtype, num_sms, **options):

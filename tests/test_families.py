@@ -58,8 +58,8 @@ def _decode_against_eager(model, n=8):
 def test_qwen2_bias_fuses_into_rms_qkv_rope(steps):
     """Qwen2's q/k/v biases ride in rms_qkv_rope (added before the projection's rounding):
     every layer is the fast kinds, and the kernel compiles."""
-    from fusec.codegen import render
-    from fusec.jit import compile_cuda
+    from fusec.cuda.codegen import render
+    from fusec.cuda.jit import compile_cuda
     _decode_against_eager(qwen2())
     (step,) = steps
     kinds = step.schedule.graph.count_kinds()
@@ -150,8 +150,8 @@ def gemma(vocab=128, dtype=torch.float32):
 def test_gemma_fuses_norm_geglu_and_matches(steps):
     """Gemma: the (1 + w) weight folds to a constant, its RMSNorm (weight applied in fp32) and the
     GeGLU MLP ride in the fused kinds; only the embedding scale stays generic."""
-    from fusec.codegen import render
-    from fusec.jit import compile_cuda
+    from fusec.cuda.codegen import render
+    from fusec.cuda.jit import compile_cuda
     _decode_against_eager(gemma())
     (step,) = steps
     kinds = step.schedule.graph.count_kinds()
@@ -214,8 +214,8 @@ def olmo(vocab=128):
 def test_generic_heavy_families_match_eager_and_emit_cuda(factory, steps):
     """Families whose norms or rotary have no fused kind still run as one schedule: their
     projections are matvecs over all SMs, the rest generated ops; the kernel compiles."""
-    from fusec.codegen import render
-    from fusec.jit import compile_cuda
+    from fusec.cuda.codegen import render
+    from fusec.cuda.jit import compile_cuda
     _decode_against_eager(factory())
     (step,) = steps
     kinds = step.schedule.graph.count_kinds()

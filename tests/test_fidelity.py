@@ -8,7 +8,7 @@ import hf_tiny
 import step_util
 from fusec.ir import Role
 from fusec.passes import fold_position, fuse, normalize, recognize
-from fusec.semantics import execute
+from fusec.ir.semantics import execute
 
 
 @pytest.mark.parametrize("factory", [hf_tiny.llama, hf_tiny.qwen3])

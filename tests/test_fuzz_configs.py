@@ -91,6 +91,6 @@ def test_drawn_config_matches_eager(i, steps):
     assert kinds.get("rms_qkv_rope") == c["num_hidden_layers"], (c, kinds)
     assert not {k for k in kinds if k.startswith("aten.")} - {"aten.copy_.default"}, (c, kinds)
     if i % 10 == 0:
-        from fusec.codegen import render
-        from fusec.jit import compile_cuda
+        from fusec.cuda.codegen import render
+        from fusec.cuda.jit import compile_cuda
         compile_cuda(render(step.schedule).source, "fusec_step.cu")

@@ -2,7 +2,7 @@
 
 * every ATen op fusec accepts and every semantic op kind has an emitter;
 * the op zoo (tests/generic_zoo.py) and real decode-step graphs: each op's generated function,
-  compiled as host C++ (fusec.cudagen.host), against PyTorch on the same inputs;
+  compiled as host C++ (fusec.cuda.gen.host), against PyTorch on the same inputs;
 * the kernels of tiny HF models of several families, fully fused and with ``max_fusions=0``
   (every op generic), and of the zoo, render and compile with NVRTC for sm_90a.
 """
@@ -14,13 +14,13 @@ import torch
 import generic_zoo
 import hf_tiny
 import step_util
-from fusec.codegen import render
-from fusec.cudagen import find_emitter, generate
-from fusec.cudagen.host import check_graph, compiler
+from fusec.cuda.codegen import render
+from fusec.cuda.gen import find_emitter, generate
+from fusec.cuda.gen.host import check_graph, compiler
 from fusec.errors import FallbackRequired
 from fusec.instructions import KINDS
 from fusec.instructions import generic as gen_mod
-from fusec.jit import compile_cuda
+from fusec.cuda.jit import compile_cuda
 from fusec.passes import schedule, tile
 
 needs_cxx = pytest.mark.skipif(compiler() is None, reason="needs a host C++ compiler")
@@ -32,7 +32,7 @@ def test_every_accepted_op_and_semantic_kind_has_a_cuda_form():
     missing = sorted(n for n in names if find_emitter(f"aten.{n}.default") is None)
     assert not missing, missing
     assert find_emitter("prims.convert_element_type.default") and find_emitter("fusec.sdpa.default")
-    from fusec.semantics import SEMANTICS
+    from fusec.ir.semantics import SEMANTICS
     kinds = [k for k in SEMANTICS if k not in KINDS and k != "table_lookup"]   # table_lookup: generic.cu.j2
     assert not [k for k in kinds if find_emitter(k) is None]
 
@@ -141,7 +141,7 @@ def test_inexpressible_op_names_op_and_source():
 
 
 def test_unknown_kind_is_not_implemented():
-    from fusec.codegen import Buffers
+    from fusec.cuda.codegen import Buffers
     from fusec.ir import Graph, Op, TensorInfo
     g = Graph()
     g.add_tensor(TensorInfo("a", (2,), torch.float32))

@@ -48,10 +48,10 @@ def test_zoo_kernel_matches_torch():
     ref_in = {k: v.clone() for k, v in inp.items()}
     with torch.no_grad():
         ref = generic_zoo.Zoo()(**ref_in)
-    from fusec.codegen import render
-    from fusec.jit import compile_cuda
+    from fusec.cuda.codegen import render
+    from fusec.cuda.jit import compile_cuda
     from fusec.passes import schedule, tile
-    from fusec.runtime import CudaStep
+    from fusec.runtime.cuda_step import CudaStep
     # the raw captured graph (no passes: nothing folds or fuses), every op generic, 16 SMs
     sched = schedule.run(g, tile.run(g, 16), 16)
     plan = render(sched)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import hf_tiny
-from fusec.compiled import CompiledStep
+from fusec.runtime.compiled import CompiledStep
 from fusec.fallbacks import FallbackWatch
 
 
@@ -122,8 +122,8 @@ def test_call_patterns_run_fusec(steps):
     torch._dynamo.reset()
     assert not w.fallbacks, w.fallbacks
     assert steps and not any(s.fallen_back for s in steps)
-    from fusec.codegen import render
-    from fusec.jit import compile_cuda
+    from fusec.cuda.codegen import render
+    from fusec.cuda.jit import compile_cuda
     for s in steps:   # every graph these patterns made has a CUDA kernel (NVRTC, sm_90a)
         compile_cuda(render(s.schedule).source, "fusec_step.cu")
 
@@ -147,8 +147,8 @@ def test_dynamic_cache_and_batch_say_what_to_change():
 def test_generate_decode_kernel_compiles_with_nvrtc(steps):
     """The generate() decode step (attention with generate()'s bool mask) renders and compiles
     for sm_90a."""
-    from fusec.codegen import render
-    from fusec.jit import compile_cuda
+    from fusec.cuda.codegen import render
+    from fusec.cuda.jit import compile_cuda
     model = hf_tiny.llama()
     model.generation_config.pad_token_id = 0
     torch._dynamo.reset()
@@ -181,8 +181,8 @@ def test_lm_head_argmax_epilogue_matches_eager(factory, steps):
     """argmax over the logits fuses into the LM head (per-tile candidates, last-ticket merge):
     12 fed-back greedy tokens equal eager's, the simulator's hazard check passes, and the kernel
     compiles with NVRTC."""
-    from fusec.codegen import render
-    from fusec.jit import compile_cuda
+    from fusec.cuda.codegen import render
+    from fusec.cuda.jit import compile_cuda
     model = factory(vocab=300)
     gen = torch.Generator().manual_seed(11)
     caches = [hf_tiny.static_cache(model, 32) for _ in range(2)]

@@ -9,7 +9,7 @@ import torch
 import hf_tiny
 from fusec.errors import IRError
 from fusec.ir import Graph, Op, Role, TensorInfo
-from fusec.pattern import Matcher, lit, op, var
+from fusec.ir.pattern import Matcher, lit, op, var
 
 
 def _tiny_graph() -> Graph:

@@ -1,4 +1,4 @@
-"""Tests of fusec.jit: NVRTC to sm_90a CUBIN, ptxas resource report, disk cache. CPU only."""
+"""Tests of fusec.cuda.jit: NVRTC to sm_90a CUBIN, ptxas resource report, disk cache. CPU only."""
 from __future__ import annotations
 
 import logging
@@ -7,7 +7,7 @@ import pytest
 
 pytest.importorskip("cuda.bindings.nvrtc")
 
-from fusec import jit  # noqa: E402
+from fusec.cuda import jit  # noqa: E402
 from fusec.errors import JitError  # noqa: E402
 
 BF16_SRC = r"""
@@ -87,7 +87,7 @@ def test_corrupt_cache_entry_is_recompiled(tmp_path, damage, caplog):
         json_path.write_text("{not json")
     else:
         cubin_path.unlink()
-    with caplog.at_level(logging.DEBUG, logger="fusec.jit"):
+    with caplog.at_level(logging.DEBUG, logger="fusec.cuda.jit"):
         again = jit.compile_cuda(BF16_SRC, cache_dir=str(tmp_path))
     assert not again.cache_hit
     assert again.cubin == first.cubin

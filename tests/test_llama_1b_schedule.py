@@ -44,8 +44,8 @@ def test_llama_3_2_1b_schedule(res):
 def test_llama_3_2_1b_kernel_compiles_without_spills(res, defines, tmp_path):
     """CI compile-check: the whole megakernel renders and NVRTC builds it for sm_90a (the default
     kernel and the heaviest tuning variant)."""
-    from fusec.codegen import render
-    from fusec.jit import compile_cuda
+    from fusec.cuda.codegen import render
+    from fusec.cuda.jit import compile_cuda
     plan = render(res.schedule, defines=defines)
     k = compile_cuda(plan.source, "fusec_step.cu", cache_dir=str(tmp_path))
     assert k.cubin[:4] == b"\x7fELF"

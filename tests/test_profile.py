@@ -1,11 +1,11 @@
-"""Host side of the per-SM timeline profiler (fusec.profile), on fake schedules (CPU only)."""
+"""Host side of the per-SM timeline profiler (fusec.runtime.profile), on fake schedules (CPU only)."""
 import json
 import random
 from types import SimpleNamespace
 
 import pytest
 
-from fusec.profile import MatplotlibMissing, Timeline, render
+from fusec.runtime.profile import MatplotlibMissing, Timeline, render
 
 T0 = 1_700_000_000_000_000  # a plausible absolute %globaltimer value (ns)
 

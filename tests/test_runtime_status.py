@@ -12,9 +12,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from fusec import runtime
+from fusec.runtime import cuda_step as runtime
 from fusec.errors import IndexFaultError, WatchdogError
-from fusec.runtime import (ST_ANY, ST_BOUND, ST_CODE, ST_FAULT, ST_HEAD, ST_VALUE, ST_WATCHDOG, CudaStep,
+from fusec.runtime.cuda_step import (ST_ANY, ST_BOUND, ST_CODE, ST_FAULT, ST_HEAD, ST_VALUE, ST_WATCHDOG, CudaStep,
                            status_error)
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "tiny_llama.py"
@@ -32,8 +32,8 @@ def tiny_schedule():
 @pytest.mark.parametrize("profile", [False, True])
 def test_kernel_with_host_status_compiles_without_spills(tiny_schedule, profile, tmp_path):
     pytest.importorskip("cuda.bindings.nvrtc")
-    from fusec.codegen import render
-    from fusec.jit import compile_cuda
+    from fusec.cuda.codegen import render
+    from fusec.cuda.jit import compile_cuda
     plan = render(tiny_schedule, profile=profile)
     src = plan.source
     # the layout the host decodes (runtime.ST_*) is the one the kernel writes
@@ -352,7 +352,7 @@ def test_graph_launch_records_one_graph_and_replays_it(fake):
 def test_graph_launch_falls_back_to_direct_launches_with_one_line(fake, caplog):
     fake.instantiate_fails = True
     step, a, b = _step(graph_launch=True)
-    with caplog.at_level(logging.WARNING, logger="fusec.runtime"):
+    with caplog.at_level(logging.WARNING, logger="fusec.runtime.cuda_step"):
         step(a, b)
         step(a, b)
     assert len([r for r in caplog.records if "CUDA graph" in r.getMessage()]) == 1

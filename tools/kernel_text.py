@@ -24,8 +24,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 import hf_tiny  # noqa: E402
 from fusec.api import compile_model  # noqa: E402
-from fusec.codegen import render  # noqa: E402
-from fusec.jit import compile_cuda  # noqa: E402
+from fusec.cuda.codegen import render  # noqa: E402
+from fusec.cuda.jit import compile_cuda  # noqa: E402
 
 
 def sections(elf: bytes) -> dict[str, str]:

@@ -16,7 +16,7 @@ Last-tile merge (``attention_partial`` with an ``out`` output, option
 atomic ticket of its KV head (a barrier, then one acquire-release ``atom.inc``); the tile that
 takes the ``n_chunks``-th ticket of the step merges the group's chunks into ``out`` itself. One grid-wide
 level less per layer. The tickets live in spare counters
-(:meth:`fusec.codegen.Buffers.counters`), are zero at load and after a reset, and count
+(:meth:`fusec.cuda.codegen.Buffers.counters`), are zero at load and after a reset, and count
 ``0 .. n_chunks - 1`` in every step (``atomicInc`` wraps to 0 after the last), so "last" is
 "took ``n_chunks - 1``" and no 32-bit overflow can shift it. Every tile declares the group's
 ``out`` region as a write, so a consumer waits for all of the group's tiles.
@@ -33,11 +33,11 @@ from __future__ import annotations
 
 import torch
 
-from ..env import Env
-from ..ir import Graph, Op
-from ..semantics import apply_mask
-from .base import CTA_THREADS, Instruction, Region, Tile, register, split_range
-from .matvec_rows import elt
+from fusec.ir.env import Env
+from fusec.ir import Graph, Op
+from fusec.ir.semantics import apply_mask
+from fusec.instructions.base import CTA_THREADS, Instruction, Region, Tile, register, split_range
+from fusec.instructions.matvec_rows import elt
 
 
 def merge_partials(o: torch.Tensor, ml: torch.Tensor) -> torch.Tensor:

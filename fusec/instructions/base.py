@@ -14,8 +14,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
-from ..env import Env
-from ..ir import Graph, Op, Role
+from fusec.ir.env import Env
+from fusec.ir import Graph, Op, Role
 
 KINDS: dict[str, type["Instruction"]] = {}
 
@@ -123,7 +123,7 @@ class Instruction:
     @classmethod
     def cuda_args(cls, op: Op, g: Graph, bufs: Any) -> dict[str, Any]:
         """Arguments of the kind template's ``call`` macro: C types, shapes, pointer expressions
-        (``bufs`` is a :class:`fusec.codegen.Buffers`). Raises FallbackRequired if the op has
+        (``bufs`` is a :class:`fusec.cuda.codegen.Buffers`). Raises FallbackRequired if the op has
         no CUDA form."""
         raise NotImplementedError(f"{cls.name} has no CUDA template")
 

@@ -4,10 +4,10 @@ Shapes: table [V, H], ids [1] int64, out [H]. One tile: the row is a few KB.
 """
 from __future__ import annotations
 
-from ..env import Env
-from ..ir import Graph, Op
-from .base import Instruction, Region, Tile, register
-from .matvec_rows import elt
+from fusec.ir.env import Env
+from fusec.ir import Graph, Op
+from fusec.instructions.base import Instruction, Region, Tile, register
+from fusec.instructions.matvec_rows import elt
 
 
 @register

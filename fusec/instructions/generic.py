@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from ..env import Env
-from ..ir import Graph, Op, Ref
-from .base import Instruction, Region, Tile, register
+from fusec.ir.env import Env
+from fusec.ir import Graph, Op, Ref
+from fusec.instructions.base import Instruction, Region, Tile, register
 
 _A = torch.ops.aten
 _ELEMENTWISE = {
@@ -105,7 +105,7 @@ class Generic(Instruction):
     @classmethod
     def cuda_args(cls, op: Op, g: Graph, bufs) -> dict[str, Any]:
         """Hand-written forms for ``table_lookup`` and a small same-dtype ``aten.copy_``
-        (position counters); every other op gets a generated function (:mod:`fusec.cudagen`):
+        (position counters); every other op gets a generated function (:mod:`fusec.cuda.gen`):
         the result's ``source`` (and ``helpers``) are emitted once by codegen before the
         dispatch switch, ``call`` is its case.
 
@@ -126,12 +126,12 @@ class Generic(Instruction):
             if g.tensors[src].dtype == g.tensors[dst].dtype and g.tensors[src].numel == n and n <= 4096:
                 return {"fn": "copy_small", "t": bufs.ctype(dst), "N": n, "src": bufs.ptr(src),
                         "dst": bufs.ptr(dst)}
-        from ..cudagen import generate
+        from fusec.cuda.gen import generate
         return generate(op, g, bufs)
 
     @classmethod
     def run_tile(cls, op: Op, tile: Tile, env: Env) -> None:
-        from ..semantics import run_op
+        from fusec.ir.semantics import run_op
         run_op(op, env)
 
 

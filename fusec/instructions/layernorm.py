@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from ..env import Env
-from ..ir import Graph, Op
-from .base import Instruction, Region, Tile, register
+from fusec.ir.env import Env
+from fusec.ir import Graph, Op
+from fusec.instructions.base import Instruction, Region, Tile, register
 
 
 @register

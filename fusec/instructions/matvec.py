@@ -8,10 +8,10 @@ GeGLU, a LayerNorm family) still streams its weights at full width.
 """
 from __future__ import annotations
 
-from ..env import Env
-from ..ir import Graph, Op
-from .base import Instruction, Tile, register
-from .matvec_rows import row_tiles, rows_dot
+from fusec.ir.env import Env
+from fusec.ir import Graph, Op
+from fusec.instructions.base import Instruction, Tile, register
+from fusec.instructions.matvec_rows import row_tiles, rows_dot
 
 
 @register

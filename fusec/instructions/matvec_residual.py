@@ -6,10 +6,10 @@ output dtype before the add. Shapes: x [K], W [N, K], residual [N], out [N].
 """
 from __future__ import annotations
 
-from ..env import Env
-from ..ir import Graph, Op
-from .base import Instruction, Tile, register
-from .matvec_rows import row_tiles, rows_dot
+from fusec.ir.env import Env
+from fusec.ir import Graph, Op
+from fusec.instructions.base import Instruction, Tile, register
+from fusec.instructions.matvec_rows import row_tiles, rows_dot
 
 
 @register

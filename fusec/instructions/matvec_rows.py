@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import torch
 
-from ..env import Env
-from ..ir import Graph, Op
-from ..semantics import rms_normalize
-from .base import Region, Tile, split_range
+from fusec.ir.env import Env
+from fusec.ir import Graph, Op
+from fusec.ir.semantics import rms_normalize
+from fusec.instructions.base import Region, Tile, split_range
 
 
 def elt(g: Graph, t: str) -> int:

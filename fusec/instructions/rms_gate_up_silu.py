@@ -3,17 +3,17 @@
 Source: the SwiGLU MLP of Llama (Shazeer 2020, "GLU Variants Improve Transformer") with
 HF ``LlamaRMSNorm`` in front; the norm is recomputed by every tile (x is a few KB). The gate's
 activation (attr ``act``) is SiLU, or GELU (tanh approximation or exact) for Gemma's GeGLU;
-the norm may be Gemma's (attr ``w_fp32``, :func:`fusec.semantics.rms_normalize`).
+the norm may be Gemma's (attr ``w_fp32``, :func:`fusec.ir.semantics.rms_normalize`).
 Shapes: x [H], norm_w [H], Wg/Wu [F, H], out [F].
 """
 from __future__ import annotations
 
 import torch
 
-from ..env import Env
-from ..ir import Graph, Op
-from .base import Instruction, Tile, register
-from .matvec_rows import rms_prologue, rms_rows_cuda_args, row_tiles
+from fusec.ir.env import Env
+from fusec.ir import Graph, Op
+from fusec.instructions.base import Instruction, Tile, register
+from fusec.instructions.matvec_rows import rms_prologue, rms_rows_cuda_args, row_tiles
 
 
 #: gate activations, in the template's ACT order

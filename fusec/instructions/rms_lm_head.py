@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import torch
 
-from ..env import Env
-from ..ir import Graph, Op
-from .base import Instruction, Region, Tile, register, split_range
-from .matvec_rows import rms_prologue, rms_rows_cuda_args, row_tiles
+from fusec.ir.env import Env
+from fusec.ir import Graph, Op
+from fusec.instructions.base import Instruction, Region, Tile, register, split_range
+from fusec.instructions.matvec_rows import rms_prologue, rms_rows_cuda_args, row_tiles
 
 
 @register

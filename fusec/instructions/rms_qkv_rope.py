@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import torch
 
-from ..env import Env
-from ..ir import Graph, Op
-from ..semantics import rms_normalize
-from .base import Instruction, Region, Tile, register, split_range
-from .matvec_rows import elt, rms_prologue
+from fusec.ir.env import Env
+from fusec.ir import Graph, Op
+from fusec.ir.semantics import rms_normalize
+from fusec.instructions.base import Instruction, Region, Tile, register, split_range
+from fusec.instructions.matvec_rows import elt, rms_prologue
 
 
 @register

@@ -1,3 +1,3 @@
 """CPU simulator of the megakernel: executes a schedule instruction by instruction."""
-from .simulator import Simulator  # noqa: F401
-from .hazards import check_hazards  # noqa: F401
+from fusec.sim.simulator import Simulator  # noqa: F401
+from fusec.sim.hazards import check_hazards  # noqa: F401

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..errors import HazardError
-from ..instructions.base import Region
-from ..schedule import Schedule
+from fusec.errors import HazardError
+from fusec.instructions.base import Region
+from fusec.ir.schedule import Schedule
 
 Regions = dict[int, tuple[list[Region], list[Region]]]
 

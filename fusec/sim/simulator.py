@@ -8,7 +8,7 @@ with the SM, queue index, instruction, counter, value and target of every blocke
 After the step, :func:`fusec.sim.hazards.check_hazards` verifies with the exact run-time
 regions that every conflicting pair of accesses was ordered: by queue order, counter waits,
 or an atomic ticket (the accesses an instruction makes after taking a ticket follow the
-instruction that took it before, as on the GPU; see :meth:`fusec.env.Env.take_ticket` and
+instruction that took it before, as on the GPU; see :meth:`fusec.ir.env.Env.take_ticket` and
 :meth:`fusec.instructions.base.Instruction.ticket_regions`).
 """
 from __future__ import annotations
@@ -19,11 +19,11 @@ from typing import Any
 
 import torch
 
-from ..env import Env
-from ..errors import DeadlockError
-from ..instructions import kind_of
-from ..schedule import Schedule
-from .hazards import check_hazards
+from fusec.ir.env import Env
+from fusec.errors import DeadlockError
+from fusec.instructions import kind_of
+from fusec.ir.schedule import Schedule
+from fusec.sim.hazards import check_hazards
 
 log = logging.getLogger("fusec.sim")
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-from .ir import Graph, Op, Ref
+from fusec.ir import Graph, Op, Ref
 
 _CASTS = ("aten._to_copy.default", "prims.convert_element_type.default")
 

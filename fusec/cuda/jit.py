@@ -27,7 +27,7 @@ from cuda.bindings import nvrtc
 
 from fusec.errors import JitError
 
-log = logging.getLogger("fusec.jit")
+log = logging.getLogger("fusec.cuda.jit")
 
 CACHE_FORMAT = 1
 ELF_MAGIC = b"\x7fELF"

@@ -2,8 +2,8 @@
 (fp32 accumulation, one rounding at the output)."""
 from __future__ import annotations
 
-from . import emitter
-from .core import Ctx, broadcast_strides, literal, offset
+from fusec.cuda.gen import emitter
+from fusec.cuda.gen.core import Ctx, broadcast_strides, literal, offset
 
 #: at least this many outputs: one thread per output (coalesced over N); fewer: one warp each
 THREAD_PER_OUTPUT = 256

@@ -2,7 +2,7 @@
 
 Input mutations stay in the graph (``keep_inference_input_mutations``) so that KV-cache writes
 and position counters remain in-place writes of the caller's tensors. SDPA is swapped for
-``fusec::sdpa`` first (see :mod:`fusec.custom_ops`) so attention stays one node.
+``fusec::sdpa`` first (see :mod:`fusec.frontend.custom_ops`) so attention stays one node.
 """
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ import torch
 from torch._decomp import core_aten_decompositions
 from torch._functorch.aot_autograd import aot_module_simplified
 
-from .custom_ops import SDPA_TARGETS, rewrite_sdpa
-from .errors import NotDecodeStepError
+from fusec.frontend.custom_ops import SDPA_TARGETS, rewrite_sdpa
+from fusec.errors import NotDecodeStepError
 
-log = logging.getLogger("fusec.capture")
+log = logging.getLogger("fusec.frontend.capture")
 
 _IGNORED_CALLS = ("_log_api_usage_once",)
 

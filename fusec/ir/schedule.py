@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from .instructions.base import Tile
-from .ir import Graph
+from fusec.instructions.base import Tile
+from fusec.ir import Graph
 
 
 @dataclasses.dataclass

@@ -26,7 +26,7 @@ from typing import Any, Iterable
 import networkx as nx
 import torch
 
-from .errors import IRError
+from fusec.errors import IRError
 
 
 class Role(str, enum.Enum):

@@ -23,11 +23,11 @@ from pathlib import Path
 
 import torch
 
-from .. import template_dir
-from ..env import Env
-from ..ir import Graph, Op
+from fusec import template_dir
+from fusec.ir.env import Env
+from fusec.ir import Graph, Op
 
-log = logging.getLogger("fusec.cudagen")
+log = logging.getLogger("fusec.cuda.gen")
 
 SHIM = r"""
 #define GX_HOST 1
@@ -90,7 +90,7 @@ def compiler() -> str | None:
 
 
 def build(gens: list[dict], workdir: str | Path | None = None) -> ctypes.CDLL:
-    """Compile generated functions (:func:`fusec.cudagen.generate` results) into a shared
+    """Compile generated functions (:func:`fusec.cuda.gen.generate` results) into a shared
     library where ``gx_run_<k>(void** params)`` calls the k-th one.
 
     Raises:
@@ -143,9 +143,9 @@ def check_graph(g: Graph, flat_args: list, select=None, workdir=None) -> list[Op
     Returns:
         one :class:`OpCheck` per checked op, in program order.
     """
-    from ..codegen import Buffers
-    from ..semantics import run_op
-    from . import find_emitter, generate
+    from fusec.cuda.codegen import Buffers
+    from fusec.ir.semantics import run_op
+    from fusec.cuda.gen import find_emitter, generate
 
     select = select or (lambda op: find_emitter(op.kind) is not None)
     bufs = Buffers(g)

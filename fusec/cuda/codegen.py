@@ -15,12 +15,12 @@ from typing import Any
 import jinja2
 import torch
 
-from . import template_dir
-from .errors import FallbackRequired
-from .instructions import kind_of
-from .instructions.base import CTA_THREADS
-from .ir import Graph, Role
-from .schedule import Schedule
+from fusec import template_dir
+from fusec.errors import FallbackRequired
+from fusec.instructions import kind_of
+from fusec.instructions.base import CTA_THREADS
+from fusec.ir import Graph, Role
+from fusec.ir.schedule import Schedule
 
 THREADS = CTA_THREADS
 MAX_SMEM_BYTES = 227 * 1024   # dynamic shared memory per CTA on sm_90 (opt-in maximum)
@@ -142,7 +142,7 @@ def render(s: Schedule, title: str = "", threads: int = THREADS, profile: bool =
     op_index = {op.name: k for k, op in enumerate(g.ops)}
     cases, smem = [], 0
     macros: dict[str, Any] = {}       # kind -> its template module, in first-use order
-    gen_sources: dict[str, str] = {}  # generated generic-op functions (fusec.cudagen), by name
+    gen_sources: dict[str, str] = {}  # generated generic-op functions (fusec.cuda.gen), by name
     gen_helpers: list[str] = []       # the header files they need, once each
     for k, op in enumerate(g.ops):
         cls = kind_of(op)

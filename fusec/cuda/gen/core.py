@@ -13,8 +13,8 @@ from typing import Any, Sequence
 
 import torch
 
-from ..errors import FallbackRequired
-from ..ir import Graph, Op, Ref, Role
+from fusec.errors import FallbackRequired
+from fusec.ir import Graph, Op, Ref, Role
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 INTS = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
@@ -109,7 +109,7 @@ class Ctx:
     Args:
         op: the op (``aten.*``/``prims.*``/``fusec.*`` with a call template, or a semantic op).
         g: its graph.
-        bufs: a :class:`fusec.codegen.Buffers` (pointer expressions of the root buffers).
+        bufs: a :class:`fusec.cuda.codegen.Buffers` (pointer expressions of the root buffers).
     """
 
     def __init__(self, op: Op, g: Graph, bufs: Any):

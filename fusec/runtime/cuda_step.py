@@ -46,12 +46,12 @@ from typing import Any
 
 import torch
 
-from .codegen import PROF_MARKS, WORD, KernelPlan
-from .errors import CudaError, FusecError, IndexFaultError, KernelRecordError, WatchdogError
-from .ir import Graph, Role
-from .jit import CompiledKernel
+from fusec.cuda.codegen import PROF_MARKS, WORD, KernelPlan
+from fusec.errors import CudaError, FusecError, IndexFaultError, KernelRecordError, WatchdogError
+from fusec.ir import Graph, Role
+from fusec.cuda.jit import CompiledKernel
 
-log = logging.getLogger("fusec.runtime")
+log = logging.getLogger("fusec.runtime.cuda_step")
 
 _FAULTS = {1: "token id (embedding row)", 2: "position (table lookup)", 3: "RoPE position",
            4: "KV-cache write position", 5: "attention position"}
@@ -164,7 +164,7 @@ class CudaStep:
     """A loaded megakernel and its device state (instruction words, counters, buffers).
 
     Args:
-        g: the scheduled graph; plan: :func:`fusec.codegen.render` output; kernel: its CUBIN.
+        g: the scheduled graph; plan: :func:`fusec.cuda.codegen.render` output; kernel: its CUBIN.
         flat_args: the first call's inputs (they fix the device and the input layouts).
         watchdog_s: seconds a counter wait may spin before the kernel gives up.
         check_watchdog: read the host-mapped status at every call (no sync) and raise what an

@@ -22,10 +22,10 @@ import logging
 import re
 from typing import Any, Callable
 
-from ..ir import Graph, Op
-from .core import Ctx, Unsupported
+from fusec.ir import Graph, Op
+from fusec.cuda.gen.core import Ctx, Unsupported
 
-log = logging.getLogger("fusec.cudagen")
+log = logging.getLogger("fusec.cuda.gen")
 
 #: op kind or overload packet (``aten.add``) or semantic kind -> emitter(ctx) writing the body
 EMITTERS: dict[str, Callable[[Ctx], None]] = {}
@@ -64,7 +64,7 @@ def generate(op: Op, g: Graph, bufs: Any) -> dict[str, Any]:
     Args:
         op: an unfused op (``aten.*``, ``prims.*``, ``fusec.sdpa`` or a semantic kind).
         g: its graph (static shapes and dtypes of every tensor).
-        bufs: :class:`fusec.codegen.Buffers` (the pointer expression of each root buffer).
+        bufs: :class:`fusec.cuda.codegen.Buffers` (the pointer expression of each root buffer).
 
     Returns:
         ``{"fn": "gen", "name", "source", "call", "helpers", "params", "roots", "ctypes"}``:
@@ -100,4 +100,4 @@ def generate(op: Op, g: Graph, bufs: Any) -> dict[str, Any]:
             "ctypes": [ct for _, ct, _ in ctx.params]}
 
 
-from . import pointwise, reduce, data, matvec, semantic  # noqa: E402,F401  (register emitters)
+from fusec.cuda.gen import pointwise, reduce, data, matvec, semantic  # noqa: E402,F401  (register emitters)

@@ -9,9 +9,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-from ..ir import Ref
-from . import emitter
-from .core import FLOATS, Ctx, broadcast_strides, compute_type, literal, offset
+from fusec.ir import Ref
+from fusec.cuda.gen import emitter
+from fusec.cuda.gen.core import FLOATS, Ctx, broadcast_strides, compute_type, literal, offset
 
 
 @dataclasses.dataclass

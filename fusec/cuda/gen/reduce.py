@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from . import emitter
-from .core import Ctx, contiguous_strides, literal, offset
-from .pointwise import out_ct
+from fusec.cuda.gen import emitter
+from fusec.cuda.gen.core import Ctx, contiguous_strides, literal, offset
+from fusec.cuda.gen.pointwise import out_ct
 
 
 def norm_dims(dims: Any, ndim: int) -> list[int]:

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .fallbacks import FallbackWatch
+from fusec.fallbacks import FallbackWatch
 
 log = logging.getLogger("fusec")
 

@@ -12,10 +12,10 @@ from typing import Any
 
 import torch
 
-from ..ir import Ref
-from . import emitter
-from .core import Ctx, broadcast_strides, contiguous_strides, literal, offset
-from .pointwise import Operand, elementwise
+from fusec.ir import Ref
+from fusec.cuda.gen import emitter
+from fusec.cuda.gen.core import Ctx, broadcast_strides, contiguous_strides, literal, offset
+from fusec.cuda.gen.pointwise import Operand, elementwise
 
 #: index_ok codes (templates/common.cuh): token id, other index
 CODE_TOKEN, CODE_INDEX = 1, 2

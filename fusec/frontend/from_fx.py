@@ -6,10 +6,10 @@ from typing import Any
 
 import torch
 
-from .capture import MODEL_TENSORS, node_source
-from .errors import UnsupportedOpError
-from .instructions.generic import aten_category
-from .ir import Graph, Op, Ref, Role, TensorInfo
+from fusec.frontend.capture import MODEL_TENSORS, node_source
+from fusec.errors import UnsupportedOpError
+from fusec.instructions.generic import aten_category
+from fusec.ir import Graph, Op, Ref, Role, TensorInfo
 
 
 def _meta(node: torch.fx.Node) -> Any:

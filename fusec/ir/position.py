@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from .env import Env
-from .ir import Graph, Role
+from fusec.ir.env import Env
+from fusec.ir import Graph, Role
 
 MAX_TABLE_BYTES = 64 << 20
 MAX_KNOWN_WEIGHT = 1 << 16  # weights up to this many elements may feed position tables
@@ -109,7 +109,7 @@ def evaluate(g: Graph, target: str, counter: str, positions: range, weights: dic
 def evaluate_many(g: Graph, targets: list[str], counter: str, positions: range,
                   weights: dict[str, torch.Tensor]) -> dict[str, list[torch.Tensor]]:
     """Like :func:`evaluate` for several targets that depend on the same counter, sharing work."""
-    from .semantics import run_op
+    from fusec.ir.semantics import run_op
     need: set[str] = set()
     for t in targets:
         need |= {o.name for o in subgraph_ops(g, t)}

@@ -6,12 +6,12 @@ from typing import Any, Callable
 
 import torch
 
-from .config import Options
-from .errors import FusecError
-from .fallbacks import note_compiled, warn as warn_fallback
-from .ir import Graph
-from .pipeline import Dumper, lower
-from .schedule import Schedule
+from fusec.config import Options
+from fusec.errors import FusecError
+from fusec.fallbacks import note_compiled, warn as warn_fallback
+from fusec.ir import Graph
+from fusec.pipeline import Dumper, lower
+from fusec.ir.schedule import Schedule
 
 log = logging.getLogger("fusec")
 
@@ -68,7 +68,7 @@ class CompiledStep:
         """Write this step's per-SM timeline: trace.json (Perfetto), timeline.json, timeline.png."""
         from pathlib import Path
 
-        from .profile import MatplotlibMissing, Timeline
+        from fusec.runtime.profile import MatplotlibMissing, Timeline
         out = Path(self.opts.profile_dir or "fusec_profile")
         out.mkdir(parents=True, exist_ok=True)
         tl = Timeline.from_records(self._cuda_step.profile_records(), self.schedule)
@@ -84,13 +84,13 @@ class CompiledStep:
 
     def _build(self, args: list[Any]) -> Callable[[list[Any]], list[torch.Tensor]]:
         if self.target == "sim":
-            from .sim import Simulator
+            from fusec.sim import Simulator
             if self.opts.profile:
                 log.warning("fusec: profile records GPU timelines; the simulator target has none")
             self.schedule = lower(self.graph, args, self.opts, self.dump)
             sim = Simulator(self.schedule, seed=self.opts.seed, check=self.opts.check_hazards)
             return lambda a: [o.clone() for o in sim.step(a)]
-        from .gpu import build_cuda_step
+        from fusec.cuda.build import build_cuda_step
         g0 = self.graph
         dev = next(a.device for a in args if isinstance(a, torch.Tensor) and a.is_cuda)
         on_cpu = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.device.type == "cpu"]

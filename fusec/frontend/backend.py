@@ -13,12 +13,12 @@ from typing import Any, Callable
 
 import torch
 
-from .capture import aten_capture, check_decode_step
-from .compiled import CompiledStep
-from .config import Options
-from .errors import FallbackRequired, FusecError
-from .fallbacks import warn as warn_fallback
-from .pipeline import Dumper, build_ir
+from fusec.frontend.capture import aten_capture, check_decode_step
+from fusec.runtime.compiled import CompiledStep
+from fusec.config import Options
+from fusec.errors import FallbackRequired, FusecError
+from fusec.fallbacks import warn as warn_fallback
+from fusec.pipeline import Dumper, build_ir
 
 log = logging.getLogger("fusec")
 

@@ -1,6 +1,6 @@
 """Reference semantics of semantic ops (raised by ``recognize``) and the op dispatcher.
 
-Each function computes a whole op from :class:`fusec.env.Env` in float32 and rounds once
+Each function computes a whole op from :class:`fusec.ir.env.Env` in float32 and rounds once
 to the output dtype. Sources: HF ``LlamaRMSNorm`` (RMSNorm, Zhang & Sennrich 2019),
 ``apply_rotary_pos_emb``/``rotate_half`` (RoPE, Su et al. 2021, half-split layout),
 ``torch.nn.functional.scaled_dot_product_attention`` with grouped-query attention
@@ -13,8 +13,8 @@ from typing import Callable
 
 import torch
 
-from .env import Env
-from .ir import Op
+from fusec.ir.env import Env
+from fusec.ir import Op
 
 SEMANTICS: dict[str, Callable[[Op, Env], None]] = {}
 
@@ -153,12 +153,12 @@ def run_op(op: Op, env: Env) -> None:
     """Execute one op whole: ATen ops through PyTorch, semantic ops here, instruction kinds
     tile by tile with their own tiling into a single tile."""
     if op.kind.startswith(("aten.", "prims.", "fusec.")):
-        from .instructions.generic import run_aten
+        from fusec.instructions.generic import run_aten
         run_aten(op, env)
     elif op.kind in SEMANTICS:
         SEMANTICS[op.kind](op, env)
     else:
-        from .instructions import KINDS
+        from fusec.instructions import KINDS
         cls = KINDS[op.kind]
         for tile in cls.tiles(op, env.g, 1):
             cls.run_tile(op, tile, env)

@@ -27,7 +27,7 @@ import logging
 import os
 from typing import Any, Sequence
 
-log = logging.getLogger("fusec.profile")
+log = logging.getLogger("fusec.runtime.profile")
 
 FORMAT = "fusec-timeline"
 VERSION = 1
@@ -39,7 +39,7 @@ class MatplotlibMissing(ImportError):
 
 @dataclasses.dataclass(frozen=True)
 class InstrMeta:
-    """What the timeline keeps of a schedule instruction (``fusec.schedule.Instr``).
+    """What the timeline keeps of a schedule instruction (``fusec.ir.schedule.Instr``).
 
     ``sm`` is the SM the schedule placed it on; ``bytes`` is ``tile.bytes`` (weights plus
     activations) and ``weight_bytes`` is ``tile.weight_bytes``; ``waits`` are the counter ids
@@ -126,7 +126,7 @@ class Timeline:
             records: int64 ``[n_instructions, 4]`` (torch tensor on any device, numpy array or
                 nested sequences); row ``i`` is instruction id ``i``:
                 ``(sm, t_start_ns, t_waited_ns, t_end_ns)``, absolute ``%globaltimer`` ns.
-            schedule: a ``fusec.schedule.Schedule`` (only ``.instrs[i]`` with ``.id .op .kind
+            schedule: a ``fusec.ir.schedule.Schedule`` (only ``.instrs[i]`` with ``.id .op .kind
                 .sm .layer .tile.bytes .tile.weight_bytes .waits`` and optionally ``.num_sms``
                 are read; without ``num_sms`` it is the highest SM + 1).
             step_ms: the step's wall time measured around the launch, kept in the summary.

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .ir import Graph, Role
+from fusec.ir import Graph, Role
 
 POISON_INT = -(2 ** 31) + 7
 

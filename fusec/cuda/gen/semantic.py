@@ -1,13 +1,13 @@
-"""Semantic ops left unfused (reference semantics in :mod:`fusec.semantics`): ``rmsnorm``,
+"""Semantic ops left unfused (reference semantics in :mod:`fusec.ir.semantics`): ``rmsnorm``,
 ``rope``, ``silu_mul``, ``gelu_mul``, ``kv_write``, ``attention``, and ``fusec.sdpa`` (PyTorch SDPA on
 materialized K/V)."""
 from __future__ import annotations
 
 import math
 
-from . import emitter
-from .core import Ctx, broadcast_strides, literal, offset
-from .pointwise import Operand, elementwise
+from fusec.cuda.gen import emitter
+from fusec.cuda.gen.core import Ctx, broadcast_strides, literal, offset
+from fusec.cuda.gen.pointwise import Operand, elementwise
 
 CODE_KV_POS, CODE_ATTN_POS = 4, 5   # index_ok codes (templates/common.cuh)
 

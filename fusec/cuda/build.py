@@ -1,0 +1,62 @@
+"""The CUDA target: the one place that runs lower -> render -> NVRTC -> load.
+
+:func:`compile_kernel` renders a schedule and compiles it (no GPU needed: the CLI's
+``--emit-cuda`` and CI use it); :func:`build_cuda_step` lowers a graph for the GPU of its
+inputs, compiles it and loads it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any
+
+import torch
+
+from fusec.cuda.codegen import KernelPlan, describe, render
+from fusec.config import Options
+from fusec.ir import Graph
+from fusec.cuda.jit import CompiledKernel, compile_cuda
+from fusec.pipeline import Dumper, lower
+from fusec.ir.schedule import Schedule
+
+log = logging.getLogger("fusec")
+
+
+def compile_kernel(sched: Schedule, opts: Options, dump: Dumper | None = None) -> tuple[KernelPlan, CompiledKernel]:
+    """Render ``sched`` into the megakernel's CUDA source and compile it for sm_90a with NVRTC.
+
+    Returns:
+        (plan, kernel): the rendered source with its buffer layout, and the CUBIN with its
+        resource usage (registers, stack, spills). ``dump`` gets ``kernel.cu``.
+    Raises:
+        FallbackRequired: an op has no CUDA form; JitError: NVRTC failed.
+    """
+    t0 = time.perf_counter()
+    plan = render(sched, profile=opts.profile, defines=opts.defines)
+    if dump is not None:
+        dump.text("kernel.cu", plan.source)
+    kernel = compile_cuda(plan.source, "fusec_step.cu")
+    res = kernel.resources.get("fusec_step", {})
+    log.info("stage %-13s %s, %s registers, %s B stack, %s B spills  (%.2f s%s)", "codegen+jit",
+             describe(plan), res.get("registers"), res.get("stack_frame_bytes"),
+             res.get("spill_store_bytes"), time.perf_counter() - t0, ", cached" if kernel.cache_hit else "")
+    return plan, kernel
+
+
+def build_cuda_step(g: Graph, args: list[Any], opts: Options, dump: Dumper) -> tuple["CudaStep", Schedule]:
+    """Compile ``g`` for the GPU of its inputs; ``num_sms`` defaults to that GPU's SM count.
+
+    Raises:
+        FallbackRequired: an op has no CUDA form; JitError: NVRTC failed; CudaError, FusecError.
+    """
+    dev = next(a.device for a in args if isinstance(a, torch.Tensor) and a.is_cuda)
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    if opts.num_sms is None:
+        opts = dataclasses.replace(opts, num_sms=sms)
+    sched = lower(g, args, opts, dump)
+    plan, kernel = compile_kernel(sched, opts, dump)
+    from fusec.runtime.cuda_step import CudaStep   # loads the CUDA driver bindings
+    step = CudaStep(sched.graph, plan, kernel, args, watchdog_s=opts.watchdog_s,
+                    check_watchdog=opts.check_watchdog, graph_launch=opts.graph_launch)
+    return step, sched
