@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: venv demo test bench clean
+.PHONY: venv demo test bench bench-families clean
 
 venv: $(VENV)/.stamp
 
@@ -23,6 +23,10 @@ test: venv
 # GPU machine only (no venv there: run from the tree with its python3)
 bench:
 	PYTHONPATH=. $(PYTHON) benchmarks/decode.py --out build/bench.json
+
+# fusec vs HF eager per decoder family (published widths, 2 layers); GPU machine only, as bench
+bench-families:
+	PYTHONPATH=. $(PYTHON) benchmarks/families.py --out build/families-bench.json
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache
