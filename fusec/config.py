@@ -71,8 +71,8 @@ class Options:
             "reduce" (a separate ``attention_reduce`` level after all partial tiles). The default
             "last_tile" measured 1.0-1.4% faster on the H200 (docs/performance.md section 8).
         defines: ``#define`` name -> value for the kernel source: the tuning knobs of
-            :data:`fusec.cuda.codegen.KNOBS` (``FUSEC_LOADS_IN_FLIGHT``, ``FUSEC_PREFETCH``,
-            ``FUSEC_ATTN_EARLY``) and their defaults.
+            :data:`fusec.cuda.codegen.KNOBS` (``FUSEC_LOADS_IN_FLIGHT``, ``FUSEC_PREFETCH``)
+            and their defaults.
         mode: ``torch.compile``'s mode, passed by torch as a backend keyword: None or "default"
             and "max-autotune-no-cudagraphs" launch the kernel directly each step;
             "reduce-overhead" (HF generate()'s default) and "max-autotune" replay the launch

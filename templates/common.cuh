@@ -163,7 +163,7 @@ __device__ __forceinline__ void lds_vec(const TS* p, float (&f)[V]) {
 // the measured Llama-3.2-1B kernels; this pins it.
 #define FUSEC_KIND_FN __noinline__
 
-// Tuning knobs FUSEC_LOADS_IN_FLIGHT, FUSEC_PREFETCH, FUSEC_ATTN_EARLY: #defined at the top of the kernel by
+// Tuning knobs FUSEC_LOADS_IN_FLIGHT, FUSEC_PREFETCH: #defined at the top of the kernel by
 // codegen (fusec.cuda.codegen.KNOBS holds their defaults and meaning).
 
 // Batch shape of a matvec over R rows of length K: B loads of 16 bytes per row and lane in flight.

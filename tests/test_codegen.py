@@ -89,11 +89,3 @@ def test_batched_matvec_paths_render_and_compile(hidden, tmp_path):
     k.assert_no_spills()
 
 
-@pytest.mark.parametrize("factory,dtype", [(hf_tiny.llama, torch.bfloat16), (hf_tiny.qwen3, torch.float32)])
-def test_two_pass_attention_compiles(factory, dtype, tmp_path):
-    """FUSEC_ATTN_EARLY=0 instantiates the two-pass split-KV path (the default takes the early
-    one wherever it fits), without spills."""
-    res = _tiny_decode_step(factory, dtype, 8)
-    plan = render(res.schedule, defines={"FUSEC_ATTN_EARLY": 0})
-    assert "#define FUSEC_ATTN_EARLY 0" in plan.source
-    compile_cuda(plan.source, "fusec_step.cu", cache_dir=str(tmp_path)).assert_no_spills()

@@ -28,11 +28,9 @@ MAX_SMEM_BYTES = 227 * 1024   # dynamic shared memory per CTA on sm_90 (opt-in m
 #: ``defines`` option overrides them. FUSEC_LOADS_IN_FLIGHT: 16-byte weight loads in flight per
 #: lane in a matvec; FUSEC_PREFETCH: L2 bulk prefetch of this and the next instruction's
 #: weights before the counter waits. (Staging the first weight batch in shared memory or in
-#: registers before the waits measured slower and was removed: docs/performance.md.)
-#: FUSEC_ATTN_EARLY: split-KV tiles issue all their K and V loads before staging q (the
-#: register softmax of attention_partial_early) or the two-pass path (0). 1 is the setting the
-#: last bench and GPU suite ran; 0 measured about 2% faster since (docs/performance.md §9).
-KNOBS = {"FUSEC_LOADS_IN_FLIGHT": 8, "FUSEC_PREFETCH": 0, "FUSEC_ATTN_EARLY": 1}
+#: registers before the waits, early K/V loads in the split-KV tiles, and a shared-memory weight
+#: ring of bulk async copies all measured slower and were removed: docs/performance.md.)
+KNOBS = {"FUSEC_LOADS_IN_FLIGHT": 8, "FUSEC_PREFETCH": 0}
 PROF_MARKS = 6   # FUSEC_MARK(k) timestamps per instruction in a profiling build, k < PROF_MARKS
 WORD = 8  # int32 per instruction word: op, p0, p1, p2, p3, wait_off, wait_cnt, counter id
 
