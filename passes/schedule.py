@@ -13,9 +13,11 @@ Expects: a fused graph and its tiles (``passes.tile``). Guarantees:
   that wait on a whole level (split-KV reduce) spread over SMs instead of queueing behind
   each other. It balances predicted finish times, not bytes: a layer's bytes per SM stay
   close to even but not exact (the 1B test bounds the max/mean at 1.10);
-* an instruction waits for exactly the earlier instructions on *other* SMs whose regions
-  conflict with its own: written regions it reads (RAW), and regions it overwrites that an
-  earlier instruction read or wrote (WAR, WAW). Same-SM order needs no counter.
+* an instruction waits for every tile, on *other* SMs, of each earlier op that has a tile whose
+  regions conflict with its own: written regions it reads (RAW), and regions it overwrites
+  that an earlier tile read or wrote (WAR, WAW). Same-SM order needs no counter. Waits are
+  per producer op because the kernel counts per op (:meth:`Schedule.counter_waits`): a
+  consumer needs one counter per dependency, not one per producer tile.
 """
 from __future__ import annotations
 
@@ -59,7 +61,7 @@ def run(g: Graph, tiles: dict[str, list[Tile]], num_sms: int) -> Schedule:
     for op in g.ops:
         for t in sorted(tiles[op.name], key=lambda t: -t.bytes):
             instrs.append(Instr(len(instrs), op.name, op.kind, t, -1, op.layer))
-    producers = _producers(instrs)
+    producers = _by_op(instrs, _producers(instrs))
     free = [(0.0, sm) for sm in range(num_sms)]          # heap of (time the SM is free, SM)
     finish = [0.0] * len(instrs)
     for ins, deps in zip(instrs, producers):
@@ -72,6 +74,16 @@ def run(g: Graph, tiles: dict[str, list[Tile]], num_sms: int) -> Schedule:
         queues[ins.sm].append(ins.id)
         ins.waits = sorted(p for p in deps if instrs[p].sm != ins.sm)
     return Schedule(num_sms, instrs, queues, g)
+
+
+def _by_op(instrs: list[Instr], producers: list[set[int]]) -> list[set[int]]:
+    """Widen each instruction's producers to every tile of each producer op: the kernel has one
+    counter per op (each tile adds 1; a consumer waits for tiles x epoch), so a consumer
+    that needs one tile of an op waits for all of them."""
+    tiles: dict[str, set[int]] = {}
+    for ins in instrs:
+        tiles.setdefault(ins.op, set()).add(ins.id)
+    return [set().union(*(tiles[instrs[p].op] for p in deps)) if deps else set() for deps in producers]
 
 
 def _producers(instrs: list[Instr]) -> list[set[int]]:

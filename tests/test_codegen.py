@@ -26,12 +26,14 @@ def test_tiny_kernel_renders_and_compiles(factory, dtype, tmp_path):
     plan = render(res.schedule)
     s = res.schedule
     assert len(plan.words) == WORD * len(s.instrs)
-    # every instruction word: op index, its counter id, and its wait list as scheduled
+    # every instruction word: op index (its counter), its id, and its wait list as scheduled
+    cws = s.counter_waits()
     for q, sm_queue in enumerate(s.queues):
         for k, iid in enumerate(sm_queue):
             w = plan.words[(plan.queue_off[q] + k) * WORD:(plan.queue_off[q] + k + 1) * WORD]
             assert w[7] == iid and res.graph.ops[w[0]].name == s.instrs[iid].op
-            assert plan.waits[w[5]:w[5] + w[6]] == s.instrs[iid].waits
+            pairs = plan.waits[2 * w[5]:2 * (w[5] + w[6])]
+            assert list(zip(pairs[::2], pairs[1::2])) == cws[iid]
     for kind in ("rms_qkv_rope", "attention_partial", "matvec_residual", "rms_gate_up_silu", "rms_lm_head"):
         assert f"{kind}<" in plan.source
     k = compile_cuda(plan.source, "fusec_step.cu", cache_dir=str(tmp_path))
@@ -40,16 +42,16 @@ def test_tiny_kernel_renders_and_compiles(factory, dtype, tmp_path):
 
 def test_last_tile_merge_renders_tickets_and_compiles(tmp_path):
     """attention_merge="last_tile": no attention_reduce; each attention op owns one spare counter
-    (ticket) per KV head, after the instruction counters, and the kernel compiles."""
+    (ticket) per KV head, after the op counters, and the kernel compiles."""
     res = _tiny_decode_step(hf_tiny.llama, torch.bfloat16, 8, attention_merge="last_tile")
     kinds = res.graph.count_kinds()
     assert "attention_reduce" not in kinds
     plan = render(res.schedule)
-    n_instr, n_att = len(res.schedule.instrs), kinds["attention_partial"]
+    n_ops, n_att = len(res.graph.ops), kinds["attention_partial"]
     n_kv = next(o for o in res.graph.ops if o.kind == "attention_partial").attrs["n_kv"]
-    assert plan.n_counters == n_instr + n_att * n_kv
+    assert plan.n_counters == n_ops + n_att * n_kv
     for k in range(n_att):
-        assert f"(counters + {n_instr + k * n_kv})" in plan.source
+        assert f"(counters + {n_ops + k * n_kv})" in plan.source
     assert plan.source.count("attention_partial_merge<") == n_att   # one call per attention op
     k = compile_cuda(plan.source, "fusec_step.cu", cache_dir=str(tmp_path))
     k.assert_no_spills()
@@ -60,7 +62,7 @@ def test_reduce_merge_renders_and_compiles(tmp_path):
     res = _tiny_decode_step(hf_tiny.llama, torch.bfloat16, 8, attention_merge="reduce")
     assert res.graph.count_kinds()["attention_reduce"] == res.graph.count_kinds()["attention_partial"]
     plan = render(res.schedule)
-    assert plan.n_counters == len(res.schedule.instrs) and "attention_partial_merge<" not in plan.source
+    assert plan.n_counters == len(res.graph.ops) and "attention_partial_merge<" not in plan.source
     compile_cuda(plan.source, "fusec_step.cu", cache_dir=str(tmp_path)).assert_no_spills()
 
 

@@ -108,7 +108,7 @@ def test_watchdog_reports_a_missing_producer():
     step(*flat)  # a good step first
     step.raise_if_watchdog()
     victim = next(i for i in range(len(step.plan.words) // 8) if step.plan.words[i * 8 + 6] > 0)
-    woff = step.plan.words[victim * 8 + 5]
+    woff = 2 * step.plan.words[victim * 8 + 5]    # waits are (counter, tiles) pairs
     good = step.plan.waits[woff]
     step.waits[woff] = step.plan.n_counters      # a counter that no instruction signals
     step(*flat)                                  # returns: the status is read at the next call

@@ -93,8 +93,9 @@ class KernelPlan:
         buffers: root tensor names in ``bufs[]`` order.
         words: instruction words, ``WORD`` int32 each, grouped by SM in queue order.
         queue_off: ``num_sms + 1`` offsets (in instructions) of each SM's queue in ``words``.
-        waits: concatenated wait lists (counter ids).
-        n_counters: counters to allocate: one per instruction (its id), then the spare ones
+        waits: concatenated wait lists, two int32 per wait: the counter (the producer op's
+            index) and that op's number of tiles (the wait is for tiles x epoch).
+        n_counters: counters to allocate: one per op (its index), then the spare ones
             (atomic tickets, :meth:`Buffers.counters`).
         smem_bytes: dynamic shared memory per CTA.
         profile: the kernel takes one more argument, a [instructions, 4 + PROF_MARKS] uint64
@@ -136,7 +137,7 @@ def render(s: Schedule, title: str = "", threads: int = THREADS, profile: bool =
         raise ValueError(f"threads={threads}: the templates size shared memory for {CTA_THREADS} threads")
     g = s.graph
     env = _env()
-    bufs = Buffers(g, counter_base=len(s.instrs))
+    bufs = Buffers(g, counter_base=len(g.ops))
     op_index = {op.name: k for k, op in enumerate(g.ops)}
     cases, smem = [], 0
     macros: dict[str, Any] = {}       # kind -> its template module, in first-use order
@@ -166,23 +167,25 @@ def render(s: Schedule, title: str = "", threads: int = THREADS, profile: bool =
                                f"more than the {MAX_SMEM_BYTES} B an sm_90 CTA can have")
     words, waits, queue_off = [], [], [0]
     ops = g.op_by_name()
+    counter_waits = s.counter_waits()
     for q in s.queues:
         for iid in q:
             ins = s.instrs[iid]
             op = ops[ins.op]
             p = (kind_of(op).encode(op, ins.tile) + [0, 0, 0, 0])[:4]
-            words += [op_index[ins.op], *p, len(waits), len(ins.waits), ins.id]
-            waits += ins.waits
+            cw = counter_waits[iid]
+            words += [op_index[ins.op], *p, len(waits) // 2, len(cw), ins.id]
+            waits += [x for pair in cw for x in pair]
         queue_off.append(len(words) // WORD)
     source = env.get_template("kernel.cu.j2").render(
         title=title or "decode step", num_sms=s.num_sms, threads=threads, smem_bytes=smem * 4,
-        n_instrs=len(s.instrs), n_ops=len(g.ops), n_waits=len(waits), kinds=list(macros), macros=macros,
+        n_instrs=len(s.instrs), n_ops=len(g.ops), n_waits=len(waits) // 2, kinds=list(macros), macros=macros,
         cases=cases, profile=profile, prof_marks=PROF_MARKS, defines=defines,
         gen_sources=list(gen_sources.values()), gen_helpers=gen_helpers)
-    return KernelPlan(source, bufs.names, words, queue_off, waits or [0], len(s.instrs) + bufs.n_spare,
+    return KernelPlan(source, bufs.names, words, queue_off, waits or [0, 1], len(g.ops) + bufs.n_spare,
                       max(16, smem * 4), threads, s.num_sms, profile)
 
 
 def describe(plan: KernelPlan) -> dict[str, Any]:
     return {"buffers": len(plan.buffers), "instructions": len(plan.words) // WORD,
-            "waits": len(plan.waits), "smem_bytes": plan.smem_bytes, "threads": plan.threads}
+            "waits": len(plan.waits) // 2, "smem_bytes": plan.smem_bytes, "threads": plan.threads}

@@ -1,9 +1,12 @@
 """The schedule: per-SM instruction queues with dependency counters (plain, JSON-ready).
 
-Every instruction (a tile placed on an SM) owns one counter, which it increments once per
-step after its stores. An instruction lists the counters it waits for; in step ``e``
-(1-based epoch) it waits until each such counter is at least ``e``, so counters never need a
-reset between steps. Queues are in program order, which is a linear extension of the DAG.
+Every op owns one counter, which each of its instructions (tiles placed on SMs) increments
+once per step after its stores. An instruction lists the instructions it waits for (all tiles
+of each producer op on other SMs); the kernel waits on their ops' counters instead
+(:meth:`Schedule.counter_waits`): in step ``e`` (1-based epoch) until the counter of an op
+with ``n`` tiles is at least ``n * e``, so counters never need a reset between steps. Queues
+are in program order, which is a linear extension of the DAG, and every tile of a producer op
+comes before every tile of its consumers in each queue.
 """
 from __future__ import annotations
 
@@ -19,7 +22,8 @@ from fusec.ir import Graph
 
 @dataclasses.dataclass
 class Instr:
-    """One tile on one SM. ``id`` is also the id of the counter it increments."""
+    """One tile on one SM. ``waits``: ids of the instructions on other SMs that must finish
+    first (every tile of each producer op there)."""
 
     id: int
     op: str
@@ -42,6 +46,30 @@ class Schedule:
     queues: list[list[int]]
     graph: Graph
 
+    def counter_waits(self) -> list[list[tuple[int, int]]]:
+        """The kernel's waits per instruction id: (op index = counter id, tiles of that op) per
+        producer op, in op order.
+
+        Raises:
+            ValueError: an instruction's ``waits`` list part of an op's tiles on other SMs
+                (one counter per op cannot express it).
+        """
+        index = {o.name: k for k, o in enumerate(self.graph.ops)}
+        tiles: dict[str, list[Instr]] = {}
+        for i in self.instrs:
+            tiles.setdefault(i.op, []).append(i)
+        out = []
+        for ins in self.instrs:
+            by_op: dict[str, set[int]] = {}
+            for w in ins.waits:
+                by_op.setdefault(self.instrs[w].op, set()).add(w)
+            for o, ws in by_op.items():
+                if ws != {i.id for i in tiles[o] if i.sm != ins.sm}:
+                    raise ValueError(f"{ins.describe()} waits for part of op {o}'s tiles: one counter "
+                                     f"per op cannot express it")
+            out.append([(index[o], len(tiles[o])) for o in sorted(by_op, key=index.__getitem__)])
+        return out
+
     def to_json(self) -> dict[str, Any]:
         g = self.graph
         bufs = {}
@@ -51,9 +79,9 @@ class Schedule:
                                 "role": t.role.value, "bytes": t.nbytes}
         return {
             "num_sms": self.num_sms,
-            "counters": len(self.instrs),
-            "epoch_rule": "instruction i increments counter i once per step; a wait on counter c "
-                          "in step e (1-based) spins until counter c >= e",
+            "counters": len(g.ops),
+            "epoch_rule": "each instruction of op k increments counter k once per step; a wait on op k "
+                          "(n tiles) in step e (1-based) spins until counter k >= n * e",
             "queues": self.queues,
             "instructions": [{
                 "id": i.id, "op": i.op, "kind": i.kind, "tile": i.tile.index, "sm": i.sm,
@@ -93,7 +121,7 @@ class Schedule:
         return {
             "instructions": len(self.instrs),
             "instructions_by_kind": dict(sorted(kinds.items())),
-            "waits": sum(len(i.waits) for i in self.instrs),
+            "waits": sum(len(w) for w in self.counter_waits()),   # the kernel's (one per producer op)
             "sm_bytes": {"min": min(b), "median": int(statistics.median(b)), "max": max(b)},
             "total_bytes": total,
             "layer_balance_max": max(bal.values()) if bal else 1.0,

@@ -88,8 +88,8 @@ def status_error(head: Sequence[int], records: Sequence[Sequence[int]],
         f["stuck_sms"] = len(recs)
         return WatchdogError(
             f"megakernel watchdog: SM {f['sm']} queue[{f['queue_index']}] op {f['op']} ({f['op_name']}) "
-            f"instruction #{f['instruction']} waited past the timeout on counter {f['counter']}: "
-            f"value {f['value']}, target {f['target']} ({len(recs)} SMs stuck)", f)
+            f"instruction #{f['instruction']} waited past the timeout on counter {f['counter']} "
+            f"(op {f['counter']}'s tiles): value {f['value']} in step {f['target']} ({len(recs)} SMs stuck)", f)
     if head[ST_FAULT]:
         code, value, bound = (int(head[k]) for k in (ST_CODE, ST_VALUE, ST_BOUND))
         what = _FAULTS.get(code, f"index (code {code})")
