@@ -2,10 +2,11 @@
 instruction words, queue offsets and wait lists the kernel reads.
 
 Every root buffer gets an index into the kernel's ``bufs[]`` pointer table; every op gets
-one ``case`` of the dispatch switch, rendered by its kind's template (``templates/<kind>.cu.j2``)
-with the C types, shapes (compile-time constants) and pointer expressions its Python class
-computes in ``cuda_args``. The opcode of an instruction is its op's index: nothing is
-numbered by hand.
+one ``case`` of the dispatch switch: the call its kind's class declares (``call``,
+:class:`fusec.instructions.call.Call`), else its template's ``call(a)`` macro, with the C types,
+shapes (compile-time constants) and pointer expressions the class computes in ``cuda_args``;
+the kind's template (``templates/<kind>.cu.j2``) defines the device function. The opcode of an
+instruction is its op's index: nothing is numbered by hand.
 """
 from __future__ import annotations
 
@@ -157,8 +158,9 @@ def render(s: Schedule, title: str = "", threads: int = THREADS, profile: bool =
             if args.get("helpers") and args["helpers"] not in gen_helpers:
                 gen_helpers.append(args["helpers"])
         pf = mod.prefetch(args).strip() if hasattr(mod, "prefetch") else ""
+        call = cls.call.text(op, args) if cls.call is not None else mod.call(args).strip()
         cases.append({"op": k, "name": op.name, "kind": op.kind, "layer": op.layer,
-                      "call": mod.call(args).strip(), "prefetch": pf})
+                      "call": call, "prefetch": pf})
         smem = max(smem, cls.smem_floats(op, g))
     defines = {**KNOBS, **(defines or {})}
     if smem * 4 > MAX_SMEM_BYTES:

@@ -31,13 +31,18 @@ the position; a group whose every row is masked outputs 0 (SDPA's safe softmax).
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from fusec.ir.env import Env
 from fusec.ir import Graph, Op
 from fusec.ir.semantics import apply_mask
+from fusec.ir.pattern import sem
 from fusec.instructions.base import CTA_THREADS, Instruction, Region, Tile, register, split_range
+from fusec.instructions.call import P0, P1, SMEM, Call, Expr, Float, Int, Ptr, Type
 from fusec.instructions.matvec_rows import elt
+from fusec.instructions.rule import Ctx, Rule
 
 
 def merge_partials(o: torch.Tensor, ml: torch.Tensor) -> torch.Tensor:
@@ -58,9 +63,46 @@ def split_rows(c: int, pos: int, n_chunks: int) -> tuple[int, int]:
     return c * n // n_chunks, (c + 1) * n // n_chunks
 
 
+def _merges(op: Op) -> bool:
+    """Last-tile merge: the partial op writes the output itself."""
+    return "out" in op.outputs
+
+
+def split_attention(c: Ctx, m: dict) -> list[Op]:
+    """``attention`` -> ``attention_partial`` (about ``min(ceil(L/16), num_sms // Hkv)`` splits of
+    a multiple of 16 rows) whose last tile per KV head merges (``attention_merge="last_tile"``),
+    or ``attention_partial`` + ``attention_reduce`` (``"reduce"``)."""
+    g, att = c.g, m["_anchor"]
+    kc = g.tensors[g.root(att.inputs["k"])]
+    _, nkv, L, d = kc.shape
+    nq = g.tensors[att.inputs["q"]].numel // d
+    n_chunks = max(1, min(math.ceil(L / 16), c.options["num_sms"] // nkv))
+    chunk = math.ceil(math.ceil(L / n_chunks) / 16) * 16
+    n_chunks = math.ceil(L / chunk)
+    o_part = g.new_tensor(f"{att.name}_o_part", (nq, n_chunks, d), torch.float32)
+    ml_part = g.new_tensor(f"{att.name}_ml_part", (nq, n_chunks, 2), torch.float32)
+    attrs = {"scale": att.attrs["scale"], "n_q": nq, "n_kv": nkv, "head_dim": d,
+             "chunk": chunk, "n_chunks": n_chunks, "mask_kind": att.attrs.get("mask_kind", 0)}
+    ins = {"q": att.inputs["q"], "kcache": att.inputs["k"], "vcache": att.inputs["v"],
+           "pos": att.inputs["pos"]}
+    if "mask" in att.inputs:
+        ins["mask"] = att.inputs["mask"]
+    part = Op(g.fresh_name(f"{att.name}_partial"), "attention_partial", ins,
+              {"o_part": o_part, "ml_part": ml_part}, attrs=attrs, source=att.source)
+    if c.options["attention_merge"] == "last_tile":
+        part.outputs["out"] = att.outputs["out"]
+        return [part]
+    red = Op(g.fresh_name(f"{att.name}_reduce"), "attention_reduce",
+             {"o_part": o_part, "ml_part": ml_part}, {"out": att.outputs["out"]},
+             attrs=dict(attrs), source=att.source)
+    return [part, red]
+
+
 @register
 class AttentionPartial(Instruction):
     name = "attention_partial"
+    #: every ``attention`` op that ``rms_qkv_rope`` left (it always splits; counts one fusion)
+    rules = (Rule(sem("attention"), build=split_attention, priority=20),)
 
     @classmethod
     def _dims(cls, op: Op, g: Graph):
@@ -98,20 +140,19 @@ class AttentionPartial(Instruction):
         p = tile.params
         return [p["kv_head"], p["chunk"], 0, 0]
 
-    @classmethod
-    def cuda_args(cls, op: Op, g: Graph, bufs) -> dict:
-        nq, nkv, d, chunk, nc, L = cls._dims(op, g)
-        i, o = op.inputs, op.outputs
-        args = {"tq": bufs.ctype(i["q"]), "tc": bufs.ctype(i["kcache"]), "NQ": nq, "NKV": nkv, "D": d,
-                "L": L, "CH": chunk, "NC": nc, "scale": repr(float(op.attrs["scale"])),
-                "q": bufs.ptr(i["q"]), "kcache": bufs.ptr(i["kcache"]), "vcache": bufs.ptr(i["vcache"]),
-                "pos": bufs.ptr(i["pos"]), "o_part": bufs.ptr(o["o_part"]), "ml_part": bufs.ptr(o["ml_part"]),
-                "merge": "out" in o, "MK": op.attrs.get("mask_kind", 0),
-                "mask": bufs.ptr(i["mask"]) if "mask" in i else "nullptr",
-                "tm": bufs.ctype(i["mask"]) if "mask" in i else "bool"}
-        if "out" in o:
-            args.update(to=bufs.ctype(o["out"]), out=bufs.ptr(o["out"]), tickets=bufs.counters(op.name, nkv))
-        return args
+    call = Call(lambda op: "attention_partial_merge" if _merges(op) else "attention_partial",
+                targs=(Type("tq", "q"), Type("tc", "kcache"), Type("to", "out", when=_merges),
+                       *(Int(k, lambda op, g, a=a: op.attrs[a]) for k, a in
+                         (("NQ", "n_q"), ("NKV", "n_kv"), ("D", "head_dim"))),
+                       Int("L", lambda op, g: g.tensors[op.inputs["kcache"]].shape[2]),
+                       Int("CH", lambda op, g: op.attrs["chunk"]), Int("NC", lambda op, g: op.attrs["n_chunks"]),
+                       Int("MK", lambda op, g: op.attrs.get("mask_kind", 0), default=0),
+                       Type("tm", "mask", when=lambda op: "mask" in op.inputs)),
+                args=(Ptr("q"), Ptr("kcache"), Ptr("vcache"), Ptr("pos"), Ptr("o_part"), Ptr("ml_part"),
+                      Ptr("out", when=_merges),
+                      Expr("tickets", lambda op, g, bufs: bufs.counters(op.name, op.attrs["n_kv"]), when=_merges),
+                      Float("scale", "scale"), P0, P1, SMEM, Ptr("mask", default="nullptr")),
+                numbering=("q", "kcache", "vcache", "pos", "o_part", "ml_part", "mask", "out"))
 
     @classmethod
     def smem_floats(cls, op: Op, g: Graph) -> int:
@@ -238,11 +279,9 @@ class AttentionReduce(Instruction):
                               (h1 - h0) * (nc * (d + 2) * 4 + d * elt(g, op.outputs["out"]))))
         return tiles
 
-    @classmethod
-    def cuda_args(cls, op: Op, g: Graph, bufs) -> dict:
-        return {"to": bufs.ctype(op.outputs["out"]), "D": op.attrs["head_dim"], "NC": op.attrs["n_chunks"],
-                "o_part": bufs.ptr(op.inputs["o_part"]), "ml_part": bufs.ptr(op.inputs["ml_part"]),
-                "out": bufs.ptr(op.outputs["out"])}
+    call = Call("attention_reduce", targs=(Type("to", "out"), Int("D", lambda op, g: op.attrs["head_dim"]),
+                                           Int("NC", lambda op, g: op.attrs["n_chunks"])),
+                args=(Ptr("o_part"), Ptr("ml_part"), Ptr("out"), P0, P1))
 
     @classmethod
     def run_tile(cls, op: Op, tile: Tile, env: Env) -> None:

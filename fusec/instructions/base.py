@@ -24,9 +24,11 @@ CTA_THREADS = 512
 
 
 def register(cls: type["Instruction"]) -> type["Instruction"]:
-    """Class decorator: make an instruction kind known by its ``name``."""
+    """Class decorator: make an instruction kind known by its ``name``, with its fusion rules
+    (stamped with the kind unless a rule names another)."""
     if cls.name in KINDS:
         raise ValueError(f"instruction kind {cls.name} registered twice")
+    cls.rules = tuple(r if r.kind else dataclasses.replace(r, kind=cls.name) for r in cls.rules)
     KINDS[cls.name] = cls
     return cls
 
@@ -85,9 +87,17 @@ class Tile:
 
 
 class Instruction:
-    """Base class of instruction kinds; subclasses set ``name`` and override the methods."""
+    """Base class of instruction kinds; subclasses set ``name`` and override the methods.
+
+    ``rules``: how subgraphs fuse into this kind (:class:`fusec.instructions.rule.Rule`), applied
+    by the ``fuse`` pass; a kind without rules runs only ops already of its kind. ``call``: the
+    device call its template's function takes (:class:`fusec.instructions.call.Call`), from
+    which codegen makes the arguments dict and the dispatch case; without it the template's
+    ``call(a)`` macro writes the case from ``cuda_args``."""
 
     name: ClassVar[str] = ""
+    rules: ClassVar[tuple[Any, ...]] = ()
+    call: ClassVar[Any] = None
 
     @classmethod
     def tiles(cls, op: Op, g: Graph, want: int) -> list[Tile]:
@@ -122,10 +132,12 @@ class Instruction:
 
     @classmethod
     def cuda_args(cls, op: Op, g: Graph, bufs: Any) -> dict[str, Any]:
-        """Arguments of the kind template's ``call`` macro: C types, shapes, pointer expressions
-        (``bufs`` is a :class:`fusec.cuda.codegen.Buffers`). Raises FallbackRequired if the op has
-        no CUDA form."""
-        raise NotImplementedError(f"{cls.name} has no CUDA template")
+        """Arguments the kind template's macros read: C types, shapes, pointer expressions
+        (``bufs`` is a :class:`fusec.cuda.codegen.Buffers`); by default those of the class's
+        ``call`` declaration. Raises FallbackRequired if the op has no CUDA form."""
+        if cls.call is None:
+            raise NotImplementedError(f"{cls.name} has no CUDA template")
+        return cls.call.values(op, g, bufs)
 
     @classmethod
     def smem_floats(cls, op: Op, g: Graph) -> int:

@@ -6,13 +6,20 @@ from __future__ import annotations
 
 from fusec.ir.env import Env
 from fusec.ir import Graph, Op
+from fusec.ir.pattern import op, var
 from fusec.instructions.base import Instruction, Region, Tile, register
+from fusec.instructions.call import Call, Int, Ptr, Type
 from fusec.instructions.matvec_rows import elt
+from fusec.instructions.rule import Rule
 
 
 @register
 class Embedding(Instruction):
     name = "embedding"
+    #: ``aten.embedding(table, ids[, padding_idx, ...])`` of one token (the rest is training-only)
+    rules = (Rule(op("aten.embedding.default", var("table"), var("ids"), partial=True),
+                  inputs={"table": "table", "ids": "ids"}, outputs={"out": "_anchor.out"},
+                  check=lambda g, m: g.tensors[m["ids"]].numel == 1, priority=80, keep_name=True),)
 
     @classmethod
     def tiles(cls, op: Op, g: Graph, want: int) -> list[Tile]:
@@ -21,12 +28,10 @@ class Embedding(Instruction):
         return [Tile(op.name, 0, {}, reads, [Region.whole(g, op.outputs["out"])],
                      h * elt(g, op.inputs["table"]), 2 * h * elt(g, op.outputs["out"]))]
 
-    @classmethod
-    def cuda_args(cls, op: Op, g: Graph, bufs) -> dict:
-        i = op.inputs
-        return {"tw": bufs.ctype(i["table"]), "to": bufs.ctype(op.outputs["out"]),
-                "H": g.tensors[i["table"]].shape[1], "V": g.tensors[i["table"]].shape[0], "table": bufs.ptr(i["table"]),
-                "ids": bufs.ptr(i["ids"]), "out": bufs.ptr(op.outputs["out"])}
+    call = Call("embedding", targs=(Type("tw", "table"), Type("to", "out"),
+                                    Int("H", lambda op, g: g.tensors[op.inputs["table"]].shape[1]),
+                                    Int("V", lambda op, g: g.tensors[op.inputs["table"]].shape[0])),
+                args=(Ptr("table"), Ptr("ids"), Ptr("out")))
 
     @classmethod
     def runtime_regions(cls, op, tile, env):

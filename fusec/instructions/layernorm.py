@@ -14,6 +14,7 @@ import torch
 from fusec.ir.env import Env
 from fusec.ir import Graph, Op
 from fusec.instructions.base import Instruction, Region, Tile, register
+from fusec.instructions.call import RED, Call, Flag, Float, Int, Ptr, Type
 
 
 @register
@@ -27,14 +28,11 @@ class LayerNorm(Instruction):
         return [Tile(op.name, 0, {}, reads, [Region.whole(g, out)], 0,
                      sum(g.tensors[t].nbytes for t in op.reads()) + g.tensors[out].nbytes)]
 
-    @classmethod
-    def cuda_args(cls, op: Op, g: Graph, bufs) -> dict:
-        i, o = op.inputs, op.outputs
-        tw = bufs.ctype(i["w"]) if "w" in i else (bufs.ctype(i["b"]) if "b" in i else "float")
-        return {"tx": bufs.ctype(i["x"]), "tw": tw, "to": bufs.ctype(o["out"]), "H": g.tensors[i["x"]].numel,
-                "eps": repr(float(op.attrs["eps"])), "x": bufs.ptr(i["x"]), "out": bufs.ptr(o["out"]),
-                "w": bufs.ptr(i["w"]) if "w" in i else "nullptr", "b": bufs.ptr(i["b"]) if "b" in i else "nullptr",
-                "has_w": "true" if "w" in i else "false", "has_b": "true" if "b" in i else "false"}
+    call = Call("layernorm", targs=(Type("tx", "x"), Type("tw", "w", "b", otherwise="float"), Type("to", "out"),
+                                    Int("H", lambda op, g: g.tensors[op.inputs["x"]].numel),
+                                    Flag("has_w", has="w"), Flag("has_b", has="b")),
+                args=(Ptr("x"), Ptr("w"), Ptr("b"), Float("eps", "eps"), Ptr("out"), RED),
+                numbering=("x", "out", "w", "b"))
 
     @classmethod
     def run_tile(cls, op: Op, tile: Tile, env: Env) -> None:

@@ -10,13 +10,26 @@ from __future__ import annotations
 
 from fusec.ir.env import Env
 from fusec.ir import Graph, Op
+from fusec.ir.pattern import opt, sem, var
 from fusec.instructions.base import Instruction, Tile, register
+from fusec.instructions.call import P0, P1, SMEM, Call, Flag, Int, Ptr, Type
 from fusec.instructions.matvec_rows import row_tiles, rows_dot
+from fusec.instructions.rule import Rule
+
+
+def _one_vector(g: Graph, m: dict) -> bool:
+    """Batch 1: W is [N, K], x has K elements, the bias N."""
+    w = g.tensors[m["w"]]
+    return len(w.shape) == 2 and g.tensors[m["x"]].numel == w.shape[1] and \
+        ("b" not in m or g.tensors[m["b"]].numel == w.shape[0])
 
 
 @register
 class Matvec(Instruction):
     name = "matvec"
+    #: any linear layer no other rule took (it keeps the linear's name)
+    rules = (Rule(sem("linear", x=var("x"), w=var("w"), b=opt(var("b"))), inputs={"x": "x", "w": "w", "b": "b"},
+                  outputs={"out": "_anchor.out"}, check=_one_vector, priority=70, keep_name=True),)
 
     @classmethod
     def tiles(cls, op: Op, g: Graph, want: int) -> list[Tile]:
@@ -24,14 +37,9 @@ class Matvec(Instruction):
         return row_tiles(op, g, want, [op.inputs["w"]], [op.inputs["x"]],
                          [op.inputs["b"]] if "b" in op.inputs else [], op.outputs["out"], rows)
 
-    @classmethod
-    def cuda_args(cls, op: Op, g: Graph, bufs) -> dict:
-        i, o = op.inputs, op.outputs
-        return {"tx": bufs.ctype(i["x"]), "tw": bufs.ctype(i["w"]), "to": bufs.ctype(o["out"]),
-                "tb": bufs.ctype(i["b"]) if "b" in i else bufs.ctype(i["w"]),
-                "K": g.tensors[i["w"]].shape[1], "bias": "b" in i, "x": bufs.ptr(i["x"]),
-                "w": bufs.ptr(i["w"]), "b": bufs.ptr(i["b"]) if "b" in i else "nullptr",
-                "out": bufs.ptr(o["out"])}
+    call = Call("matvec", targs=(Type("tx", "x"), Type("tw", "w"), Type("tb", "b", "w"), Type("to", "out"),
+                                 Int("K", lambda op, g: g.tensors[op.inputs["w"]].shape[1]), Flag("bias", has="b")),
+                args=(Ptr("x"), Ptr("w"), Ptr("b"), Ptr("out"), P0, P1, SMEM))
 
     @classmethod
     def smem_floats(cls, op: Op, g: Graph) -> int:

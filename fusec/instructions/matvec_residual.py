@@ -8,13 +8,30 @@ from __future__ import annotations
 
 from fusec.ir.env import Env
 from fusec.ir import Graph, Op
+from fusec.ir.pattern import ABSENT, op, sem, var
 from fusec.instructions.base import Instruction, Tile, register
+from fusec.instructions.call import P0, P1, SMEM, Call, Int, Ptr, Type
 from fusec.instructions.matvec_rows import row_tiles, rows_dot
+from fusec.instructions.rule import Rule
+
+
+def _same_size(g: Graph, m: dict) -> bool:
+    """Two tensor operands, alpha 1, and residual, linear output and sum of one size (no
+    broadcasting)."""
+    add = m["_anchor"]
+    n = g.tensors[add.outputs["out"]].numel
+    return "in0" in add.inputs and "in1" in add.inputs and add.attrs["kwargs"].get("alpha", 1) == 1 \
+        and g.tensors[m["residual"]].numel == n and g.tensors[m["y"]].numel == n
 
 
 @register
 class MatvecResidual(Instruction):
     name = "matvec_residual"
+    #: linear (no bias) + residual ``aten.add``, either operand order
+    rules = (Rule(op("aten.add.Tensor", var("residual"), sem("linear", bind="y", x=var("x"), w=var("w"), b=ABSENT),
+                     commutative=True),
+                  inputs={"x": "x", "w": "w", "residual": "residual"}, outputs={"out": "_anchor.out"},
+                  check=_same_size, priority=40),)
 
     @classmethod
     def tiles(cls, op: Op, g: Graph, want: int) -> list[Tile]:
@@ -22,12 +39,10 @@ class MatvecResidual(Instruction):
         return row_tiles(op, g, want, [op.inputs["w"]], [op.inputs["x"]], [op.inputs["residual"]],
                          op.outputs["out"], rows)
 
-    @classmethod
-    def cuda_args(cls, op: Op, g: Graph, bufs) -> dict:
-        i, o = op.inputs, op.outputs
-        return {"tx": bufs.ctype(i["x"]), "tw": bufs.ctype(i["w"]), "tr": bufs.ctype(i["residual"]),
-                "to": bufs.ctype(o["out"]), "K": g.tensors[i["w"]].shape[1], "x": bufs.ptr(i["x"]),
-                "w": bufs.ptr(i["w"]), "res": bufs.ptr(i["residual"]), "out": bufs.ptr(o["out"])}
+    call = Call("matvec_residual",
+                targs=(Type("tx", "x"), Type("tw", "w"), Type("tr", "residual"), Type("to", "out"),
+                       Int("K", lambda op, g: g.tensors[op.inputs["w"]].shape[1])),
+                args=(Ptr("x"), Ptr("w"), Ptr("res", "residual"), Ptr("out"), P0, P1, SMEM))
 
     @classmethod
     def smem_floats(cls, op: Op, g: Graph) -> int:

@@ -7,6 +7,7 @@ from fusec.ir.env import Env
 from fusec.ir import Graph, Op
 from fusec.ir.semantics import rms_normalize
 from fusec.instructions.base import Region, Tile, split_range
+from fusec.instructions.call import Expr, Flag, Int, Type
 
 
 def elt(g: Graph, t: str) -> int:
@@ -50,15 +51,25 @@ def rows_dot(op: Op, env: Env, r0: int, r1: int) -> torch.Tensor:
     return env.read(op.inputs["w"])[r0:r1].float() @ x
 
 
-def rms_rows_cuda_args(op: Op, g: Graph, bufs, weights: tuple[str, ...]) -> dict:
-    """Template arguments shared by the RMSNorm + row-matvec kinds (x, norm, weights, out)."""
-    i, o = op.inputs, op.outputs
-    args = {"tx": bufs.ctype(i["x"]), "tnw": bufs.ctype(i["norm_w"]), "tn": bufs.cname(op.attrs["norm_dtype"]),
-            "tw": bufs.ctype(i[weights[0]]), "to": bufs.ctype(o["out"]), "H": g.tensors[i["x"]].numel,
-            "x": bufs.ptr(i["x"]), "norm_w": bufs.ptr(i["norm_w"]), "eps": repr(float(op.attrs["eps"])),
-            "out": bufs.ptr(o["out"]), "wf32": "true" if op.attrs.get("w_fp32") else "false"}
-    args.update({w: bufs.ptr(i[w]) for w in weights})
-    return args
+def rms_attrs(g: Graph, rms: Op) -> dict:
+    """The attributes a fused kind takes from the ``rmsnorm`` op it absorbs (its eps and the
+    dtype its output had)."""
+    return {"eps": rms.attrs["eps"], "norm_dtype": g.tensors[rms.outputs["out"]].dtype}
+
+
+def rms_types(w: str, out: str = "out") -> tuple:
+    """The template arguments the RMSNorm-prologue kinds start with: TX, TNW, TN (the norm's
+    output dtype), TW (weight ``w``), TO (output ``out``)."""
+    return (Type("tx", "x"), Type("tnw", "norm_w"), Expr("tn", lambda op, g, bufs: bufs.cname(op.attrs["norm_dtype"])),
+            Type("tw", w), Type("to", out))
+
+
+#: H: the hidden size (elements of x)
+HIDDEN = Int("H", lambda op, g: g.tensors[op.inputs["x"]].numel)
+
+
+#: WF32: the norm weight applied in fp32 (Gemma); C++ default false
+WF32 = Flag("wf32", fn=lambda op: op.attrs.get("w_fp32", False), default="false")
 
 
 def rms_prologue(op: Op, env: Env):

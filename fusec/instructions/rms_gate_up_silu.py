@@ -12,17 +12,30 @@ import torch
 
 from fusec.ir.env import Env
 from fusec.ir import Graph, Op
+from fusec.ir.pattern import ABSENT, sem, var
 from fusec.instructions.base import Instruction, Tile, register
-from fusec.instructions.matvec_rows import rms_prologue, rms_rows_cuda_args, row_tiles
+from fusec.instructions.call import P0, P1, RED, SMEM, Call, Float, Int, Ptr
+from fusec.instructions.matvec_rows import HIDDEN, WF32, rms_attrs, rms_prologue, rms_types, row_tiles
+from fusec.instructions.rule import Rule
 
 
 #: gate activations, in the template's ACT order
 ACTS = ("silu", "gelu_tanh", "gelu")
 
 
+_NORMED = sem("rmsnorm", "rms", x=var("x"), w=var("norm_w"))
+
+
 @register
 class RmsGateUpSilu(Instruction):
     name = "rms_gate_up_silu"
+    #: RMSNorm -> gate and up linears (no bias, one input) -> SiLU or GELU product
+    rules = (Rule(sem(("silu_mul", "gelu_mul"), gate=sem("linear", x=_NORMED, w=var("wg"), b=ABSENT),
+                      up=sem("linear", x=_NORMED, w=var("wu"), b=ABSENT)),
+                  inputs={"x": "x", "norm_w": "norm_w", "wg": "wg", "wu": "wu"}, outputs={"out": "_anchor.out"},
+                  attrs=lambda g, m: {**rms_attrs(g, m["rms"]), "act": m["_anchor"].attrs.get("act", "silu"),
+                                      "w_fp32": m["rms"].attrs.get("w_fp32", False)},
+                  priority=30),)
 
     @classmethod
     def tiles(cls, op: Op, g: Graph, want: int) -> list[Tile]:
@@ -30,11 +43,12 @@ class RmsGateUpSilu(Instruction):
         return row_tiles(op, g, want, [op.inputs["wg"], op.inputs["wu"]],
                          [op.inputs["x"], op.inputs["norm_w"]], [], op.outputs["out"], rows)
 
-    @classmethod
-    def cuda_args(cls, op: Op, g: Graph, bufs) -> dict:
-        args = rms_rows_cuda_args(op, g, bufs, ("wg", "wu"))
-        args["act"] = ACTS.index(op.attrs.get("act", "silu"))
-        return args
+    call = Call("rms_gate_up_silu",
+                targs=(*rms_types("wg"), HIDDEN, WF32,
+                       Int("act", lambda op, g: ACTS.index(op.attrs.get("act", "silu")), default=0)),
+                args=(Ptr("x"), Ptr("norm_w"), Float("eps", "eps"), Ptr("wg"), Ptr("wu"), Ptr("out"),
+                      P0, P1, SMEM, RED),
+                numbering=("x", "norm_w", "out", "wg", "wu"))
 
     @classmethod
     def smem_floats(cls, op: Op, g: Graph) -> int:

@@ -19,13 +19,54 @@ import torch
 
 from fusec.ir.env import Env
 from fusec.ir import Graph, Op
+from fusec.ir.pattern import ABSENT, op, sem, var
 from fusec.instructions.base import Instruction, Region, Tile, register, split_range
-from fusec.instructions.matvec_rows import rms_prologue, rms_rows_cuda_args, row_tiles
+from fusec.instructions.call import P0, P1, RED, SMEM, Call, Expr, Float, Int, Local, Ptr
+from fusec.instructions.matvec_rows import HIDDEN, WF32, rms_attrs, rms_prologue, rms_types, row_tiles
+from fusec.instructions.rule import Ctx, Rule
+
+
+def _argmax(op: Op) -> bool:
+    return "token" in op.outputs
+
+
+def n_tiles(op: Op, g: Graph) -> int:
+    """Tiles of an argmax head: its rows over at most one tile per candidate slot."""
+    return len(split_range(g.tensors[op.inputs["w"]].shape[0], g.tensors[op.outputs["cand"]].shape[0]))
+
+
+def _argmax_ok(g: Graph, m: dict) -> bool:
+    """The head has no token yet, its logits are one row per weight row, and the argmax is over
+    the last dim to one token."""
+    am, head = m["_anchor"], m["head"]
+    args, nd = am.attrs["args"], len(g.tensors[am.inputs["in0"]].shape)
+    dim = args[1] if len(args) > 1 else am.attrs["kwargs"].get("dim")
+    return "token" not in head.outputs \
+        and g.tensors[head.outputs["out"]].numel == g.tensors[head.inputs["w"]].shape[0] \
+        and g.tensors[am.outputs["out"]].numel == 1 and (dim is None or dim % nd == nd - 1)
+
+
+def _add_token(c: Ctx, m: dict) -> list:
+    """The argmax goes; the head gets the ``cand`` and ``token`` outputs (in place)."""
+    head, am = m["head"], m["_anchor"]
+    head.outputs["cand"] = c.g.new_tensor(f"{head.name}_cand", (c.options["num_sms"], 2), torch.float32)
+    head.outputs["token"] = am.outputs["out"]
+    return []
 
 
 @register
 class RmsLmHead(Instruction):
     name = "rms_lm_head"
+    rules = (
+        #: RMSNorm -> one linear (no bias): the final norm and the LM head, or any such pair
+        Rule(sem("linear", x=sem("rmsnorm", "rms", x=var("x"), w=var("norm_w")), w=var("w"), b=ABSENT),
+             inputs={"x": "x", "norm_w": "norm_w", "w": "w"}, outputs={"out": "_anchor.out"},
+             attrs=lambda g, m: {**rms_attrs(g, m["rms"]), "w_fp32": m["rms"].attrs.get("w_fp32", False)},
+             priority=50),
+        #: ``argmax(logits, -1)`` of its logits (greedy decoding in the step) becomes its token
+        Rule(op("aten.argmax.default", sem("rms_lm_head", "head"), partial=True), check=_argmax_ok,
+             build=_add_token, priority=60),
+    )
 
     @classmethod
     def tiles(cls, op: Op, g: Graph, want: int) -> list[Tile]:
@@ -47,20 +88,13 @@ class RmsLmHead(Instruction):
     def encode(cls, op: Op, tile: Tile) -> list[int]:
         return [*tile.params["rows"], tile.params.get("index", 0)]
 
-    @classmethod
-    def _n_tiles(cls, op: Op, g: Graph) -> int:
-        rows = g.tensors[op.inputs["w"]].shape[0]
-        return len(split_range(rows, g.tensors[op.outputs["cand"]].shape[0]))
-
-    @classmethod
-    def cuda_args(cls, op: Op, g: Graph, bufs) -> dict:
-        args = rms_rows_cuda_args(op, g, bufs, ("w",))
-        args["argmax"] = "token" in op.outputs
-        if args["argmax"]:
-            nt = cls._n_tiles(op, g)
-            args.update(NT=nt, cand=bufs.ptr(op.outputs["cand"]), token=bufs.ptr(op.outputs["token"]),
-                        ticket=bufs.counters(op.name, 1))
-        return args
+    call = Call(lambda op: "rms_lm_head_argmax" if _argmax(op) else "rms_lm_head",
+                targs=(*rms_types("w"), HIDDEN, Int("NT", n_tiles, when=_argmax), WF32),
+                args=(Ptr("x"), Ptr("norm_w"), Float("eps", "eps"), Ptr("w"), Ptr("out"),
+                      Ptr("cand", when=_argmax), Ptr("token", when=_argmax),
+                      Expr("ticket", lambda op, g, bufs: bufs.counters(op.name, 1), when=_argmax),
+                      P0, P1, Local("in.p2", when=_argmax), SMEM, RED),
+                numbering=("x", "norm_w", "out", "w", "cand", "token"))
 
     @classmethod
     def smem_floats(cls, op: Op, g: Graph) -> int:
@@ -78,7 +112,7 @@ class RmsLmHead(Instruction):
         the step's last."""
         if "token" not in op.outputs:
             return [], []
-        nt = cls._n_tiles(op, env.g)
+        nt = n_tiles(op, env.g)
         if env.peek_ticket(op.name) % nt != nt - 1:
             return [], []
         return [Region.of(env.g, op.outputs["cand"], 0, 2 * nt)], [Region.whole(env.g, op.outputs["token"])]
@@ -92,7 +126,7 @@ class RmsLmHead(Instruction):
         env.flat(op.outputs["out"])[r0:r1] = logits
         if "token" not in op.outputs:
             return
-        nt, i = cls._n_tiles(op, env.g), tile.params["index"]
+        nt, i = n_tiles(op, env.g), tile.params["index"]
         cand = env.flat(op.outputs["cand"])
         best = int(torch.argmax(logits.float()))     # first index of the maximum
         cand[2 * i], cand[2 * i + 1] = float(logits[best]), float(r0 + best)

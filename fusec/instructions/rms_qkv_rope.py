@@ -20,12 +20,95 @@ from fusec.ir.env import Env
 from fusec.ir import Graph, Op
 from fusec.ir.semantics import rms_normalize
 from fusec.instructions.base import Instruction, Region, Tile, register, split_range
-from fusec.instructions.matvec_rows import elt, rms_prologue
+from fusec.instructions.call import P0, P1, RED, SMEM, Call, Flag, Float, Int, Ptr, Type
+from fusec.instructions.matvec_rows import HIDDEN, WF32, elt, rms_attrs, rms_prologue, rms_types
+from fusec.instructions.rule import Ctx, Fusion, Rule
+
+
+def _bias_or_wf32(op: Op) -> bool:
+    return "bq" in op.inputs or bool(op.attrs.get("w_fp32"))
+
+
+def match_qkv(c: Ctx, att: Op) -> Fusion | None:
+    """At an ``attention``: its q is ``rope(linear(...))``, its k/v caches' last ``kv_write``s
+    before it (one position) write ``rope(linear(...))`` and ``linear(...)``, the three linears
+    read one ``rmsnorm``'s output, q and k optionally through a per-head ``rmsnorm`` each (both
+    or neither), with biases on all three or none, and q and k rotated by the same cos/sin
+    ``table_lookup``s. Procedural: the caches are found by program order, and the optional
+    parts make several shapes of one subgraph."""
+    g = c.g
+    rope_q = c.prod(att.inputs["q"], "rope")
+    kw = [o for o in g.ops[: g.ops.index(att)] if o.kind == "kv_write"]
+    wk = next((o for o in reversed(kw) if g.root(o.outputs["cache"]) == g.root(att.inputs["k"])), None)
+    wv = next((o for o in reversed(kw) if g.root(o.outputs["cache"]) == g.root(att.inputs["v"])), None)
+    if rope_q is None or wk is None or wv is None or g.root(wk.inputs["pos"]) != g.root(wv.inputs["pos"]):
+        return None
+    rope_k = c.prod(wk.inputs["val"], "rope")
+    lin_v = c.prod(wv.inputs["val"], "linear")
+    if rope_k is None or lin_v is None:
+        return None
+    inner = [rope_q, rope_k, wk, wv, lin_v]
+    norms, lins = {}, {}
+    for name, rope in (("q", rope_q), ("k", rope_k)):
+        src = rope.inputs["x"]
+        hn = c.prod(src, "rmsnorm")
+        if hn is not None:
+            norms[name] = hn
+            inner.append(hn)
+            src = hn.inputs["x"]
+        lin = c.prod(src, "linear")
+        if lin is None:
+            return None
+        lins[name] = lin
+        inner.append(lin)
+    lins["v"] = lin_v
+    if set(norms) not in (set(), {"q", "k"}):
+        return None
+    biased = ["b" in l.inputs for l in lins.values()]
+    if any(biased) and not all(biased):   # Qwen2 biases q, k and v; a partial set stays unfused
+        return None
+    if len({g.root(l.inputs["x"]) for l in lins.values()}) != 1:
+        return None
+    rms = c.prod(lins["q"].inputs["x"], "rmsnorm")
+    if rms is None:
+        return None
+    inner.append(rms)
+    cos_k, sin_k = (c.prod(rope_k.inputs[s], "table_lookup") for s in ("cos", "sin"))
+    cos_q, sin_q = (c.prod(rope_q.inputs[s], "table_lookup") for s in ("cos", "sin"))
+    if None in (cos_k, sin_k, cos_q, sin_q) or cos_k is not cos_q or sin_k is not sin_q \
+            or cos_q.inputs["pos"] != sin_q.inputs["pos"]:
+        return None
+    kc = g.tensors[g.root(wk.outputs["cache"])]
+    d = kc.shape[3]
+    nq = g.tensors[lins["q"].inputs["w"]].shape[0] // d
+    nkv = kc.shape[1]
+    if kc.shape[0] != 1 or g.tensors[lins["k"].inputs["w"]].shape[0] != nkv * d or nq % nkv:
+        return None
+
+    def build() -> list[Op]:
+        ins = {"x": rms.inputs["x"], "norm_w": rms.inputs["w"], "wq": lins["q"].inputs["w"],
+               "wk": lins["k"].inputs["w"], "wv": lins["v"].inputs["w"],
+               "cos_table": cos_q.inputs["table"], "sin_table": sin_q.inputs["table"],
+               "rope_pos": cos_q.inputs["pos"], "kv_pos": wk.inputs["pos"]}
+        attrs = {**rms_attrs(g, rms), "dtype": g.tensors[rope_q.outputs["out"]].dtype, "n_q": nq, "n_kv": nkv,
+                 "head_dim": d, "w_fp32": rms.attrs.get("w_fp32", False)}
+        if all(biased):
+            ins["bq"], ins["bk"], ins["bv"] = (lins[h].inputs["b"] for h in "qkv")
+        if norms:
+            ins["q_norm_w"], ins["k_norm_w"] = norms["q"].inputs["w"], norms["k"].inputs["w"]
+            attrs["qk_eps"] = norms["q"].attrs["eps"]
+        return [Op(g.fresh_name("rms_qkv_rope"), "rms_qkv_rope", ins,
+                   {"q": rope_q.outputs["out"], "kcache": wk.outputs["cache"], "vcache": wv.outputs["cache"]},
+                   attrs=attrs, mutates=("kcache", "vcache"), source=rope_q.source)]
+
+    return Fusion(inner, (rope_q.outputs["out"],), build)
 
 
 @register
 class RmsQkvRope(Instruction):
     name = "rms_qkv_rope"
+    #: first of all rules: it needs the ``attention`` op (to find the q and the caches) unsplit
+    rules = (Rule(match=match_qkv, anchors=("attention",), priority=10),)
 
     @classmethod
     def _layout(cls, op: Op, g: Graph):
@@ -72,32 +155,27 @@ class RmsQkvRope(Instruction):
             tiles.append(Tile(op.name, i, {"units": [u0, u1]}, _merge(reads), _merge(writes), wbytes, abytes))
         return tiles
 
+    call = Call("rms_qkv_rope",
+                targs=(*rms_types("wq", "q"), Type("tt", "cos_table"), Type("tc", "kcache"),
+                       Type("thn", "q_norm_w", "norm_w"), HIDDEN, Int("NQ", lambda op, g: op.attrs["n_q"]),
+                       Int("NKV", lambda op, g: op.attrs["n_kv"]), Int("D", lambda op, g: op.attrs["head_dim"]),
+                       Int("L", lambda op, g: g.tensors[op.outputs["kcache"]].shape[2]),
+                       Int("RP", lambda op, g: g.tensors[op.inputs["cos_table"]].shape[0]),
+                       Flag("headnorm", has="q_norm_w"),
+                       # BIAS and TB are passed for the bias and the fp32-weight-norm variants
+                       Flag("bias", has="bq", when=_bias_or_wf32), Type("tb", "bq", "wq", when=_bias_or_wf32), WF32),
+                args=(Ptr("x"), Ptr("norm_w"), Float("eps", "eps"), Ptr("wq"), Ptr("wk"), Ptr("wv"),
+                      Ptr("cos_table"), Ptr("sin_table"), Ptr("rope_pos"), Ptr("kv_pos"), Ptr("q"), Ptr("kcache"),
+                      Ptr("vcache"), Ptr("q_norm_w"), Ptr("k_norm_w"), Float("qk_eps", "qk_eps", 0.0), P0, P1, SMEM,
+                      RED, Ptr("bq", default="nullptr"), Ptr("bk", default="nullptr"), Ptr("bv", default="nullptr")),
+                numbering=("q_norm_w", "k_norm_w", "bq", "bk", "bv", "x", "norm_w", "wq", "wk", "wv",
+                           "cos_table", "sin_table", "rope_pos", "kv_pos", "q", "kcache", "vcache"))
+
     @classmethod
     def cuda_args(cls, op: Op, g: Graph, bufs) -> dict:
-        i, o, a = op.inputs, op.outputs, op.attrs
-        nq, nkv, d, L = cls._layout(op, g)
-        hn = "q_norm_w" in i
-        args = {"tx": bufs.ctype(i["x"]), "tnw": bufs.ctype(i["norm_w"]), "tn": bufs.cname(a["norm_dtype"]),
-                "tw": bufs.ctype(i["wq"]), "to": bufs.ctype(o["q"]), "tt": bufs.ctype(i["cos_table"]),
-                "tc": bufs.ctype(o["kcache"]), "thn": bufs.ctype(i["q_norm_w"]) if hn else bufs.ctype(i["norm_w"]),
-                "H": g.tensors[i["x"]].numel, "NQ": nq, "NKV": nkv, "D": d, "L": L,
-                "RP": g.tensors[i["cos_table"]].shape[0],
-                "headnorm": "true" if hn else "false", "eps": repr(float(a["eps"])),
-                "qk_eps": repr(float(a.get("qk_eps", 0.0))),
-                "q_norm_w": bufs.ptr(i["q_norm_w"]) if hn else "nullptr",
-                "k_norm_w": bufs.ptr(i["k_norm_w"]) if hn else "nullptr",
-                "bias": "true" if "bq" in i else "false",
-                "wf32": "true" if a.get("w_fp32") else "false"}
-        for s in ("bq", "bk", "bv"):
-            args[s] = bufs.ptr(i[s]) if s in i else "nullptr"
-        args["tb"] = bufs.ctype(i["bq"]) if "bq" in i else args["tw"]
-        for s in ("x", "norm_w", "wq", "wk", "wv", "cos_table", "sin_table", "rope_pos", "kv_pos"):
-            args[s] = bufs.ptr(i[s])
-        for s in ("q", "kcache", "vcache"):
-            args[s] = bufs.ptr(o[s])
-        if g.tensors[g.root(o["kcache"])].shape[0] != 1:
+        if g.tensors[g.root(op.outputs["kcache"])].shape[0] != 1:
             raise NotImplementedError("rms_qkv_rope: KV cache batch must be 1")
-        return args
+        return super().cuda_args(op, g, bufs)
 
     @classmethod
     def smem_floats(cls, op: Op, g: Graph) -> int:

@@ -2,9 +2,13 @@
 Inductor's pattern matcher).
 
 A pattern is a tree: :func:`op` matches a tensor produced by an op of a given kind and
-matches that op's arguments positionally; :func:`var` binds a tensor name; :func:`lit`
-binds a literal argument; :func:`cast` matches an optional dtype conversion. Views that
-only reshape bytes are aliases in the IR, so patterns see through them.
+matches that op's arguments positionally; :func:`sem` matches a tensor produced by a semantic
+op (or an instruction kind) and matches its input slots by name (:data:`ABSENT`: the slot must
+be missing; :func:`opt`: matched only if present), binding the op itself; :func:`var` binds a
+tensor name; :func:`lit` binds a literal argument; :func:`cast` matches an optional dtype
+conversion. Views that only reshape bytes are aliases in the IR, so patterns see through them.
+:meth:`Matcher.match_op` matches a pattern's root against an op instead of a tensor (the
+anchor of a fusion rule, :mod:`fusec.instructions.rule`).
 
 Example (RMSNorm as HF writes it)::
 
@@ -27,7 +31,7 @@ _CASTS = ("aten._to_copy.default", "prims.convert_element_type.default")
 class Pat:
     """A pattern node; build with :func:`op`, :func:`var`, :func:`lit`, :func:`cast`."""
 
-    what: str                       # "op" | "var" | "lit" | "cast"
+    what: str                       # "op" | "sem" | "var" | "lit" | "cast" | "opt" | "absent"
     kinds: tuple[str, ...] = ()
     args: tuple[Any, ...] = ()
     kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -43,6 +47,23 @@ def op(kinds: str | tuple[str, ...], *args: Any, commutative: bool = False, bind
     """Match a tensor produced by an op whose kind is in ``kinds``; arguments positionally."""
     kinds = (kinds,) if isinstance(kinds, str) else tuple(kinds)
     return Pat("op", kinds, args, kwargs, commutative=commutative, bind=bind, partial=partial)
+
+
+def sem(kinds: str | tuple[str, ...], name: str = "", bind: str = "", **slots: Any) -> Pat:
+    """Match a tensor produced by an op whose kind is in ``kinds``, its input slots by name
+    (``slots``: slot -> pattern, :data:`ABSENT` or :func:`opt`; unnamed slots are free); the op
+    is bound to ``name``, the matched tensor to ``bind``."""
+    kinds = (kinds,) if isinstance(kinds, str) else tuple(kinds)
+    return Pat("sem", kinds, (), slots, name=name, bind=bind)
+
+
+def opt(p: Pat) -> Pat:
+    """In :func:`sem`: match the slot against ``p`` if the op has it; a missing slot matches."""
+    return Pat("opt", args=(p,))
+
+
+#: In :func:`sem`: the slot must be missing.
+ABSENT = Pat("absent")
 
 
 def var(name: str, where: Callable[[Graph, str], bool] | None = None) -> Pat:
@@ -78,6 +99,14 @@ class Matcher:
         b: dict[str, Any] = {"_ops": []}
         return b if self._m(p, value, b) else None
 
+    def match_op(self, p: Pat, o: Op) -> dict[str, Any] | None:
+        """Like :meth:`match`, with ``p``'s root (an :func:`op` or :func:`sem` pattern) matched
+        against the op ``o`` itself."""
+        b: dict[str, Any] = {"_ops": []}
+        if p.what == "sem":
+            return b if self._sem(p, o, b) else None
+        return b if p.what == "op" and self._op(p, o, None, b) else None
+
     # The recursive matcher works on a bindings dict and undoes nothing: callers copy.
     def _m(self, p: Any, v: Any, b: dict[str, Any]) -> bool:
         if not isinstance(p, Pat):
@@ -105,11 +134,38 @@ class Matcher:
                     b.clear(); b.update(trial)
                     return True
             return self._m(p.args[0], v, b)
-        # op
         if not (isinstance(v, str) and v in self.g.tensors):
             return False
         prod = self.producer(v)
-        if prod is None or prod.kind not in p.kinds:
+        if prod is None:
+            return False
+        return self._sem(p, prod, b, v) if p.what == "sem" else self._op(p, prod, v, b)
+
+    def _sem(self, p: Pat, prod: Op, b: dict[str, Any], v: str | None = None) -> bool:
+        if prod.kind not in p.kinds:
+            return False
+        trial = _copy(b)
+        for slot, sp in p.kwargs.items():
+            if isinstance(sp, Pat) and sp.what == "absent":
+                if slot in prod.inputs:
+                    return False
+                continue
+            if isinstance(sp, Pat) and sp.what == "opt":
+                if slot not in prod.inputs:
+                    continue
+                sp = sp.args[0]
+            if slot not in prod.inputs or not self._m(sp, prod.inputs[slot], trial):
+                return False
+        if p.name and not self._bind(trial, p.name, prod):
+            return False
+        if p.bind and v is not None and not self._bind(trial, p.bind, v):
+            return False
+        trial["_ops"].append(prod)
+        b.clear(); b.update(trial)
+        return True
+
+    def _op(self, p: Pat, prod: Op, v: str | None, b: dict[str, Any]) -> bool:
+        if prod.kind not in p.kinds:
             return False
         args = _resolve(prod, prod.attrs.get("args", ()))
         kwargs = _resolve(prod, prod.attrs.get("kwargs", {}))
