@@ -17,10 +17,14 @@ CUDA events around each graph replay, median over ``--steps`` replays after warm
 position counters are reset to the position before each replay, outside the timed window);
 then the output of the last replay is compared again. An engine whose logits disagree (relative
 L2 above ``--check-tol``) is reported FAILED, never timed.
-Compile time cold (first compile of the engine in this process, with the inductor, Triton and
-fusec caches in fresh temporary folders unless ``--keep-caches``) and warm
-(``torch._dynamo.reset()``, compile again: disk caches populated). Writes every number as JSON
-(``--out``) and prints a table last.
+Compile time, from ``torch.compile`` to the first step's logits, each in a NEW process
+(``--compile-probe``, which builds the model on the GPU and compiles one engine): cold with the
+inductor, Triton and fusec caches in fresh empty folders, then warm, a second process over the
+caches the first one filled (for fusec: NVRTC's CUBIN cache and the artifact cache). The fusec
+processes' stage lines are kept in the JSON. ``--compile-models`` adds the cold and warm fusec
+compile of other example models (``examples/llama_3_1_8b.py``). The step timed afterwards is
+compiled in this process (``compile_in_process_s``). Writes every number as JSON (``--out``) and
+prints a table last.
 
 Run on the GPU machine:  PYTHONPATH=. python3 benchmarks/decode.py --out build/bench.json
 """
@@ -37,6 +41,7 @@ import platform
 import runpy
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -89,6 +94,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out", default="build/bench.json", help="JSON output (default build/bench.json)")
     ap.add_argument("--no-warm-compile", dest="warm_compile", action="store_false",
                     help="skip the warm-compile measurement (saves GPU time)")
+    ap.add_argument("--no-compile-time", dest="compile_time", action="store_false",
+                    help="skip the cold and warm compile measurements (their new processes)")
+    ap.add_argument("--compile-models", nargs="*", default=[], metavar="EXAMPLE_PY",
+                    help="example model files (examples/llama_3_1_8b.py) whose fusec compile time, cold "
+                    "and warm in new processes, is measured too")
+    ap.add_argument("--compile-probe", choices=COMPILED, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--compile-example", default=str(ROOT / "examples" / "llama_3_2_1b.py"),
+                    help=argparse.SUPPRESS)
     ap.add_argument("--keep-caches", action="store_true",
                     help="use the existing inductor/Triton/fusec caches instead of fresh temp dirs")
     ap.add_argument("--fusec-options", type=json.loads, default={}, metavar="JSON",
@@ -334,22 +347,82 @@ def first_call_seconds(eng: Engine, position: int, seed: int) -> tuple[Callable[
     return step, time.perf_counter() - t0
 
 
+CACHE_NAMES = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "FUSEC_CACHE_DIR")
+PROBE_DEVICE = "cuda"
+
+
+def compile_probe(args: argparse.Namespace) -> int:
+    """``--compile-probe ENGINE`` (a child process): build ``--compile-example``'s model on the GPU,
+    time ``ENGINE``'s compile from ``torch.compile`` to the first step's logits, print it as JSON."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    torch.set_grad_enabled(False)
+    dev = torch.device(PROBE_DEVICE)
+    ex = runpy.run_path(args.compile_example)
+    model = build_model(ex, dev, args.seed)
+    eng = make_engine(args.compile_probe, Bench(model, ex["MAX_CACHE_LEN"], dev, args))
+    with eng.context():
+        _, seconds = first_call_seconds(eng, min(args.positions[0], ex["MAX_CACHE_LEN"] - 1), args.seed)
+    fallbacks = list(eng.watch.fallbacks) if eng.watch is not None else []
+    print(json.dumps({"seconds": seconds, "fallbacks": fallbacks}), flush=True)
+    return 0
+
+
+def compile_in_new_processes(engine: str, example: str | Path, args: argparse.Namespace) -> dict[str, Any]:
+    """Cold and warm compile seconds of ``engine`` on ``example``'s model, each in a new process:
+    the first over fresh empty cache folders, the second over what the first left there.
+
+    Returns ``compile_cold_s``, ``compile_warm_s`` (None with ``--no-warm-compile``) and, for
+    fusec, each process's stage lines (``compile_cold_stages``, ``compile_warm_stages``).
+    Raises RuntimeError when a process fails or fusec falls back.
+    """
+    root = Path(tempfile.mkdtemp(prefix="fusec-compile-"))
+    env = {**os.environ, **{name: str(root / name.split("_")[0].lower()) for name in CACHE_NAMES}}
+    env.pop("FUSEC_CACHE", None)           # the artifact cache is what "warm" measures
+    env.setdefault("PYTHONPATH", str(ROOT))
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--compile-probe", engine,
+           "--compile-example", str(example), "--seed", str(args.seed), "--positions", str(args.positions[0]),
+           "--fusec-options", json.dumps(args.fusec_options),
+           "--handwritten-attention", args.handwritten_attention,
+           "--handwritten-inductor", json.dumps(args.handwritten_inductor)]
+    if args.handwritten_fuse:
+        cmd.append("--handwritten-fuse")
+    out: dict[str, Any] = {"compile_cold_s": None, "compile_warm_s": None}
+    try:
+        for which in ("cold", "warm") if args.warm_compile else ("cold",):
+            p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
+            lines = p.stdout.strip().splitlines()
+            try:
+                res = json.loads(lines[-1])
+            except (IndexError, ValueError):
+                tail = p.stderr.strip().splitlines()[-1:] or ["no output"]
+                raise RuntimeError(f"{which} compile process of {engine} failed (exit {p.returncode}): "
+                                   f"{tail[0][:300]}") from None
+            if res["fallbacks"]:
+                raise RuntimeError(f"fusec fell back to another backend: {res['fallbacks'][0]}")
+            out[f"compile_{which}_s"] = res["seconds"]
+            if engine == "fusec":
+                out[f"compile_{which}_stages"] = [ln for ln in p.stderr.splitlines() if " fusec: stage " in ln]
+            log.info("%s (%s): compile %s %.1f s (new process)", engine, Path(example).stem, which,
+                     res["seconds"])
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return out
+
+
 def run_engine(eng: Engine, bench: Bench, record: dict[str, Any]) -> None:
-    """Compile (cold, warm), then check and time ``eng`` at every position; fills ``record``.
+    """Compile (cold, warm: new processes), then check and time ``eng`` at every position; fills
+    ``record``.
 
     Raises on failure; what was measured before the failure stays in ``record``.
     """
     args = bench.args
+    if eng.compiled and args.compile_time:
+        record.update(compile_in_new_processes(eng.name, args.compile_example, args))
     with eng.context():
-        step, cold = first_call_seconds(eng, args.positions[0], args.seed)
+        step, first = first_call_seconds(eng, args.positions[0], args.seed)
         if eng.compiled:
-            record["compile_cold_s"] = cold
-            log.info("%s: compile cold %.1f s", eng.name, cold)
-            if args.warm_compile:
-                del step
-                step, warm = first_call_seconds(eng, args.positions[0], args.seed)
-                record["compile_warm_s"] = warm
-                log.info("%s: compile warm %.1f s", eng.name, warm)
+            record["compile_in_process_s"] = first
+            log.info("%s: compile in this process %.1f s", eng.name, first)
         if eng.name == "fusec":
             record["fusec_warnings"] = list(eng.watch.warnings)
             if eng.watch.fallbacks:
@@ -420,6 +493,26 @@ def _fmt(x: float | None, spec: str, width: int) -> str:
     return f"{x:>{width}{spec}}"
 
 
+def print_compile_times(results: dict[str, Any]) -> None:
+    """The compile-time rows: each engine on the 1B, then fusec on each ``--compile-models``."""
+    rows = [(name, "llama_3_2_1b", rec) for name, rec in results["engines"].items()
+            if rec.get("compile_cold_s") is not None]
+    rows += [("fusec", model, rec) for model, rec in results.get("compile_times", {}).items()]
+    if not rows:
+        return
+    print("\ncompile time, torch.compile to the first logits, each in a new process "
+          "(cold: empty cache folders; warm: the caches the cold process filled)")
+    head = f"{'engine':<12} {'model':<16} {'cold s':>7} {'warm s':>7}"
+    print(head)
+    print("-" * len(head))
+    for name, model, rec in rows:
+        if rec.get("error"):
+            print(f"{name:<12} {model:<16} FAILED  {rec['error'][:100]}")
+            continue
+        print(f"{name:<12} {model:<16} {_fmt(rec.get('compile_cold_s'), '.1f', 7)} "
+              f"{_fmt(rec.get('compile_warm_s'), '.1f', 7)}")
+
+
 def print_table(results: dict[str, Any]) -> None:
     """The human summary on stdout: one row per engine x position, then the fastest peers."""
     m = results["machine"]
@@ -477,6 +570,8 @@ def build_model(example: dict[str, Any], dev: torch.device, seed: int) -> torch.
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; returns the exit status (1 if any engine failed)."""
     args = parse_args(argv)
+    if args.compile_probe:
+        return compile_probe(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     if not torch.cuda.is_available():
         log.error("no CUDA device: this benchmark runs on the GPU machine")
@@ -516,8 +611,11 @@ def _run(args: argparse.Namespace, caches: dict[str, str], argv: list[str] | Non
                    "warmup": args.warmup, "warm_compile": args.warm_compile, "seed": args.seed,
                    "check_tol": args.check_tol, "caches": caches, "fresh_caches": not args.keep_caches,
                    "argv": sys.argv[1:] if argv is None else argv,
-                   "note": "compile_cold_s is the engine's first compile in this process, in "
-                           "engine order; later engines find the compile workers started"},
+                   "note": "compile_cold_s: from torch.compile to the first step's logits in a new "
+                           "process over empty cache folders; compile_warm_s: the same in a second new "
+                           "process over the caches the first filled; compile_in_process_s: the "
+                           "compile of the step timed here, in engine order (later engines find "
+                           "the compile workers started)"},
         "model": {"name": "Llama-3.2-1B (random weights)", "dtype": "bfloat16",
                   "weight_bytes": weight_bytes, "max_cache_len": ex["MAX_CACHE_LEN"]},
         "read_bandwidth": bw, "floor_ms": floor_ms, "engines": {},
@@ -543,6 +641,16 @@ def _run(args: argparse.Namespace, caches: dict[str, str], argv: list[str] | Non
             gc.collect()
             torch.cuda.empty_cache()
     summarize(results)
+    if args.compile_models and args.compile_time:
+        results["compile_times"] = {}
+        for example in args.compile_models:
+            rec: dict[str, Any] = {}
+            results["compile_times"][Path(example).stem] = rec
+            try:
+                rec.update(compile_in_new_processes("fusec", example, args))
+            except Exception as e:   # one model failing must not lose the rest of the results
+                rec["error"] = f"{type(e).__name__}: {str(e).strip()[:500]}"
+                log.error("fusec compile of %s: FAILED: %s", example, rec["error"])
     if args.user_paths:
         kernel = {p: v["median_ms"] for p, v in results["engines"].get("fusec", {}).get("positions", {}).items()
                   if "median_ms" in v}
@@ -553,6 +661,7 @@ def _run(args: argparse.Namespace, caches: dict[str, str], argv: list[str] | Non
     out.write_text(json.dumps(results, indent=1))
     log.info("wrote %s", out)
     print_table(results)
+    print_compile_times(results)
     if "user_paths" in results:
         user_paths.print_table(results["user_paths"])
     return 1 if any(r["status"] != "ok" for r in results["engines"].values()) else 0

@@ -15,7 +15,7 @@ from fusec.frontend.capture import aten_capture, check_decode_step
 from fusec.config import Options
 from fusec.errors import CaptureError, FusecError, SimulationMismatchError
 from fusec.ir import Graph, Role
-from fusec.pipeline import Dumper, build_ir, lower
+from fusec.pipeline import Dumper, build_ir
 from fusec.ir.schedule import Schedule
 from fusec.sim import Simulator
 
@@ -44,14 +44,15 @@ class CompileResult:
         self.kernel = None   # fusec.cuda.jit.CompiledKernel after emit_cuda()
         self.cuda_source: str | None = None
 
-    def emit_cuda(self) -> None:
-        """Render the megakernel and compile it with NVRTC for sm_90a (no GPU needed).
+    def emit_cuda(self, plan: Any = None) -> None:
+        """Render the megakernel (unless ``plan``, a rendered KernelPlan, is given) and compile
+        it with NVRTC for sm_90a (no GPU needed).
 
         Raises:
             FallbackRequired: an op has no CUDA form; JitError: NVRTC failed.
         """
         from fusec.cuda.build import compile_kernel
-        plan, self.kernel = compile_kernel(self.schedule, self.opts)
+        plan, self.kernel = compile_kernel(self.schedule, self.opts, plan=plan)
         self.cuda_source = plan.source
 
     @property
@@ -169,14 +170,14 @@ def compile_model(model: torch.nn.Module, args: tuple, kwargs: dict | None = Non
     if not found:
         raise CaptureError("the model call produced no graph to compile")
     g, aten_gm, flat, pre = found[0]
-    log.info("captured: %d ATen ops, %d inputs", len(g.ops), len(g.inputs))
-    sched = lower(g, flat, opts, dump)
+    from fusec.runtime.artifacts import lowered
+    sched, plan = lowered(g, flat, opts, dump, codegen=emit_cuda)
     simulated = None
     if simulate:
         simulated = simulate_step(g, aten_gm, pre, sched, opts.seed, numeric_limit)
     result = CompileResult(sched, opts, simulated)
     if emit_cuda:
-        result.emit_cuda()
+        result.emit_cuda(plan)
     return result
 
 

@@ -2,10 +2,12 @@
 
 Options reach the backend as ``torch.compile(..., options={...})``; environment variables
 give defaults: ``FUSEC_DUMP`` (folder: dump every stage's artifact), ``FUSEC_CACHE_DIR``
-(NVRTC CUBIN cache), ``FUSEC_NUM_SMS``, ``FUSEC_FALLBACK``, ``FUSEC_MAX_FUSIONS``,
+(NVRTC CUBIN cache and, under ``artifacts/``, the artifact cache), ``FUSEC_NUM_SMS``,
+``FUSEC_FALLBACK``, ``FUSEC_MAX_FUSIONS``,
 ``FUSEC_PROFILE`` (folder: record and write the per-SM timeline, as ``profile_dir``),
 ``FUSEC_DEFINES`` (``NAME=VALUE,...``: kernel tuning macros, as ``defines``),
-``FUSEC_ATTENTION_MERGE`` (as ``attention_merge``).
+``FUSEC_ATTENTION_MERGE`` (as ``attention_merge``), ``FUSEC_CACHE`` (``0``: no artifact cache,
+as ``cache=False``), ``FUSEC_CACHE_MAX_MB`` (as ``cache_max_mb``).
 """
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ ATTENTION_MERGES = ("last_tile", "reduce")
 #: ``torch.compile``'s ``mode`` (HF ``CompileConfig`` passes "reduce-overhead" by default) and
 #: what it means to fusec: whether the step's launch is replayed from a CUDA graph fusec records
 #: itself (fewer microseconds of Python and driver work per step) or launched directly.
+_BOOLS = {"0": False, "false": False, "no": False, "off": False,
+          "1": True, "true": True, "yes": True, "on": True}
 MODES = {None: False, "default": False, "reduce-overhead": True, "max-autotune": True,
          "max-autotune-no-cudagraphs": False}
 
@@ -78,6 +82,11 @@ class Options:
             "reduce-overhead" (HF generate()'s default) and "max-autotune" replay the launch
             from a CUDA graph that fusec records itself (:data:`MODES`). fusec does no
             autotuning: the two max-autotune modes equal the other two.
+        cache: keep the lowered schedule and the rendered kernel in the artifact cache
+            (``FUSEC_CACHE_DIR/artifacts``, :mod:`fusec.runtime.artifacts`), so that another
+            process compiling the same graph skips the passes and the rendering.
+        cache_max_mb: size cap of the artifact cache folder in MiB (least recently used
+            entries are removed first).
     """
 
     target: str | None = None
@@ -96,6 +105,8 @@ class Options:
     attention_merge: str = "last_tile"
     defines: dict[str, Any] = dataclasses.field(default_factory=dict)
     mode: str | None = None
+    cache: bool = True
+    cache_max_mb: int = 4096
 
     @property
     def graph_launch(self) -> bool:
@@ -118,6 +129,13 @@ class Options:
             env["attention_merge"] = os.environ["FUSEC_ATTENTION_MERGE"]
         if os.environ.get("FUSEC_PROFILE"):
             env["profile_dir"] = os.environ["FUSEC_PROFILE"]
+        if os.environ.get("FUSEC_CACHE"):
+            text = os.environ["FUSEC_CACHE"].strip().lower()
+            if text not in _BOOLS:
+                raise FusecError(f"FUSEC_CACHE={os.environ['FUSEC_CACHE']!r}: expected 0 or 1")
+            env["cache"] = _BOOLS[text]
+        if os.environ.get("FUSEC_CACHE_MAX_MB"):
+            env["cache_max_mb"] = _env_int("FUSEC_CACHE_MAX_MB", 0)
         if os.environ.get("FUSEC_DEFINES"):
             try:
                 env["defines"] = dict(kv.split("=", 1) for kv in os.environ["FUSEC_DEFINES"].split(",") if kv)
@@ -128,7 +146,7 @@ class Options:
         bad = sorted(set(d) - names)
         if bad:
             raise FusecError(f"unknown fusec option(s) {bad}; known: {sorted(names)}")
-        for key in ("num_sms", "max_fusions", "seed", "profile_step"):
+        for key in ("num_sms", "max_fusions", "seed", "profile_step", "cache_max_mb"):
             if d.get(key) is not None and (not isinstance(d[key], int) or isinstance(d[key], bool)):
                 raise FusecError(f"option {key}={d[key]!r} must be an int")
         o = cls(**d)
@@ -140,6 +158,10 @@ class Options:
             raise FusecError(f"option attention_merge={o.attention_merge!r} must be one of {ATTENTION_MERGES}")
         if o.mode not in MODES:
             raise FusecError(f"option mode={o.mode!r} must be one of {list(MODES)}")
+        if not isinstance(o.cache, bool):
+            raise FusecError(f"option cache={o.cache!r} must be a bool")
+        if o.cache_max_mb < 0:
+            raise FusecError(f"option cache_max_mb={o.cache_max_mb} must be >= 0")
         if o.num_sms is not None and o.num_sms < 1:
             raise FusecError(f"option num_sms={o.num_sms} must be >= 1")
         if o.profile_dir is not None and (d.get("profile") is not False):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Callable
 
@@ -50,27 +51,62 @@ class Dumper:
 
 
 def build_ir(aten_gm: torch.fx.GraphModule, example_inputs: list[Any], dump: Dumper) -> Graph:
-    """Stage ``capture``: the ATen graph as IR (raises UnsupportedOpError for unplaceable ops)."""
+    """Stage ``build_ir``: the ATen graph as IR (raises UnsupportedOpError for unplaceable ops)."""
+    t0 = time.perf_counter()
     dump.text("aten.txt", aten_gm.print_readable(print_output=False))
     g = graph_from_aten(aten_gm, example_inputs)
     g.check("capture")
     dump.text("ir.txt", g.dump())
+    log.info("stage %-13s %4d ops, %d inputs  (%.2f s)", "build_ir", len(g.ops), len(g.inputs),
+             time.perf_counter() - t0)
     return g
 
 
-def lower(g: Graph, flat_args: list[Any], opts: Options, dump: Dumper) -> Schedule:
+class ValueReads(Mapping):
+    """The small weights' values handed to the passes, recording which ones a pass read.
+
+    Reading a value (``weights[name]``, ``.get``, ``.items()``, ``.values()``, ``dict(...)``,
+    ``dict.update``) records its name in :attr:`read`; membership and iteration over the names
+    record nothing (which weights are small is structure, not value). The artifact cache keeps a
+    digest of exactly these tensors: their values are folded into the schedule (position tables,
+    Gemma's ``1 + w``), so an artifact is valid for another model only where they are equal.
+    """
+
+    def __init__(self, values: dict[str, torch.Tensor]):
+        self._values = values
+        self.read: set[str] = set()
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        v = self._values[name]
+        self.read.add(name)
+        return v
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._values
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+
+def lower(g: Graph, flat_args: list[Any], opts: Options, dump: Dumper,
+          value_reads: set[str] | None = None) -> Schedule:
     """Run the passes on ``g`` (a copy is made); returns the schedule.
 
     Args:
         flat_args: real input tensors (weights are read to fold position tables and to
             evaluate attention masks).
+        value_reads: if given, receives the names of the weights whose values the passes read
+            (:class:`ValueReads`).
     """
     normalize, fold_constants, recognize, fold_position, fuse, tile, schedule = _passes()
     g = g.copy()
     num_sms = opts.num_sms or 132
     # small weights (inv_freq ...) on the CPU: position tables and masks are evaluated there
-    weights = {n: a.detach().cpu() for n, a in zip(g.inputs, flat_args)
-               if g.tensors[n].role == Role.WEIGHT and g.tensors[n].numel <= position.MAX_KNOWN_WEIGHT}
+    weights = ValueReads({n: a.detach().cpu() for n, a in zip(g.inputs, flat_args)
+                          if g.tensors[n].role == Role.WEIGHT and g.tensors[n].numel <= position.MAX_KNOWN_WEIGHT})
     stages: list[tuple[str, Callable[[Graph], Graph]]] = [
         ("normalize", normalize.run),
         ("fold_constants", lambda g: fold_constants.run(g, weights)),
@@ -90,6 +126,8 @@ def lower(g: Graph, flat_args: list[Any], opts: Options, dump: Dumper) -> Schedu
     log.info("stage %-13s %4d instructions on %d SMs, %d waits  (%.2f s)", "tile+schedule",
              len(sched.instrs), num_sms, sum(len(i.waits) for i in sched.instrs), time.perf_counter() - t0)
     dump.json("schedule.json", sched.to_json())
+    if value_reads is not None:
+        value_reads |= weights.read
     return sched
 
 

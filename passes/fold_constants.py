@@ -38,7 +38,6 @@ def run(g: Graph, weights: dict[str, torch.Tensor] | None = None) -> Graph:
     known = {n for n in g.inputs if n in weights and g.tensors[n].numel <= position.MAX_KNOWN_WEIGHT}
     known |= {t.name for t in g.tensors.values() if t.role == Role.CONSTANT and t.alias_of is None}
     env = Env(g, [], device=torch.device("cpu"))
-    env.bufs.update({n: weights[n] for n in known if n in weights})
     kept, folded = [], 0
     for op in g.ops:
         fresh = op.fresh_outputs()
@@ -47,6 +46,10 @@ def run(g: Graph, weights: dict[str, torch.Tensor] | None = None) -> Graph:
                 any(g.tensors[t].numel > MAX_ELEMENTS for t in fresh)):
             kept.append(op)
             continue
+        for t in op.reads():   # only the weights a folded op reads: their values are compiled in
+            r = g.root(t)
+            if r not in env.bufs and r in weights:
+                env.bufs[r] = weights[r]
         run_op(op, env)
         for t in fresh:
             info, r = g.tensors[t], g.root(t)

@@ -5,6 +5,9 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+# The artifact cache (fusec/runtime/artifacts.py) is off in the tests, so that no test depends on
+# what an earlier run left in ~/.cache/fusec; tests/test_artifact_cache.py turns it on itself.
+os.environ.setdefault("FUSEC_CACHE", "0")
 
 
 def pytest_collection_modifyitems(config, items):

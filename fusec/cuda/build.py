@@ -2,7 +2,9 @@
 
 :func:`compile_kernel` renders a schedule and compiles it (no GPU needed: the CLI's
 ``--emit-cuda`` and CI use it); :func:`build_cuda_step` lowers a graph for the GPU of its
-inputs, compiles it and loads it.
+inputs (through the artifact cache, :mod:`fusec.runtime.artifacts`), compiles it and loads it.
+Each stage logs one line with its time: ``codegen`` (render), ``jit`` (NVRTC or its cache),
+``load`` (the CUDA module and the step's device state).
 """
 from __future__ import annotations
 
@@ -17,31 +19,56 @@ from fusec.cuda.codegen import KernelPlan, describe, render
 from fusec.config import Options
 from fusec.ir import Graph
 from fusec.cuda.jit import CompiledKernel, compile_cuda
-from fusec.pipeline import Dumper, lower
+from fusec.pipeline import Dumper
 from fusec.ir.schedule import Schedule
 
 log = logging.getLogger("fusec")
 
 
-def compile_kernel(sched: Schedule, opts: Options, dump: Dumper | None = None) -> tuple[KernelPlan, CompiledKernel]:
-    """Render ``sched`` into the megakernel's CUDA source and compile it for sm_90a with NVRTC.
+def render_plan(sched: Schedule, opts: Options, dump: Dumper | None = None) -> KernelPlan:
+    """Stage ``codegen``: the megakernel's CUDA source and buffer layout (``dump`` gets ``kernel.cu``).
 
-    Returns:
-        (plan, kernel): the rendered source with its buffer layout, and the CUBIN with its
-        resource usage (registers, stack, spills). ``dump`` gets ``kernel.cu``.
     Raises:
-        FallbackRequired: an op has no CUDA form; JitError: NVRTC failed.
+        FallbackRequired: an op has no CUDA form.
     """
     t0 = time.perf_counter()
     plan = render(sched, profile=opts.profile, defines=opts.defines)
     if dump is not None:
         dump.text("kernel.cu", plan.source)
+    log.info("stage %-13s %s, %d lines  (%.2f s)", "codegen", describe(plan), len(plan.source.splitlines()),
+             time.perf_counter() - t0)
+    return plan
+
+
+def jit_plan(plan: KernelPlan) -> CompiledKernel:
+    """Stage ``jit``: ``plan``'s source compiled for sm_90a by NVRTC, or found in its disk cache.
+
+    Raises:
+        JitError: NVRTC failed.
+    """
+    t0 = time.perf_counter()
     kernel = compile_cuda(plan.source, "fusec_step.cu")
     res = kernel.resources.get("fusec_step", {})
-    log.info("stage %-13s %s, %s registers, %s B stack, %s B spills  (%.2f s%s)", "codegen+jit",
-             describe(plan), res.get("registers"), res.get("stack_frame_bytes"),
+    log.info("stage %-13s NVRTC %s: %s registers, %s B stack, %s B spills  (%.2f s%s)", "jit",
+             ".".join(map(str, kernel.nvrtc_version)), res.get("registers"), res.get("stack_frame_bytes"),
              res.get("spill_store_bytes"), time.perf_counter() - t0, ", cached" if kernel.cache_hit else "")
-    return plan, kernel
+    return kernel
+
+
+def compile_kernel(sched: Schedule, opts: Options, dump: Dumper | None = None,
+                   plan: KernelPlan | None = None) -> tuple[KernelPlan, CompiledKernel]:
+    """Render ``sched`` into the megakernel's CUDA source and compile it for sm_90a with NVRTC.
+
+    Returns:
+        (plan, kernel): the rendered source with its buffer layout, and the CUBIN with its
+        resource usage (registers, stack, spills). ``dump`` gets ``kernel.cu``. A ``plan``
+        given (rendered before, from the artifact cache) is compiled as it is.
+    Raises:
+        FallbackRequired: an op has no CUDA form; JitError: NVRTC failed.
+    """
+    if plan is None:
+        plan = render_plan(sched, opts, dump)
+    return plan, jit_plan(plan)
 
 
 def build_cuda_step(g: Graph, args: list[Any], opts: Options, dump: Dumper) -> tuple["CudaStep", Schedule]:
@@ -50,13 +77,17 @@ def build_cuda_step(g: Graph, args: list[Any], opts: Options, dump: Dumper) -> t
     Raises:
         FallbackRequired: an op has no CUDA form; JitError: NVRTC failed; CudaError, FusecError.
     """
+    from fusec.runtime.artifacts import lowered
     dev = next(a.device for a in args if isinstance(a, torch.Tensor) and a.is_cuda)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     if opts.num_sms is None:
         opts = dataclasses.replace(opts, num_sms=sms)
-    sched = lower(g, args, opts, dump)
-    plan, kernel = compile_kernel(sched, opts, dump)
+    sched, plan = lowered(g, args, opts, dump, codegen=True)
+    kernel = jit_plan(plan)
+    t0 = time.perf_counter()
     from fusec.runtime.cuda_step import CudaStep   # loads the CUDA driver bindings
     step = CudaStep(sched.graph, plan, kernel, args, watchdog_s=opts.watchdog_s,
                     check_watchdog=opts.check_watchdog, graph_launch=opts.graph_launch)
+    log.info("stage %-13s CUDA module, %d buffers, %d instructions on %d SMs  (%.2f s)", "load",
+             len(plan.buffers), len(sched.instrs), plan.num_sms, time.perf_counter() - t0)
     return step, sched

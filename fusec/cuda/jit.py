@@ -181,7 +181,9 @@ def cache_folder(cache_dir: str | None = None) -> Path:
     return Path(cache_dir or os.environ.get("FUSEC_CACHE_DIR") or Path.home() / ".cache" / "fusec")
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temp file in the same folder and ``os.replace``: a
+    concurrent reader sees the old file or the whole new one, never a part."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
@@ -263,8 +265,8 @@ def compile_cuda(source: str, name: str = "kernel.cu", arch: str = "sm_90a",
         folder.mkdir(parents=True, exist_ok=True)
         meta = {"format": CACHE_FORMAT, "name": name, "options": opts, "log": prog_log,
                 "cubin_sha256": hashlib.sha256(cubin).hexdigest(), "resources": resources}
-        _atomic_write(folder / f"{key}.cubin", cubin)  # sidecar last: it vouches for the cubin
-        _atomic_write(folder / f"{key}.json", json.dumps(meta).encode())
+        atomic_write(folder / f"{key}.cubin", cubin)  # sidecar last: it vouches for the cubin
+        atomic_write(folder / f"{key}.json", json.dumps(meta).encode())
     except OSError as exc:
         log.warning("could not write cache entry in %s: %s", folder, exc)
     return CompiledKernel(cubin, prog_log, resources, version, False, source)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import logging
 import re
+import time
 from typing import Any, Callable
 
 import torch
@@ -19,6 +20,7 @@ from fusec.frontend.custom_ops import SDPA_TARGETS, rewrite_sdpa
 from fusec.errors import NotDecodeStepError
 
 log = logging.getLogger("fusec.frontend.capture")
+stage_log = logging.getLogger("fusec")
 
 _IGNORED_CALLS = ("_log_api_usage_once",)
 
@@ -109,13 +111,22 @@ def aten_capture(gm: torch.fx.GraphModule, example_inputs: list[Any],
 
     Returns the AOT-wrapped callable taking dynamo's inputs.
     Errors raised by ``compiler`` propagate unchanged.
+
+    Logs the stage line ``capture``: dynamo's time tracing the frame before it called the
+    backend (when dynamo is compiling a frame: not for a re-capture at a new concrete size) and
+    AOT autograd's time.
     """
+    t0 = time.perf_counter()
+    dynamo_s = dynamo_seconds()
     gm2 = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
     strip_ignored_calls(gm2)
     rewrite_sdpa(gm2)
     owned = model_tensors(gm2, example_inputs)
 
     def fw(aten_gm: torch.fx.GraphModule, ex: list[Any]) -> Callable:
+        n_aten = sum(1 for n in aten_gm.graph.nodes if n.op == "call_function")
+        stage_log.info("stage %-13s %4d ATen ops, %d inputs; %sAOT %.2f s", "capture", n_aten, len(ex),
+                       f"dynamo {dynamo_s:.2f} s, " if dynamo_s is not None else "", time.perf_counter() - t0)
         lifted = len(ex) - len(owned)   # AOT lifts the graph module's own parameters first
         if owned and lifted >= 0:
             aten_gm.meta[MODEL_TENSORS] = [True] * lifted + owned
@@ -123,6 +134,21 @@ def aten_capture(gm: torch.fx.GraphModule, example_inputs: list[Any],
     return aot_module_simplified(gm2, example_inputs, fw_compiler=fw,
                                  decompositions=core_aten_decompositions(),
                                  keep_inference_input_mutations=True)
+
+
+def dynamo_seconds() -> float | None:
+    """Seconds since dynamo started compiling the current frame (its tracing, when called from a
+    backend), or None outside a dynamo compilation. Reads dynamo's compile-metrics context, a
+    private API: any change there gives None, never an error."""
+    try:
+        from torch._dynamo.utils import get_metrics_context
+        mc = get_metrics_context()
+        start = getattr(mc, "_start_time_ns", 0)
+        if mc.in_progress() and start:
+            return max(0.0, (time.time_ns() - start) / 1e9)
+    except Exception:   # noqa: BLE001 - a timing line must never break a compile
+        pass
+    return None
 
 
 #: key of ``GraphModule.meta`` on the ATen graph: per flat input, whether it is a parameter or

@@ -119,7 +119,10 @@ def evaluate_many(g: Graph, targets: list[str], counter: str, positions: range,
     # one Env (its constructor walks every tensor of the graph), fresh outputs per position:
     # each position starts from the constants and weights only, as a new Env would
     env = Env(g, [], device=torch.device("cpu"))
-    env.bufs.update(weights)
+    # only the weights these ops read: the values read are what a compiled artifact depends on
+    # (fusec.pipeline.ValueReads)
+    reads = {g.root(x) for op in ops for x in op.reads()}
+    env.bufs.update({n: weights[n] for n in sorted(reads) if n in weights})
     base = dict(env.bufs)
     for p in positions:
         env.bufs = dict(base)

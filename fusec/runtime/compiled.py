@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Callable
 
 import torch
@@ -10,7 +11,7 @@ from fusec.config import Options
 from fusec.errors import FusecError
 from fusec.fallbacks import note_compiled, warn as warn_fallback
 from fusec.ir import Graph
-from fusec.pipeline import Dumper, lower
+from fusec.pipeline import Dumper
 from fusec.ir.schedule import Schedule
 
 log = logging.getLogger("fusec")
@@ -46,7 +47,10 @@ class CompiledStep:
             return self.aten_gm(*args)
         if self.engine is None:
             try:
+                t0 = time.perf_counter()
                 self.engine = self._build(list(args))
+                log.info("stage %-13s the step is ready %.2f s after its first call", "compiled",
+                         time.perf_counter() - t0)
                 note_compiled()
             except FusecError as e:
                 warn_fallback("fusec: running this graph eagerly: %s", e)
@@ -84,11 +88,15 @@ class CompiledStep:
 
     def _build(self, args: list[Any]) -> Callable[[list[Any]], list[torch.Tensor]]:
         if self.target == "sim":
+            from fusec.runtime.artifacts import lowered
             from fusec.sim import Simulator
             if self.opts.profile:
                 log.warning("fusec: profile records GPU timelines; the simulator target has none")
-            self.schedule = lower(self.graph, args, self.opts, self.dump)
+            self.schedule, _ = lowered(self.graph, args, self.opts, self.dump, codegen=False)
+            t0 = time.perf_counter()
             sim = Simulator(self.schedule, seed=self.opts.seed, check=self.opts.check_hazards)
+            log.info("stage %-13s simulator, %d instructions on %d SMs  (%.2f s)", "load",
+                     len(self.schedule.instrs), self.schedule.num_sms, time.perf_counter() - t0)
             return lambda a: [o.clone() for o in sim.step(a)]
         from fusec.cuda.build import build_cuda_step
         g0 = self.graph

@@ -1,0 +1,437 @@
+"""The artifact cache: a lowered schedule and its rendered kernel, reused by later processes.
+
+A process that compiles a decode step fusec compiled before (same captured graph, options and
+fusec, torch and NVRTC versions) loads the :class:`~fusec.ir.schedule.Schedule` and the
+:class:`~fusec.cuda.codegen.KernelPlan` from disk instead of running the passes and rendering
+the kernel; NVRTC then finds the CUBIN in its own cache (:mod:`fusec.cuda.jit`, keyed on the
+source). Weights are not part of an artifact: they are graph inputs, bound when the step runs
+(the simulator reads them from the call's arguments, the GPU runtime writes their pointers into
+its buffer table), so a model with other weight values reuses the artifact.
+
+**Key**: the sha256 of
+- the captured IR (:func:`graph_text`): every tensor's name, shape, dtype, role, input index and
+  alias, plus a digest of the value of each CONSTANT (``get_attr`` tensors of the ATen graph);
+  every op's name, kind, slots, in-place slots, layer, model source line and attributes (the
+  ATen call templates with their literals included). FX names are deterministic for one model
+  and one torch / transformers version, so the text is the same in every process;
+- the options that change lowering or rendering (:func:`lowering_options`): ``num_sms`` (as
+  lowered: 132 when unset), ``max_fusions``, ``attention_merge``, ``profile``, ``defines``;
+- the fusec version and a digest of fusec's source files (the package, the passes, the
+  templates: :func:`source_digest`), so that any code change gives new keys;
+- torch's version, NVRTC's version (None where NVRTC cannot load), Python's ``major.minor``
+  and :data:`FORMAT`.
+
+Weight values are never part of the key.
+
+**Validation**: a few passes read the values of small weights (at most
+``position.MAX_KNOWN_WEIGHT`` elements) and compile them in: ``inv_freq`` becomes the RoPE
+tables, Gemma's ``1 + w`` a constant. An artifact records a digest of exactly the weights the
+passes read (:class:`fusec.pipeline.ValueReads`; none of the large matrices, none of the norm
+weights the kernel reads at run time). A hit whose recorded digests differ from the current
+model's tensors is rejected with one log line; the step is lowered again and the entry
+replaced.
+
+**Layout**: ``<FUSEC_CACHE_DIR>/artifacts/<key>.art`` (``FUSEC_CACHE_DIR`` defaults to
+``~/.cache/fusec``), one file per key: :data:`MAGIC`, the sha256 of the payload, the payload: a
+pickle of ``{"format", "key", "schedule", "plan", "values", "fusec", "created"}`` (tensors as raw
+bytes, ATen ops by name). An entry is written to a temp file in the same folder, then
+``os.replace``d: concurrent processes only ever see whole entries (the last writer wins). A file
+that fails the checksum or does not unpickle is ignored with one log line, and the new
+compilation rewrites it. After each store the folder is cut down to ``cache_max_mb`` (option;
+env ``FUSEC_CACHE_MAX_MB``; default 4096 MiB) by removing the least recently used entries (a hit
+touches its file's mtime). Off with option ``cache=False`` or ``FUSEC_CACHE=0``. With
+``dump_dir`` (``FUSEC_DUMP``) set the cache is not read, only written: every stage then runs and
+is dumped.
+"""
+from __future__ import annotations
+
+import enum
+import functools
+import gc
+import hashlib
+import io
+import json
+import logging
+import os
+import pickle
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fusec.config import Options
+from fusec.ir import Graph, Ref
+from fusec.ir.schedule import Schedule
+from fusec.pipeline import Dumper, lower
+
+log = logging.getLogger("fusec")
+
+#: version of the entry format (bump when the pickled objects change shape incompatibly)
+FORMAT = 1
+MAGIC = b"FUSECART"
+SUFFIX = ".art"
+#: a temp file older than this is what a killed writer left: removed by the next store
+_STALE_TMP_S = 3600.0
+
+
+class Uncacheable(Exception):
+    """The graph holds something with no stable text (an object printed with its address)."""
+
+
+# ----------------------------------------------------------------------------- the key
+
+def tensor_digest(t: torch.Tensor) -> str:
+    """sha256 of a tensor's dtype, shape and bytes (copied to the CPU first)."""
+    t = t.detach().to("cpu").contiguous()
+    h = hashlib.sha256(f"{t.dtype}{tuple(t.shape)}".encode())
+    if t.numel():
+        h.update(t.reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+def _canon(v: Any) -> str:
+    """A text for an op attribute that is equal across processes exactly when the value is."""
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return repr(v)
+    if isinstance(v, enum.Enum):
+        return f"{type(v).__name__}.{v.name}"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{_canon(k)}: {_canon(x)}" for k, x in v.items()) + "}"
+    if isinstance(v, (list, tuple)):
+        return ("(" if isinstance(v, tuple) else "[") + ", ".join(_canon(x) for x in v) + ")"
+    if isinstance(v, Ref):
+        return f"Ref({v.slot!r})"
+    if isinstance(v, torch.Tensor):
+        return f"tensor:{tensor_digest(v)}"
+    if isinstance(v, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
+        return str(v)
+    if isinstance(v, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return f"op:{v}"
+    if callable(v) and getattr(v, "__qualname__", None) and getattr(v, "__module__", None):
+        return f"fn:{v.__module__}.{v.__qualname__}"
+    text = repr(v)
+    if " at 0x" in text:
+        raise Uncacheable(f"an attribute of type {type(v).__name__} has no stable text ({text[:80]})")
+    return f"{type(v).__qualname__}:{text}"
+
+
+def graph_text(g: Graph) -> str:
+    """The whole structure of ``g`` as text (the key's graph part; see the module docstring)."""
+    lines = [f"inputs {g.inputs}", f"outputs {g.outputs}"]
+    for t in g.tensors.values():
+        value = tensor_digest(t.value) if t.value is not None else "-"
+        lines.append(f"T {t.name} {list(t.shape)} {t.dtype} {t.role.value} {t.input_index} "
+                     f"{t.alias_of} {value}")
+    for op in g.ops:
+        lines.append(f"O {op.name} {op.kind} {_canon(op.inputs)} {_canon(op.outputs)} "
+                     f"{list(op.mutates)} {op.layer} {op.source!r} {_canon(op.attrs)}")
+    return "\n".join(lines) + "\n"
+
+
+def lowering_options(opts: Options) -> dict[str, Any]:
+    """The options that change the schedule or the kernel source."""
+    return {"num_sms": opts.num_sms or 132, "max_fusions": opts.max_fusions,
+            "attention_merge": opts.attention_merge, "profile": bool(opts.profile),
+            "defines": sorted((str(k), str(v)) for k, v in opts.defines.items())}
+
+
+@functools.cache
+def source_digest() -> str:
+    """sha256 over fusec's source: the package's ``.py`` files, the passes and the templates."""
+    import importlib
+
+    import fusec
+    passes = importlib.import_module("fusec.passes")
+    roots = [("fusec", Path(fusec.__file__).resolve().parent, "*.py"),
+             ("passes", Path(passes.__file__).resolve().parent, "*.py"),
+             ("templates", fusec.template_dir().resolve(), "*")]
+    h = hashlib.sha256()
+    for label, root, pattern in roots:
+        files = sorted(p for p in root.rglob(pattern) if p.is_file() and "__pycache__" not in p.parts)
+        for p in files:
+            h.update(f"{label}/{p.relative_to(root).as_posix()}\0".encode())
+            h.update(hashlib.sha256(p.read_bytes()).digest())
+    return h.hexdigest()
+
+
+@functools.cache
+def _nvrtc_version() -> str | None:
+    try:
+        from fusec.cuda.jit import nvrtc_version
+        return ".".join(map(str, nvrtc_version()))
+    except Exception:   # noqa: BLE001 - no NVRTC here: the key says so
+        return None
+
+
+def artifact_key(g: Graph, opts: Options) -> str:
+    """The cache key of lowering ``g`` with ``opts`` (hex sha256; raises :class:`Uncacheable`)."""
+    import fusec
+    parts = {"format": FORMAT, "graph": hashlib.sha256(graph_text(g).encode()).hexdigest(),
+             "options": lowering_options(opts), "fusec": fusec.__version__, "source": source_digest(),
+             "torch": torch.__version__, "nvrtc": _nvrtc_version(),
+             "python": f"{sys.version_info[0]}.{sys.version_info[1]}"}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+# ----------------------------------------------------------------------------- entries
+
+def _tensor(dtype: str, shape: tuple[int, ...], data: bytes) -> torch.Tensor:
+    dt = getattr(torch, dtype)
+    if not data:
+        return torch.empty(shape, dtype=dt)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dt).reshape(shape)
+
+
+def _op(name: str) -> Any:
+    """``torch.ops.<ns>.<op>[.<overload>]`` from its name (``aten.add.Tensor``)."""
+    ns, *rest = name.split(".")
+    if ns == "fusec":
+        import fusec.frontend.custom_ops  # noqa: F401 - registers torch.ops.fusec
+    obj = getattr(torch.ops, ns)
+    for part in rest:
+        obj = getattr(obj, part)
+    return obj
+
+
+class _Pickler(pickle.Pickler):
+    """Pickles tensors as raw bytes and ATen ops by name (an OpOverload does not pickle)."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            t = obj.detach().to("cpu").contiguous()
+            data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+            return _tensor, (str(t.dtype).removeprefix("torch."), tuple(t.shape), data)
+        if isinstance(obj, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+            return _op, (str(obj),)
+        return NotImplemented
+
+
+def dumps(obj: Any) -> bytes:
+    """An entry's bytes: :data:`MAGIC`, the payload's sha256, the payload."""
+    buf = io.BytesIO()
+    _Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    payload = buf.getvalue()
+    return MAGIC + hashlib.sha256(payload).digest() + payload
+
+
+def loads(data: bytes) -> Any:
+    """Inverse of :func:`dumps`; raises ValueError for a damaged entry."""
+    n = len(MAGIC)
+    if data[:n] != MAGIC:
+        raise ValueError("not an artifact file (bad magic)")
+    digest, payload = data[n:n + 32], data[n + 32:]
+    if hashlib.sha256(payload).digest() != digest:
+        raise ValueError("checksum mismatch (truncated or damaged)")
+    # the 1B's entry is ~10^5 small objects (tiles, regions): the cyclic GC, run again and again
+    # while they are made, tripled the load time (0.6 s -> 0.22 s without it)
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return pickle.loads(payload)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def cache_folder() -> Path:
+    """``$FUSEC_CACHE_DIR/artifacts`` (default ``~/.cache/fusec/artifacts``)."""
+    base = os.environ.get("FUSEC_CACHE_DIR") or Path.home() / ".cache" / "fusec"
+    return Path(base) / "artifacts"
+
+
+class ArtifactCache:
+    """The folder of entries, capped at ``max_bytes`` (least recently used out)."""
+
+    def __init__(self, folder: Path, max_bytes: int):
+        self.folder = Path(folder)
+        self.max_bytes = max_bytes
+
+    @classmethod
+    def for_options(cls, opts: Options) -> "ArtifactCache | None":
+        """The cache ``opts`` asks for, or None when it is off."""
+        if not opts.cache:
+            return None
+        return cls(cache_folder(), opts.cache_max_mb << 20)
+
+    def path(self, key: str) -> Path:
+        return self.folder / f"{key}{SUFFIX}"
+
+    def load(self, key: str) -> dict[str, Any] | None:
+        """The entry of ``key`` (its mtime touched), or None: absent, or unreadable (one log line)."""
+        path = self.path(key)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            log.warning("fusec: artifact cache: cannot read %s (%s); compiling", path, e)
+            return None
+        try:
+            art = loads(data)
+            if not isinstance(art, dict) or art.get("format") != FORMAT or art.get("key") != key:
+                raise ValueError("not an entry of this key and format")
+            if not isinstance(art.get("schedule"), Schedule) or not isinstance(art.get("values"), dict):
+                raise ValueError("no schedule or no weight digests in the entry")
+        except Exception as e:   # noqa: BLE001 - any damage: ignore the entry, compile, rewrite it
+            log.warning("fusec: artifact cache: ignoring unreadable entry %s (%s: %s); compiling and "
+                        "rewriting it", path, type(e).__name__, str(e)[:200])
+            return None
+        try:
+            os.utime(path)   # least recently used goes first: a hit is a use
+        except OSError:
+            pass
+        return art
+
+    def store(self, key: str, art: dict[str, Any]) -> int | None:
+        """Write the entry of ``key`` atomically, then evict down to the cap; returns its size
+        in bytes, or None when it was not written (one log line says why)."""
+        try:
+            data = dumps(art)
+        except Exception as e:   # noqa: BLE001 - a compile never fails for the cache's sake
+            log.warning("fusec: artifact cache: entry %s not stored: %s: %s", key[:12], type(e).__name__,
+                        str(e)[:200])
+            return None
+        if len(data) > self.max_bytes:
+            log.info("fusec: artifact cache: entry %s not stored: %.1f MiB, over the cap of %.0f MiB "
+                     "(cache_max_mb, FUSEC_CACHE_MAX_MB)", key[:12], len(data) / 2**20, self.max_bytes / 2**20)
+            return None
+        path = self.path(key)
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            from fusec.cuda.jit import atomic_write
+            atomic_write(path, data)
+        except OSError as e:
+            log.warning("fusec: artifact cache: entry %s not stored in %s: %s", key[:12], self.folder, e)
+            return None
+        self.evict(keep=path)
+        return len(data)
+
+    def entries(self) -> list[tuple[float, int, Path]]:
+        """``(mtime, bytes, path)`` of every entry, least recently used first; removes temp
+        files that killed writers left behind."""
+        out = []
+        now = time.time()
+        try:
+            names = list(self.folder.iterdir())
+        except OSError:
+            return []
+        for p in names:
+            try:
+                st = p.stat()
+            except OSError:
+                continue
+            if p.name.endswith(".tmp"):
+                if now - st.st_mtime > _STALE_TMP_S:
+                    p.unlink(missing_ok=True)
+                continue
+            if p.suffix == SUFFIX:
+                out.append((st.st_mtime, st.st_size, p))
+        return sorted(out, key=lambda e: (e[0], e[2].name))
+
+    def evict(self, keep: Path | None = None) -> int:
+        """Remove least recently used entries (never ``keep``) until the folder fits the cap;
+        returns how many were removed. Another process removing the same file is fine."""
+        entries = self.entries()
+        total = sum(size for _, size, _ in entries)
+        removed = 0
+        for _, size, p in entries:
+            if total <= self.max_bytes:
+                break
+            if keep is not None and p == keep:
+                continue
+            try:
+                p.unlink()
+            except FileNotFoundError:
+                pass
+            except OSError:
+                continue
+            total -= size
+            removed += 1
+        if removed:
+            log.info("fusec: artifact cache: removed %d least recently used entr%s (cap %.0f MiB)",
+                     removed, "y" if removed == 1 else "ies", self.max_bytes / 2**20)
+        return removed
+
+
+# ----------------------------------------------------------------------------- the stage
+
+def _stale(values: dict[str, str], g: Graph, flat_args: list[Any]) -> list[str]:
+    """The recorded small weights whose current values differ from the artifact's."""
+    index = {n: i for i, n in enumerate(g.inputs)}
+    bad = []
+    for name, digest in values.items():
+        i = index.get(name)
+        if i is None or not isinstance(flat_args[i], torch.Tensor) or tensor_digest(flat_args[i]) != digest:
+            bad.append(name)
+    return bad
+
+
+def lowered(g: Graph, flat_args: list[Any], opts: Options, dump: Dumper, *,
+            codegen: bool) -> tuple[Schedule, Any]:
+    """Stage ``artifacts`` around ``lower`` (and, with ``codegen``, the rendering of the kernel).
+
+    Returns ``(schedule, plan)``: from a valid cache entry (the passes and the rendering do not
+    run), else from :func:`fusec.pipeline.lower` (and :func:`fusec.cuda.build.render_plan`), and
+    then stored. ``plan`` is a :class:`~fusec.cuda.codegen.KernelPlan` with ``codegen``, else None.
+    An entry made without a plan (the simulator's) gets one rendered and is stored again.
+
+    Raises:
+        What lowering and rendering raise (FallbackRequired, IRError ...); never a cache error.
+    """
+    def render(sched: Schedule) -> Any:
+        from fusec.cuda.build import render_plan
+        return render_plan(sched, opts, dump)
+
+    cache = ArtifactCache.for_options(opts)
+    key = None
+    if cache is not None:
+        t0 = time.perf_counter()
+        try:
+            key = artifact_key(g, opts)
+        except Uncacheable as e:
+            log.info("stage %-13s not used: %s", "artifacts", e)
+        if key is not None and opts.dump_dir:
+            log.info("stage %-13s not read (dump_dir is set: every stage runs and is dumped)", "artifacts")
+        elif key is not None:
+            art = cache.load(key)
+            bad = _stale(art["values"], g, flat_args) if art is not None else []
+            if art is not None and bad:
+                more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
+                log.info("fusec: artifact cache: entry %s was compiled for other values of %s%s (small "
+                         "weights whose values are compiled in); lowering again", key[:12], bad[0], more)
+            elif art is not None:
+                sched, plan = art["schedule"], art["plan"]
+                log.info("stage %-13s hit %s: %d instructions, %s, %d compiled-in weight%s equal  (%.2f s)",
+                         "artifacts", key[:12], len(sched.instrs),
+                         "kernel source" if plan is not None else "no kernel source",
+                         len(art["values"]), "" if len(art["values"]) == 1 else "s", time.perf_counter() - t0)
+                if codegen and plan is None:
+                    plan = render(sched)
+                    _store(cache, key, sched, plan, art["values"])
+                return sched, plan if codegen else None
+            else:
+                log.info("stage %-13s miss %s  (%.2f s)", "artifacts", key[:12], time.perf_counter() - t0)
+    reads: set[str] = set()
+    sched = lower(g, flat_args, opts, dump, value_reads=reads)
+    plan = render(sched) if codegen else None
+    if cache is not None and key is not None:
+        index = {n: i for i, n in enumerate(g.inputs)}
+        values = {n: tensor_digest(flat_args[index[n]]) for n in sorted(reads)}
+        _store(cache, key, sched, plan, values)
+    return sched, plan
+
+
+def _store(cache: ArtifactCache, key: str, sched: Schedule, plan: Any, values: dict[str, str]) -> None:
+    import fusec
+    t0 = time.perf_counter()
+    size = cache.store(key, {"format": FORMAT, "key": key, "schedule": sched, "plan": plan, "values": values,
+                             "fusec": fusec.__version__, "created": time.time()})
+    if size is not None:
+        log.info("stage %-13s stored %s: %s in %s  (%.2f s)", "artifacts", key[:12], _size(size),
+                 cache.folder, time.perf_counter() - t0)
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.0f} KiB"
