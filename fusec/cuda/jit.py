@@ -186,6 +186,7 @@ def atomic_write(path: Path, data: bytes) -> None:
     concurrent reader sees the old file or the whole new one, never a part."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o644)   # mkstemp makes 0600: other users of a shared cache folder read it too
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         os.replace(tmp, path)

@@ -20,6 +20,7 @@ See docs/ir.md.
 from __future__ import annotations
 
 import dataclasses
+import math
 import enum
 from typing import Any, Iterable
 
@@ -72,14 +73,11 @@ class TensorInfo:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= int(s)
-        return n
+        return int(math.prod(self.shape))
 
     @property
     def nbytes(self) -> int:
-        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+        return int(math.prod(self.shape)) * self.dtype.itemsize
 
     def describe(self) -> str:
         dt = str(self.dtype).replace("torch.", "")

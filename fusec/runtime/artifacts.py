@@ -42,6 +42,11 @@ env ``FUSEC_CACHE_MAX_MB``; default 4096 MiB) by removing the least recently use
 touches its file's mtime). Off with option ``cache=False`` or ``FUSEC_CACHE=0``. With
 ``dump_dir`` (``FUSEC_DUMP``) set the cache is not read, only written: every stage then runs and
 is dumped.
+
+**Trust**: an entry is a pickle, and its checksum detects damage, not tampering: whoever can
+write to the cache folder can run code in a process that compiles (as with torch's own
+compile caches). Keep ``FUSEC_CACHE_DIR`` private to the users who share it. Entries are
+written readable by all (mode 0644).
 """
 from __future__ import annotations
 
