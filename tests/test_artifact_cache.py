@@ -83,6 +83,11 @@ def _child(tmp: Path, cache_dir: Path, family: str = "llama", seed: int = 0, **e
     return json.loads(p.stdout.strip().splitlines()[-1]), p.stderr
 
 
+def _steps(folder: Path) -> list[Path]:
+    """The lowered-step entries (``<key>.art``; warm-start IR entries are ``<key>.dynamo_ir.art``)."""
+    return [p for p in folder.glob("*.art") if p.name.count(".") == 1]
+
+
 @pytest.fixture(scope="module")
 def llama_runs(tmp_path_factory):
     """Three processes over one cache folder: the first compile, the same model again, a model
@@ -103,12 +108,15 @@ def test_second_process_hits_and_skips_lowering(llama_runs):
     assert all(line in err1 for line in PASS_LINES)
     assert "stage artifacts     hit" in err2, err2
     assert not any(line in err2 for line in PASS_LINES), err2
-    assert "stage capture" in err2 and "stage build_ir" in err2 and "stage load" in err2
+    assert "stage capture" in err2 and "stage load" in err2
+    # the warm start (fusec/frontend/warm.py): the IR comes from the cache, AOT autograd is skipped
+    assert "warm start" in err2 and "AOT skipped" in err2 and "stage build_ir" not in err2, err2
+    assert "stage build_ir" in err1 and "warm start" not in err1
     assert again["schedule"] == first["schedule"] and again["source"] == first["source"]
     assert again["logits"] == first["logits"]
     assert max(first["errs"]) < 1e-4 and max(again["errs"]) < 1e-4
-    entries = list((llama_runs["cache"] / "artifacts").glob("*.art"))
-    assert len(entries) == 1
+    folder = llama_runs["cache"] / "artifacts"
+    assert len(_steps(folder)) == 1 and len(list(folder.glob("*.dynamo_ir.art"))) == 1
 
 
 def test_other_big_weights_hit_and_compute_with_their_own_values(llama_runs):
@@ -225,7 +233,7 @@ def test_options_change_misses(cache_on, caplog):
         caplog.clear()
         assert _decode(hf_tiny.llama(), {"num_sms": 12}, n=1) < 1e-4    # another SM count
         assert any(m.startswith("stage artifacts     miss") for m in _messages(caplog))
-    assert len(list(cache_on.glob("*.art"))) == 3
+    assert len(list(_steps(cache_on))) == 3
     # options that do not change the schedule or the kernel share the entry
     base = Options.from_dict({"num_sms": 8})
     same = Options.from_dict({"num_sms": 8, "seed": 5, "check_hazards": False, "fallback": "eager",
@@ -239,7 +247,7 @@ def test_options_change_misses(cache_on, caplog):
 def test_damaged_entry_is_ignored_and_rewritten(cache_on, caplog):
     with caplog.at_level(logging.INFO, logger="fusec"):
         assert _decode(hf_tiny.llama(), {"num_sms": 8}, n=1) < 1e-4
-        (entry,) = cache_on.glob("*.art")
+        (entry,) = _steps(cache_on)
         data = entry.read_bytes()
         entry.write_bytes(data[:-100] + bytes([data[-100] ^ 0xFF]) + data[-99:])
         caplog.clear()
@@ -424,4 +432,4 @@ def test_cli_reuses_the_simulator_entry_and_its_kernel(cache_on, tmp_path, capsy
     assert "stage artifacts     hit" in errs[2] and "stage codegen" not in errs[2]
     assert ", cached)" in errs[2].split("stage jit")[1].splitlines()[0]
     assert kernels[0] == kernels[1]
-    assert len(list(cache_on.glob("*.art"))) == 1
+    assert len(list(_steps(cache_on))) == 1

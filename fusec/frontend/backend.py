@@ -13,7 +13,8 @@ from typing import Any, Callable
 
 import torch
 
-from fusec.frontend.capture import aten_capture, check_decode_step
+from fusec.frontend import warm
+from fusec.frontend.capture import aten_capture, check_decode_step, dynamo_seconds
 from fusec.runtime.compiled import CompiledStep
 from fusec.config import Options
 from fusec.errors import FallbackRequired, FusecError
@@ -62,9 +63,25 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list[Any], opts: Options)
         if target == "cuda" and not torch.cuda.is_available():
             raise FallbackRequired("target 'cuda' but no CUDA device is available")
         dump = Dumper(opts.dump_dir)
+        key = _warm_key(gm, example_inputs, opts)
+        if key is not None:
+            g = warm.recall(key, opts)
+            if g is not None:
+                dynamo_s = dynamo_seconds()
+                log.info("stage %-13s warm start: the IR of dynamo graph %s from the artifact cache, "
+                         "AOT skipped%s", "capture", key[:12],
+                         f"; dynamo {dynamo_s:.2f} s" if dynamo_s is not None else "")
+                return CompiledStep(gm.forward, g, opts, dump, target)
 
         def compiler(aten_gm: torch.fx.GraphModule, ex: list[Any]) -> Callable:
-            return CompiledStep(aten_gm, build_ir(aten_gm, ex, dump), opts, dump, target)
+            g = build_ir(aten_gm, ex, dump)
+            if key is not None:
+                why = warm.aot_identity_problem(gm, example_inputs, aten_gm, ex)
+                if why is None:
+                    warm.remember(key, g, opts)
+                else:
+                    log.info("fusec: no warm start for this graph (AOT autograd must run each time: %s)", why)
+            return CompiledStep(aten_gm, g, opts, dump, target)
 
         return aten_capture(gm, example_inputs, compiler)
     except FallbackRequired as e:
@@ -77,6 +94,18 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list[Any], opts: Options)
         warn_fallback("fusec: capturing the graph to ATen failed (%s: %s); using %s", type(e).__name__,
                       first[:200], opts.fallback)
         return fallback(gm, example_inputs, opts.fallback)
+
+
+def _warm_key(gm: torch.fx.GraphModule, example_inputs: list[Any], opts: Options) -> str | None:
+    """The warm-start key of ``gm`` (:mod:`fusec.frontend.warm`), or None: cache off, a dump
+    (every stage runs), or a graph with no stable key."""
+    if not opts.cache or opts.dump_dir:
+        return None
+    try:
+        return warm.dynamo_key(gm, example_inputs)
+    except Exception as e:   # noqa: BLE001 - a key that cannot be made: the full capture runs
+        log.info("fusec: no warm start for this graph (%s: %s)", type(e).__name__, str(e)[:200])
+        return None
 
 
 def _symbolic(example_inputs: list[Any]) -> bool:

@@ -260,12 +260,16 @@ class ArtifactCache:
             return None
         return cls(cache_folder(), opts.cache_max_mb << 20)
 
-    def path(self, key: str) -> Path:
-        return self.folder / f"{key}{SUFFIX}"
+    def path(self, key: str, kind: str | None = None) -> Path:
+        """``<key>.art`` for a lowered step, ``<key>.<kind>.art`` for another kind of entry."""
+        return self.folder / f"{key}{'.' + kind if kind else ''}{SUFFIX}"
 
-    def load(self, key: str) -> dict[str, Any] | None:
-        """The entry of ``key`` (its mtime touched), or None: absent, or unreadable (one log line)."""
-        path = self.path(key)
+    def load(self, key: str, kind: str | None = None) -> dict[str, Any] | None:
+        """The entry of ``key`` (its mtime touched), or None: absent, or unreadable (one log line).
+
+        ``kind``: None for a lowered step (a schedule and weight digests), else the ``kind`` the
+        entry must carry (:data:`fusec.frontend.warm.KIND`: an IR graph)."""
+        path = self.path(key, kind)
         try:
             data = path.read_bytes()
         except FileNotFoundError:
@@ -277,7 +281,10 @@ class ArtifactCache:
             art = loads(data)
             if not isinstance(art, dict) or art.get("format") != FORMAT or art.get("key") != key:
                 raise ValueError("not an entry of this key and format")
-            if not isinstance(art.get("schedule"), Schedule) or not isinstance(art.get("values"), dict):
+            if kind is not None:
+                if art.get("kind") != kind or not isinstance(art.get("graph"), Graph):
+                    raise ValueError(f"not a {kind} entry")
+            elif not isinstance(art.get("schedule"), Schedule) or not isinstance(art.get("values"), dict):
                 raise ValueError("no schedule or no weight digests in the entry")
         except Exception as e:   # noqa: BLE001 - any damage: ignore the entry, compile, rewrite it
             log.warning("fusec: artifact cache: ignoring unreadable entry %s (%s: %s); compiling and "
@@ -290,8 +297,9 @@ class ArtifactCache:
         return art
 
     def store(self, key: str, art: dict[str, Any]) -> int | None:
-        """Write the entry of ``key`` atomically, then evict down to the cap; returns its size
-        in bytes, or None when it was not written (one log line says why)."""
+        """Write the entry of ``key`` (of ``art["kind"]``, if any) atomically, then evict down to
+        the cap; returns its size in bytes, or None when it was not written (one log line says
+        why)."""
         try:
             data = dumps(art)
         except Exception as e:   # noqa: BLE001 - a compile never fails for the cache's sake
@@ -302,7 +310,7 @@ class ArtifactCache:
             log.info("fusec: artifact cache: entry %s not stored: %.1f MiB, over the cap of %.0f MiB "
                      "(cache_max_mb, FUSEC_CACHE_MAX_MB)", key[:12], len(data) / 2**20, self.max_bytes / 2**20)
             return None
-        path = self.path(key)
+        path = self.path(key, art.get("kind"))
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
             from fusec.cuda.jit import atomic_write

@@ -26,10 +26,12 @@ class CompiledStep:
     graphs): clone them to keep them.
 
     If lowering fails with a :class:`FusecError` at the first call (an op without a CUDA form,
-    say), the step runs the captured ATen graph eagerly from then on, with one log line.
+    say), the step runs ``aten_gm`` eagerly from then on, with one log line: the captured ATen
+    graph, or on a warm start (:mod:`fusec.frontend.warm`: dynamo's inputs are the flat inputs)
+    dynamo's own graph.
     """
 
-    def __init__(self, aten_gm: torch.fx.GraphModule, g: Graph, opts: Options, dump: Dumper, target: str):
+    def __init__(self, aten_gm: Callable[..., Any], g: Graph, opts: Options, dump: Dumper, target: str):
         self.aten_gm = aten_gm
         self.graph = g
         self.opts = opts

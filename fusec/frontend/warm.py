@@ -1,0 +1,127 @@
+"""Warm start: a dynamo graph fusec captured before skips AOT autograd.
+
+A cold compile lowers dynamo's graph to ATen with AOT autograd (``capture``: 2.1-2.6 s of the
+Llama-3.2-1B's compile on the H200 machine, docs/compile-time.md) and builds fusec's IR from it.
+Where AOT's runtime wrapping is the identity for that graph (:func:`aot_identity_problem` is
+None), :func:`remember` stores the IR in the artifact cache under a key of the *dynamo* graph
+(:func:`dynamo_key`); a later process with the same key gets the IR back from :func:`recall`
+and builds the compiled step over dynamo's inputs directly: no AOT trace, no ``build_ir``. The
+step's schedule and kernel then come from the artifact cache as in a cold process
+(:mod:`fusec.runtime.artifacts`).
+
+AOT's wrapping is the identity when the ATen graph takes dynamo's inputs in dynamo's order
+(nothing lifted, deduplicated or merged into a synthetic base: same count, shapes, strides and
+dtypes), returns dynamo's outputs (same count, none of them an alias of an input or of
+another output), keeps every input mutation inside the graph (``keep_inference_input_mutations``)
+and adds no effect tokens or RNG state; grad mode off or no input requiring grad, no autocast.
+Anything else, or an AOT version whose metadata does not say, keeps the full capture.
+
+**Key** (sha256): dynamo's graph code (its placeholder names carry each input's source, e.g.
+``L_self_modules_model_..._parameters_weight_``), each input's type, shape, stride, dtype,
+device type and ``requires_grad``, a digest of each tensor the graph module holds itself
+(``get_attr`` constants), grad and autocast mode, and the versions and source digest that key
+an artifact (:func:`fusec.runtime.artifacts.artifact_key`). Weight values are not in it: they
+are inputs.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import sys
+from typing import Any
+
+import torch
+
+from fusec.config import Options
+from fusec.ir import Graph
+
+log = logging.getLogger("fusec")
+
+#: the entry's ``kind``: an IR graph keyed by a dynamo graph (artifacts hold schedules)
+KIND = "dynamo_ir"
+
+
+def dynamo_key(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> str | None:
+    """The warm-start key of ``gm`` called with ``example_inputs``, or None when the inputs are
+    not all static-shaped tensors (a SymInt, a symbolic size: no warm start)."""
+    from fusec.runtime.artifacts import FORMAT, _nvrtc_version, source_digest, tensor_digest
+    import fusec
+    inputs = []
+    for x in example_inputs:
+        if not isinstance(x, torch.Tensor) or any(not isinstance(d, int) for d in (*x.shape, *x.stride())):
+            return None
+        inputs.append([list(x.shape), list(x.stride()), str(x.dtype), x.device.type, bool(x.requires_grad)])
+    held = sorted((name, tensor_digest(t)) for name, t in
+                  [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)])
+    consts = sorted((n.target, tensor_digest(getattr(gm, n.target))) for n in gm.graph.nodes
+                    if n.op == "get_attr" and isinstance(getattr(gm, n.target, None), torch.Tensor))
+    parts = {"kind": KIND, "format": FORMAT, "code": gm.code, "inputs": inputs, "held": held, "consts": consts,
+             "grad": torch.is_grad_enabled(), "autocast": torch.is_autocast_enabled(),
+             "fusec": fusec.__version__, "source": source_digest(), "torch": torch.__version__,
+             "nvrtc": _nvrtc_version(), "python": f"{sys.version_info[0]}.{sys.version_info[1]}"}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+def aot_identity_problem(gm: torch.fx.GraphModule, example_inputs: list[Any],
+                         aten_gm: torch.fx.GraphModule, flat: list[Any]) -> str | None:
+    """Why AOT's runtime wrapping of ``gm`` may not be the identity (see the module docstring),
+    or None when it is. Called from AOT's forward compiler (``aten_gm``, ``flat``: its graph and
+    flat inputs), where AOT's tracing context holds the graph's metadata."""
+    if len(flat) != len(example_inputs):
+        return f"AOT passes {len(flat)} inputs for dynamo's {len(example_inputs)} (lifted or deduplicated)"
+    for i, (a, b) in enumerate(zip(flat, example_inputs)):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            return f"input {i} is not a tensor"
+        if a.shape != b.shape or a.dtype != b.dtype or a.stride() != b.stride():
+            return f"input {i} differs from dynamo's (a synthetic base?)"
+    if torch.is_grad_enabled() and any(x.requires_grad for x in example_inputs):
+        return "grad mode with inputs that require grad"
+    if torch.is_autocast_enabled():
+        return "autocast"
+    ctx = torch._guards.TracingContext.try_get()
+    meta = getattr(ctx, "fw_metadata", None) if ctx is not None else None
+    if meta is None:
+        return "AOT's metadata is not available"
+    try:
+        from torch._functorch._aot_autograd.schemas import OutputType
+        checks = {
+            "outputs alias inputs or each other": any(o.output_type != OutputType.non_alias for o in meta.output_info),
+            "input mutations outside the graph": meta.num_mutated_inp_runtime_indices != 0,
+            "intermediate bases": meta.num_intermediate_bases != 0,
+            "effect tokens": len(getattr(meta, "tokens", {}) or {}) != 0,
+            "RNG state": bool(getattr(meta, "is_rng_op_functionalized", False))
+            or getattr(meta, "num_graphsafe_rng_states", 0) != 0,
+            "tensor subclasses": any(type(m).__name__ == "SubclassCreationMeta"
+                                     for m in getattr(meta, "subclass_inp_meta", None) or ()),
+        }
+    except Exception as e:   # noqa: BLE001 - another AOT version: keep the full capture
+        return f"AOT's metadata is not readable ({type(e).__name__})"
+    bad = [what for what, yes in checks.items() if yes]
+    if bad:
+        return ", ".join(bad)
+    out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    n_dynamo = len(out) if isinstance(out, (list, tuple)) else 1
+    n_aten = len(next(n for n in aten_gm.graph.nodes if n.op == "output").args[0])
+    if not (n_dynamo == n_aten == len(meta.output_info)):
+        return f"{n_aten} ATen outputs for dynamo's {n_dynamo}"
+    return None
+
+
+def remember(key: str, g: Graph, opts: Options) -> None:
+    """Store the IR ``g`` (as ``build_ir`` made it) under the dynamo key ``key``."""
+    from fusec.runtime.artifacts import FORMAT, ArtifactCache
+    cache = ArtifactCache.for_options(opts)
+    if cache is not None:
+        cache.store(key, {"format": FORMAT, "key": key, "kind": KIND, "graph": g})
+
+
+def recall(key: str, opts: Options) -> Graph | None:
+    """The IR stored under ``key``, or None (no entry, cache off, or ``dump_dir`` set: a dump
+    runs every stage)."""
+    from fusec.runtime.artifacts import ArtifactCache
+    cache = ArtifactCache.for_options(opts)
+    if cache is None or opts.dump_dir:
+        return None
+    art = cache.load(key, kind=KIND)
+    return art["graph"] if art is not None else None

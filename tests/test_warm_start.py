@@ -1,0 +1,145 @@
+"""The warm start (fusec/frontend/warm.py): AOT autograd is skipped only where its runtime
+wrapping is the identity, the key tells graphs and input layouts apart, and a dump or a
+disabled cache always runs the full capture."""
+from __future__ import annotations
+
+import torch
+
+from fusec.config import Options
+from fusec.frontend import warm
+from fusec.frontend.capture import aten_capture
+
+
+def _problems(fn, *inputs) -> tuple[list, object]:
+    """Compile ``fn`` (no grad) with a backend that captures to ATen as fusec does and records
+    :func:`warm.aot_identity_problem` per graph; returns (the problems, fn's compiled result)."""
+    seen = []
+
+    def backend(gm, example_inputs):
+        def compiler(aten_gm, flat):
+            seen.append(warm.aot_identity_problem(gm, example_inputs, aten_gm, flat))
+            return aten_gm
+        return aten_capture(gm, example_inputs, compiler)
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        got = torch.compile(fn, backend=backend, fullgraph=True)(*inputs)
+    return seen, got
+
+
+def _identity_problem(fn, *inputs):
+    """(the one graph's problem, fn's compiled result, its eager result) on copies of ``inputs``."""
+    seen, got = _problems(fn, *[x.clone() for x in inputs])
+    with torch.no_grad():
+        want = fn(*[x.clone() for x in inputs])
+    assert len(seen) == 1
+    return seen[0], got, want
+
+
+def test_a_plain_graph_is_the_identity():
+    problem, got, want = _identity_problem(lambda x, w: (x @ w).relu() + 1, torch.randn(3, 5), torch.randn(5, 4))
+    assert problem is None
+    torch.testing.assert_close(got, want)
+
+
+def test_an_in_place_update_of_an_input_stays_in_the_graph():
+    def step(cache, x):
+        cache.index_copy_(0, torch.tensor([1]), x)
+        return cache.sum(0) * 2
+    problem, _, _ = _identity_problem(step, torch.randn(4, 3), torch.randn(1, 3))
+    assert problem is None
+
+
+def test_an_output_that_is_a_view_of_an_input_is_refused():
+    problem, _, _ = _identity_problem(lambda x: x.view(-1), torch.randn(3, 4))
+    assert problem is not None and "alias" in problem, problem
+
+
+def test_inputs_merged_into_a_synthetic_base_are_refused():
+    """Two inputs sharing storage, one mutated: AOT passes one base for both."""
+    def f(a, b):
+        b.add_(1)
+        return a * 2
+
+    a = torch.randn(4, 3)
+    seen, _ = _problems(f, a, a[:2])
+    assert len(seen) == 1 and seen[0] is not None, seen
+
+
+def test_the_key_tells_graphs_and_input_layouts_apart():
+    keys = {}
+
+    def backend(gm, example_inputs):
+        keys.setdefault("k", []).append(warm.dynamo_key(gm, example_inputs))
+        return gm.forward
+
+    def f(x):
+        return x * 2 + 1
+
+    def g(x):
+        return x * 3 + 1
+
+    torch._dynamo.reset()
+    for fn, x in ((f, torch.randn(4, 6)), (f, torch.randn(4, 6)), (f, torch.randn(6, 4).t()),
+                  (f, torch.randn(4, 6, dtype=torch.float64)), (g, torch.randn(4, 6))):
+        torch._dynamo.reset()
+        torch.compile(fn, backend=backend, dynamic=False)(x)
+    k = keys["k"]
+    assert k[0] == k[1]                       # same graph and layout, other values
+    assert len({k[0], k[2], k[3], k[4]}) == 4  # strides, dtype, graph
+
+
+def test_dump_or_cache_off_runs_the_full_capture(tmp_path, monkeypatch):
+    monkeypatch.setenv("FUSEC_CACHE_DIR", str(tmp_path / "c"))
+    assert warm.recall("0" * 64, Options.from_dict({"cache": True})) is None   # nothing stored
+    from fusec.frontend import backend
+    assert backend._warm_key(None, [], Options.from_dict({"cache": False})) is None
+    assert backend._warm_key(None, [], Options.from_dict({"cache": True, "dump_dir": str(tmp_path)})) is None
+
+
+# A user's generate() in a new process, the artifact cache on (its default): tokens, whether
+# fusec fell back, and the stage lines (stderr).
+GENERATE = """
+import json, logging, sys
+sys.path.insert(0, sys.argv[1])
+logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s", stream=sys.stderr)
+import torch
+import hf_tiny
+from transformers.generation import CompileConfig
+from fusec.fallbacks import FallbackWatch
+model = hf_tiny.llama(seed=int(sys.argv[2]))
+model.generation_config.pad_token_id = 0
+prompt = torch.randint(1, 128, (1, 5), generator=torch.Generator().manual_seed(1))
+ref = model.generate(prompt, max_new_tokens=12, do_sample=False, cache_implementation="static")
+cc = CompileConfig(backend="fusec")
+cc._compile_all_devices = True   # HF compiles on CUDA only unless told
+with FallbackWatch() as w:
+    out = model.generate(prompt, max_new_tokens=12, do_sample=False, cache_implementation="static",
+                         compile_config=cc)
+print(json.dumps({"equal": torch.equal(out, ref), "fallbacks": list(w.fallbacks), "compiled": w.compiled}))
+"""
+
+
+def test_generate_in_a_second_process_takes_the_warm_start(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    tests = Path(__file__).resolve().parent
+    script = tmp_path / "gen.py"
+    script.write_text(GENERATE)
+    env = {**os.environ, "FUSEC_CACHE": "1", "FUSEC_CACHE_DIR": str(tmp_path / "cache")}
+    env.pop("FUSEC_DUMP", None)
+    runs = []
+    for seed in (0, 0, 1):   # cold; warm; warm with other weights
+        p = subprocess.run([sys.executable, str(script), str(tests), str(seed)], capture_output=True,
+                           text=True, env=env, cwd=str(tests.parent), timeout=600)
+        assert p.returncode == 0, p.stderr[-3000:]
+        runs.append((json.loads(p.stdout.strip().splitlines()[-1]), p.stderr))
+    for res, err in runs:
+        assert res["equal"] and not res["fallbacks"] and res["compiled"] > 0, (res, err[-2000:])
+    (_, cold), (_, again), (_, other) = runs
+    assert "warm start" not in cold and "stage build_ir" in cold
+    for err in (again, other):
+        assert "warm start" in err and "AOT skipped" in err and "stage build_ir" not in err, err[-2000:]
