@@ -18,8 +18,7 @@ Anything else, or an AOT version whose metadata does not say, keeps the full cap
 
 **Key** (sha256): dynamo's graph code (its placeholder names carry each input's source, e.g.
 ``L_self_modules_model_..._parameters_weight_``), each input's type, shape, stride, dtype,
-device type and ``requires_grad``, a digest of each tensor the graph module holds itself
-(``get_attr`` constants), grad and autocast mode, and the versions and source digest that key
+device type and ``requires_grad``, a digest of each ``get_attr`` constant, grad and autocast mode, and the versions and source digest that key
 an artifact (:func:`fusec.runtime.artifacts.artifact_key`). Weight values are not in it: they
 are inputs.
 """
@@ -43,8 +42,9 @@ KIND = "dynamo_ir"
 
 
 def dynamo_key(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> str | None:
-    """The warm-start key of ``gm`` called with ``example_inputs``, or None when the inputs are
-    not all static-shaped tensors (a SymInt, a symbolic size: no warm start)."""
+    """The warm-start key of ``gm`` called with ``example_inputs``, or None: an input that is not
+    a static-shaped tensor (a SymInt, a symbolic size), or a graph module that holds parameters
+    or buffers itself (AOT lifts them: no warm start)."""
     from fusec.runtime.artifacts import FORMAT, _nvrtc_version, source_digest, tensor_digest
     import fusec
     inputs = []
@@ -52,11 +52,11 @@ def dynamo_key(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> str | Non
         if not isinstance(x, torch.Tensor) or any(not isinstance(d, int) for d in (*x.shape, *x.stride())):
             return None
         inputs.append([list(x.shape), list(x.stride()), str(x.dtype), x.device.type, bool(x.requires_grad)])
-    held = sorted((name, tensor_digest(t)) for name, t in
-                  [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)])
+    if next(gm.parameters(), None) is not None or next(gm.buffers(), None) is not None:
+        return None   # AOT lifts what the graph module holds: its wrapping is not the identity
     consts = sorted((n.target, tensor_digest(getattr(gm, n.target))) for n in gm.graph.nodes
                     if n.op == "get_attr" and isinstance(getattr(gm, n.target, None), torch.Tensor))
-    parts = {"kind": KIND, "format": FORMAT, "code": gm.code, "inputs": inputs, "held": held, "consts": consts,
+    parts = {"kind": KIND, "format": FORMAT, "code": gm.code, "inputs": inputs, "consts": consts,
              "grad": torch.is_grad_enabled(), "autocast": torch.is_autocast_enabled(),
              "fusec": fusec.__version__, "source": source_digest(), "torch": torch.__version__,
              "nvrtc": _nvrtc_version(), "python": f"{sys.version_info[0]}.{sys.version_info[1]}"}
