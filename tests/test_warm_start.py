@@ -42,12 +42,29 @@ def test_a_plain_graph_is_the_identity():
     torch.testing.assert_close(got, want)
 
 
-def test_an_in_place_update_of_an_input_stays_in_the_graph():
+def test_an_in_place_update_of_an_input_stays_in_the_graph_and_bumps_its_version():
     def step(cache, x):
         cache.index_copy_(0, torch.tensor([1]), x)
         return cache.sum(0) * 2
     problem, _, _ = _identity_problem(step, torch.randn(4, 3), torch.randn(1, 3))
     assert problem is None
+    bumps = []
+
+    def backend(gm, example_inputs):
+        def compiler(aten_gm, flat):
+            bumps.append(warm.mutated_inputs(example_inputs))
+            return aten_gm
+        return aten_capture(gm, example_inputs, compiler)
+
+    torch._dynamo.reset()
+    cache, x = torch.randn(4, 3), torch.randn(1, 3)
+    with torch.no_grad():
+        torch.compile(step, backend=backend, fullgraph=True)(cache, x)
+    assert bumps == [[0]]
+    # the warm step bumps the same inputs after each call, as AOT's wrapper does
+    before = cache._version
+    warm.WarmStep(lambda c, y: [c.sum(0)], [0])(cache, x)
+    assert cache._version == before + 1
 
 
 def test_an_output_that_is_a_view_of_an_input_is_refused():
@@ -87,6 +104,36 @@ def test_the_key_tells_graphs_and_input_layouts_apart():
     k = keys["k"]
     assert k[0] == k[1]                       # same graph and layout, other values
     assert len({k[0], k[2], k[3], k[4]}) == 4  # strides, dtype, graph
+
+
+def test_global_modes_are_in_the_key_and_autocast_has_no_warm_start():
+    """The same dynamo graph traced under another default dtype makes another ATen graph (a
+    tensor created without a dtype); under autocast AOT runs the graph with autocast off, which
+    a warm step would not: no key at all."""
+    keys = []
+
+    def backend(gm, example_inputs):
+        keys.append(warm.dynamo_key(gm, example_inputs))
+        return gm.forward
+
+    def f(x):
+        return x + torch.full((4,), 0.5)
+
+    x = torch.randn(3, 4)
+    for ctx in (torch.no_grad, lambda: torch.autocast("cpu", dtype=torch.bfloat16)):
+        torch._dynamo.reset()
+        with ctx():
+            torch.compile(f, backend=backend)(x)
+    old = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(torch.float64)
+        torch._dynamo.reset()
+        with torch.no_grad():
+            torch.compile(f, backend=backend)(x)
+    finally:
+        torch.set_default_dtype(old)
+    plain, autocast, f64 = keys
+    assert plain is not None and autocast is None and f64 is not None and f64 != plain
 
 
 def test_dump_or_cache_off_runs_the_full_capture(tmp_path, monkeypatch):

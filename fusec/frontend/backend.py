@@ -65,20 +65,21 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list[Any], opts: Options)
         dump = Dumper(opts.dump_dir)
         key = _warm_key(gm, example_inputs, opts)
         if key is not None:
-            g = warm.recall(key, opts)
-            if g is not None:
+            found = warm.recall(key, opts)
+            if found is not None:
                 dynamo_s = dynamo_seconds()
                 log.info("stage %-13s warm start: the IR of dynamo graph %s from the artifact cache, "
                          "AOT skipped%s", "capture", key[:12],
                          f"; dynamo {dynamo_s:.2f} s" if dynamo_s is not None else "")
-                return CompiledStep(gm.forward, g, opts, dump, target)
+                g, bump = found
+                return warm.WarmStep(CompiledStep(gm.forward, g, opts, dump, target), bump)
 
         def compiler(aten_gm: torch.fx.GraphModule, ex: list[Any]) -> Callable:
             g = build_ir(aten_gm, ex, dump)
             if key is not None:
                 why = warm.aot_identity_problem(gm, example_inputs, aten_gm, ex)
                 if why is None:
-                    warm.remember(key, g, opts)
+                    warm.remember(key, g, warm.mutated_inputs(example_inputs), opts)
                 else:
                     log.info("fusec: no warm start for this graph (AOT autograd must run each time: %s)", why)
             return CompiledStep(aten_gm, g, opts, dump, target)

@@ -14,13 +14,18 @@ AOT's wrapping is the identity when the ATen graph takes dynamo's inputs in dyna
 dtypes), returns dynamo's outputs (same count, none of them an alias of an input or of
 another output), keeps every input mutation inside the graph (``keep_inference_input_mutations``)
 and adds no effect tokens or RNG state; grad mode off or no input requiring grad, no autocast.
-Anything else, or an AOT version whose metadata does not say, keeps the full capture.
+Anything else, or an AOT version whose metadata does not say, keeps the full capture. The
+one thing AOT's wrapper still does then, bumping the version counters of the inputs mutated
+inside the graph (the KV cache, the position counters), the warm step does too
+(:class:`WarmStep`).
 
 **Key** (sha256): dynamo's graph code (its placeholder names carry each input's source, e.g.
 ``L_self_modules_model_..._parameters_weight_``), each input's type, shape, stride, dtype,
-device type and ``requires_grad``, a digest of each ``get_attr`` constant, grad and autocast mode, and the versions and source digest that key
-an artifact (:func:`fusec.runtime.artifacts.artifact_key`). Weight values are not in it: they
-are inputs.
+device type and ``requires_grad``, a digest of each ``get_attr`` constant, the global modes
+AOT's tracing depends on (:func:`global_modes`: grad, inference and autocast modes, default
+dtype and device, deterministic algorithms, matmul precision), and the versions and source
+digest that key an artifact (:func:`fusec.runtime.artifacts.artifact_key`). Weight values are
+not in it: they are inputs.
 """
 from __future__ import annotations
 
@@ -42,25 +47,49 @@ KIND = "dynamo_ir"
 
 
 def dynamo_key(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> str | None:
-    """The warm-start key of ``gm`` called with ``example_inputs``, or None: an input that is not
-    a static-shaped tensor (a SymInt, a symbolic size), or a graph module that holds parameters
-    or buffers itself (AOT lifts them: no warm start)."""
+    """The warm-start key of ``gm`` called with ``example_inputs``, or None: autocast on, an
+    input that is not a static-shaped tensor (a SymInt, a symbolic size), or a graph module that
+    holds parameters or buffers itself (AOT lifts them: no warm start)."""
     from fusec.runtime.artifacts import FORMAT, _nvrtc_version, source_digest, tensor_digest
     import fusec
+    if any_autocast():
+        # AOT runs such a graph with autocast off, and inside its forward compiler autocast
+        # already reads off: no warm start under autocast at all
+        return None
     inputs = []
     for x in example_inputs:
         if not isinstance(x, torch.Tensor) or any(not isinstance(d, int) for d in (*x.shape, *x.stride())):
             return None
-        inputs.append([list(x.shape), list(x.stride()), str(x.dtype), x.device.type, bool(x.requires_grad)])
+        inputs.append([type(x).__name__, list(x.shape), list(x.stride()), str(x.dtype), x.device.type,
+                       bool(x.requires_grad)])
     if next(gm.parameters(), None) is not None or next(gm.buffers(), None) is not None:
         return None   # AOT lifts what the graph module holds: its wrapping is not the identity
     consts = sorted((n.target, tensor_digest(getattr(gm, n.target))) for n in gm.graph.nodes
                     if n.op == "get_attr" and isinstance(getattr(gm, n.target, None), torch.Tensor))
     parts = {"kind": KIND, "format": FORMAT, "code": gm.code, "inputs": inputs, "consts": consts,
-             "grad": torch.is_grad_enabled(), "autocast": torch.is_autocast_enabled(),
+             "modes": global_modes(),
              "fusec": fusec.__version__, "source": source_digest(), "torch": torch.__version__,
              "nvrtc": _nvrtc_version(), "python": f"{sys.version_info[0]}.{sys.version_info[1]}"}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+def global_modes() -> dict[str, Any]:
+    """The global state that can change the ATen graph AOT makes from one dynamo graph: grad,
+    inference and autocast modes, the default dtype and device (tensors created without one),
+    deterministic algorithms, fp32 matmul precision."""
+    return {"grad": torch.is_grad_enabled(), "inference": torch.is_inference_mode_enabled(),
+            "autocast": any_autocast(), "default_dtype": str(torch.get_default_dtype()),
+            "default_device": str(torch.get_default_device()),
+            "deterministic": torch.are_deterministic_algorithms_enabled(),
+            "matmul_precision": torch.get_float32_matmul_precision()}
+
+
+def any_autocast() -> bool:
+    """Autocast on for any device type (``torch.is_autocast_enabled()`` alone asks CUDA only)."""
+    try:
+        return bool(torch._C._is_any_autocast_enabled())
+    except AttributeError:   # an older or newer torch: ask the device types fusec runs on
+        return any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda"))
 
 
 def aot_identity_problem(gm: torch.fx.GraphModule, example_inputs: list[Any],
@@ -77,8 +106,8 @@ def aot_identity_problem(gm: torch.fx.GraphModule, example_inputs: list[Any],
             return f"input {i} differs from dynamo's (a synthetic base?)"
     if torch.is_grad_enabled() and any(x.requires_grad for x in example_inputs):
         return "grad mode with inputs that require grad"
-    if torch.is_autocast_enabled():
-        return "autocast"
+    if any_autocast():
+        return "autocast (AOT runs the graph with autocast off)"
     ctx = torch._guards.TracingContext.try_get()
     meta = getattr(ctx, "fw_metadata", None) if ctx is not None else None
     if meta is None:
@@ -94,6 +123,8 @@ def aot_identity_problem(gm: torch.fx.GraphModule, example_inputs: list[Any],
             or getattr(meta, "num_graphsafe_rng_states", 0) != 0,
             "tensor subclasses": any(type(m).__name__ == "SubclassCreationMeta"
                                      for m in getattr(meta, "subclass_inp_meta", None) or ()),
+            "a grad mode change": getattr(meta, "grad_enabled_mutation", None) is not None,
+            "dynamic output sizes": bool(getattr(meta, "dynamic_outputs", False)),
         }
     except Exception as e:   # noqa: BLE001 - another AOT version: keep the full capture
         return f"AOT's metadata is not readable ({type(e).__name__})"
@@ -108,20 +139,46 @@ def aot_identity_problem(gm: torch.fx.GraphModule, example_inputs: list[Any],
     return None
 
 
-def remember(key: str, g: Graph, opts: Options) -> None:
-    """Store the IR ``g`` (as ``build_ir`` made it) under the dynamo key ``key``."""
+def mutated_inputs(example_inputs: list[Any]) -> list[int]:
+    """The inputs whose version counter AOT's wrapper bumps after each call (mutated inside the
+    graph and seen by autograd), from AOT's metadata in its forward compiler; the warm step
+    bumps the same ones (:class:`WarmStep`)."""
+    ctx = torch._guards.TracingContext.try_get()
+    meta = getattr(ctx, "fw_metadata", None) if ctx is not None else None
+    return sorted(int(i) for i in getattr(meta, "mutated_graph_handled_indices_seen_by_autograd", ()) or ())
+
+
+class WarmStep:
+    """The compiled step of a warm start, called with dynamo's inputs: runs ``step`` and bumps the
+    version counters of the inputs the step mutates, as AOT's runtime wrapper does."""
+
+    def __init__(self, step: Any, bump: list[int]):
+        self.step, self.bump = step, list(bump)
+
+    def __call__(self, *args: Any) -> Any:
+        out = self.step(*args)
+        if self.bump:
+            torch.autograd.graph.increment_version(tuple(args[i] for i in self.bump))
+        return out
+
+
+def remember(key: str, g: Graph, bump: list[int], opts: Options) -> None:
+    """Store the IR ``g`` (as ``build_ir`` made it) and the inputs whose versions the step bumps
+    (:func:`mutated_inputs`) under the dynamo key ``key``."""
     from fusec.runtime.artifacts import FORMAT, ArtifactCache
     cache = ArtifactCache.for_options(opts)
     if cache is not None:
-        cache.store(key, {"format": FORMAT, "key": key, "kind": KIND, "graph": g})
+        cache.store(key, {"format": FORMAT, "key": key, "kind": KIND, "graph": g, "bump": list(bump)})
 
 
-def recall(key: str, opts: Options) -> Graph | None:
-    """The IR stored under ``key``, or None (no entry, cache off, or ``dump_dir`` set: a dump
-    runs every stage)."""
+def recall(key: str, opts: Options) -> tuple[Graph, list[int]] | None:
+    """``(IR, inputs to bump)`` stored under ``key``, or None (no entry, cache off, or
+    ``dump_dir`` set: a dump runs every stage)."""
     from fusec.runtime.artifacts import ArtifactCache
     cache = ArtifactCache.for_options(opts)
     if cache is None or opts.dump_dir:
         return None
     art = cache.load(key, kind=KIND)
-    return art["graph"] if art is not None else None
+    if art is None or not isinstance(art.get("bump"), list):
+        return None
+    return art["graph"], art["bump"]
