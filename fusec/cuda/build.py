@@ -35,8 +35,10 @@ def render_plan(sched: Schedule, opts: Options, dump: Dumper | None = None) -> K
     plan = render(sched, profile=opts.profile, defines=opts.defines)
     if dump is not None:
         dump.text("kernel.cu", plan.source)
-    log.info("stage %-13s %s, %d lines  (%.2f s)", "codegen", describe(plan), len(plan.source.splitlines()),
-             time.perf_counter() - t0)
+    d = describe(plan)
+    log.info("stage %-13s %d instructions, %d counter waits, %d buffers, %d B dynamic shared memory, "
+             "%d threads, %d lines of CUDA  (%.2f s)", "codegen", d["instructions"], d["waits"], d["buffers"],
+             d["smem_bytes"], d["threads"], len(plan.source.splitlines()), time.perf_counter() - t0)
     return plan
 
 
