@@ -157,8 +157,8 @@ class WarmStep:
 
     def __call__(self, *args: Any) -> Any:
         out = self.step(*args)
-        if self.bump:
-            torch.autograd.graph.increment_version(tuple(args[i] for i in self.bump))
+        for i in self.bump:   # one tensor per call: the form every torch version takes
+            torch.autograd.graph.increment_version(args[i])
         return out
 
 
