@@ -31,8 +31,8 @@ def test_vmapped_tables_equal_op_by_op_at_every_position(family, monkeypatch):
     real = position._vmapped
     seen = []
 
-    def checked(at, info, positions, one):
-        batched = real(at, info, positions, one)
+    def checked(at, info, positions, one, per_position):
+        batched = real(at, info, positions, one, per_position)
         seen.append(batched is not None)
         if batched is not None:
             for i, p in enumerate(positions):
@@ -59,3 +59,18 @@ def test_a_subgraph_vmap_cannot_run_is_evaluated_op_by_op(monkeypatch):
     assert tables, "no position table was folded"
     for n, v in tables.items():
         assert position._close(got.schedule.graph.tensors[n].value, v), n
+
+
+def test_small_vmap_chunks_give_the_same_tables(monkeypatch):
+    """Chunked vmap (bounded intermediates for long caches) changes nothing: chunks of one
+    position's targets give the tables of one batched call."""
+    want = _compile(hf_tiny.llama)
+    monkeypatch.setattr(position, "VMAP_CHUNK_BYTES", 1)
+    real, used = position._vmapped, []
+    monkeypatch.setattr(position, "_vmapped", lambda *a: used.append(real(*a)) or used[-1])
+    got = _compile(hf_tiny.llama)
+    assert used and all(b is not None for b in used)
+    assert got.graph_text() == want.graph_text()
+    for n, t in want.schedule.graph.tensors.items():
+        if t.value is not None:
+            assert position._close(got.schedule.graph.tensors[n].value, t.value), n

@@ -150,7 +150,8 @@ def evaluate_many(g: Graph, targets: list[str], counter: str, positions: range,
     def one(p: int) -> tuple[torch.Tensor, ...]:
         return at(torch.full(info.shape, p, dtype=info.dtype))
 
-    batched = _vmapped(at, info, positions, one) if len(positions) > 3 else None
+    per_position = sum(g.tensors[t].nbytes for t in targets)
+    batched = _vmapped(at, info, positions, one, per_position) if len(positions) > 3 else None
     if batched is not None:
         return {t: list(b.unbind(0)) for t, b in zip(targets, batched)}
     out: dict[str, list[torch.Tensor]] = {t: [] for t in targets}
@@ -160,15 +161,21 @@ def evaluate_many(g: Graph, targets: list[str], counter: str, positions: range,
     return out
 
 
-def _vmapped(at, info, positions: range, one) -> tuple[torch.Tensor, ...] | None:
-    """``at`` over every position in one ``vmap`` call, or None (see :func:`evaluate_many`)."""
+#: bytes of targets per ``vmap`` chunk: bounds the batched intermediates (a causal mask over a
+#: 32k cache is 32k elements per position; all positions at once would be 10^9 per tensor)
+VMAP_CHUNK_BYTES = 16 << 20
+
+
+def _vmapped(at, info, positions: range, one, per_position: int) -> tuple[torch.Tensor, ...] | None:
+    """``at`` over every position in ``vmap`` calls of :data:`VMAP_CHUNK_BYTES` of targets each,
+    or None (see :func:`evaluate_many`)."""
     import warnings
     values = torch.tensor(list(positions), dtype=info.dtype)
     values = values.reshape(-1, *([1] * len(info.shape))).expand(len(values), *info.shape).contiguous()
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")   # "no batching rule for ...": a slower path, same values
-            batched = torch.func.vmap(at)(values)
+            batched = torch.func.vmap(at, chunk_size=max(1, VMAP_CHUNK_BYTES // max(1, per_position)))(values)
     except Exception as e:   # noqa: BLE001 - any failure: evaluate position by position
         log.debug("position subgraph not vmapped (%s: %s); evaluating position by position",
                   type(e).__name__, str(e)[:200])
