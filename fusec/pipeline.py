@@ -125,8 +125,8 @@ def lower(g: Graph, flat_args: list[Any], opts: Options, dump: Dumper,
     t0 = time.perf_counter()
     tiles = tile.run(g, num_sms)
     sched = schedule.run(g, tiles, num_sms)
-    log.info("stage %-13s %4d instructions on %d SMs, %d tile dependencies  (%.2f s)", "tile+schedule",
-             len(sched.instrs), num_sms, sum(len(i.waits) for i in sched.instrs), time.perf_counter() - t0)
+    log.info("stage %-13s %4d instructions on %d SMs, %d counter waits  (%.2f s)", "tile+schedule",
+             len(sched.instrs), num_sms, sum(len(i.wait_ops) for i in sched.instrs), time.perf_counter() - t0)
     dump.json("schedule.json", sched.to_json)
     if value_reads is not None:
         value_reads |= weights.read

@@ -25,7 +25,7 @@ import heapq
 
 from fusec.instructions.base import Region, Tile
 from fusec.ir import Graph
-from fusec.ir.schedule import Instr, Schedule
+from fusec.ir.schedule import Instr, Schedule, TileIndex
 
 _LAYER_START = "rms_qkv_rope"
 
@@ -76,11 +76,14 @@ def run(g: Graph, tiles: dict[str, list[Tile]], num_sms: int) -> Schedule:
         heapq.heappush(free, (finish, ins.sm))
     queues: list[list[int]] = [[] for _ in range(num_sms)]
     sm_of = [ins.sm for ins in instrs]
+    index = TileIndex(op_tiles, sm_of)
     for ins, ops in zip(instrs, producers):              # queues in program order
         queues[ins.sm].append(ins.id)
         sm = ins.sm
-        # ops in program order, each op's ids ascending: the waits come out sorted
-        ins.waits = [p for o in ops for p in op_tiles[o] if sm_of[p] != sm]
+        # producer ops in program order with a tile on another SM (each op's ids ascending:
+        # the tile waits made from them come out sorted)
+        ins.wait_ops = [o for o in ops if any(sm_of[p] != sm for p in op_tiles[o])]
+        ins.index = index
     return Schedule(num_sms, instrs, queues, g)
 
 

@@ -20,10 +20,23 @@ from fusec.instructions.base import Tile
 from fusec.ir import Graph
 
 
+class TileIndex:
+    """Where each op's tiles went: ``op_tiles[op]`` its instruction ids, ``sm_of[id]`` their SMs
+    (shared by a schedule's instructions to expand their producer ops into tile waits)."""
+
+    def __init__(self, op_tiles: dict[str, list[int]], sm_of: list[int]):
+        self.op_tiles, self.sm_of = op_tiles, sm_of
+
+
 @dataclasses.dataclass
 class Instr:
-    """One tile on one SM. ``waits``: ids of the instructions on other SMs that must finish
-    first (every tile of each producer op there)."""
+    """One tile on one SM.
+
+    ``wait_ops``: the producer ops it waits for, in program order (those with a tile on another
+    SM); the kernel waits on their counters. ``waits``: the ids of those producer tiles on other
+    SMs, which the simulator and the hazard check follow; made from ``wait_ops`` when first read
+    (a 1B schedule has ~2 M of them: the kernel and the artifact cache never need them), or set.
+    """
 
     id: int
     op: str
@@ -31,7 +44,21 @@ class Instr:
     tile: Tile
     sm: int
     layer: int
-    waits: list[int] = dataclasses.field(default_factory=list)
+    wait_ops: list[str] = dataclasses.field(default_factory=list)
+    index: TileIndex | None = dataclasses.field(default=None, repr=False, compare=False)
+    explicit_waits: list[int] | None = dataclasses.field(default=None, repr=False)
+
+    @property
+    def waits(self) -> list[int]:
+        if self.explicit_waits is None:
+            x = self.index
+            self.explicit_waits = [] if x is None else \
+                [p for o in self.wait_ops for p in x.op_tiles[o] if x.sm_of[p] != self.sm]
+        return self.explicit_waits
+
+    @waits.setter
+    def waits(self, ids: list[int]) -> None:
+        self.explicit_waits = list(ids)
 
     def describe(self) -> str:
         return f"#{self.id} {self.kind} {self.tile.key} on SM {self.sm}"
@@ -60,6 +87,9 @@ class Schedule:
             tiles.setdefault(i.op, []).append(i)
         out = []
         for ins in self.instrs:
+            if ins.explicit_waits is None:   # as scheduled: every tile of each producer op
+                out.append([(index[o], len(tiles[o])) for o in ins.wait_ops])
+                continue
             by_op: dict[str, set[int]] = {}
             for w in ins.waits:
                 by_op.setdefault(self.instrs[w].op, set()).add(w)
@@ -85,7 +115,7 @@ class Schedule:
             "queues": self.queues,
             "instructions": [{
                 "id": i.id, "op": i.op, "kind": i.kind, "tile": i.tile.index, "sm": i.sm,
-                "layer": i.layer, "params": i.tile.params, "waits": i.waits,
+                "layer": i.layer, "params": i.tile.params, "wait_ops": i.wait_ops, "waits": i.waits,
                 "reads": [r.to_json() for r in i.tile.reads],
                 "writes": [r.to_json() for r in i.tile.writes],
                 "weight_bytes": i.tile.weight_bytes, "act_bytes": i.tile.act_bytes,
