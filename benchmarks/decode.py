@@ -17,10 +17,11 @@ CUDA events around each graph replay, median over ``--steps`` replays after warm
 position counters are reset to the position before each replay, outside the timed window);
 then the output of the last replay is compared again. An engine whose logits disagree (relative
 L2 above ``--check-tol``) is reported FAILED, never timed.
-Compile time, from ``torch.compile`` to the first step's logits, each in a NEW process
-(``--compile-probe``, which builds the model on the GPU and compiles one engine): cold with the
-inductor, Triton and fusec caches in fresh empty folders, then warm, a second process over the
-caches the first one filled (for fusec: NVRTC's CUBIN cache and the artifact cache). The fusec
+Compile time (``benchmarks/compile_time.py``), from ``torch.compile`` to the first step's
+logits, each in a NEW process (``--compile-probe``, which builds the model on the GPU and
+compiles one engine): cold with the inductor, Triton and fusec caches in fresh empty folders,
+then warm, a second process over the caches the first one filled (for fusec: NVRTC's CUBIN
+cache and the artifact cache). The fusec
 processes' stage lines are kept in the JSON. ``--compile-models`` adds the cold and warm fusec
 compile of other example models (``examples/llama_3_1_8b.py``). The step timed afterwards is
 compiled in this process (``compile_in_process_s``). Writes every number as JSON (``--out``) and
@@ -35,13 +36,11 @@ import contextlib
 import gc
 import json
 import logging
-import math
 import os
 import platform
 import runpy
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -55,10 +54,14 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import compile_time  # noqa: E402
 import gptfast_llama  # noqa: E402
+from compile_time import fmt  # noqa: E402
 import user_paths  # noqa: E402
 
 log = logging.getLogger("bench")
+#: this script: the compile-time rows run it again as ``--compile-probe ENGINE`` in new processes
+PROBE_SCRIPT = Path(__file__).resolve()
 
 ENGINES = ("eager-graph", "inductor", "handwritten", "fusec")
 COMPILED = ("inductor", "handwritten", "fusec")
@@ -142,12 +145,9 @@ def fresh_caches(keep: bool) -> dict[str, str]:
 
     Must run before the first compile of the process. Returns the cache folders in use.
     """
-    names = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "FUSEC_CACHE_DIR")
     if not keep:
-        root = Path(tempfile.mkdtemp(prefix="fusec-bench-"))
-        for name in names:
-            os.environ[name] = str(root / name.split("_")[0].lower())
-    return {name: os.environ.get(name, "(default)") for name in names}
+        os.environ.update(compile_time.cache_folders(Path(tempfile.mkdtemp(prefix="fusec-bench-"))))
+    return {name: os.environ.get(name, "(default)") for name in compile_time.CACHE_NAMES}
 
 
 # ----------------------------------------------------------------------------- measurement
@@ -347,7 +347,6 @@ def first_call_seconds(eng: Engine, position: int, seed: int) -> tuple[Callable[
     return step, time.perf_counter() - t0
 
 
-CACHE_NAMES = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "FUSEC_CACHE_DIR")
 PROBE_DEVICE = "cuda"
 
 
@@ -367,48 +366,6 @@ def compile_probe(args: argparse.Namespace) -> int:
     return 0
 
 
-def compile_in_new_processes(engine: str, example: str | Path, args: argparse.Namespace) -> dict[str, Any]:
-    """Cold and warm compile seconds of ``engine`` on ``example``'s model, each in a new process:
-    the first over fresh empty cache folders, the second over what the first left there.
-
-    Returns ``compile_cold_s``, ``compile_warm_s`` (None with ``--no-warm-compile``) and, for
-    fusec, each process's stage lines (``compile_cold_stages``, ``compile_warm_stages``).
-    Raises RuntimeError when a process fails or fusec falls back.
-    """
-    root = Path(tempfile.mkdtemp(prefix="fusec-compile-"))
-    env = {**os.environ, **{name: str(root / name.split("_")[0].lower()) for name in CACHE_NAMES}}
-    env.pop("FUSEC_CACHE", None)           # the artifact cache is what "warm" measures
-    env.setdefault("PYTHONPATH", str(ROOT))
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--compile-probe", engine,
-           "--compile-example", str(example), "--seed", str(args.seed), "--positions", str(args.positions[0]),
-           "--fusec-options", json.dumps(args.fusec_options),
-           "--handwritten-attention", args.handwritten_attention,
-           "--handwritten-inductor", json.dumps(args.handwritten_inductor)]
-    if args.handwritten_fuse:
-        cmd.append("--handwritten-fuse")
-    out: dict[str, Any] = {"compile_cold_s": None, "compile_warm_s": None}
-    try:
-        for which in ("cold", "warm") if args.warm_compile else ("cold",):
-            p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
-            lines = p.stdout.strip().splitlines()
-            try:
-                res = json.loads(lines[-1])
-            except (IndexError, ValueError):
-                tail = p.stderr.strip().splitlines()[-1:] or ["no output"]
-                raise RuntimeError(f"{which} compile process of {engine} failed (exit {p.returncode}): "
-                                   f"{tail[0][:300]}") from None
-            if res["fallbacks"]:
-                raise RuntimeError(f"fusec fell back to another backend: {res['fallbacks'][0]}")
-            out[f"compile_{which}_s"] = res["seconds"]
-            if engine == "fusec":
-                out[f"compile_{which}_stages"] = [ln for ln in p.stderr.splitlines() if " fusec: stage " in ln]
-            log.info("%s (%s): compile %s %.1f s (new process)", engine, Path(example).stem, which,
-                     res["seconds"])
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    return out
-
-
 def run_engine(eng: Engine, bench: Bench, record: dict[str, Any]) -> None:
     """Compile (cold, warm: new processes), then check and time ``eng`` at every position; fills
     ``record``.
@@ -417,7 +374,8 @@ def run_engine(eng: Engine, bench: Bench, record: dict[str, Any]) -> None:
     """
     args = bench.args
     if eng.compiled and args.compile_time:
-        record.update(compile_in_new_processes(eng.name, args.compile_example, args))
+        record.update(compile_time.compile_in_new_processes(eng.name, args.compile_example, args,
+                                                              PROBE_SCRIPT))
     with eng.context():
         step, first = first_call_seconds(eng, args.positions[0], args.seed)
         if eng.compiled:
@@ -486,33 +444,6 @@ def summarize(results: dict[str, Any]) -> None:
     results["summary"] = summary
 
 
-def _fmt(x: float | None, spec: str, width: int) -> str:
-    """``x`` formatted to ``width``, or a right-aligned dash when missing."""
-    if x is None or math.isnan(x):
-        return f"{'-':>{width}}"
-    return f"{x:>{width}{spec}}"
-
-
-def print_compile_times(results: dict[str, Any]) -> None:
-    """The compile-time rows: each engine on the 1B, then fusec on each ``--compile-models``."""
-    rows = [(name, "llama_3_2_1b", rec) for name, rec in results["engines"].items()
-            if rec.get("compile_cold_s") is not None]
-    rows += [("fusec", model, rec) for model, rec in results.get("compile_times", {}).items()]
-    if not rows:
-        return
-    print("\ncompile time, torch.compile to the first logits, each in a new process "
-          "(cold: empty cache folders; warm: the caches the cold process filled)")
-    head = f"{'engine':<12} {'model':<16} {'cold s':>7} {'warm s':>7}"
-    print(head)
-    print("-" * len(head))
-    for name, model, rec in rows:
-        if rec.get("error"):
-            print(f"{name:<12} {model:<16} FAILED  {rec['error'][:100]}")
-            continue
-        print(f"{name:<12} {model:<16} {_fmt(rec.get('compile_cold_s'), '.1f', 7)} "
-              f"{_fmt(rec.get('compile_warm_s'), '.1f', 7)}")
-
-
 def print_table(results: dict[str, Any]) -> None:
     """The human summary on stdout: one row per engine x position, then the fastest peers."""
     m = results["machine"]
@@ -532,8 +463,8 @@ def print_table(results: dict[str, Any]) -> None:
                 continue
             ratio = v.get("ratio_to_inductor")
             print(f"{name:<12} {pos:>8} {v['median_ms']:>8.3f} {v['min_ms']:>8.3f} "
-                  f"{_fmt(ratio, '.2f', 10)}{'x' if ratio else ' '} {v['floor_share']:>11.1%} "
-                  f"{_fmt(cold, '.1f', 7)} {_fmt(warm, '.1f', 7)} {v['rel_err_vs_hf_eager']:>8.1e}")
+                  f"{fmt(ratio, '.2f', 10)}{'x' if ratio else ' '} {v['floor_share']:>11.1%} "
+                  f"{fmt(cold, '.1f', 7)} {fmt(warm, '.1f', 7)} {v['rel_err_vs_hf_eager']:>8.1e}")
         if rec.get("error"):
             print(f"{name:<12} {'FAILED':>8}  {rec['error'][:100]}")
     for pos, s in results["summary"].items():
@@ -642,15 +573,7 @@ def _run(args: argparse.Namespace, caches: dict[str, str], argv: list[str] | Non
             torch.cuda.empty_cache()
     summarize(results)
     if args.compile_models and args.compile_time:
-        results["compile_times"] = {}
-        for example in args.compile_models:
-            rec: dict[str, Any] = {}
-            results["compile_times"][Path(example).stem] = rec
-            try:
-                rec.update(compile_in_new_processes("fusec", example, args))
-            except Exception as e:   # one model failing must not lose the rest of the results
-                rec["error"] = f"{type(e).__name__}: {str(e).strip()[:500]}"
-                log.error("fusec compile of %s: FAILED: %s", example, rec["error"])
+        results["compile_times"] = compile_time.compile_models(args.compile_models, args, PROBE_SCRIPT)
     if args.user_paths:
         kernel = {p: v["median_ms"] for p, v in results["engines"].get("fusec", {}).get("positions", {}).items()
                   if "median_ms" in v}
@@ -661,7 +584,7 @@ def _run(args: argparse.Namespace, caches: dict[str, str], argv: list[str] | Non
     out.write_text(json.dumps(results, indent=1))
     log.info("wrote %s", out)
     print_table(results)
-    print_compile_times(results)
+    compile_time.print_compile_times(results)
     if "user_paths" in results:
         user_paths.print_table(results["user_paths"])
     return 1 if any(r["status"] != "ok" for r in results["engines"].values()) else 0
