@@ -4,9 +4,24 @@ from __future__ import annotations
 import torch
 
 from fusec.frontend.capture import aten_capture
+from fusec.ir import Graph, Op, Ref, Role, TensorInfo
 from fusec.config import Options
 from fusec.frontend.from_fx import graph_from_aten
 from fusec.pipeline import Dumper
+
+
+def neg_mul_graph() -> Graph:
+    """A two-op IR graph, ``z = -x * 2`` over 4 fp32 elements (ops ``a`` and ``b``)."""
+    g = Graph()
+    g.add_tensor(TensorInfo("x", (4,), torch.float32, Role.INPUT, input_index=0))
+    g.add_tensor(TensorInfo("y", (4,), torch.float32))
+    g.add_tensor(TensorInfo("z", (4,), torch.float32, Role.OUTPUT))
+    g.inputs, g.outputs = ["x"], ["z"]
+    g.ops = [Op("a", "aten.neg.default", {"in0": "x"}, {"out": "y"},
+                attrs={"target": torch.ops.aten.neg.default, "args": (Ref("in0"),), "kwargs": {}}),
+             Op("b", "aten.mul.Tensor", {"in0": "y"}, {"out": "z"},
+                attrs={"target": torch.ops.aten.mul.Tensor, "args": (Ref("in0"), 2.0), "kwargs": {}})]
+    return g
 
 
 def capture(model, kwargs):

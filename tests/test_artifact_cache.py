@@ -138,6 +138,15 @@ def cache_on(tmp_path, monkeypatch):
     return tmp_path / "cache" / "artifacts"
 
 
+def _captured(model):
+    """(ATen graph, IR, flat inputs) of one decode step of ``model`` after a 3-token prefill."""
+    import step_util
+    cache = hf_tiny.static_cache(model, 32)
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[1, 2, 3]]), past_key_values=cache, use_cache=True)
+    return step_util.capture(model, dict(input_ids=torch.tensor([[4]]), past_key_values=cache, use_cache=True))
+
+
 def _decode(model, options, n=2, seed=3):
     """n compiled decode steps against eager; returns the max relative error."""
     vocab = model.config.vocab_size
@@ -202,14 +211,9 @@ def test_gemma_norm_weights_compiled_in_are_checked(cache_on, caplog):
 def test_recorded_values_are_the_weights_the_passes_read(cache_on):
     """Llama: only inv_freq (its norm weights are read by the kernel at run time); Gemma: inv_freq
     and the norm weights of its (1 + w) constants."""
-    import step_util
     for factory, small in ((hf_tiny.llama, {"inv_freq"}), (hf_tiny.gemma, {"inv_freq", "norm"})):
         model = factory(seed=0)
-        cache = hf_tiny.static_cache(model, 32)
-        with torch.no_grad():
-            model(input_ids=torch.tensor([[1, 2, 3]]), past_key_values=cache, use_cache=True)
-        _, g, flat = step_util.capture(model, dict(input_ids=torch.tensor([[4]]), past_key_values=cache,
-                                                   use_cache=True))
+        _, g, flat = _captured(model)
         opts = Options.from_dict({"num_sms": 8})
         from fusec.pipeline import Dumper
         artifacts.lowered(g, flat, opts, Dumper(None), codegen=False)
@@ -376,16 +380,11 @@ FAMILIES = ["llama", "qwen3", "qwen2_bias", "gemma", "phi3_fused", "gpt_neox", "
 def test_every_family_round_trips(cache_on, family):
     """Each family's entry loads back to the same schedule and kernel source, and the loaded
     schedule computes the step as the captured graph does."""
-    import step_util
     from fusec.cuda.codegen import render
     from fusec.pipeline import Dumper
     from fusec.sim import Simulator
     model = getattr(hf_tiny, family)(seed=0)
-    cache = hf_tiny.static_cache(model, 32)
-    with torch.no_grad():
-        model(input_ids=torch.tensor([[1, 2, 3]]), past_key_values=cache, use_cache=True)
-    aten_gm, g, flat = step_util.capture(model, dict(input_ids=torch.tensor([[4]]), past_key_values=cache,
-                                                     use_cache=True))
+    aten_gm, g, flat = _captured(model)
     opts = Options.from_dict({"num_sms": 8})
     fresh, plan = artifacts.lowered(g, flat, opts, Dumper(None), codegen=True)
     key = artifacts.artifact_key(g, opts)

@@ -7,27 +7,14 @@ import pytest
 import torch
 
 import hf_tiny
+from step_util import neg_mul_graph
 from fusec.errors import IRError
-from fusec.ir import Graph, Op, Role, TensorInfo
+from fusec.ir import Op
 from fusec.ir.pattern import Matcher, lit, op, var
 
 
-def _tiny_graph() -> Graph:
-    g = Graph()
-    g.add_tensor(TensorInfo("x", (4,), torch.float32, Role.INPUT, input_index=0))
-    g.add_tensor(TensorInfo("y", (4,), torch.float32))
-    g.add_tensor(TensorInfo("z", (4,), torch.float32, Role.OUTPUT))
-    g.inputs, g.outputs = ["x"], ["z"]
-    from fusec.ir import Ref
-    g.ops = [Op("a", "aten.neg.default", {"in0": "x"}, {"out": "y"},
-                attrs={"target": torch.ops.aten.neg.default, "args": (Ref("in0"),), "kwargs": {}}),
-             Op("b", "aten.mul.Tensor", {"in0": "y"}, {"out": "z"},
-                attrs={"target": torch.ops.aten.mul.Tensor, "args": (Ref("in0"), 2.0), "kwargs": {}})]
-    return g
-
-
 def test_checker_names_the_pass():
-    g = _tiny_graph()
+    g = neg_mul_graph()
     g.check("capture")
     g.ops.reverse()  # y read before it is written
     with pytest.raises(IRError, match="reads y before it is written after pass 'fuse'"):
@@ -35,7 +22,7 @@ def test_checker_names_the_pass():
 
 
 def test_pattern_binds_literals_and_vars():
-    g = _tiny_graph()
+    g = neg_mul_graph()
     m = Matcher(g)
     b = m.match(op("aten.mul.Tensor", op("aten.neg.default", var("v")), lit("k")), "z")
     assert b["v"] == "x" and b["k"] == 2.0 and [o.name for o in b["_ops"]] == ["a", "b"]
@@ -43,7 +30,7 @@ def test_pattern_binds_literals_and_vars():
 
 
 def test_dag_orders_in_place_writes_after_readers():
-    g = _tiny_graph()
+    g = neg_mul_graph()
     from fusec.ir import Ref
     g.ops.append(Op("c", "aten.copy_.default", {"in0": "x", "in1": "z"}, {"mut0": "x"},
                     attrs={"target": torch.ops.aten.copy_.default, "args": (Ref("in0"), Ref("in1")),

@@ -7,13 +7,13 @@ import re
 from pathlib import Path
 
 import pytest
-import torch
 
 from fusec.instructions import KINDS, Instruction, register
 from fusec.instructions.rule import Rule, rules_in_order
-from fusec.ir import Graph, Op, Ref, Role, TensorInfo
+from fusec.ir import Op
 from fusec.ir.pattern import lit, op, var
 from fusec.passes import fuse
+from step_util import neg_mul_graph
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -40,19 +40,6 @@ def test_fuse_pass_names_no_kind():
     assert not strings & names, strings & names
 
 
-def _neg_mul_graph() -> Graph:
-    g = Graph()
-    g.add_tensor(TensorInfo("x", (4,), torch.float32, Role.INPUT, input_index=0))
-    g.add_tensor(TensorInfo("y", (4,), torch.float32))
-    g.add_tensor(TensorInfo("z", (4,), torch.float32, Role.OUTPUT))
-    g.inputs, g.outputs = ["x"], ["z"]
-    g.ops = [Op("a", "aten.neg.default", {"in0": "x"}, {"out": "y"},
-                attrs={"target": torch.ops.aten.neg.default, "args": (Ref("in0"),), "kwargs": {}}),
-             Op("b", "aten.mul.Tensor", {"in0": "y"}, {"out": "z"},
-                attrs={"target": torch.ops.aten.mul.Tensor, "args": (Ref("in0"), 2.0), "kwargs": {}})]
-    return g
-
-
 @pytest.fixture
 def toy_kind():
     """A kind registered from the test: ``-x * k`` in one op, by a declarative rule."""
@@ -67,16 +54,16 @@ def toy_kind():
 
 
 def test_a_kind_registered_from_a_test_fuses(toy_kind):
-    g = fuse.run(_neg_mul_graph(), num_sms=4)
+    g = fuse.run(neg_mul_graph(), num_sms=4)
     (o,) = g.ops
     assert (o.kind, o.inputs, o.outputs, o.attrs) == ("toy_neg_scale", {"x": "x"}, {"out": "z"}, {"k": 2.0})
 
 
 def test_fuse_keeps_a_subgraph_whose_inner_tensor_is_read_outside(toy_kind):
-    g = _neg_mul_graph()
+    g = neg_mul_graph()
     g.outputs = ["z", "y"]      # y is read outside the subgraph
     assert [o.kind for o in fuse.run(g, num_sms=4).ops] == ["aten.neg.default", "aten.mul.Tensor"]
-    assert [o.kind for o in fuse.run(_neg_mul_graph(), num_sms=4, max_fusions=0).ops] == \
+    assert [o.kind for o in fuse.run(neg_mul_graph(), num_sms=4, max_fusions=0).ops] == \
         ["aten.neg.default", "aten.mul.Tensor"]
 
 
