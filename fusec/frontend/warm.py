@@ -31,8 +31,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
-import sys
 from typing import Any
 
 import torch
@@ -40,7 +38,6 @@ import torch
 from fusec.config import Options
 from fusec.ir import Graph
 
-log = logging.getLogger("fusec")
 
 #: the entry's ``kind``: an IR graph keyed by a dynamo graph (artifacts hold schedules)
 KIND = "dynamo_ir"
@@ -50,8 +47,7 @@ def dynamo_key(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> str | Non
     """The warm-start key of ``gm`` called with ``example_inputs``, or None: autocast on, an
     input that is not a static-shaped tensor (a SymInt, a symbolic size), or a graph module that
     holds parameters or buffers itself (AOT lifts them: no warm start)."""
-    from fusec.runtime.artifacts import FORMAT, _nvrtc_version, source_digest, tensor_digest
-    import fusec
+    from fusec.runtime.artifacts import tensor_digest, toolchain
     if any_autocast():
         # AOT runs such a graph with autocast off, and inside its forward compiler autocast
         # already reads off: no warm start under autocast at all
@@ -66,10 +62,8 @@ def dynamo_key(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> str | Non
         return None   # AOT lifts what the graph module holds: its wrapping is not the identity
     consts = sorted((n.target, tensor_digest(getattr(gm, n.target))) for n in gm.graph.nodes
                     if n.op == "get_attr" and isinstance(getattr(gm, n.target, None), torch.Tensor))
-    parts = {"kind": KIND, "format": FORMAT, "code": gm.code, "inputs": inputs, "consts": consts,
-             "modes": global_modes(),
-             "fusec": fusec.__version__, "source": source_digest(), "torch": torch.__version__,
-             "nvrtc": _nvrtc_version(), "python": f"{sys.version_info[0]}.{sys.version_info[1]}"}
+    parts = {**toolchain(), "kind": KIND, "code": gm.code, "inputs": inputs, "consts": consts,
+             "modes": global_modes()}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 
@@ -108,8 +102,7 @@ def aot_identity_problem(gm: torch.fx.GraphModule, example_inputs: list[Any],
         return "grad mode with inputs that require grad"
     if any_autocast():
         return "autocast (AOT runs the graph with autocast off)"
-    ctx = torch._guards.TracingContext.try_get()
-    meta = getattr(ctx, "fw_metadata", None) if ctx is not None else None
+    meta = _aot_metadata()
     if meta is None:
         return "AOT's metadata is not available"
     try:
@@ -143,9 +136,15 @@ def mutated_inputs(example_inputs: list[Any]) -> list[int]:
     """The inputs whose version counter AOT's wrapper bumps after each call (mutated inside the
     graph and seen by autograd), from AOT's metadata in its forward compiler; the warm step
     bumps the same ones (:class:`WarmStep`)."""
-    ctx = torch._guards.TracingContext.try_get()
-    meta = getattr(ctx, "fw_metadata", None) if ctx is not None else None
+    meta = _aot_metadata()
     return sorted(int(i) for i in getattr(meta, "mutated_graph_handled_indices_seen_by_autograd", ()) or ())
+
+
+def _aot_metadata() -> Any:
+    """AOT autograd's view-and-mutation metadata of the graph it is compiling (its tracing
+    context's ``fw_metadata``), or None outside AOT's forward compiler."""
+    ctx = torch._guards.TracingContext.try_get()
+    return getattr(ctx, "fw_metadata", None) if ctx is not None else None
 
 
 class WarmStep:

@@ -46,19 +46,22 @@ class Instr:
     layer: int
     wait_ops: list[str] = dataclasses.field(default_factory=list)
     index: TileIndex | None = dataclasses.field(default=None, repr=False, compare=False)
-    explicit_waits: list[int] | None = dataclasses.field(default=None, repr=False)
+    #: ``waits`` once made (a cache) or as set by hand
+    tile_waits: list[int] | None = dataclasses.field(default=None, repr=False)
+    #: ``waits`` was set by hand (the simulator's fault-injection tests): it need not match ``wait_ops``
+    edited: bool = dataclasses.field(default=False, repr=False)
 
     @property
     def waits(self) -> list[int]:
-        if self.explicit_waits is None:
+        if self.tile_waits is None:
             x = self.index
-            self.explicit_waits = [] if x is None else \
+            self.tile_waits = [] if x is None else \
                 [p for o in self.wait_ops for p in x.op_tiles[o] if x.sm_of[p] != self.sm]
-        return self.explicit_waits
+        return self.tile_waits
 
     @waits.setter
     def waits(self, ids: list[int]) -> None:
-        self.explicit_waits = list(ids)
+        self.tile_waits, self.edited = list(ids), True
 
     def describe(self) -> str:
         return f"#{self.id} {self.kind} {self.tile.key} on SM {self.sm}"
@@ -87,7 +90,7 @@ class Schedule:
             tiles.setdefault(i.op, []).append(i)
         out = []
         for ins in self.instrs:
-            if ins.explicit_waits is None:   # as scheduled: every tile of each producer op
+            if not ins.edited:   # as scheduled: every tile of each producer op
                 out.append([(index[o], len(tiles[o])) for o in ins.wait_ops])
                 continue
             by_op: dict[str, set[int]] = {}

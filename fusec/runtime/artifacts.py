@@ -170,13 +170,18 @@ def _nvrtc_version() -> str | None:
         return None
 
 
+def toolchain() -> dict[str, Any]:
+    """The part of every key that is not the graph: the entry format, fusec's version and source
+    digest, torch's and NVRTC's versions, Python's ``major.minor``."""
+    import fusec
+    return {"format": FORMAT, "fusec": fusec.__version__, "source": source_digest(), "torch": torch.__version__,
+            "nvrtc": _nvrtc_version(), "python": f"{sys.version_info[0]}.{sys.version_info[1]}"}
+
+
 def artifact_key(g: Graph, opts: Options) -> str:
     """The cache key of lowering ``g`` with ``opts`` (hex sha256; raises :class:`Uncacheable`)."""
-    import fusec
-    parts = {"format": FORMAT, "graph": hashlib.sha256(graph_text(g).encode()).hexdigest(),
-             "options": lowering_options(opts), "fusec": fusec.__version__, "source": source_digest(),
-             "torch": torch.__version__, "nvrtc": _nvrtc_version(),
-             "python": f"{sys.version_info[0]}.{sys.version_info[1]}"}
+    parts = {**toolchain(), "graph": hashlib.sha256(graph_text(g).encode()).hexdigest(),
+             "options": lowering_options(opts)}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 
