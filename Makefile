@@ -20,9 +20,11 @@ demo: venv
 test: venv
 	$(BIN)/python -m pytest -q
 
-# GPU machine only (no venv there: run from the tree with its python3)
+# GPU machine only (no venv there: run from the tree with its python3). MODEL picks the example
+# model (examples/qwen3_0_6b.py, llama_3_2_3b.py, llama_3_1_8b.py; default the Llama-3.2-1B)
+MODEL ?= examples/llama_3_2_1b.py
 bench:
-	PYTHONPATH=. $(PYTHON) benchmarks/decode.py --out build/bench.json
+	PYTHONPATH=. $(PYTHON) benchmarks/decode.py --example $(MODEL) --out build/bench-$(basename $(notdir $(MODEL))).json
 
 # fusec vs HF eager per decoder family (published widths, 2 layers); GPU machine only, as bench
 bench-families:

@@ -1,4 +1,4 @@
-"""A/B of fusec kernel variants on Llama-3.2-1B in one process (tuning, not the peer table).
+"""A/B of fusec kernel variants on Llama-3.2-1B (or ``--example``'s model) in one process (tuning, not the peer table).
 
 Each variant is a set of fusec options (``defines`` tuning macros such as
 ``FUSEC_LOADS_IN_FLIGHT`` or ``FUSEC_PREFETCH``, ``num_sms``, ``attention_merge`` ...),
@@ -62,7 +62,7 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_grad_enabled(False)
     dev = torch.device("cuda")
-    ex = runpy.run_path(str(ROOT / "examples" / "llama_3_2_1b.py"))
+    ex = runpy.run_path(dargs.example)
     model = decode.build_model(ex, dev, dargs.seed)
     bw = decode.read_bandwidth(dev, dargs.bandwidth_gib)
     floor_ms = sum(p.numel() * p.element_size() for p in model.parameters()) / bw * 1e3
@@ -88,12 +88,14 @@ def main() -> int:
         record_timeline(bench, args.variants[0].get("options", {}), args.profile, dargs.positions[-1])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"floor_ms": floor_ms, "read_bandwidth": bw, "variants": rows}, indent=1))
-    print(f"\nread bandwidth {bw / 1e12:.2f} TB/s, floor {floor_ms:.3f} ms")
-    print(f"{'variant':<24} {'position':>8} {'ms':>8} {'floor share':>12} {'rel err':>9} {'compile s':>10}")
+    layers = model.config.num_hidden_layers
+    print(f"\n{ex.get('NAME', Path(dargs.example).stem)}: read bandwidth {bw / 1e12:.2f} TB/s, floor {floor_ms:.3f} ms")
+    print(f"{'variant':<24} {'position':>8} {'ms':>8} {'floor share':>12} {'us/layer':>9} {'rel err':>9} {'compile s':>10}")
     for r in rows:
         for pos, p in r["positions"].items():
             if "median_ms" in p:
                 print(f"{r['name']:<24} {pos:>8} {p['median_ms']:>8.3f} {floor_ms / p['median_ms']:>11.1%} "
+                      f"{(p['median_ms'] - floor_ms) * 1e3 / layers:>9.1f} "
                       f"{p['rel_err_vs_hf_eager']:>9.2e} {r.get('compile_in_process_s') or float('nan'):>10.1f}")
         if "error" in r:
             print(f"{r['name']:<24} ERROR {r['error'].splitlines()[0][:100]}")

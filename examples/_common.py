@@ -44,18 +44,19 @@ def _skip_torch_default_init() -> Iterator[None]:
             cls.reset_parameters = fn  # type: ignore[method-assign]
 
 
-def make_llama(config: Any, dtype: torch.dtype, seed: int = 0, device: str | torch.device = "cpu") -> nn.Module:
-    """Create a randomly initialised ``LlamaForCausalLM`` in ``dtype`` on ``device``, in eval mode.
+def make_model(config: Any, dtype: torch.dtype, seed: int = 0, device: str | torch.device = "cpu") -> nn.Module:
+    """Create a randomly initialised causal LM of ``config``'s family (``AutoModelForCausalLM``:
+    ``LlamaForCausalLM``, ``Qwen3ForCausalLM`` ...) in ``dtype`` on ``device``, in eval mode.
 
     The model is built directly in ``dtype`` (never materialised in fp32 first) and directly
     on ``device`` with a fixed seed (the weights depend on the device's random generator), and
     its parameters do not require grad (a decode step is inference).
     """
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     with _default_dtype(dtype), torch.device(device), _skip_torch_default_init():
-        model = LlamaForCausalLM(config)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.eval()
     model.requires_grad_(False)
     return model
@@ -82,3 +83,14 @@ def prefill_and_decode_args(
     next_token = out.logits[:, -1:].argmax(dim=-1)  # [1, 1]
     kwargs = {"input_ids": next_token, "past_key_values": cache, "use_cache": True}
     return (), kwargs
+
+
+def decode_step(config: Any, dtype: torch.dtype, max_cache_len: int, prefill_len: int,
+                device: str | torch.device = "cpu", seed: int = 0) -> tuple[nn.Module, tuple, dict[str, Any]]:
+    """``(model, args, kwargs)`` for one decode step of a random model of ``config``
+    (:func:`make_model`) after an eager prefill of ``prefill_len`` tokens into a
+    ``max_cache_len`` StaticCache (:func:`prefill_and_decode_args`): what an example's
+    ``build()`` returns."""
+    model = make_model(config, dtype, seed=seed, device=device)
+    args, kwargs = prefill_and_decode_args(model, max_cache_len, prefill_len, seed=seed)
+    return model, args, kwargs

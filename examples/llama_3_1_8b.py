@@ -17,6 +17,7 @@ import llama_3_2_1b as _base  # noqa: E402
 CONFIG = {**_base.CONFIG, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
           "head_dim": 128, "tie_word_embeddings": False,
           "rope_parameters": {**_base.CONFIG["rope_parameters"], "factor": 8.0}}
+NAME = "Llama-3.1-8B"
 MAX_CACHE_LEN, PREFILL_LEN, DTYPE = _base.MAX_CACHE_LEN, _base.PREFILL_LEN, _base.DTYPE
 
 
@@ -29,6 +30,4 @@ def make_config():
 
 def build(device="cuda"):
     """Return ``(model, args, kwargs)`` for one bf16 decode step of a random Llama-3.1-8B on ``device``."""
-    model = _common.make_llama(make_config(), DTYPE, seed=0, device=device)
-    args, kwargs = _common.prefill_and_decode_args(model, MAX_CACHE_LEN, PREFILL_LEN, seed=0)
-    return model, args, kwargs
+    return _common.decode_step(make_config(), DTYPE, MAX_CACHE_LEN, PREFILL_LEN, device)

@@ -37,6 +37,7 @@ CONFIG = dict(
     eos_token_id=128001,
     attn_implementation="sdpa",
 )
+NAME = "Llama-3.2-1B"
 MAX_CACHE_LEN = 4096
 PREFILL_LEN = 8
 DTYPE = torch.bfloat16
@@ -55,6 +56,4 @@ def build(device="cpu"):
     ``device``: where the model, its KV cache and the token live (``fusec compile --run``
     builds it on "cuda").
     """
-    model = _common.make_llama(make_config(), DTYPE, seed=0, device=device)
-    args, kwargs = _common.prefill_and_decode_args(model, MAX_CACHE_LEN, PREFILL_LEN, seed=0)
-    return model, args, kwargs
+    return _common.decode_step(make_config(), DTYPE, MAX_CACHE_LEN, PREFILL_LEN, device)

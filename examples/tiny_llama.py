@@ -42,6 +42,4 @@ def build(device="cpu"):
     ``device``: where the model, its KV cache and the token live (``fusec compile --run``
     builds it on "cuda").
     """
-    model = _common.make_llama(make_config(), DTYPE, seed=0, device=device)
-    args, kwargs = _common.prefill_and_decode_args(model, MAX_CACHE_LEN, PREFILL_LEN, seed=0)
-    return model, args, kwargs
+    return _common.decode_step(make_config(), DTYPE, MAX_CACHE_LEN, PREFILL_LEN, device)

@@ -157,11 +157,19 @@ __device__ __forceinline__ void lds_vec(const TS* p, float (&f)[V]) {
   }
 }
 
-// The per-layer matvec kinds (QKV, O/down projection, gate/up) are out-of-line functions: the
-// 16 cases of a kind (one per layer) call one copy of its code instead of inlining 16 (smaller
-// kernel text for the instruction cache, faster NVRTC). NVRTC made this choice by itself for
-// the measured Llama-3.2-1B kernels; this pins it.
+// Every kind's device function is out of line: the cases of a kind (one per layer) call one copy
+// of its code instead of inlining one each: smaller kernel text for the instruction cache, and a
+// far shorter NVRTC compile (on a 2-core CPU: Llama-3.2-1B 11.2 -> 1.4 s, Qwen3-0.6B 26.6 ->
+// 2.6 s; the split-KV kind inlined once per layer was most of it). The per-layer matvec kinds
+// (FUSEC_KIND_FN) were measured faster out of line; FUSEC_INLINE_OTHER_KINDS=1 inlines the
+// others again (FUSEC_KIND_FN_OTHER: split-KV, embedding, LM head, generic), as before
+// 2026-12-01, for the A/B of their effect on the step, which is not measured yet.
 #define FUSEC_KIND_FN __noinline__
+#if FUSEC_INLINE_OTHER_KINDS
+#define FUSEC_KIND_FN_OTHER
+#else
+#define FUSEC_KIND_FN_OTHER __noinline__
+#endif
 
 // Tuning knobs FUSEC_LOADS_IN_FLIGHT, FUSEC_PREFETCH: #defined at the top of the kernel by
 // codegen (fusec.cuda.codegen.KNOBS holds their defaults and meaning).

@@ -1,0 +1,44 @@
+"""Time NVRTC on example models' megakernels, with every kind out of line (the default) and
+with ``FUSEC_INLINE_OTHER_KINDS=1`` (the kinds other than the per-layer matvecs inlined into
+each case, as before 2026-12-01). No GPU needed: the models are built and lowered on the CPU
+(``fusec.api.compile_model``), then each kernel is compiled by NVRTC for sm_90a into a fresh
+cache folder, so nothing is reused.
+
+Usage: .venv/bin/python tools/nvrtc_time.py examples/llama_3_2_1b.py [examples/qwen3_0_6b.py ...]
+Prints one line per model and variant: NVRTC seconds, registers, spill bytes, source lines.
+"""
+from __future__ import annotations
+
+import runpy
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from fusec.api import compile_model  # noqa: E402
+from fusec.cuda.codegen import render  # noqa: E402
+from fusec.cuda.jit import compile_cuda  # noqa: E402
+
+VARIANTS = (("out of line (default)", {}), ("inlined (FUSEC_INLINE_OTHER_KINDS=1)", {"FUSEC_INLINE_OTHER_KINDS": 1}))
+
+
+def main(examples: list[str]) -> int:
+    for ex in examples:
+        model, args, kwargs = runpy.run_path(ex)["build"]()
+        res = compile_model(model, args, kwargs, {"num_sms": 132})
+        del model
+        for name, defines in VARIANTS:
+            plan = render(res.schedule, defines=defines)
+            t0 = time.perf_counter()
+            k = compile_cuda(plan.source, "fusec_step.cu", cache_dir=tempfile.mkdtemp())
+            r = k.resources["fusec_step"]
+            print(f"{ex}: {name}: NVRTC {time.perf_counter() - t0:.1f} s, {r['registers']} registers, "
+                  f"{r['spill_store_bytes']} B spills, {len(plan.source.splitlines())} lines", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2:
+        sys.exit(__doc__)
+    sys.exit(main(sys.argv[1:]))
