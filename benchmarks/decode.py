@@ -1,4 +1,4 @@
-"""Decode-step latency of Llama-3.2-1B, or another example model, (bf16, batch 1, static KV cache) on one GPU.
+"""Decode-step latency of Llama-3.2-1B or another example model (bf16, batch 1, static KV cache) on one GPU.
 
 DESIGN.md section 6, in ONE process: the streaming-read bandwidth ceiling, then each engine
 at the given KV positions (default 127, 2047, 4095):

@@ -171,8 +171,8 @@ __device__ __forceinline__ void lds_vec(const TS* p, float (&f)[V]) {
 #define FUSEC_KIND_FN_OTHER __noinline__
 #endif
 
-// Tuning knobs FUSEC_LOADS_IN_FLIGHT, FUSEC_PREFETCH: #defined at the top of the kernel by
-// codegen (fusec.cuda.codegen.KNOBS holds their defaults and meaning).
+// Tuning knobs FUSEC_LOADS_IN_FLIGHT, FUSEC_PREFETCH, FUSEC_INLINE_OTHER_KINDS: #defined at the
+// top of the kernel by codegen (fusec.cuda.codegen.KNOBS holds their defaults and meaning).
 
 // Batch shape of a matvec over R rows of length K: B loads of 16 bytes per row and lane in flight.
 template <typename TW, int K, int R>

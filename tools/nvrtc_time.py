@@ -30,10 +30,12 @@ def main(examples: list[str]) -> int:
         del model
         for name, defines in VARIANTS:
             plan = render(res.schedule, defines=defines)
-            t0 = time.perf_counter()
-            k = compile_cuda(plan.source, "fusec_step.cu", cache_dir=tempfile.mkdtemp())
+            with tempfile.TemporaryDirectory() as cache:
+                t0 = time.perf_counter()
+                k = compile_cuda(plan.source, "fusec_step.cu", cache_dir=cache)
+                seconds = time.perf_counter() - t0
             r = k.resources["fusec_step"]
-            print(f"{ex}: {name}: NVRTC {time.perf_counter() - t0:.1f} s, {r['registers']} registers, "
+            print(f"{ex}: {name}: NVRTC {seconds:.1f} s, {r['registers']} registers, "
                   f"{r['spill_store_bytes']} B spills, {len(plan.source.splitlines())} lines", flush=True)
     return 0
 
