@@ -20,15 +20,17 @@ demo: venv
 test: venv
 	$(BIN)/python -m pytest -q
 
-# GPU machine only (no venv there: run from the tree with its python3). MODEL picks the example
+# GPU machine only: it runs from the tree with the .venv's python where there is one, else with
+# $(PYTHON) (the GPU machine has no .venv: nothing can be installed there). MODEL picks the example
 # model (examples/qwen3_0_6b.py, llama_3_2_3b.py, llama_3_1_8b.py; default the Llama-3.2-1B)
 MODEL ?= examples/llama_3_2_1b.py
+RUN_PY = $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
 bench:
-	PYTHONPATH=. $(PYTHON) benchmarks/decode.py --example $(MODEL) --out build/bench-$(basename $(notdir $(MODEL))).json
+	PYTHONPATH=. $(RUN_PY) benchmarks/decode.py --example $(MODEL) --out build/bench-$(basename $(notdir $(MODEL))).json
 
 # fusec vs HF eager per decoder family (published widths, 2 layers); GPU machine only, as bench
 bench-families:
-	PYTHONPATH=. $(PYTHON) benchmarks/families.py --out build/families-bench.json
+	PYTHONPATH=. $(RUN_PY) benchmarks/families.py --out build/families-bench.json
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache
