@@ -8,6 +8,8 @@ artifact there: ``00_aten.txt``, ``01_ir.txt``, ``02_normalize.txt`` ... ``sched
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import logging
 import time
@@ -91,6 +93,23 @@ class ValueReads(Mapping):
 
     def __len__(self) -> int:
         return len(self._values)
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for the duration (restored after, if it was on).
+
+    Lowering and loading a schedule make ~10^5-10^6 small objects (tiles, regions, waits), and
+    each collection of the oldest generation walks every live object, the model's included: on
+    a 2-core CPU the Llama-3.2-1B's passes took 1.0 s with it on and 0.51 s off, and loading its
+    artifact 0.6 s and 0.22 s. The cycles made meanwhile are collected afterwards."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def lower(g: Graph, flat_args: list[Any], opts: Options, dump: Dumper,
