@@ -90,7 +90,8 @@ def main() -> int:
     Path(args.out).write_text(json.dumps({"floor_ms": floor_ms, "read_bandwidth": bw, "variants": rows}, indent=1))
     layers = model.config.num_hidden_layers
     print(f"\n{ex.get('NAME', Path(dargs.example).stem)}: read bandwidth {bw / 1e12:.2f} TB/s, floor {floor_ms:.3f} ms")
-    print(f"{'variant':<24} {'position':>8} {'ms':>8} {'floor share':>12} {'us/layer':>9} {'rel err':>9} {'compile s':>10}")
+    print(f"{'variant':<24} {'position':>8} {'ms':>8} {'floor share':>12} {'us/layer':>9} {'rel err':>9} "
+          f"{'compile s':>10}")
     for r in rows:
         for pos, p in r["positions"].items():
             if "median_ms" in p:
