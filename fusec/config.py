@@ -21,11 +21,12 @@ from fusec.errors import FusecError
 TARGETS = ("sim", "cuda")
 FALLBACKS = ("inductor", "eager")
 ATTENTION_MERGES = ("last_tile", "reduce")
+#: the spellings of a boolean environment variable (``FUSEC_CACHE``)
+_BOOLS = {"0": False, "false": False, "no": False, "off": False,
+          "1": True, "true": True, "yes": True, "on": True}
 #: ``torch.compile``'s ``mode`` (HF ``CompileConfig`` passes "reduce-overhead" by default) and
 #: what it means to fusec: whether the step's launch is replayed from a CUDA graph fusec records
 #: itself (fewer microseconds of Python and driver work per step) or launched directly.
-_BOOLS = {"0": False, "false": False, "no": False, "off": False,
-          "1": True, "true": True, "yes": True, "on": True}
 MODES = {None: False, "default": False, "reduce-overhead": True, "max-autotune": True,
          "max-autotune-no-cudagraphs": False}
 

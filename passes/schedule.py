@@ -102,8 +102,8 @@ def _producers(instrs: list[Instr]) -> list[set[str]]:
     """Per instruction, the names of the earlier ops with a tile it must follow: RAW on what it
     reads, WAW and WAR on what it writes. (The overlap test is inlined: these loops run
     instructions x accesses times, about 2 million for the Llama-3.2-1B.)"""
-    reads: dict[str, list[tuple[Region, Instr]]] = {}
-    writes: dict[str, list[tuple[Region, Instr]]] = {}
+    reads: dict[str, list[tuple[Region, str]]] = {}    # tensor -> (region, op) accesses still visible
+    writes: dict[str, list[tuple[Region, str]]] = {}
     out: list[set[str]] = []
     start = 0
     while start < len(instrs):
@@ -115,11 +115,11 @@ def _producers(instrs: list[Instr]) -> list[set[str]]:
             need: set[str] = set()
             for r in ins.tile.reads:
                 a, b = r.start, r.stop
-                need.update([w.op for wr, w in writes.get(r.tensor, ()) if wr.start < b and a < wr.stop])
+                need.update([w for wr, w in writes.get(r.tensor, ()) if wr.start < b and a < wr.stop])
             for r in ins.tile.writes:
                 a, b = r.start, r.stop
-                need.update([w.op for wr, w in writes.get(r.tensor, ()) if wr.start < b and a < wr.stop])
-                need.update([x.op for rr, x in reads.get(r.tensor, ()) if rr.start < b and a < rr.stop])
+                need.update([w for wr, w in writes.get(r.tensor, ()) if wr.start < b and a < wr.stop])
+                need.update([x for rr, x in reads.get(r.tensor, ()) if rr.start < b and a < rr.stop])
             out.append(need)
         # a write of this op supersedes older (earlier-op) accesses it covers completely:
         # the writer is ordered after them, so later accesses ordered after it are too
@@ -131,8 +131,8 @@ def _producers(instrs: list[Instr]) -> list[set[str]]:
                                     if not (r.start <= wr.start and wr.stop <= r.stop)]
         for ins in group:
             for r in ins.tile.reads:
-                reads.setdefault(r.tensor, []).append((r, ins))
+                reads.setdefault(r.tensor, []).append((r, ins.op))
             for r in ins.tile.writes:
-                writes.setdefault(r.tensor, []).append((r, ins))
+                writes.setdefault(r.tensor, []).append((r, ins.op))
         start = end
     return out

@@ -171,11 +171,11 @@ def remember(key: str, g: Graph, bump: list[int], opts: Options) -> None:
 
 
 def recall(key: str, opts: Options) -> tuple[Graph, list[int]] | None:
-    """``(IR, inputs to bump)`` stored under ``key``, or None (no entry, cache off, or
-    ``dump_dir`` set: a dump runs every stage)."""
+    """``(IR, inputs to bump)`` stored under ``key``, or None (no entry, or the cache off). The
+    backend asks only without ``dump_dir`` (a dump runs every stage)."""
     from fusec.runtime.artifacts import ArtifactCache
     cache = ArtifactCache.for_options(opts)
-    if cache is None or opts.dump_dir:
+    if cache is None:
         return None
     art = cache.load(key, kind=KIND)
     if art is None or not isinstance(art.get("bump"), list):

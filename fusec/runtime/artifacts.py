@@ -86,12 +86,18 @@ class Uncacheable(Exception):
 
 # ----------------------------------------------------------------------------- the key
 
+def _cpu_bytes(t: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """``t`` on the CPU, contiguous, and its bytes as a uint8 numpy array (None when empty)."""
+    t = t.detach().to("cpu").contiguous()
+    return t, (t.reshape(-1).view(torch.uint8).numpy() if t.numel() else None)
+
+
 def tensor_digest(t: torch.Tensor) -> str:
     """sha256 of a tensor's dtype, shape and bytes (copied to the CPU first)."""
-    t = t.detach().to("cpu").contiguous()
+    t, raw = _cpu_bytes(t)
     h = hashlib.sha256(f"{t.dtype}{tuple(t.shape)}".encode())
-    if t.numel():
-        h.update(t.reshape(-1).view(torch.uint8).numpy())
+    if raw is not None:
+        h.update(raw)
     return h.hexdigest()
 
 
@@ -209,9 +215,9 @@ class _Pickler(pickle.Pickler):
 
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
-            t = obj.detach().to("cpu").contiguous()
-            data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-            return _tensor, (str(t.dtype).removeprefix("torch."), tuple(t.shape), data)
+            t, raw = _cpu_bytes(obj)
+            return _tensor, (str(t.dtype).removeprefix("torch."), tuple(t.shape),
+                             raw.tobytes() if raw is not None else b"")
         if isinstance(obj, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
             return _op, (str(obj),)
         return NotImplemented
@@ -238,9 +244,10 @@ def loads(data: bytes) -> Any:
 
 
 def cache_folder() -> Path:
-    """``$FUSEC_CACHE_DIR/artifacts`` (default ``~/.cache/fusec/artifacts``)."""
-    base = os.environ.get("FUSEC_CACHE_DIR") or Path.home() / ".cache" / "fusec"
-    return Path(base) / "artifacts"
+    """``artifacts/`` in NVRTC's cache folder (:func:`fusec.cuda.jit.cache_folder`:
+    ``$FUSEC_CACHE_DIR``, default ``~/.cache/fusec``)."""
+    from fusec.cuda import jit
+    return jit.cache_folder() / "artifacts"
 
 
 class ArtifactCache:
