@@ -6,6 +6,13 @@ per-head RMSNorm (Qwen3 ``q_norm``/``k_norm``) and RoPE (Su et al. 2021, half-sp
 cos/sin looked up at the position in tables folded at compile time), then writes q heads to
 ``q`` and k/v heads into row ``kv_pos`` of the KV caches.
 
+With a per-head norm a head needs all its projections, so by default a tile holds whole heads
+(Qwen3-0.6B: 32 tiles of 256 KiB per layer, on 32 of 132 SMs). When ``want`` leaves room for
+several tiles per head, each head's rotation pairs are split over ``pieces`` tiles instead: a
+q/k piece stores its projections (rounded, fp32) in ``qk_part`` [Hq+Hkv, D] and takes an atomic
+ticket of its head (spare counters, as the split-KV merge); the tile that takes the head's last
+ticket of the step norms, rotates and stores the whole head. A v piece stores its rows.
+
 Shapes: x [H]; norm_w [H]; wq [Hq*D, H]; wk, wv [Hkv*D, H]; optional biases bq [Hq*D], bk, bv
 [Hkv*D] (Qwen2: ``addmm``, the bias added to the fp32 dot before the projection's rounding);
 cos_table, sin_table [L, .., D]; kcache, vcache [1, Hkv, L, D]; q [Hq*D]. Numerics: fp32 math,
@@ -20,7 +27,7 @@ from fusec.ir.env import Env
 from fusec.ir import Graph, Op
 from fusec.ir.semantics import rms_normalize
 from fusec.instructions.base import Instruction, Region, Tile, register, split_range
-from fusec.instructions.call import P0, P1, RED, SMEM, Call, Flag, Float, Int, Ptr, Type
+from fusec.instructions.call import P0, P1, P2, RED, SMEM, Call, Expr, Flag, Float, Int, Ptr, Type
 from fusec.instructions.matvec_rows import HIDDEN, WF32, elt, rms_attrs, rms_prologue, rms_types
 from fusec.instructions.rule import Ctx, Fusion, Rule
 
@@ -94,12 +101,15 @@ def match_qkv(c: Ctx, att: Op) -> Fusion | None:
                  "head_dim": d, "w_fp32": rms.attrs.get("w_fp32", False)}
         if all(biased):
             ins["bq"], ins["bk"], ins["bv"] = (lins[h].inputs["b"] for h in "qkv")
+        outs = {"q": rope_q.outputs["out"], "kcache": wk.outputs["cache"], "vcache": wv.outputs["cache"]}
+        name = g.fresh_name("rms_qkv_rope")
         if norms:
             ins["q_norm_w"], ins["k_norm_w"] = norms["q"].inputs["w"], norms["k"].inputs["w"]
             attrs["qk_eps"] = norms["q"].attrs["eps"]
-        return [Op(g.fresh_name("rms_qkv_rope"), "rms_qkv_rope", ins,
-                   {"q": rope_q.outputs["out"], "kcache": wk.outputs["cache"], "vcache": wv.outputs["cache"]},
-                   attrs=attrs, mutates=("kcache", "vcache"), source=rope_q.source)]
+            # the q and k heads' projections before their norm, when a head is split over tiles
+            outs["qk_part"] = g.new_tensor(f"{name}_qk_part", (nq + nkv, d), torch.float32)
+        return [Op(name, "rms_qkv_rope", ins, outs, attrs=attrs, mutates=("kcache", "vcache"),
+                   source=rope_q.source)]
 
     return Fusion(inner, (rope_q.outputs["out"],), build)
 
@@ -131,16 +141,49 @@ class RmsQkvRope(Instruction):
             yield h, max(u0 - h * half, 0), min(u1 - h * half, half)
 
     @classmethod
+    def _pieces(cls, op: Op, g: Graph, want: int) -> int:
+        """Tiles per head: 1 (whole heads) unless the op has a per-head norm and ``want`` tiles
+        leave room for several per head; then each head's rotation pairs are split over that many
+        tiles, and the head's last tile (a ticket) norms and rotates it."""
+        nq, nkv, d, _ = cls._layout(op, g)
+        if "qk_part" not in op.outputs:
+            return 1
+        return max(1, min(want // (nq + 2 * nkv), d // 2))
+
+    @classmethod
+    def _ranges(cls, op: Op, g: Graph, want: int) -> list[tuple[int, int]]:
+        n_units, half, align = cls._units(op, g)
+        s = cls._pieces(op, g, want)
+        if s == 1:
+            return split_range(n_units, want, align)
+        return [(h * half + a, h * half + b) for h in range(n_units // half) for a, b in split_range(half, s)]
+
+    @classmethod
     def tiles(cls, op: Op, g: Graph, want: int) -> list[Tile]:
         nq, nkv, d, L = cls._layout(op, g)
         n_units, half, align = cls._units(op, g)
         hid = g.tensors[op.inputs["wq"]].shape[1]
         vec = [op.inputs[s] for s in ("x", "norm_w", "cos_table", "sin_table", "rope_pos", "kv_pos",
                                       "q_norm_w", "k_norm_w", "bq", "bk", "bv") if s in op.inputs]
+        pieces = cls._pieces(op, g, want)
         tiles = []
-        for i, (u0, u1) in enumerate(split_range(n_units, want, align)):
+        for i, (u0, u1) in enumerate(cls._ranges(op, g, want)):
             reads = [Region.whole(g, v) for v in vec]
             writes, wbytes = [], 0
+            h = u0 // half
+            if pieces > 1 and h < nq + nkv:   # a piece of a q/k head: pre-norm values, then maybe the head
+                w, out, row = cls._head(op, h, nq, nkv)
+                for a, b in ((u0 % half, (u1 - 1) % half + 1), (half + u0 % half, half + (u1 - 1) % half + 1)):
+                    reads.append(Region.of(g, op.inputs[w], (row * d + a) * hid, (row * d + b) * hid))
+                    wbytes += (b - a) * hid * elt(g, op.inputs[w])
+                    writes.append(Region.of(g, op.outputs["qk_part"], h * d + a, h * d + b))
+                reads.append(Region.of(g, op.outputs["qk_part"], h * d, (h + 1) * d))
+                writes.append(cls._head_out(op, g, h))
+                abytes = sum(g.tensors[v].nbytes for v in vec if g.tensors[g.root(v)].role.value != "constant") \
+                    + 2 * (u1 - u0) * 4 + (d * 4 + d * elt(g, op.inputs["x"])) // pieces
+                tiles.append(Tile(op.name, i, {"units": [u0, u1], "pieces": pieces}, _merge(reads), _merge(writes),
+                                  wbytes, abytes))
+                continue
             for h, p0, p1 in cls._spans(op, g, u0, u1):
                 w, out, row = cls._head(op, h, nq, nkv)
                 for a, b in ((p0, p1), (half + p0, half + p1)):
@@ -152,8 +195,22 @@ class RmsQkvRope(Instruction):
                     writes.append(Region.of(g, op.outputs[out], row * L * d, (row + 1) * L * d))
             abytes = sum(g.tensors[v].nbytes for v in vec if g.tensors[g.root(v)].role.value != "constant") \
                 + 2 * (u1 - u0) * 2 * elt(g, op.inputs["x"])
-            tiles.append(Tile(op.name, i, {"units": [u0, u1]}, _merge(reads), _merge(writes), wbytes, abytes))
+            tiles.append(Tile(op.name, i, {"units": [u0, u1], "pieces": pieces}, _merge(reads), _merge(writes),
+                              wbytes, abytes))
         return tiles
+
+    @classmethod
+    def _head_out(cls, op: Op, g: Graph, h: int) -> Region:
+        """Where q/k head ``h`` goes: its q rows, or its KV head's cache rows (all positions: the
+        row depends on the run-time position)."""
+        nq, nkv, d, L = cls._layout(op, g)
+        _, out, row = cls._head(op, h, nq, nkv)
+        return Region.of(g, op.outputs["q"], row * d, (row + 1) * d) if out == "q" else \
+            Region.of(g, op.outputs[out], row * L * d, (row + 1) * L * d)
+
+    @classmethod
+    def encode(cls, op: Op, tile: Tile) -> list[int]:
+        return [*tile.params["units"], tile.params.get("pieces", 1)]
 
     call = Call("rms_qkv_rope",
                 targs=(*rms_types("wq", "q"), Type("tt", "cos_table"), Type("tc", "kcache"),
@@ -166,10 +223,13 @@ class RmsQkvRope(Instruction):
                        Flag("bias", has="bq", when=_bias_or_wf32), Type("tb", "bq", "wq", when=_bias_or_wf32), WF32),
                 args=(Ptr("x"), Ptr("norm_w"), Float("eps", "eps"), Ptr("wq"), Ptr("wk"), Ptr("wv"),
                       Ptr("cos_table"), Ptr("sin_table"), Ptr("rope_pos"), Ptr("kv_pos"), Ptr("q"), Ptr("kcache"),
-                      Ptr("vcache"), Ptr("q_norm_w"), Ptr("k_norm_w"), Float("qk_eps", "qk_eps", 0.0), P0, P1, SMEM,
-                      RED, Ptr("bq", default="nullptr"), Ptr("bk", default="nullptr"), Ptr("bv", default="nullptr")),
+                      Ptr("vcache"), Ptr("q_norm_w"), Ptr("k_norm_w"), Float("qk_eps", "qk_eps", 0.0), P0, P1, P2,
+                      SMEM, RED, Ptr("qk_part", default="nullptr"),
+                      Expr("tickets", lambda op, g, bufs: bufs.counters(op.name, op.attrs["n_q"] + op.attrs["n_kv"])
+                           if "qk_part" in op.outputs else "nullptr", default="nullptr"),
+                      Ptr("bq", default="nullptr"), Ptr("bk", default="nullptr"), Ptr("bv", default="nullptr")),
                 numbering=("q_norm_w", "k_norm_w", "bq", "bk", "bv", "x", "norm_w", "wq", "wk", "wv",
-                           "cos_table", "sin_table", "rope_pos", "kv_pos", "q", "kcache", "vcache"))
+                           "cos_table", "sin_table", "rope_pos", "kv_pos", "q", "kcache", "vcache", "qk_part"))
 
     @classmethod
     def cuda_args(cls, op: Op, g: Graph, bufs) -> dict:
@@ -190,10 +250,51 @@ class RmsQkvRope(Instruction):
         return "wv", "vcache", h - nq - nkv
 
     @classmethod
+    def _split(cls, op: Op, tile: Tile) -> int | None:
+        """The q/k head of a tile that holds a piece of it (the head's tiles take tickets), else None."""
+        nq, nkv = op.attrs["n_q"], op.attrs["n_kv"]
+        h = tile.params["units"][0] // (op.attrs["head_dim"] // 2)
+        return h if tile.params.get("pieces", 1) > 1 and h < nq + nkv else None
+
+    @classmethod
+    def _is_last(cls, op: Op, tile: Tile, env: Env, h: int, peek: bool = False) -> bool:
+        """Whether this tile's ticket of head ``h`` is the step's last (takes it unless ``peek``)."""
+        key, n = (op.name, h), tile.params["pieces"]
+        t = env.peek_ticket(key) if peek else env.take_ticket(key)
+        return t % n == n - 1
+
+    @classmethod
+    def _head_out_now(cls, op: Op, env: Env, h: int) -> Region:
+        """Where q/k head ``h`` goes at this step's position."""
+        nq, nkv, d, L = cls._layout(op, env.g)
+        _, out, row = cls._head(op, h, nq, nkv)
+        pos = int(env.read(op.inputs["kv_pos"]).reshape(-1)[0])
+        base = row * d if out == "q" else row * L * d + pos * d
+        return Region.of(env.g, op.outputs[out], base, base + d)
+
+    @classmethod
+    def ticket_regions(cls, op, tile, env):
+        """A split head's norm and RoPE, after the ticket: the head's pre-norm values and its
+        output, if this tile's ticket is the head's last of the step."""
+        h = cls._split(op, tile)
+        if h is None or not cls._is_last(op, tile, env, h, peek=True):
+            return [], []
+        d = op.attrs["head_dim"]
+        return [Region.of(env.g, op.outputs["qk_part"], h * d, (h + 1) * d)], [cls._head_out_now(op, env, h)]
+
+    @classmethod
     def runtime_regions(cls, op, tile, env):
         nq, nkv, d, L = cls._layout(op, env.g)
         half = d // 2
         pos = int(env.read(op.inputs["kv_pos"]).reshape(-1)[0])
+        h = cls._split(op, tile)
+        if h is not None:   # before the ticket: the piece's pre-norm values
+            part = env.g.root(op.outputs["qk_part"])
+            u0, u1 = tile.params["units"]
+            a, b = u0 % half, (u1 - 1) % half + 1
+            return ([r for r in tile.reads if r.tensor != part],
+                    [Region.of(env.g, op.outputs["qk_part"], h * d + a, h * d + b),
+                     Region.of(env.g, op.outputs["qk_part"], h * d + half + a, h * d + half + b)])
         writes = []
         for h, p0, p1 in cls._spans(op, env.g, *tile.params["units"]):
             _, out, row = cls._head(op, h, nq, nkv)
@@ -213,6 +314,7 @@ class RmsQkvRope(Instruction):
         cos = env.read(op.inputs["cos_table"])[rp].reshape(-1).float()
         sin = env.read(op.inputs["sin_table"])[rp].reshape(-1).float()
         kv_pos = int(env.read(op.inputs["kv_pos"]).reshape(-1)[0])
+        split = cls._split(op, tile)
         for h, p0, p1 in cls._spans(op, env.g, *tile.params["units"]):
             w, out, row = cls._head(op, h, nq, nkv)
             wt = env.read(op.inputs[w])
@@ -223,6 +325,14 @@ class RmsQkvRope(Instruction):
                 b = env.read(op.inputs["b" + w[1]]).reshape(-1).float()
                 y1, y2 = y1 + b[lo], y2 + b[hi]
             y1, y2 = y1.to(dt).float(), y2.to(dt).float()
+            if split is not None:   # a piece of a q/k head: its pre-norm values; the last piece does the head
+                part = env.flat(op.outputs["qk_part"])
+                part[h * d + p0:h * d + p1] = y1
+                part[h * d + half + p0:h * d + half + p1] = y2
+                if not cls._is_last(op, tile, env, h):
+                    continue
+                y = part[h * d:(h + 1) * d].clone()
+                y1, y2, p0, p1 = y[:half], y[half:], 0, half
             if out != "vcache":
                 nw = op.inputs.get("q_norm_w" if out == "q" else "k_norm_w")
                 if nw is not None:  # whole head (p0 = 0, p1 = half)
