@@ -171,7 +171,7 @@ __device__ __forceinline__ void lds_vec(const TS* p, float (&f)[V]) {
 #define FUSEC_KIND_FN_OTHER __noinline__
 #endif
 
-// Tuning knobs FUSEC_LOADS_IN_FLIGHT, FUSEC_PREFETCH, FUSEC_INLINE_OTHER_KINDS: #defined at the
+// Tuning knobs FUSEC_LOADS_IN_FLIGHT, FUSEC_PREFETCH, FUSEC_INLINE_OTHER_KINDS, FUSEC_ATTN_PREFETCH: #defined at the
 // top of the kernel by codegen (fusec.cuda.codegen.KNOBS holds their defaults and meaning).
 
 // Batch shape of a matvec over R rows of length K: B loads of 16 bytes per row and lane in flight.
@@ -249,6 +249,10 @@ __device__ __forceinline__ void dot_rows(const TW* const (&w)[R], const TS* __re
 #pragma unroll
   for (int r = 0; r < R; ++r) out[r] = warp_sum(acc[r]);
 }
+
+#ifndef FUSEC_ATTN_PREFETCH
+#define FUSEC_ATTN_PREFETCH 1   // attention_partial: L2 prefetch of the tile's V (1) or K and V (2) rows
+#endif
 
 // One row of a matvec: dot(w[0:K], xs[0:K]) by one warp (see dot_rows).
 template <typename TW, typename TS, int K>

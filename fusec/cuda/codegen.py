@@ -29,11 +29,14 @@ MAX_SMEM_BYTES = 227 * 1024   # dynamic shared memory per CTA on sm_90 (opt-in m
 #: ``defines`` option overrides them. FUSEC_LOADS_IN_FLIGHT: 16-byte weight loads in flight per
 #: lane in a matvec; FUSEC_PREFETCH: L2 bulk prefetch of this and the next instruction's
 #: weights before the counter waits; FUSEC_INLINE_OTHER_KINDS: 1 inlines the kinds other than
-#: the per-layer matvecs into their cases (as before 2026-12-01; NVRTC then takes 8-10x longer).
-#: (Staging the first weight batch in shared memory or in
-#: registers before the waits, early K/V loads in the split-KV tiles, and a shared-memory weight
-#: ring of bulk async copies all measured slower and were removed: docs/performance.md.)
-KNOBS = {"FUSEC_LOADS_IN_FLIGHT": 8, "FUSEC_PREFETCH": 0, "FUSEC_INLINE_OTHER_KINDS": 0}
+#: the per-layer matvecs into their cases (as before 2026-12-01; NVRTC then takes 8-10x longer);
+#: FUSEC_ATTN_PREFETCH: 1 (2) asks L2 for a split-KV tile's V (K and V) rows before it stages q
+#: (1 measured 6-9 us per step faster than 0 on the Llama-3.2-1B, 2026-12-02).
+#: (Staging the first weight batch in shared memory or in registers before the waits, or an L2
+#: prefetch of it after them, early K/V loads in the split-KV tiles, a split-KV tile in one pass,
+#: and a shared-memory weight ring of bulk async copies all measured slower and were removed:
+#: docs/performance.md.)
+KNOBS = {"FUSEC_LOADS_IN_FLIGHT": 8, "FUSEC_PREFETCH": 0, "FUSEC_INLINE_OTHER_KINDS": 0, "FUSEC_ATTN_PREFETCH": 1}
 PROF_MARKS = 6   # FUSEC_MARK(k) timestamps per instruction in a profiling build, k < PROF_MARKS
 WORD = 8  # int32 per instruction word: op, p0, p1, p2, p3, wait_off, wait_cnt, counter id
 
