@@ -51,9 +51,13 @@ def jit_plan(plan: KernelPlan) -> CompiledKernel:
     t0 = time.perf_counter()
     kernel = compile_cuda(plan.source, "fusec_step.cu")
     res = kernel.resources.get("fusec_step", {})
-    log.info("stage %-13s NVRTC %s: %s registers, %s B stack, %s B spills  (%.2f s%s)", "jit",
-             ".".join(map(str, kernel.nvrtc_version)), res.get("registers"), res.get("stack_frame_bytes"),
-             res.get("spill_store_bytes"), time.perf_counter() - t0, ", cached" if kernel.cache_hit else "")
+    if res.get("registers") is None:   # NVRTC 12.9+ found it in its own cache (CUDA_CACHE_PATH)
+        what = "no ptxas report (NVRTC's own cache)"
+    else:
+        what = (f"{res.get('registers')} registers, {res.get('stack_frame_bytes')} B stack, "
+                f"{res.get('spill_store_bytes')} B spills")
+    log.info("stage %-13s NVRTC %s: %s  (%.2f s%s)", "jit", ".".join(map(str, kernel.nvrtc_version)), what,
+             time.perf_counter() - t0, ", cached" if kernel.cache_hit else "")
     return kernel
 
 
