@@ -22,7 +22,7 @@ def _qwen3_step(layers=1):
 @pytest.mark.parametrize("num_sms,pieces", [(8, 1), (16, 2), (24, 3), (132, 8)])
 def test_heads_split_over_tiles_match_eager(num_sms, pieces):
     """8 heads (4 q, 2 k, 2 v) of 8 rotation pairs on num_sms SMs: pieces per head =
-    num_sms // 8, at most 8; the simulator's step (every interleaving it draws checked for
+    num_sms // 8, at most head_dim // 2 = 8; the simulator's step (every interleaving it draws checked for
     hazards) matches eager."""
     torch.manual_seed(0)
     model, step = _qwen3_step()

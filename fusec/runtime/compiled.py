@@ -51,7 +51,8 @@ class CompiledStep:
             try:
                 t0 = time.perf_counter()
                 self.engine = self._build(list(args))
-                log.info("stage %-13s the step is ready %.2f s after its first call", "compiled",
+                log.info("stage %-13s the step is ready: its first call built it in %.2f s (the stages "
+                         "above; dynamo and AOT autograd ran before, see the capture line)", "compiled",
                          time.perf_counter() - t0)
                 note_compiled()
             except FusecError as e:
