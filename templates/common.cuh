@@ -250,10 +250,6 @@ __device__ __forceinline__ void dot_rows(const TW* const (&w)[R], const TS* __re
   for (int r = 0; r < R; ++r) out[r] = warp_sum(acc[r]);
 }
 
-#ifndef FUSEC_ATTN_PREFETCH
-#define FUSEC_ATTN_PREFETCH 1   // attention_partial: L2 prefetch of the tile's V (1) or K and V (2) rows
-#endif
-
 // One row of a matvec: dot(w[0:K], xs[0:K]) by one warp (see dot_rows).
 template <typename TW, typename TS, int K>
 __device__ __forceinline__ float row_dot(const TW* __restrict__ w, const TS* __restrict__ xs, int lane) {
