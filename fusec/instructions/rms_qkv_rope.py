@@ -166,47 +166,43 @@ class RmsQkvRope(Instruction):
         vec = [op.inputs[s] for s in ("x", "norm_w", "cos_table", "sin_table", "rope_pos", "kv_pos",
                                       "q_norm_w", "k_norm_w", "bq", "bk", "bv") if s in op.inputs]
         pieces = cls._pieces(op, g, want)
+        vec_bytes = sum(g.tensors[v].nbytes for v in vec if g.tensors[g.root(v)].role.value != "constant")
         tiles = []
         for i, (u0, u1) in enumerate(cls._ranges(op, g, want)):
             reads = [Region.whole(g, v) for v in vec]
-            writes, wbytes = [], 0
-            h = u0 // half
-            if pieces > 1 and h < nq + nkv:   # a piece of a q/k head: pre-norm values, then maybe the head
-                w, out, row = cls._head(op, h, nq, nkv)
-                for a, b in ((u0 % half, (u1 - 1) % half + 1), (half + u0 % half, half + (u1 - 1) % half + 1)):
-                    reads.append(Region.of(g, op.inputs[w], (row * d + a) * hid, (row * d + b) * hid))
-                    wbytes += (b - a) * hid * elt(g, op.inputs[w])
-                    writes.append(Region.of(g, op.outputs["qk_part"], h * d + a, h * d + b))
-                reads.append(Region.of(g, op.outputs["qk_part"], h * d, (h + 1) * d))
-                writes.append(cls._head_out(op, g, h))
-                abytes = sum(g.tensors[v].nbytes for v in vec if g.tensors[g.root(v)].role.value != "constant") \
-                    + 2 * (u1 - u0) * 4 + (d * 4 + d * elt(g, op.inputs["x"])) // pieces
-                tiles.append(Tile(op.name, i, {"units": [u0, u1], "pieces": pieces}, _merge(reads), _merge(writes),
-                                  wbytes, abytes))
-                continue
+            writes, wbytes, split = [], 0, False
             for h, p0, p1 in cls._spans(op, g, u0, u1):
                 w, out, row = cls._head(op, h, nq, nkv)
+                piece = pieces > 1 and h < nq + nkv   # a piece of a q/k head: pre-norm values, then maybe the head
+                split |= piece
                 for a, b in ((p0, p1), (half + p0, half + p1)):
                     reads.append(Region.of(g, op.inputs[w], (row * d + a) * hid, (row * d + b) * hid))
                     wbytes += (b - a) * hid * elt(g, op.inputs[w])
-                    if out == "q":
+                    if piece:
+                        writes.append(Region.of(g, op.outputs["qk_part"], h * d + a, h * d + b))
+                    elif out == "q":
                         writes.append(Region.of(g, op.outputs["q"], row * d + a, row * d + b))
-                if out != "q":
-                    writes.append(Region.of(g, op.outputs[out], row * L * d, (row + 1) * L * d))
-            abytes = sum(g.tensors[v].nbytes for v in vec if g.tensors[g.root(v)].role.value != "constant") \
-                + 2 * (u1 - u0) * 2 * elt(g, op.inputs["x"])
+                if piece:   # the head's last piece reads all its pre-norm values
+                    reads.append(Region.of(g, op.outputs["qk_part"], h * d, (h + 1) * d))
+                if piece or out != "q":   # the whole head (or its cache rows)
+                    writes.append(cls._head_out(op, g, h))
+            abytes = vec_bytes + (2 * (u1 - u0) * 4 + (d * 4 + d * elt(g, op.inputs["x"])) // pieces if split
+                                  else 2 * (u1 - u0) * 2 * elt(g, op.inputs["x"]))
             tiles.append(Tile(op.name, i, {"units": [u0, u1], "pieces": pieces}, _merge(reads), _merge(writes),
                               wbytes, abytes))
         return tiles
 
     @classmethod
-    def _head_out(cls, op: Op, g: Graph, h: int) -> Region:
-        """Where q/k head ``h`` goes: its q rows, or its KV head's cache rows (all positions: the
-        row depends on the run-time position)."""
+    def _head_out(cls, op: Op, g: Graph, h: int, pos: int | None = None) -> Region:
+        """Where q/k/v head ``h`` goes: its q rows, or its KV head's cache row at position ``pos``
+        (None: every position, as planned, since the row depends on the run-time position)."""
         nq, nkv, d, L = cls._layout(op, g)
         _, out, row = cls._head(op, h, nq, nkv)
-        return Region.of(g, op.outputs["q"], row * d, (row + 1) * d) if out == "q" else \
-            Region.of(g, op.outputs[out], row * L * d, (row + 1) * L * d)
+        if out == "q":
+            return Region.of(g, op.outputs["q"], row * d, (row + 1) * d)
+        base = row * L * d
+        return Region.of(g, op.outputs[out], base + pos * d, base + (pos + 1) * d) if pos is not None else \
+            Region.of(g, op.outputs[out], base, base + L * d)
 
     @classmethod
     def encode(cls, op: Op, tile: Tile) -> list[int]:
@@ -264,15 +260,6 @@ class RmsQkvRope(Instruction):
         return t % n == n - 1
 
     @classmethod
-    def _head_out_now(cls, op: Op, env: Env, h: int) -> Region:
-        """Where q/k head ``h`` goes at this step's position."""
-        nq, nkv, d, L = cls._layout(op, env.g)
-        _, out, row = cls._head(op, h, nq, nkv)
-        pos = int(env.read(op.inputs["kv_pos"]).reshape(-1)[0])
-        base = row * d if out == "q" else row * L * d + pos * d
-        return Region.of(env.g, op.outputs[out], base, base + d)
-
-    @classmethod
     def ticket_regions(cls, op, tile, env):
         """A split head's norm and RoPE, after the ticket: the head's pre-norm values and its
         output, if this tile's ticket is the head's last of the step."""
@@ -280,7 +267,8 @@ class RmsQkvRope(Instruction):
         if h is None or not cls._is_last(op, tile, env, h, peek=True):
             return [], []
         d = op.attrs["head_dim"]
-        return [Region.of(env.g, op.outputs["qk_part"], h * d, (h + 1) * d)], [cls._head_out_now(op, env, h)]
+        pos = int(env.read(op.inputs["kv_pos"]).reshape(-1)[0])
+        return [Region.of(env.g, op.outputs["qk_part"], h * d, (h + 1) * d)], [cls._head_out(op, env.g, h, pos)]
 
     @classmethod
     def runtime_regions(cls, op, tile, env):
