@@ -11,6 +11,7 @@ instruction is its op's index: nothing is numbered by hand.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 import jinja2
@@ -33,13 +34,18 @@ MAX_SMEM_BYTES = 227 * 1024   # dynamic shared memory per CTA on sm_90 (opt-in m
 #: FUSEC_ATTN_PREFETCH: 1 (2) asks L2 for a split-KV tile's V (K and V) rows before it stages q
 #: (1 measured 6-9 us per step faster than 0 on the Llama-3.2-1B, 2026-12-02); FUSEC_STAGE_QUEUE:
 #: 1 copies the SM's instruction words, wait lists and the buffer table to shared memory at the
-#: start of the step (kernel.cu.j2; when they fit in STAGE_LIMIT bytes).
+#: start of the step (kernel.cu.j2; when they fit in STAGE_LIMIT bytes); FUSEC_DISPATCH_BY_KIND: 1
+#: dispatches on one case per distinct call (the layers of a kind share it) with each op's
+#: buffer indices and spare-counter offsets in a __constant__ table, instead of one case per op
+#: (:func:`dispatch_by_kind`).
 #: (Staging the first weight batch in shared memory or in registers before the waits, or an L2
 #: prefetch of it after them, early K/V loads in the split-KV tiles, a split-KV tile in one pass,
 #: and a shared-memory weight ring of bulk async copies all measured slower and were removed:
 #: docs/performance.md.)
 KNOBS = {"FUSEC_LOADS_IN_FLIGHT": 8, "FUSEC_PREFETCH": 0, "FUSEC_INLINE_OTHER_KINDS": 0, "FUSEC_ATTN_PREFETCH": 1,
-         "FUSEC_STAGE_QUEUE": 0}
+         "FUSEC_STAGE_QUEUE": 0, "FUSEC_DISPATCH_BY_KIND": 0}
+#: FUSEC_DISPATCH_BY_KIND keeps the per-op dispatch when its tables would pass this many bytes
+DISPATCH_TABLE_LIMIT = 48 * 1024
 #: FUSEC_STAGE_QUEUE stages at most this many bytes (queue, waits, buffer table) in shared memory
 STAGE_LIMIT = 32 * 1024
 PROF_MARKS = 6   # FUSEC_MARK(k) timestamps per instruction in a profiling build, k < PROF_MARKS
@@ -189,6 +195,9 @@ def render(s: Schedule, title: str = "", threads: int = THREADS, profile: bool =
             words += [op_index[ins.op], *p, len(waits) // 2, len(cw), ins.id]
             waits += [x for pair in cw for x in pair]
         queue_off.append(len(words) // WORD)
+    kind_cases, opargs, maxa = dispatch_by_kind(cases) if defines.get("FUSEC_DISPATCH_BY_KIND") else (None, [], 0)
+    if kind_cases is not None and 4 * len(g.ops) * (maxa + 1) > DISPATCH_TABLE_LIMIT:
+        kind_cases = None
     qmax = max(b - a for a, b in zip(queue_off, queue_off[1:]))
     wmax = max((sum(words[i * WORD + 6] for i in range(a, b)) for a, b in zip(queue_off, queue_off[1:])), default=0)
     n_bufs = len(bufs.names)
@@ -198,10 +207,44 @@ def render(s: Schedule, title: str = "", threads: int = THREADS, profile: bool =
         stage_fits=stage_bytes <= STAGE_LIMIT and smem * 4 + stage_bytes + 1024 <= MAX_SMEM_BYTES,
         title=title or "decode step", num_sms=s.num_sms, threads=threads, smem_bytes=smem * 4,
         n_instrs=len(s.instrs), n_ops=len(g.ops), n_waits=len(waits) // 2, kinds=list(macros), macros=macros,
-        cases=cases, profile=profile, prof_marks=PROF_MARKS, defines=defines,
+        cases=cases, kind_cases=kind_cases, opargs=opargs, maxa=maxa,
+        case_of=[next(kc["id"] for kc in kind_cases if c["op"] in kc["ops"]) for c in cases] if kind_cases else [],
+        profile=profile, prof_marks=PROF_MARKS, defines=defines,
         gen_sources=list(gen_sources.values()), gen_helpers=gen_helpers)
     return KernelPlan(source, bufs.names, words, queue_off, waits or [0, 1], len(g.ops) + bufs.n_spare,
                       max(16, smem * 4), threads, s.num_sms, profile)
+
+
+_BUF = re.compile(r"bufs\[(\d+)\]")
+_CTR = re.compile(r"\(counters \+ (\d+)\)")
+
+
+def dispatch_by_kind(cases: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[list[int]], int]:
+    """Share one dispatch case among the ops whose calls differ only in buffer indices and
+    spare-counter offsets (the layers of a kind).
+
+    Each ``bufs[N]`` and ``(counters + N)`` of an op's call becomes ``bufs[A[j]]`` /
+    ``(counters + A[j])``, j counting from the left; ops with the same rewritten call share a
+    case, and ``A`` is the op's row of the argument table (its N, in order). Expects
+    ``cases`` in op order (``cases[k]["op"] == k``). Returns (the shared cases, each with ``id``,
+    ``call``, ``kind`` and its ``ops``; the table rows by op, padded to the widest; its width).
+    """
+    kinds: dict[str, dict[str, Any]] = {}
+    rows: list[list[int]] = []
+    for c in cases:
+        row: list[int] = []
+
+        def slot(m: re.Match, fmt: str) -> str:
+            row.append(int(m.group(1)))
+            return fmt.format(len(row) - 1)
+
+        call = _BUF.sub(lambda m: slot(m, "bufs[A[{}]]"), c["call"])
+        call = _CTR.sub(lambda m: slot(m, "(counters + A[{}])"), call)
+        kc = kinds.setdefault(call, {"id": len(kinds), "call": call, "kind": c["kind"], "ops": []})
+        kc["ops"].append(c["op"])
+        rows.append(row)
+    width = max((len(r) for r in rows), default=0)
+    return list(kinds.values()), [r + [0] * (width - len(r)) for r in rows], width
 
 
 def describe(plan: KernelPlan) -> dict[str, Any]:
