@@ -42,11 +42,12 @@ def test_tiny_kernel_renders_and_compiles(factory, dtype, tmp_path):
 
 def test_last_tile_merge_renders_tickets_and_compiles(tmp_path):
     """attention_merge="last_tile": no attention_reduce; each attention op owns one spare counter
-    (ticket) per KV head, after the op counters, and the kernel compiles."""
+    (ticket) per KV head, after the op counters, and the kernel compiles. Rendered with one
+    dispatch case per op, whose calls hold the counter offsets as literals."""
     res = _tiny_decode_step(hf_tiny.llama, torch.bfloat16, 8, attention_merge="last_tile")
     kinds = res.graph.count_kinds()
     assert "attention_reduce" not in kinds
-    plan = render(res.schedule)
+    plan = render(res.schedule, defines={"FUSEC_DISPATCH_BY_KIND": 0})
     n_ops, n_att = len(res.graph.ops), kinds["attention_partial"]
     n_kv = next(o for o in res.graph.ops if o.kind == "attention_partial").attrs["n_kv"]
     assert plan.n_counters == n_ops + n_att * n_kv
@@ -100,8 +101,8 @@ def test_dispatch_by_kind_calls_what_each_op_called(factory, dtype, tmp_path):
     import re
     from fusec.cuda import codegen
     res = _tiny_decode_step(factory, dtype, 12)
-    per_op = render(res.schedule)
-    by_kind = render(res.schedule, defines={"FUSEC_DISPATCH_BY_KIND": 1})
+    per_op = render(res.schedule, defines={"FUSEC_DISPATCH_BY_KIND": 0})
+    by_kind = render(res.schedule)   # the default
     calls = {}   # op index -> call text of the per-op switch
     for m in re.finditer(r"      case (\d+):  // [^\n]*\n        ([^\n]*);\n", per_op.source):
         calls[int(m.group(1))] = m.group(2)
@@ -113,6 +114,7 @@ def test_dispatch_by_kind_calls_what_each_op_called(factory, dtype, tmp_path):
         for k in kc["ops"]:
             back = re.sub(r"A\[(\d+)\]", lambda m: str(rows[k][int(m.group(1))]), kc["call"])
             assert back == calls[k], (k, back, calls[k])
-    assert "switch (fusec_case_of[in.op])" in by_kind.source
+    assert "switch (fusec_case_of[in.op])" in by_kind.source   # FUSEC_STAGE_QUEUE 0
+    assert "switch (s_case_of[in.op])" in by_kind.source   # and 1 (the default): tables staged
     assert by_kind.source.count("\n          break;") == len(shared) + 1   # a case per shared call, default
     compile_cuda(by_kind.source, "fusec_step.cu", cache_dir=str(tmp_path)).assert_no_spills()

@@ -34,20 +34,22 @@ MAX_SMEM_BYTES = 227 * 1024   # dynamic shared memory per CTA on sm_90 (opt-in m
 #: FUSEC_ATTN_PREFETCH: 1 (2) asks L2 for a split-KV tile's V (K and V) rows before it stages q
 #: (1 measured 6-9 us per step faster than 0 on the Llama-3.2-1B, 2026-12-02); FUSEC_STAGE_QUEUE:
 #: 1 copies the SM's instruction words, wait lists and the buffer table to shared memory at the
-#: start of the step (kernel.cu.j2; when they fit in STAGE_LIMIT bytes); FUSEC_DISPATCH_BY_KIND: 1
+#: start of the step (kernel.cu.j2; when they fit in STAGE_LIMIT bytes; 1 measured 15-19 us per
+#: step faster than 0 on the 1B and 31-42 us on Qwen3-0.6B, 2026-12-02); FUSEC_DISPATCH_BY_KIND: 1
 #: dispatches on one case per distinct call (the layers of a kind share it) with each op's
-#: buffer indices and spare-counter offsets in a __constant__ table, instead of one case per op
-#: (:func:`dispatch_by_kind`).
+#: buffer indices and spare-counter offsets in a table (staged in shared memory with the queue),
+#: instead of one case per op (:func:`dispatch_by_kind`): as fast, and NVRTC takes half the time.
 #: (Staging the first weight batch in shared memory or in registers before the waits, or an L2
 #: prefetch of it after them, early K/V loads in the split-KV tiles, a split-KV tile in one pass,
 #: and a shared-memory weight ring of bulk async copies all measured slower and were removed:
 #: docs/performance.md.)
 KNOBS = {"FUSEC_LOADS_IN_FLIGHT": 8, "FUSEC_PREFETCH": 0, "FUSEC_INLINE_OTHER_KINDS": 0, "FUSEC_ATTN_PREFETCH": 1,
-         "FUSEC_STAGE_QUEUE": 0, "FUSEC_DISPATCH_BY_KIND": 0}
+         "FUSEC_STAGE_QUEUE": 1, "FUSEC_DISPATCH_BY_KIND": 1}
 #: FUSEC_DISPATCH_BY_KIND keeps the per-op dispatch when its tables would pass this many bytes
 DISPATCH_TABLE_LIMIT = 48 * 1024
-#: FUSEC_STAGE_QUEUE stages at most this many bytes (queue, waits, buffer table) in shared memory
-STAGE_LIMIT = 32 * 1024
+#: FUSEC_STAGE_QUEUE stages at most this many bytes (queue, waits, buffer table; with
+#: FUSEC_DISPATCH_BY_KIND the case and argument tables too) in shared memory
+STAGE_LIMIT = 40 * 1024
 PROF_MARKS = 6   # FUSEC_MARK(k) timestamps per instruction in a profiling build, k < PROF_MARKS
 WORD = 8  # int32 per instruction word: op, p0, p1, p2, p3, wait_off, wait_cnt, counter id
 
@@ -201,7 +203,7 @@ def render(s: Schedule, title: str = "", threads: int = THREADS, profile: bool =
     qmax = max(b - a for a, b in zip(queue_off, queue_off[1:]))
     wmax = max((sum(words[i * WORD + 6] for i in range(a, b)) for a, b in zip(queue_off, queue_off[1:])), default=0)
     n_bufs = len(bufs.names)
-    stage_bytes = 8 * n_bufs + 4 * WORD * qmax + 8 * wmax
+    stage_bytes = 8 * n_bufs + 4 * WORD * qmax + 8 * wmax + (4 * len(g.ops) * (maxa + 1) if kind_cases else 0)
     source = env.get_template("kernel.cu.j2").render(
         n_bufs=max(1, n_bufs), qmax=max(1, qmax), wmax=max(1, wmax), stage_limit=STAGE_LIMIT,
         stage_fits=stage_bytes <= STAGE_LIMIT and smem * 4 + stage_bytes + 1024 <= MAX_SMEM_BYTES,
