@@ -38,13 +38,17 @@ MAX_SMEM_BYTES = 227 * 1024   # dynamic shared memory per CTA on sm_90 (opt-in m
 #: step faster than 0 on the 1B and 31-42 us on Qwen3-0.6B, 2026-12-02); FUSEC_DISPATCH_BY_KIND: 1
 #: dispatches on one case per distinct call (the layers of a kind share it) with each op's
 #: buffer indices and spare-counter offsets in a table (staged in shared memory with the queue),
-#: instead of one case per op (:func:`dispatch_by_kind`): as fast, and NVRTC takes half the time.
+#: instead of one case per op (:func:`dispatch_by_kind`): as fast, and NVRTC takes half the time;
+#: FUSEC_ABORT_EVERY_INSTR: 1 reads the watchdog's abort flag after every instruction's waits, 0
+#: once per step and while spinning (kernel.cu.j2, wait_all; 0 measured 0-6 us per step faster).
+#: (A warp's first weight loads issued before a matvec tile's prologue, FUSEC_FIRST_BATCH in
+#: experiments/first-batch.mbox, measured 0.04-0.35 ms slower.)
 #: (Staging the first weight batch in shared memory or in registers before the waits, or an L2
 #: prefetch of it after them, early K/V loads in the split-KV tiles, a split-KV tile in one pass,
 #: and a shared-memory weight ring of bulk async copies all measured slower and were removed:
 #: docs/performance.md.)
 KNOBS = {"FUSEC_LOADS_IN_FLIGHT": 8, "FUSEC_PREFETCH": 0, "FUSEC_INLINE_OTHER_KINDS": 0, "FUSEC_ATTN_PREFETCH": 1,
-         "FUSEC_STAGE_QUEUE": 1, "FUSEC_DISPATCH_BY_KIND": 1}
+         "FUSEC_STAGE_QUEUE": 1, "FUSEC_DISPATCH_BY_KIND": 1, "FUSEC_ABORT_EVERY_INSTR": 0}
 #: FUSEC_DISPATCH_BY_KIND keeps the per-op dispatch when its tables would pass this many bytes
 DISPATCH_TABLE_LIMIT = 48 * 1024
 #: FUSEC_STAGE_QUEUE stages at most this many bytes (queue, waits, buffer table; with
