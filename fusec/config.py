@@ -6,7 +6,7 @@ give defaults: ``FUSEC_DUMP`` (folder: dump every stage's artifact), ``FUSEC_CAC
 ``FUSEC_FALLBACK``, ``FUSEC_MAX_FUSIONS``,
 ``FUSEC_PROFILE`` (folder: record and write the per-SM timeline, as ``profile_dir``),
 ``FUSEC_DEFINES`` (``NAME=VALUE,...``: kernel tuning macros, as ``defines``),
-``FUSEC_ATTENTION_MERGE`` (as ``attention_merge``), ``FUSEC_CACHE`` (``0``: no artifact cache,
+``FUSEC_ATTENTION_MERGE`` (as ``attention_merge``), ``FUSEC_MLP_MERGE`` (as ``mlp_merge``), ``FUSEC_CACHE`` (``0``: no artifact cache,
 as ``cache=False``), ``FUSEC_CACHE_MAX_MB`` (as ``cache_max_mb``).
 """
 from __future__ import annotations
@@ -21,6 +21,7 @@ from fusec.errors import FusecError
 TARGETS = ("sim", "cuda")
 FALLBACKS = ("inductor", "eager")
 ATTENTION_MERGES = ("last_tile", "reduce")
+MLP_MERGES = ("level", "last_tile")
 #: the spellings of a boolean environment variable (``FUSEC_CACHE``)
 _BOOLS = {"0": False, "false": False, "no": False, "off": False,
           "1": True, "true": True, "yes": True, "on": True}
@@ -75,6 +76,11 @@ class Options:
             split-KV tile that finishes last, found with an atomic ticket, merges its group) or
             "reduce" (a separate ``attention_reduce`` level after all partial tiles). The default
             "last_tile" measured 1.0-1.4% faster on the H200 (docs/performance.md section 8).
+        mlp_merge: where an MLP's down-projection runs: "level" (its own level of row tiles
+            after the gate/up level) or "last_tile" (experimental, not yet measured on a GPU:
+            each gate/up tile goes on with the down-projection columns of its rows, adding its
+            partial sums to an fp32 accumulator; the tile that finishes last, found with an
+            atomic ticket, adds the residual: one level fewer per layer; ``rms_mlp_residual``).
         defines: ``#define`` name -> value for the kernel source: the tuning knobs of
             :data:`fusec.cuda.codegen.KNOBS` (``FUSEC_LOADS_IN_FLIGHT``, ``FUSEC_PREFETCH``)
             and their defaults.
@@ -104,6 +110,7 @@ class Options:
     profile_dir: str | None = None
     profile_step: int = 3
     attention_merge: str = "last_tile"
+    mlp_merge: str = "level"
     defines: dict[str, Any] = dataclasses.field(default_factory=dict)
     mode: str | None = None
     cache: bool = True
@@ -128,6 +135,8 @@ class Options:
             env["max_fusions"] = _env_int("FUSEC_MAX_FUSIONS", 0)
         if os.environ.get("FUSEC_ATTENTION_MERGE"):
             env["attention_merge"] = os.environ["FUSEC_ATTENTION_MERGE"]
+        if os.environ.get("FUSEC_MLP_MERGE"):
+            env["mlp_merge"] = os.environ["FUSEC_MLP_MERGE"]
         if os.environ.get("FUSEC_PROFILE"):
             env["profile_dir"] = os.environ["FUSEC_PROFILE"]
         if os.environ.get("FUSEC_CACHE"):
@@ -157,6 +166,8 @@ class Options:
             raise FusecError(f"option fallback={o.fallback!r} must be one of {FALLBACKS}")
         if o.attention_merge not in ATTENTION_MERGES:
             raise FusecError(f"option attention_merge={o.attention_merge!r} must be one of {ATTENTION_MERGES}")
+        if o.mlp_merge not in MLP_MERGES:
+            raise FusecError(f"option mlp_merge={o.mlp_merge!r} must be one of {MLP_MERGES}")
         if o.mode not in MODES:
             raise FusecError(f"option mode={o.mode!r} must be one of {list(MODES)}")
         if not isinstance(o.cache, bool):

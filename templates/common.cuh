@@ -250,6 +250,21 @@ __device__ __forceinline__ void dot_rows(const TW* const (&w)[R], const TS* __re
   for (int r = 0; r < R; ++r) out[r] = warp_sum(acc[r]);
 }
 
+// The gate activation of a GLU MLP (rms_gate_up_silu, rms_mlp_residual): ACT 0 SiLU (SwiGLU,
+// Llama), 1 GELU tanh approximation, 2 exact GELU (GeGLU, Gemma); the GELUs rounded to TO, as
+// PyTorch's separate activation op rounds.
+template <int ACT, typename TO>
+__device__ __forceinline__ float gate_act(float g) {
+  if constexpr (ACT == 1) {
+    const float k = 0.7978845608028654f;   // sqrt(2/pi)
+    return rnd<TO>(0.5f * g * (1.f + tanhf(k * (g + 0.044715f * g * g * g))));
+  } else if constexpr (ACT == 2) {
+    return rnd<TO>(0.5f * g * (1.f + erff(g * 0.7071067811865476f)));
+  } else {
+    return g / (1.f + expf(-g));
+  }
+}
+
 // One row of a matvec: dot(w[0:K], xs[0:K]) by one warp (see dot_rows).
 template <typename TW, typename TS, int K>
 __device__ __forceinline__ float row_dot(const TW* __restrict__ w, const TS* __restrict__ xs, int lane) {
