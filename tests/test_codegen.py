@@ -101,8 +101,9 @@ def test_dispatch_by_kind_calls_what_each_op_called(factory, dtype, tmp_path):
     import re
     from fusec.cuda import codegen
     res = _tiny_decode_step(factory, dtype, 12)
-    per_op = render(res.schedule, defines={"FUSEC_DISPATCH_BY_KIND": 0})
+    per_op = render(res.schedule, defines={"FUSEC_DISPATCH_BY_KIND": "0"})   # as FUSEC_DEFINES gives it
     by_kind = render(res.schedule)   # the default
+    assert "fusec_case_of" not in per_op.source
     calls = {}   # op index -> call text of the per-op switch
     for m in re.finditer(r"      case (\d+):  // [^\n]*\n        ([^\n]*);\n", per_op.source):
         calls[int(m.group(1))] = m.group(2)

@@ -41,6 +41,8 @@ MAX_SMEM_BYTES = 227 * 1024   # dynamic shared memory per CTA on sm_90 (opt-in m
 #: instead of one case per op (:func:`dispatch_by_kind`): as fast, and NVRTC takes half the time;
 #: FUSEC_ABORT_EVERY_INSTR: 1 reads the watchdog's abort flag after every instruction's waits, 0
 #: once per step and while spinning (kernel.cu.j2, wait_all; 0 measured 0-6 us per step faster).
+#: FUSEC_MLP_RED_V4: 1 adds rms_mlp_residual's partial sums four rows per red.global.add.v4.f32,
+#: 0 one row per red.global.add.f32 (option mlp_merge="last_tile" only; neither measured yet).
 #: (A warp's first weight loads issued before a matvec tile's prologue, FUSEC_FIRST_BATCH in
 #: experiments/first-batch.mbox, measured 0.04-0.35 ms slower.)
 #: (Staging the first weight batch in shared memory or in registers before the waits, or an L2
@@ -48,7 +50,8 @@ MAX_SMEM_BYTES = 227 * 1024   # dynamic shared memory per CTA on sm_90 (opt-in m
 #: and a shared-memory weight ring of bulk async copies all measured slower and were removed:
 #: docs/performance.md.)
 KNOBS = {"FUSEC_LOADS_IN_FLIGHT": 8, "FUSEC_PREFETCH": 0, "FUSEC_INLINE_OTHER_KINDS": 0, "FUSEC_ATTN_PREFETCH": 1,
-         "FUSEC_STAGE_QUEUE": 1, "FUSEC_DISPATCH_BY_KIND": 1, "FUSEC_ABORT_EVERY_INSTR": 0}
+         "FUSEC_STAGE_QUEUE": 1, "FUSEC_DISPATCH_BY_KIND": 1, "FUSEC_ABORT_EVERY_INSTR": 0,
+         "FUSEC_MLP_RED_V4": 1}
 #: FUSEC_DISPATCH_BY_KIND keeps the per-op dispatch when its tables would pass this many bytes
 DISPATCH_TABLE_LIMIT = 48 * 1024
 #: FUSEC_STAGE_QUEUE stages at most this many bytes (queue, waits, buffer table; with
@@ -73,13 +76,16 @@ class Buffers:
         self.n_spare = 0
         self._spare: dict[str, tuple[int, int]] = {}
 
-    def counters(self, key: str, n: int) -> str:
+    def counters(self, key: str, n: int, align: int = 1) -> str:
         """C expression of ``n`` spare ``unsigned`` counters owned by ``key`` (an op name): zero at
-        load and after every reset, never signalled by an instruction. The same key gets the
-        same counters."""
+        load and after every reset, never signalled by an instruction; the first at an index
+        that is a multiple of ``align`` (4: 16-byte aligned, for vector atomics). The same key
+        gets the same counters."""
         if key not in self._spare:
-            self._spare[key] = (self.counter_base + self.n_spare, n)
-            self.n_spare += n
+            start = self.counter_base + self.n_spare
+            pad = -start % align
+            self._spare[key] = (start + pad, n)
+            self.n_spare += pad + n
         base, have = self._spare[key]
         if have != n:
             raise ValueError(f"spare counters of {key}: asked for {n}, have {have}")
@@ -201,7 +207,9 @@ def render(s: Schedule, title: str = "", threads: int = THREADS, profile: bool =
             words += [op_index[ins.op], *p, len(waits) // 2, len(cw), ins.id]
             waits += [x for pair in cw for x in pair]
         queue_off.append(len(words) // WORD)
-    kind_cases, opargs, maxa = dispatch_by_kind(cases) if defines.get("FUSEC_DISPATCH_BY_KIND") else (None, [], 0)
+    # int(): FUSEC_DEFINES gives strings ("0" must turn the shared dispatch off, as the #define does)
+    by_kind = int(defines["FUSEC_DISPATCH_BY_KIND"]) != 0
+    kind_cases, opargs, maxa = dispatch_by_kind(cases) if by_kind else (None, [], 0)
     if kind_cases is not None and 4 * len(g.ops) * (maxa + 1) > DISPATCH_TABLE_LIMIT:
         kind_cases = None
     qmax = max(b - a for a, b in zip(queue_off, queue_off[1:]))

@@ -12,7 +12,8 @@ Each tile owns rows ``[r0, r1)`` of the intermediate vector: it computes them as
 ``rms_gate_up_silu`` does (rounded to the intermediate dtype, as PyTorch rounds the product),
 keeps them in shared memory, streams the matching columns ``Wd[:, r0:r1]`` (a 16-byte aligned
 segment of every row) and adds its H partial sums to an fp32 accumulator (spare counters, zero
-at load; ``red.global.add.f32``). Then it takes the op's ticket; the tile with the step's last
+at load, 16-byte aligned; ``red.global.add.v4.f32`` over four rows, ``FUSEC_MLP_RED_V4=0``: one
+``red.global.add.f32`` per row). Then it takes the op's ticket; the tile with the step's last
 ticket rounds the sums to the down-projection's dtype, adds the residual, writes ``out`` and
 clears the accumulator for the next step. The gate/up -> down level of ``rms_gate_up_silu`` +
 ``matvec_residual`` is gone; the sums' order differs from run to run (fp32).
@@ -106,7 +107,7 @@ class RmsMlpResidual(Instruction):
                 args=(Ptr("x"), Ptr("norm_w"), Float("eps", "eps"), Ptr("wg"), Ptr("wu"), Ptr("wd"),
                       Ptr("res", "residual"), Ptr("out"),
                       Expr("acc", lambda op, g, bufs: "reinterpret_cast<float*>"
-                           + bufs.counters(op.name + "/acc", g.tensors[op.outputs["out"]].numel)),
+                           + bufs.counters(op.name + "/acc", g.tensors[op.outputs["out"]].numel, align=4)),
                       Expr("ticket", lambda op, g, bufs: bufs.counters(op.name, 1)),
                       P0, P1, P2, SMEM, RED),
                 numbering=("x", "norm_w", "out", "wg", "wu", "wd", "res"))
