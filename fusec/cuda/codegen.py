@@ -55,7 +55,8 @@ KNOBS = {"FUSEC_LOADS_IN_FLIGHT": 8, "FUSEC_PREFETCH": 0, "FUSEC_INLINE_OTHER_KI
 #: FUSEC_DISPATCH_BY_KIND keeps the per-op dispatch when its tables would pass this many bytes
 DISPATCH_TABLE_LIMIT = 48 * 1024
 #: FUSEC_STAGE_QUEUE stages at most this many bytes (queue, waits, buffer table; with
-#: FUSEC_DISPATCH_BY_KIND the case and argument tables too) in shared memory
+#: FUSEC_DISPATCH_BY_KIND the case and argument tables too) in shared memory; static shared
+#: memory is capped at 48 KiB per CTA, and the kernel's other static arrays take < 1 KiB
 STAGE_LIMIT = 40 * 1024
 PROF_MARKS = 6   # FUSEC_MARK(k) timestamps per instruction in a profiling build, k < PROF_MARKS
 WORD = 8  # int32 per instruction word: op, p0, p1, p2, p3, wait_off, wait_cnt, counter id
