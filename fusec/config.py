@@ -152,6 +152,13 @@ class Options:
             except ValueError:
                 raise FusecError(f"FUSEC_DEFINES={os.environ['FUSEC_DEFINES']!r}: expected NAME=VALUE,...") from None
         d = {**env, **(d or {})}
+        env_names = {"num_sms": "FUSEC_NUM_SMS", "fallback": "FUSEC_FALLBACK", "max_fusions": "FUSEC_MAX_FUSIONS",
+                     "attention_merge": "FUSEC_ATTENTION_MERGE", "mlp_merge": "FUSEC_MLP_MERGE",
+                     "defines": "FUSEC_DEFINES", "cache_max_mb": "FUSEC_CACHE_MAX_MB"}
+
+        def via(key: str) -> str:
+            """' (from ENV_VAR)' when the value came from the environment."""
+            return f" (from {env_names[key]})" if key in env and d.get(key) is env[key] else ""
         names = {f.name for f in dataclasses.fields(cls)}
         bad = sorted(set(d) - names)
         if bad:
@@ -163,11 +170,11 @@ class Options:
         if o.target is not None and o.target not in TARGETS:
             raise FusecError(f"option target={o.target!r} must be one of {TARGETS}")
         if o.fallback not in FALLBACKS:
-            raise FusecError(f"option fallback={o.fallback!r} must be one of {FALLBACKS}")
+            raise FusecError(f"option fallback={o.fallback!r}{via('fallback')} must be one of {FALLBACKS}")
         if o.attention_merge not in ATTENTION_MERGES:
-            raise FusecError(f"option attention_merge={o.attention_merge!r} must be one of {ATTENTION_MERGES}")
+            raise FusecError(f"option attention_merge={o.attention_merge!r}{via('attention_merge')} must be one of {ATTENTION_MERGES}")
         if o.mlp_merge not in MLP_MERGES:
-            raise FusecError(f"option mlp_merge={o.mlp_merge!r} must be one of {MLP_MERGES}")
+            raise FusecError(f"option mlp_merge={o.mlp_merge!r}{via('mlp_merge')} must be one of {MLP_MERGES}")
         if o.mode not in MODES:
             raise FusecError(f"option mode={o.mode!r} must be one of {list(MODES)}")
         if not isinstance(o.cache, bool):
@@ -187,4 +194,10 @@ class Options:
                 raise FusecError(f"option defines: {k!r} is not a C macro name")
             if isinstance(v, bool) or not isinstance(v, (int, str)) or not re.fullmatch(r"[-+\w.]+", str(v)):
                 raise FusecError(f"option defines: {k}={v!r} must be an int or a plain token")
+        if o.defines:
+            from fusec.cuda.codegen import KNOBS   # the kernel's knobs (a misspelt one would do nothing)
+            unknown = sorted(set(o.defines) - set(KNOBS))
+            if unknown:
+                raise FusecError(f"option defines{via('defines')}: unknown kernel knob(s) {unknown}; "
+                                 f"known: {sorted(KNOBS)}")
         return o

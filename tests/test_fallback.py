@@ -135,6 +135,16 @@ def test_profile_and_defines_options(monkeypatch):
         Options.from_dict({"profile_step": 0})
     with pytest.raises(FusecError, match="defines"):
         Options.from_dict({"defines": ["A=1"]})
+    # a misspelt knob would change nothing in the kernel: an error naming it and the variable
+    monkeypatch.setenv("FUSEC_DEFINES", "FUSEC_LOADS_IN_FLIGTH=4")
+    with pytest.raises(FusecError, match=r"defines \(from FUSEC_DEFINES\): unknown kernel knob.*FUSEC_LOADS_IN_FLIGTH"):
+        Options.from_dict({})
+    monkeypatch.delenv("FUSEC_DEFINES")
+    with pytest.raises(FusecError, match=r"unknown kernel knob\(s\) \['FUSEC_NOPE'\]"):
+        Options.from_dict({"defines": {"FUSEC_NOPE": 1}})
+    monkeypatch.setenv("FUSEC_MLP_MERGE", "lasttile")
+    with pytest.raises(FusecError, match=r"mlp_merge='lasttile' \(from FUSEC_MLP_MERGE\) must be one of"):
+        Options.from_dict({})
 
 
 def test_fallback_watch_sees_fallbacks_under_a_quiet_logging_setup():

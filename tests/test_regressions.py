@@ -157,3 +157,27 @@ def test_masked_attention_edge_rows(kind):
     torch._dynamo.reset()
     assert not w.fallbacks
     assert not a.isnan().any() and _rel(a, b) < 1e-4, _rel(a, b)
+
+
+def test_second_cache_length_is_fused_like_the_first(steps):
+    """A second StaticCache length makes dynamo hand symbolic sizes, and fusec captures the
+    graph again per concrete size: that capture must still see RoPE's ``inv_freq`` buffer as a
+    weight (dynamo drops its sources once the backend returns), so the RoPE tables fold and
+    every layer is ``rms_qkv_rope`` again, not a runtime ``cos``/``sin`` with separate matvecs
+    (found by a new-user trial, 2026-12-02). Logits match eager at both lengths, no fallback."""
+    model = hf_tiny.llama()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fusec", options={"num_sms": 8})
+    with FallbackWatch() as w, torch.no_grad():
+        for length in (32, 48):
+            caches, gen = _prefilled(model, length, 3)
+            for _ in range(2):
+                tok = torch.randint(0, 128, (1, 1), generator=gen)
+                a = compiled(input_ids=tok, past_key_values=caches[0], use_cache=True).logits
+                b = model(input_ids=tok, past_key_values=caches[1], use_cache=True).logits
+                assert _rel(a, b) < 1e-4
+    torch._dynamo.reset()
+    assert not w.fallbacks, w.fallbacks
+    assert len(steps) == 2
+    first, second = (s.schedule.graph.count_kinds() for s in steps)
+    assert second == first and first["rms_qkv_rope"] == 2 and "aten.cos.default" not in second, (first, second)

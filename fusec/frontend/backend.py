@@ -14,7 +14,7 @@ from typing import Any, Callable
 import torch
 
 from fusec.frontend import warm
-from fusec.frontend.capture import aten_capture, check_decode_step, dynamo_seconds
+from fusec.frontend.capture import aten_capture, check_decode_step, dynamo_seconds, mark_model_tensors
 from fusec.runtime.compiled import CompiledStep
 from fusec.config import Options
 from fusec.errors import FallbackRequired, FusecError
@@ -51,6 +51,7 @@ def fusec_backend(gm: torch.fx.GraphModule, example_inputs: list[Any],
         except FallbackRequired as e:   # one line for the graph, not one per shape
             warn_fallback("fusec: %s; using %s", e, opts.fallback)
             return fallback(gm, example_inputs, opts.fallback)
+        mark_model_tensors(gm, example_inputs)   # before dynamo drops its sources
         return SpecializingStep(gm, opts)
     return _compile(gm, example_inputs, opts)
 

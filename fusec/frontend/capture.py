@@ -154,19 +154,36 @@ def dynamo_seconds() -> float | None:
 #: key of ``GraphModule.meta`` on the ATen graph: per flat input, whether it is a parameter or
 #: buffer of the model (True) or a tensor the caller passed (False)
 MODEL_TENSORS = "fusec_model_tensors"
+#: key of a dynamo placeholder's ``meta``: :func:`model_tensors`'s answer, kept by
+#: :func:`mark_model_tensors` for a later capture (dynamo drops its ``grapharg`` meta once the
+#: backend has returned)
+MODEL_TENSOR = "fusec_model_tensor"
 
 
 def model_tensors(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> list[bool]:
     """Per graph input of a dynamo graph: True for the model's parameters and buffers (dynamo's
-    source ``L['self']...._parameters[...]`` / ``._buffers[...]``, or an ``nn.Parameter``),
-    False for what the caller passes (token ids, masks, ``inputs_embeds``, cache tensors).
-    Empty if the placeholders and the inputs do not line up."""
+    source ``L['self']...._parameters[...]`` / ``._buffers[...]``, or an ``nn.Parameter``, or
+    what :func:`mark_model_tensors` recorded), False for what the caller passes (token ids,
+    masks, ``inputs_embeds``, cache tensors). Empty if the placeholders and the inputs do not
+    line up."""
     nodes = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if len(nodes) != len(example_inputs):
         return []
     out = []
     for n, x in zip(nodes, example_inputs):
+        if MODEL_TENSOR in n.meta:
+            out.append(n.meta[MODEL_TENSOR])
+            continue
         ga = n.meta.get("grapharg")
         src = ga.source.name if ga is not None and getattr(ga, "source", None) is not None else ""
         out.append(isinstance(x, torch.nn.Parameter) or "._parameters[" in src or "._buffers[" in src)
     return out
+
+
+def mark_model_tensors(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> None:
+    """Record :func:`model_tensors` on ``gm``'s placeholders while dynamo's sources are there,
+    for a graph captured again later (:class:`fusec.frontend.backend.SpecializingStep`): a
+    buffer such as RoPE's ``inv_freq`` then stays a weight and its tables fold."""
+    nodes = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for n, flag in zip(nodes, model_tensors(gm, example_inputs)):
+        n.meta[MODEL_TENSOR] = flag
