@@ -36,12 +36,21 @@ def _passes():
 class Dumper:
     """Writes stage artifacts to ``dump_dir`` (no-op when unset). ``text`` and ``json`` take the
     content or a function making it, called only when dumping (a 1B schedule's JSON takes
-    0.3 s to build)."""
+    0.3 s to build). The first graph a process compiles dumps into ``dump_dir`` itself, each
+    later one (another size, a prefill graph) into ``dump_dir/graph2``, ``graph3`` ..., so that
+    none overwrites another."""
+
+    _graphs: dict[Path, int] = {}   # dump folder -> graphs dumped there by this process
 
     def __init__(self, dump_dir: str | None):
         self.dir = Path(dump_dir) if dump_dir else None
         self.n = 0
         if self.dir:
+            root = self.dir.resolve()
+            k = Dumper._graphs[root] = Dumper._graphs.get(root, 0) + 1
+            if k > 1:
+                self.dir = self.dir / f"graph{k}"
+                log.info("fusec: dumping this graph's stages into %s", self.dir)
             self.dir.mkdir(parents=True, exist_ok=True)
 
     def text(self, name: str, text: str | Callable[[], str]) -> None:

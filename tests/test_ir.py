@@ -57,3 +57,21 @@ def test_dump_dir_writes_every_stage(tmp_path, monkeypatch):
     # one counter per op: every tile of op k adds 1 to counter k (docs/execution-model.md)
     assert sched["counters"] == len(sched["ops"]) == len({i["op"] for i in sched["instructions"]})
     assert "rms_qkv_rope" in res.graph_text()
+
+
+def test_a_second_graph_dumps_beside_the_first(tmp_path, monkeypatch):
+    """Two graphs compiled in one process with one dump folder: the first's stages stay in the
+    folder, the second's go to ``graph2`` (the second used to overwrite the first)."""
+    from fusec.api import compile_model
+    from fusec.pipeline import Dumper
+    monkeypatch.setattr(Dumper, "_graphs", {})
+    monkeypatch.setenv("FUSEC_DUMP", str(tmp_path))
+    for length in (16, 24):
+        model = hf_tiny.llama(layers=1)
+        cache = hf_tiny.static_cache(model, length)
+        with torch.no_grad():
+            model(input_ids=torch.randint(0, 128, (1, 2)), past_key_values=cache, use_cache=True)
+        compile_model(model, (), {"input_ids": torch.randint(0, 128, (1, 1)), "past_key_values": cache,
+                                  "use_cache": True}, {"num_sms": 4})
+    assert "[1,2,16,16]" in (tmp_path / "01_ir.txt").read_text()   # the first graph's cache rows
+    assert "[1,2,24,16]" in (tmp_path / "graph2" / "01_ir.txt").read_text()
