@@ -42,7 +42,7 @@ def test_decode_matches_eager(case, merge, caplog):
     with torch.no_grad(), caplog.at_level(logging.WARNING, logger="fusec"):
         compiled(input_ids=prompt, past_key_values=ours, use_cache=True)   # prefill: falls back
         model(input_ids=prompt, past_key_values=ref, use_cache=True)
-        assert sum("not a single-token decode step" in r.message for r in caplog.records) == 1
+        assert sum("not a single-token decode step (6 query tokens)" in r.message for r in caplog.records) == 1
         for step in range(16):
             tok = torch.randint(0, vocab, (1, 1), generator=gen)
             a = compiled(input_ids=tok, past_key_values=ours, use_cache=True).logits
@@ -74,3 +74,17 @@ def test_llama_fuses_into_instruction_kinds():
     assert kinds["rms_lm_head"] == 1
     leftovers = {k for k in kinds if k.startswith("aten.") or k in ("linear", "rmsnorm", "rope")}
     assert leftovers <= {"aten.copy_.default"}, leftovers
+
+
+def test_batched_call_falls_back_with_a_line_naming_the_batch(caplog):
+    """A batch of 2 (then 3: dynamo's symbolic batch) falls back with one line each that says
+    what is wrong in words, not only as a shape."""
+    model = hf_tiny.llama()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fusec", options={"num_sms": 8, "fallback": "eager"})
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="fusec"):
+        for b in (2, 3):
+            compiled(input_ids=torch.randint(0, 128, (b, 1)), use_cache=False)
+    torch._dynamo.reset()
+    msgs = [r.message for r in caplog.records if "not a single-token decode step" in r.message]
+    assert len(msgs) == 2 and "(batch 2)" in msgs[0] and "(a batch size that varies)" in msgs[1], msgs

@@ -56,8 +56,12 @@ def check_decode_step(gm: torch.fx.GraphModule) -> None:
                 continue
             n += 1
             if q.dim() != 4 or q.shape[0] != 1 or q.shape[2] != 1:
+                shape = ", ".join(str(d) if isinstance(d, int) else f"{d} (varies between calls)" for d in q.shape)
+                what = ((f"batch {q.shape[0]}" if isinstance(q.shape[0], int) else "a batch size that varies")
+                        if q.dim() == 4 and q.shape[0] != 1 else
+                        f"{q.shape[2]} query tokens" if q.dim() == 4 else f"a {q.dim()}-D query")
                 raise NotDecodeStepError(
-                    f"not a single-token decode step: attention query has shape {tuple(q.shape)} "
+                    f"not a single-token decode step ({what}): attention query has shape ({shape}) "
                     f"(batch and query length must be 1) at {node_source(node) or node.name}")
     if n == 0:
         raise NotDecodeStepError("not a decode step: the graph has no attention call")
