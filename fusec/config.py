@@ -54,7 +54,8 @@ class Options:
 
     Attributes:
         target: "sim" (CPU simulator) or "cuda"; None follows the model's tensors.
-        num_sms: SMs (CTAs) to schedule for; None: 132 (an H200; the GPU back end will use the device count).
+        num_sms: SMs (CTAs) to schedule for; None: the GPU's SM count for a CUDA step compiled through
+            ``torch.compile`` (the model's device), else 132 (an H200).
         dump_dir: folder for stage artifacts (captured graph, IR per pass, schedule.json).
         fallback: backend for graphs fusec cannot place: "inductor" (where it works) or "eager".
         seed: seed of the simulator's interleaving.

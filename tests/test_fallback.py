@@ -190,3 +190,16 @@ def test_fallback_watch_counts_compiled_steps_and_still_prints(capsys):
         assert w.compiled == 1 and not w.fallbacks
     finally:
         logging.getLogger().handlers[:] = root_handlers
+
+
+def test_cuda_target_schedules_one_cta_per_sm_of_the_device(monkeypatch):
+    """Without num_sms, a CUDA step is scheduled for its GPU's SM count (an H100 PCIe has 114:
+    132 CTAs could not all be resident for the cooperative launch)."""
+    import torch
+    from fusec.frontend import backend
+
+    class Props:
+        multi_processor_count = 114
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: Props)
+    assert backend._device_sms([torch.zeros(2), 3]) == 114

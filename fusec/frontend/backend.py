@@ -8,6 +8,7 @@ with one log line saying why.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 from typing import Any, Callable
 
@@ -28,6 +29,14 @@ def _target(example_inputs: list[Any], opts: Options) -> str:
         return opts.target
     devs = {t.device.type for t in example_inputs if isinstance(t, torch.Tensor)}
     return "cuda" if "cuda" in devs else "sim"
+
+
+def _device_sms(example_inputs: list[Any]) -> int:
+    """SMs of the GPU the step's CUDA tensors are on (the current device if none is): the
+    megakernel's grid, one CTA per SM (an H100 PCIe has 114, an H200 132)."""
+    dev = next((t.device for t in example_inputs if isinstance(t, torch.Tensor) and t.device.type == "cuda"),
+               torch.device("cuda", torch.cuda.current_device()))
+    return torch.cuda.get_device_properties(dev).multi_processor_count
 
 
 def fusec_backend(gm: torch.fx.GraphModule, example_inputs: list[Any],
@@ -63,6 +72,8 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list[Any], opts: Options)
         target = _target(example_inputs, opts)
         if target == "cuda" and not torch.cuda.is_available():
             raise FallbackRequired("target 'cuda' but no CUDA device is available")
+        if target == "cuda" and opts.num_sms is None:   # one CTA per SM of the model's GPU
+            opts = dataclasses.replace(opts, num_sms=_device_sms(example_inputs))
         dump = Dumper(opts.dump_dir)
         key = _warm_key(gm, example_inputs, opts)
         if key is not None:
