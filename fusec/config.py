@@ -22,6 +22,13 @@ TARGETS = ("sim", "cuda")
 FALLBACKS = ("inductor", "eager")
 ATTENTION_MERGES = ("last_tile", "reduce")
 MLP_MERGES = ("level", "last_tile")
+#: option -> the environment variable that gives its default (module docstring)
+ENV_VARS = {"dump_dir": "FUSEC_DUMP", "num_sms": "FUSEC_NUM_SMS", "fallback": "FUSEC_FALLBACK",
+            "max_fusions": "FUSEC_MAX_FUSIONS", "attention_merge": "FUSEC_ATTENTION_MERGE",
+            "mlp_merge": "FUSEC_MLP_MERGE", "profile_dir": "FUSEC_PROFILE", "cache": "FUSEC_CACHE",
+            "cache_max_mb": "FUSEC_CACHE_MAX_MB", "defines": "FUSEC_DEFINES"}
+#: the integer ones, with their smallest value
+_ENV_INT_MIN = {"num_sms": 1, "max_fusions": 0, "cache_max_mb": 0}
 #: the spellings of a boolean environment variable (``FUSEC_CACHE``)
 _BOOLS = {"0": False, "false": False, "no": False, "off": False,
           "1": True, "true": True, "yes": True, "on": True}
@@ -125,41 +132,29 @@ class Options:
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> "Options":
         """Options from a dict over the environment defaults; unknown keys are an error."""
-        env = {}
-        if os.environ.get("FUSEC_DUMP"):
-            env["dump_dir"] = os.environ["FUSEC_DUMP"]
-        if os.environ.get("FUSEC_NUM_SMS"):
-            env["num_sms"] = _env_int("FUSEC_NUM_SMS", 1)
-        if os.environ.get("FUSEC_FALLBACK"):
-            env["fallback"] = os.environ["FUSEC_FALLBACK"]
-        if os.environ.get("FUSEC_MAX_FUSIONS"):
-            env["max_fusions"] = _env_int("FUSEC_MAX_FUSIONS", 0)
-        if os.environ.get("FUSEC_ATTENTION_MERGE"):
-            env["attention_merge"] = os.environ["FUSEC_ATTENTION_MERGE"]
-        if os.environ.get("FUSEC_MLP_MERGE"):
-            env["mlp_merge"] = os.environ["FUSEC_MLP_MERGE"]
-        if os.environ.get("FUSEC_PROFILE"):
-            env["profile_dir"] = os.environ["FUSEC_PROFILE"]
-        if os.environ.get("FUSEC_CACHE"):
-            text = os.environ["FUSEC_CACHE"].strip().lower()
-            if text not in _BOOLS:
-                raise FusecError(f"FUSEC_CACHE={os.environ['FUSEC_CACHE']!r}: expected 0 or 1")
-            env["cache"] = _BOOLS[text]
-        if os.environ.get("FUSEC_CACHE_MAX_MB"):
-            env["cache_max_mb"] = _env_int("FUSEC_CACHE_MAX_MB", 0)
-        if os.environ.get("FUSEC_DEFINES"):
-            try:
-                env["defines"] = dict(kv.split("=", 1) for kv in os.environ["FUSEC_DEFINES"].split(",") if kv)
-            except ValueError:
-                raise FusecError(f"FUSEC_DEFINES={os.environ['FUSEC_DEFINES']!r}: expected NAME=VALUE,...") from None
+        env: dict[str, Any] = {}
+        for key, var in ENV_VARS.items():
+            text = os.environ.get(var)
+            if not text:
+                continue
+            if key in _ENV_INT_MIN:
+                env[key] = _env_int(var, _ENV_INT_MIN[key])
+            elif key == "cache":
+                if text.strip().lower() not in _BOOLS:
+                    raise FusecError(f"{var}={text!r}: expected 0 or 1")
+                env[key] = _BOOLS[text.strip().lower()]
+            elif key == "defines":
+                try:
+                    env[key] = dict(kv.split("=", 1) for kv in text.split(",") if kv)
+                except ValueError:
+                    raise FusecError(f"{var}={text!r}: expected NAME=VALUE,...") from None
+            else:
+                env[key] = text
         d = {**env, **(d or {})}
-        env_names = {"num_sms": "FUSEC_NUM_SMS", "fallback": "FUSEC_FALLBACK", "max_fusions": "FUSEC_MAX_FUSIONS",
-                     "attention_merge": "FUSEC_ATTENTION_MERGE", "mlp_merge": "FUSEC_MLP_MERGE",
-                     "defines": "FUSEC_DEFINES", "cache_max_mb": "FUSEC_CACHE_MAX_MB"}
 
         def via(key: str) -> str:
             """' (from ENV_VAR)' when the value came from the environment."""
-            return f" (from {env_names[key]})" if key in env and d.get(key) is env[key] else ""
+            return f" (from {ENV_VARS[key]})" if key in env and d.get(key) is env[key] else ""
         names = {f.name for f in dataclasses.fields(cls)}
         bad = sorted(set(d) - names)
         if bad:

@@ -171,8 +171,8 @@ __device__ __forceinline__ void lds_vec(const TS* p, float (&f)[V]) {
 #define FUSEC_KIND_FN_OTHER __noinline__
 #endif
 
-// Tuning knobs FUSEC_LOADS_IN_FLIGHT, FUSEC_PREFETCH, FUSEC_INLINE_OTHER_KINDS, FUSEC_ATTN_PREFETCH: #defined at the
-// top of the kernel by codegen (fusec.cuda.codegen.KNOBS holds their defaults and meaning).
+// Tuning knobs (FUSEC_LOADS_IN_FLIGHT, FUSEC_PREFETCH, ...): #defined at the top of the kernel by
+// codegen (fusec.cuda.codegen.KNOBS holds all of them, their defaults and meaning).
 
 // Batch shape of a matvec over R rows of length K: B loads of 16 bytes per row and lane in flight.
 template <typename TW, int K, int R>
@@ -263,6 +263,17 @@ __device__ __forceinline__ float gate_act(float g) {
   } else {
     return g / (1.f + expf(-g));
   }
+}
+
+// Row r of a GLU MLP's intermediate vector by one warp, every lane gets it:
+// act(rnd(Wg[r] . n)) * rnd(Wu[r] . n), unrounded (callers round to TO, as PyTorch does).
+template <typename TW, typename TN, typename TO, int H, int ACT>
+__device__ __forceinline__ float glu_row(const TW* __restrict__ wg, const TW* __restrict__ wu, const TN* n, int r,
+                                         int lane) {
+  const TW* const w2[2] = {wg + (size_t)r * H, wu + (size_t)r * H};
+  float gu[2];
+  dot_rows<TW, TN, H, 2>(w2, n, lane, gu);
+  return gate_act<ACT, TO>(rnd<TO>(gu[0])) * rnd<TO>(gu[1]);
 }
 
 // One row of a matvec: dot(w[0:K], xs[0:K]) by one warp (see dot_rows).

@@ -30,8 +30,8 @@ from fusec.ir.env import Env
 from fusec.ir.pattern import ABSENT, op, sem, var
 from fusec.instructions.base import Instruction, Region, Tile, register, split_range
 from fusec.instructions.call import P0, P1, P2, RED, SMEM, Call, Expr, Float, Int, Ptr, Type
-from fusec.instructions.matvec_rows import HIDDEN, WF32, elt, rms_attrs, rms_prologue
-from fusec.instructions.rms_gate_up_silu import ACTS
+from fusec.instructions.matvec_rows import HIDDEN, WF32, elt, rms_attrs
+from fusec.instructions.rms_gate_up_silu import ACTS, glu_rows
 from fusec.instructions.rule import Rule
 
 
@@ -139,16 +139,7 @@ class RmsMlpResidual(Instruction):
     def run_tile(cls, op: Op, tile: Tile, env: Env) -> None:
         r0, r1 = tile.params["rows"]
         h, f = cls._dims(op, env.g)
-        adt = op.attrs["act_dtype"]
-        n = rms_prologue(op, env)
-        gate = (env.read(op.inputs["wg"])[r0:r1].float() @ n).to(adt).float()
-        up = (env.read(op.inputs["wu"])[r0:r1].float() @ n).to(adt).float()
-        act = op.attrs.get("act", "silu")
-        if act == "silu":   # as rms_gate_up_silu: the SiLU stays fused, GELU is rounded
-            a = torch.nn.functional.silu(gate)
-        else:
-            a = torch.nn.functional.gelu(gate, approximate="tanh" if act == "gelu_tanh" else "none").to(adt).float()
-        mid = (a * up).to(adt).float()
+        mid = glu_rows(op, env, r0, r1, op.attrs["act_dtype"]).float()   # as rms_gate_up_silu
         acc = env.accumulators.setdefault(op.name, torch.zeros(h, dtype=torch.float32))
         acc += env.read(op.inputs["wd"])[:, r0:r1].float() @ mid
         if cls._is_last(op, env, tile.params["n_tiles"]):
