@@ -6,8 +6,8 @@ give defaults: ``FUSEC_DUMP`` (folder: dump every stage's artifact), ``FUSEC_CAC
 ``FUSEC_FALLBACK``, ``FUSEC_MAX_FUSIONS``,
 ``FUSEC_PROFILE`` (folder: record and write the per-SM timeline, as ``profile_dir``),
 ``FUSEC_DEFINES`` (``NAME=VALUE,...``: kernel tuning macros, as ``defines``),
-``FUSEC_ATTENTION_MERGE`` (as ``attention_merge``), ``FUSEC_MLP_MERGE`` (as ``mlp_merge``), ``FUSEC_CACHE`` (``0``: no artifact cache,
-as ``cache=False``), ``FUSEC_CACHE_MAX_MB`` (as ``cache_max_mb``).
+``FUSEC_ATTENTION_MERGE`` (as ``attention_merge``), ``FUSEC_CACHE`` (``0``: no artifact
+cache, as ``cache=False``), ``FUSEC_CACHE_MAX_MB`` (as ``cache_max_mb``).
 """
 from __future__ import annotations
 
@@ -21,11 +21,10 @@ from fusec.errors import FusecError
 TARGETS = ("sim", "cuda")
 FALLBACKS = ("inductor", "eager")
 ATTENTION_MERGES = ("last_tile", "reduce")
-MLP_MERGES = ("level", "last_tile")
 #: option -> the environment variable that gives its default (module docstring)
 ENV_VARS = {"dump_dir": "FUSEC_DUMP", "num_sms": "FUSEC_NUM_SMS", "fallback": "FUSEC_FALLBACK",
             "max_fusions": "FUSEC_MAX_FUSIONS", "attention_merge": "FUSEC_ATTENTION_MERGE",
-            "mlp_merge": "FUSEC_MLP_MERGE", "profile_dir": "FUSEC_PROFILE", "cache": "FUSEC_CACHE",
+            "profile_dir": "FUSEC_PROFILE", "cache": "FUSEC_CACHE",
             "cache_max_mb": "FUSEC_CACHE_MAX_MB", "defines": "FUSEC_DEFINES"}
 #: the integer ones, with their smallest value
 _ENV_INT_MIN = {"num_sms": 1, "max_fusions": 0, "cache_max_mb": 0}
@@ -84,11 +83,6 @@ class Options:
             split-KV tile that finishes last, found with an atomic ticket, merges its group) or
             "reduce" (a separate ``attention_reduce`` level after all partial tiles). The default
             "last_tile" measured 1.0-1.4% faster on the H200 (docs/performance.md section 8).
-        mlp_merge: where an MLP's down-projection runs: "level" (its own level of row tiles
-            after the gate/up level) or "last_tile" (experimental, not yet measured on a GPU:
-            each gate/up tile goes on with the down-projection columns of its rows, adding its
-            partial sums to an fp32 accumulator; the tile that finishes last, found with an
-            atomic ticket, adds the residual: one level fewer per layer; ``rms_mlp_residual``).
         defines: ``#define`` name -> value for the kernel source: the tuning knobs of
             :data:`fusec.cuda.codegen.KNOBS` (``FUSEC_LOADS_IN_FLIGHT``, ``FUSEC_PREFETCH``)
             and their defaults.
@@ -118,7 +112,6 @@ class Options:
     profile_dir: str | None = None
     profile_step: int = 3
     attention_merge: str = "last_tile"
-    mlp_merge: str = "level"
     defines: dict[str, Any] = dataclasses.field(default_factory=dict)
     mode: str | None = None
     cache: bool = True
@@ -169,8 +162,6 @@ class Options:
             raise FusecError(f"option fallback={o.fallback!r}{via('fallback')} must be one of {FALLBACKS}")
         if o.attention_merge not in ATTENTION_MERGES:
             raise FusecError(f"option attention_merge={o.attention_merge!r}{via('attention_merge')} must be one of {ATTENTION_MERGES}")
-        if o.mlp_merge not in MLP_MERGES:
-            raise FusecError(f"option mlp_merge={o.mlp_merge!r}{via('mlp_merge')} must be one of {MLP_MERGES}")
         if o.mode not in MODES:
             raise FusecError(f"option mode={o.mode!r} must be one of {list(MODES)}")
         if not isinstance(o.cache, bool):

@@ -142,7 +142,7 @@ def lower(g: Graph, flat_args: list[Any], opts: Options, dump: Dumper,
         ("fold_constants", lambda g: fold_constants.run(g, weights)),
         ("recognize", lambda g: recognize.run(g, weights)),
         ("fold_position", lambda g: fold_position.run(g, weights)),
-        ("fuse", lambda g: fuse.run(g, num_sms, opts.max_fusions, opts.attention_merge, opts.mlp_merge)),
+        ("fuse", lambda g: fuse.run(g, num_sms, opts.max_fusions, opts.attention_merge)),
     ]
     for name, fn in stages:
         t0 = time.perf_counter()

@@ -250,7 +250,7 @@ __device__ __forceinline__ void dot_rows(const TW* const (&w)[R], const TS* __re
   for (int r = 0; r < R; ++r) out[r] = warp_sum(acc[r]);
 }
 
-// The gate activation of a GLU MLP (rms_gate_up_silu, rms_mlp_residual): ACT 0 SiLU (SwiGLU,
+// The gate activation of a GLU MLP (rms_gate_up_silu): ACT 0 SiLU (SwiGLU,
 // Llama), 1 GELU tanh approximation, 2 exact GELU (GeGLU, Gemma); the GELUs rounded to TO, as
 // PyTorch's separate activation op rounds.
 template <int ACT, typename TO>

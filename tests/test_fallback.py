@@ -142,8 +142,8 @@ def test_profile_and_defines_options(monkeypatch):
     monkeypatch.delenv("FUSEC_DEFINES")
     with pytest.raises(FusecError, match=r"unknown kernel knob\(s\) \['FUSEC_NOPE'\]"):
         Options.from_dict({"defines": {"FUSEC_NOPE": 1}})
-    monkeypatch.setenv("FUSEC_MLP_MERGE", "lasttile")
-    with pytest.raises(FusecError, match=r"mlp_merge='lasttile' \(from FUSEC_MLP_MERGE\) must be one of"):
+    monkeypatch.setenv("FUSEC_ATTENTION_MERGE", "lasttile")
+    with pytest.raises(FusecError, match=r"attention_merge='lasttile' \(from FUSEC_ATTENTION_MERGE\) must be one of"):
         Options.from_dict({})
 
 

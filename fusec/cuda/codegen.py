@@ -41,8 +41,6 @@ MAX_SMEM_BYTES = 227 * 1024   # dynamic shared memory per CTA on sm_90 (opt-in m
 #: instead of one case per op (:func:`dispatch_by_kind`): as fast, and NVRTC takes half the time;
 #: FUSEC_ABORT_EVERY_INSTR: 1 reads the watchdog's abort flag after every instruction's waits, 0
 #: once per step and while spinning (kernel.cu.j2, wait_all; 0 measured 0-6 us per step faster).
-#: FUSEC_MLP_RED_V4: 1 adds rms_mlp_residual's partial sums four rows per red.global.add.v4.f32,
-#: 0 one row per red.global.add.f32 (option mlp_merge="last_tile" only; neither measured yet).
 #: (A warp's first weight loads issued before a matvec tile's prologue, FUSEC_FIRST_BATCH in
 #: experiments/first-batch.mbox, measured 0.04-0.35 ms slower.)
 #: (Staging the first weight batch in shared memory or in registers before the waits, or an L2
@@ -50,8 +48,7 @@ MAX_SMEM_BYTES = 227 * 1024   # dynamic shared memory per CTA on sm_90 (opt-in m
 #: and a shared-memory weight ring of bulk async copies all measured slower and were removed:
 #: docs/performance.md.)
 KNOBS = {"FUSEC_LOADS_IN_FLIGHT": 8, "FUSEC_PREFETCH": 0, "FUSEC_INLINE_OTHER_KINDS": 0, "FUSEC_ATTN_PREFETCH": 1,
-         "FUSEC_STAGE_QUEUE": 1, "FUSEC_DISPATCH_BY_KIND": 1, "FUSEC_ABORT_EVERY_INSTR": 0,
-         "FUSEC_MLP_RED_V4": 1}
+         "FUSEC_STAGE_QUEUE": 1, "FUSEC_DISPATCH_BY_KIND": 1, "FUSEC_ABORT_EVERY_INSTR": 0}
 #: FUSEC_DISPATCH_BY_KIND keeps the per-op dispatch when its tables would pass this many bytes
 DISPATCH_TABLE_LIMIT = 48 * 1024
 #: FUSEC_STAGE_QUEUE stages at most this many bytes (queue, waits, buffer table; with
@@ -77,16 +74,13 @@ class Buffers:
         self.n_spare = 0
         self._spare: dict[str, tuple[int, int]] = {}
 
-    def counters(self, key: str, n: int, align: int = 1) -> str:
+    def counters(self, key: str, n: int) -> str:
         """C expression of ``n`` spare ``unsigned`` counters owned by ``key`` (an op name): zero at
-        load and after every reset, never signalled by an instruction; the first at an index
-        that is a multiple of ``align`` (4: 16-byte aligned, for vector atomics). The same key
-        gets the same counters."""
+        load and after every reset, never signalled by an instruction. The same key gets the
+        same counters."""
         if key not in self._spare:
-            start = self.counter_base + self.n_spare
-            pad = -start % align
-            self._spare[key] = (start + pad, n)
-            self.n_spare += pad + n
+            self._spare[key] = (self.counter_base + self.n_spare, n)
+            self.n_spare += n
         base, have = self._spare[key]
         if have != n:
             raise ValueError(f"spare counters of {key}: asked for {n}, have {have}")

@@ -35,7 +35,7 @@ Bindings = dict[str, Any]
 
 class Ctx:
     """What rules see: the graph, its producers, and the pass's options (``num_sms``,
-    ``attention_merge``, ``mlp_merge``)."""
+    ``attention_merge``)."""
 
     def __init__(self, g: Graph, **options: Any):
         self.g = g
@@ -81,8 +81,6 @@ class Rule:
         match: ``(ctx, anchor) -> Fusion | None``: a procedural matcher instead of a pattern.
         anchors: the anchor kinds of a ``match`` rule.
         priority: rules apply lowest first.
-        when: ``(options) -> bool``: the rule applies only where it holds (an option that
-            picks between kinds, e.g. ``mlp_merge``); default always.
         keep_name: the new op keeps the anchor's name (else a fresh one from the kind).
         source: the op binding whose ``source`` the new op keeps (default the anchor's).
         kind: the kind the rule makes (set by ``register``).
@@ -97,7 +95,6 @@ class Rule:
     match: Callable[[Ctx, Op], Fusion | None] | None = None
     anchors: tuple[str, ...] = ()
     priority: int = 100
-    when: Callable[[dict[str, Any]], bool] | None = None
     keep_name: bool = False
     source: str = "_anchor"
     kind: str = ""
@@ -107,8 +104,6 @@ class Rule:
 
     def candidates(self, ctx: Ctx, anchor: Op) -> Iterator[Fusion]:
         """The fusions this rule proposes at ``anchor``, best first."""
-        if self.when is not None and not self.when(ctx.options):
-            return
         if self.match is not None:
             f = self.match(ctx, anchor)
             if f is not None:

@@ -33,9 +33,6 @@ class Env:
         self.tickets: dict[Any, int] = {}
         self.ticket_log: list[tuple[Any, int | None]] = []
         self.current: int | None = None
-        # fp32 accumulators that a kind's tiles add into atomically on the GPU (spare counters
-        # there), op name -> tensor; the kind clears its own by the end of each step
-        self.accumulators: dict[Any, Any] = {}
         for name, a in zip(g.inputs, flat_args):
             self.bufs[name] = a
         for t in g.tensors.values():

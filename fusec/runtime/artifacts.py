@@ -15,7 +15,7 @@ its buffer table), so a model with other weight values reuses the artifact.
   ATen call templates with their literals included). FX names are deterministic for one model
   and one torch / transformers version, so the text is the same in every process;
 - the options that change lowering or rendering (:func:`lowering_options`): ``num_sms`` (as
-  lowered: 132 when unset), ``max_fusions``, ``attention_merge``, ``mlp_merge``, ``profile``, ``defines``;
+  lowered: 132 when unset), ``max_fusions``, ``attention_merge``, ``profile``, ``defines``;
 - the fusec version and a digest of fusec's source files (the package, the passes, the
   templates: :func:`source_digest`), so that any code change gives new keys;
 - torch's version, NVRTC's version (None where NVRTC cannot load), Python's ``major.minor``
@@ -143,7 +143,7 @@ def graph_text(g: Graph) -> str:
 def lowering_options(opts: Options) -> dict[str, Any]:
     """The options that change the schedule or the kernel source."""
     return {"num_sms": opts.num_sms or 132, "max_fusions": opts.max_fusions,
-            "attention_merge": opts.attention_merge, "mlp_merge": opts.mlp_merge, "profile": bool(opts.profile),
+            "attention_merge": opts.attention_merge, "profile": bool(opts.profile),
             "defines": sorted((str(k), str(v)) for k, v in opts.defines.items())}
 
 
