@@ -88,8 +88,12 @@ __device__ __forceinline__ unsigned long long globaltimer() {
 __shared__ unsigned long long fusec_marks[FUSEC_MARKS];
 #define FUSEC_MARK(k) do { static_assert((k) < FUSEC_MARKS, "FUSEC_MARK slot out of range"); \
                           if (threadIdx.x == 0) fusec_marks[k] = globaltimer(); } while (0)
+// the same, once the float v is in thread 0's registers (a load's arrival, not its issue)
+#define FUSEC_MARK_AFTER(k, v) do { static_assert((k) < FUSEC_MARKS, "FUSEC_MARK slot out of range"); \
+                                    if (threadIdx.x == 0 && !((v) < 0.f)) fusec_marks[k] = globaltimer(); } while (0)
 #else
 #define FUSEC_MARK(k) do { } while (0)
+#define FUSEC_MARK_AFTER(k, v) do { } while (0)
 #endif
 
 // Ask the copy engine to stream [p, p + bytes) into L2 (sm_90 bulk prefetch; no registers,
@@ -317,6 +321,7 @@ __device__ __forceinline__ void rms_prologue(const TX* x, const TW* w, float eps
     float ss = 0.f;
 #pragma unroll
     for (int k = 0; k < PER; ++k) ss += xv[k] * xv[k];
+    FUSEC_MARK_AFTER(5, ss);   // thread 0's x loaded
     const float r = rsqrtf(block_sum(ss, red) / H + eps);
 #pragma unroll
     for (int k = 0; k < PER; ++k) {
@@ -329,6 +334,7 @@ __device__ __forceinline__ void rms_prologue(const TX* x, const TW* w, float eps
       const float v = to_f(__ldcg(x + i));
       ss += v * v;
     }
+    FUSEC_MARK_AFTER(5, ss);   // thread 0's x loaded
     const float r = rsqrtf(block_sum(ss, red) / H + eps);
     for (int i = threadIdx.x; i < H; i += blockDim.x) {
       const float xr = to_f(__ldcg(x + i)) * r, wi = to_f(__ldg(w + i));

@@ -119,3 +119,19 @@ def test_dispatch_by_kind_calls_what_each_op_called(factory, dtype, tmp_path):
     assert "switch (s_case_of[in.op])" in by_kind.source   # and 1 (the default): tables staged
     assert by_kind.source.count("\n          break;") == len(shared) + 1   # a case per shared call, default
     compile_cuda(by_kind.source, "fusec_step.cu", cache_dir=str(tmp_path)).assert_no_spills()
+
+
+def test_single_split_attention_knob_renders_and_compiles(tmp_path):
+    """FUSEC_ATTN_SINGLE: the merge kind gets its one-split path (split 0 alone over the valid
+    rows, an attention_partial with one chunk and a one-chunk merge) and compiles without spills;
+    its numbers are checked on the GPU (test_gpu.py, test_kernel_knobs_match_eager)."""
+    res = _tiny_decode_step(hf_tiny.llama, torch.bfloat16, 8)
+    plain = render(res.schedule)
+    single = render(res.schedule, defines={"FUSEC_ATTN_SINGLE": 256})
+    assert "#define FUSEC_ATTN_SINGLE 0" in plain.source and "#define FUSEC_ATTN_SINGLE 256" in single.source
+    assert single.words == plain.words and single.waits == plain.waits   # same schedule
+    k = compile_cuda(single.source, "fusec_step.cu", cache_dir=str(tmp_path))
+    k.assert_no_spills()
+    base = compile_cuda(plain.source, "fusec_step.cu", cache_dir=str(tmp_path))
+    n_att = lambda kern: sum("attention_partial" in name for name in kern.resources)  # noqa: E731
+    assert n_att(k) == n_att(base) + 1, (sorted(k.resources), sorted(base.resources))   # the one-chunk copy
