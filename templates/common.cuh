@@ -347,10 +347,39 @@ __device__ __forceinline__ void rms_prologue(const TX* x, const TW* w, float eps
 // Log-sum-exp merge of NC split-KV partials (o_part [H][NC][D], ml [H][NC][{m, l}], fp32, read
 // from L2: other CTAs wrote them) for query heads [h0, h1): M = max m_c, w_c = exp(m_c - M)
 // (0 for an empty chunk), out = sum w_c o_c / sum w_c l_c. attention_reduce and the last-tile
-// merge of attention_partial.
+// merge of attention_partial. FUSEC_MERGE_ONE_PASS 1 (NC <= 32): a thread issues all its 3 NC
+// loads before any arithmetic and weighs chunks without a branch (exp(-inf) = 0), one L2 round
+// trip; 0: the max pass, then a loop whose loads follow a branch per chunk (several round trips
+// in the PTX). Same sums in the same order either way.
 template <typename TO, int D, int NC>
 __device__ __forceinline__ void merge_split_kv(const float* __restrict__ o_part, const float* __restrict__ ml,
                                                TO* __restrict__ out, int h0, int h1) {
+#if FUSEC_MERGE_ONE_PASS
+  if constexpr (NC <= 32) {
+    for (int idx = threadIdx.x; idx < (h1 - h0) * D; idx += blockDim.x) {
+      const int h = h0 + idx / D, t = idx % D;
+      float mv[NC], lv[NC], ov[NC];
+#pragma unroll
+      for (int c = 0; c < NC; ++c) {
+        mv[c] = __ldcg(ml + (h * NC + c) * 2);
+        lv[c] = __ldcg(ml + (h * NC + c) * 2 + 1);
+        ov[c] = __ldcg(o_part + (h * NC + c) * D + t);
+      }
+      float m = -INFINITY;
+#pragma unroll
+      for (int c = 0; c < NC; ++c) m = fmaxf(m, mv[c]);
+      float num = 0.f, den = 0.f;
+#pragma unroll
+      for (int c = 0; c < NC; ++c) {
+        const float w = expf(mv[c] == -INFINITY ? -INFINITY : mv[c] - m);   // empty chunk: 0
+        num += w * ov[c];
+        den += w * lv[c];
+      }
+      out[h * D + t] = from_f<TO>(den > 0.f ? num / den : 0.f);   // every row masked: 0, as SDPA
+    }
+    return;
+  }
+#endif
   for (int idx = threadIdx.x; idx < (h1 - h0) * D; idx += blockDim.x) {
     const int h = h0 + idx / D, t = idx % D;
     float m = -INFINITY;

@@ -135,3 +135,14 @@ def test_single_split_attention_knob_renders_and_compiles(tmp_path):
     base = compile_cuda(plain.source, "fusec_step.cu", cache_dir=str(tmp_path))
     n_att = lambda kern: sum("attention_partial" in name for name in kern.resources)  # noqa: E731
     assert n_att(k) == n_att(base) + 1, (sorted(k.resources), sorted(base.resources))   # the one-chunk copy
+
+
+@pytest.mark.parametrize("merge", ["last_tile", "reduce"])
+def test_one_pass_merge_knob_renders_and_compiles(merge, tmp_path):
+    """FUSEC_MERGE_ONE_PASS: the split-KV merge (the last tile's, or attention_reduce's) loads
+    every chunk before its arithmetic; the kernel compiles without spills (numbers: the GPU
+    knob test)."""
+    res = _tiny_decode_step(hf_tiny.llama, torch.bfloat16, 8, attention_merge=merge)
+    plan = render(res.schedule, defines={"FUSEC_MERGE_ONE_PASS": 1})
+    assert "#define FUSEC_MERGE_ONE_PASS 1" in plan.source and "merge_split_kv<" in plan.source
+    compile_cuda(plan.source, "fusec_step.cu", cache_dir=str(tmp_path)).assert_no_spills()

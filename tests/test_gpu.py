@@ -79,7 +79,8 @@ def test_mid_size_matvec_paths_match_eager(hidden, inter):
                                      {"FUSEC_STAGE_QUEUE": 0}, {"FUSEC_DISPATCH_BY_KIND": 0},
                                      {"FUSEC_DISPATCH_BY_KIND": 0, "FUSEC_STAGE_QUEUE": 0},
                                      {"FUSEC_ABORT_EVERY_INSTR": 1}, {"FUSEC_ABORT_EVERY_INSTR": 1, "FUSEC_STAGE_QUEUE": 0},
-                                     {"FUSEC_ATTN_SINGLE": 256}])
+                                     {"FUSEC_ATTN_SINGLE": 256}, {"FUSEC_MERGE_ONE_PASS": 1},
+                                     {"FUSEC_MERGE_ONE_PASS": 1, "FUSEC_ATTN_SINGLE": 256}])
 def test_kernel_knobs_match_eager(defines):
     """A non-default setting of each kernel knob (codegen.KNOBS) against eager, in bf16, on
     shapes where the batched matvec and the vector attention paths run; 5e-2 is a gross-error

@@ -44,7 +44,9 @@ MAX_SMEM_BYTES = 227 * 1024   # dynamic shared memory per CTA on sm_90 (opt-in m
 #: FUSEC_ATTN_SINGLE: T > 0 lets split 0 of each KV head do the whole head while the valid cache
 #: rows are at most min(T, the split's chunk), writing the output without partials, ticket or
 #: merge (attention_partial_merge; predicted -2 to -2.5 us per layer at short positions; not yet
-#: measured, so 0).
+#: measured, so 0). FUSEC_MERGE_ONE_PASS: 1 issues every load of a split-KV merge before its
+#: arithmetic (common.cuh merge_split_kv; the merge took 1.7 us of the split-KV level's 7.7 at
+#: position 2047 on the 1B; not yet measured, so 0).
 #: (A warp's first weight loads issued before a matvec tile's prologue, FUSEC_FIRST_BATCH in
 #: experiments/first-batch.mbox, measured 0.04-0.35 ms slower.)
 #: (Staging the first weight batch in shared memory or in registers before the waits, or an L2
@@ -53,7 +55,7 @@ MAX_SMEM_BYTES = 227 * 1024   # dynamic shared memory per CTA on sm_90 (opt-in m
 #: docs/performance.md.)
 KNOBS = {"FUSEC_LOADS_IN_FLIGHT": 8, "FUSEC_PREFETCH": 0, "FUSEC_INLINE_OTHER_KINDS": 0, "FUSEC_ATTN_PREFETCH": 1,
          "FUSEC_STAGE_QUEUE": 1, "FUSEC_DISPATCH_BY_KIND": 1, "FUSEC_ABORT_EVERY_INSTR": 0,
-         "FUSEC_ATTN_SINGLE": 0}
+         "FUSEC_ATTN_SINGLE": 0, "FUSEC_MERGE_ONE_PASS": 0}
 #: FUSEC_DISPATCH_BY_KIND keeps the per-op dispatch when its tables would pass this many bytes
 DISPATCH_TABLE_LIMIT = 48 * 1024
 #: FUSEC_STAGE_QUEUE stages at most this many bytes (queue, waits, buffer table; with
