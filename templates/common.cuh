@@ -354,8 +354,7 @@ __device__ __forceinline__ void rms_prologue(const TX* x, const TW* w, float eps
 template <typename TO, int D, int NC>
 __device__ __forceinline__ void merge_split_kv(const float* __restrict__ o_part, const float* __restrict__ ml,
                                                TO* __restrict__ out, int h0, int h1) {
-#if FUSEC_MERGE_ONE_PASS
-  if constexpr (NC <= 32) {
+  if constexpr (FUSEC_MERGE_ONE_PASS && NC <= 32) {
     for (int idx = threadIdx.x; idx < (h1 - h0) * D; idx += blockDim.x) {
       const int h = h0 + idx / D, t = idx % D;
       float mv[NC], lv[NC], ov[NC];
@@ -377,20 +376,19 @@ __device__ __forceinline__ void merge_split_kv(const float* __restrict__ o_part,
       }
       out[h * D + t] = from_f<TO>(den > 0.f ? num / den : 0.f);   // every row masked: 0, as SDPA
     }
-    return;
-  }
-#endif
-  for (int idx = threadIdx.x; idx < (h1 - h0) * D; idx += blockDim.x) {
-    const int h = h0 + idx / D, t = idx % D;
-    float m = -INFINITY;
-    for (int c = 0; c < NC; ++c) m = fmaxf(m, __ldcg(ml + (h * NC + c) * 2));
-    float num = 0.f, den = 0.f;
-    for (int c = 0; c < NC; ++c) {
-      const float mc = __ldcg(ml + (h * NC + c) * 2);
-      const float w = mc == -INFINITY ? 0.f : expf(mc - m);
-      num += w * __ldcg(o_part + (h * NC + c) * D + t);
-      den += w * __ldcg(ml + (h * NC + c) * 2 + 1);
+  } else {
+    for (int idx = threadIdx.x; idx < (h1 - h0) * D; idx += blockDim.x) {
+      const int h = h0 + idx / D, t = idx % D;
+      float m = -INFINITY;
+      for (int c = 0; c < NC; ++c) m = fmaxf(m, __ldcg(ml + (h * NC + c) * 2));
+      float num = 0.f, den = 0.f;
+      for (int c = 0; c < NC; ++c) {
+        const float mc = __ldcg(ml + (h * NC + c) * 2);
+        const float w = mc == -INFINITY ? 0.f : expf(mc - m);
+        num += w * __ldcg(o_part + (h * NC + c) * D + t);
+        den += w * __ldcg(ml + (h * NC + c) * 2 + 1);
+      }
+      out[h * D + t] = from_f<TO>(den > 0.f ? num / den : 0.f);   // every row masked: 0, as SDPA
     }
-    out[h * D + t] = from_f<TO>(den > 0.f ? num / den : 0.f);   // every row masked: 0, as SDPA
   }
 }

@@ -137,12 +137,23 @@ def test_single_split_attention_knob_renders_and_compiles(tmp_path):
     assert n_att(k) == n_att(base) + 1, (sorted(k.resources), sorted(base.resources))   # the one-chunk copy
 
 
-@pytest.mark.parametrize("merge", ["last_tile", "reduce"])
-def test_one_pass_merge_knob_renders_and_compiles(merge, tmp_path):
-    """FUSEC_MERGE_ONE_PASS: the split-KV merge (the last tile's, or attention_reduce's) loads
-    every chunk before its arithmetic; the kernel compiles without spills (numbers: the GPU
-    knob test)."""
-    res = _tiny_decode_step(hf_tiny.llama, torch.bfloat16, 8, attention_merge=merge)
-    plan = render(res.schedule, defines={"FUSEC_MERGE_ONE_PASS": 1})
-    assert "#define FUSEC_MERGE_ONE_PASS 1" in plan.source and "merge_split_kv<" in plan.source
-    compile_cuda(plan.source, "fusec_step.cu", cache_dir=str(tmp_path)).assert_no_spills()
+@pytest.mark.parametrize("factory,dtype,merge,defines", [
+    (hf_tiny.llama, torch.bfloat16, "last_tile", {"FUSEC_MERGE_ONE_PASS": 1}),
+    (hf_tiny.llama, torch.bfloat16, "reduce", {"FUSEC_MERGE_ONE_PASS": 1}),
+    (hf_tiny.llama, torch.bfloat16, "last_tile", {"FUSEC_EARLY_EPILOGUE_LOADS": 1}),
+    (hf_tiny.qwen3, torch.float32, "last_tile", {"FUSEC_EARLY_EPILOGUE_LOADS": 1, "FUSEC_HEADNORM_WARP_SUM": 1}),
+    (hf_tiny.qwen2_bias, torch.bfloat16, "last_tile", {"FUSEC_EARLY_EPILOGUE_LOADS": 1}),
+    (hf_tiny.llama, torch.bfloat16, "last_tile", {"FUSEC_ATTN_Q_EARLY": 1, "FUSEC_ATTN_V_BATCH": 4}),
+    (hf_tiny.qwen3, torch.float32, "reduce", {"FUSEC_ATTN_Q_EARLY": 1, "FUSEC_ATTN_V_BATCH": 4})])
+def test_latency_knobs_render_and_compile(factory, dtype, merge, defines, tmp_path):
+    """The latency knobs not yet measured on a GPU (FUSEC_MERGE_ONE_PASS: the split-KV merge's
+    loads first, for both merges; FUSEC_EARLY_EPILOGUE_LOADS: residual, bias, head-norm and RoPE
+    loads before the work that precedes their use, with biases and Qwen3's head norm;
+    FUSEC_HEADNORM_WARP_SUM; FUSEC_ATTN_Q_EARLY and FUSEC_ATTN_V_BATCH in the split-KV tile):
+    the kernel compiles without spills or warnings (numbers: the GPU knob and family tests)."""
+    res = _tiny_decode_step(factory, dtype, 8, attention_merge=merge)
+    plan = render(res.schedule, defines=defines)
+    assert all(f"#define {k} {v}" in plan.source for k, v in defines.items())
+    k = compile_cuda(plan.source, "fusec_step.cu", cache_dir=str(tmp_path))
+    k.assert_no_spills()
+    assert "warning" not in k.log, k.log

@@ -43,8 +43,15 @@ def _record(name: str, row: dict) -> None:
     REPORT.write_text(json.dumps(rows, indent=1))
 
 
-@pytest.mark.parametrize("name", sorted(FAMILIES))
-def test_family_is_one_megakernel(name):
+#: kernel knobs not yet the default, checked on the families whose paths they change (q/k/v biases,
+#: Qwen3's per-head norm); not recorded in the README's table
+LATENCY_KNOBS = {"FUSEC_EARLY_EPILOGUE_LOADS": 1, "FUSEC_HEADNORM_WARP_SUM": 1, "FUSEC_MERGE_ONE_PASS": 1,
+                 "FUSEC_ATTN_SINGLE": 256, "FUSEC_ATTN_Q_EARLY": 1, "FUSEC_ATTN_V_BATCH": 4}
+
+
+@pytest.mark.parametrize("name,defines", [(n, None) for n in sorted(FAMILIES)]
+                         + [(n, LATENCY_KNOBS) for n in ("qwen3", "qwen2")])
+def test_family_is_one_megakernel(name, defines):
     from transformers import StaticCache
     ref = FAMILIES[name]().cuda()
     model = copy.deepcopy(ref).to(torch.bfloat16)
@@ -57,7 +64,7 @@ def test_family_is_one_megakernel(name):
         for c in caches[1:]:
             model(input_ids=p, past_key_values=c)
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend="fusec")
+    compiled = torch.compile(model, backend="fusec", options={"defines": defines} if defines else None)
     errs, eager_errs, launches = [], [], []
     toks = [torch.randint(0, vocab, (1, 1), generator=gen).cuda() for _ in range(6)]
     with FallbackWatch() as w, torch.no_grad():
@@ -77,8 +84,9 @@ def test_family_is_one_megakernel(name):
             eager_errs.append(((e - r).norm() / r.norm()).item())
     torch._dynamo.reset()
     ok = not w.fallbacks and len(launches) == 1 and max(errs) <= 1.5 * max(eager_errs) + 1e-3
-    _record(name, {"fusec_rel_err": max(errs), "bf16_eager_rel_err": max(eager_errs), "fallbacks": w.fallbacks,
-                   "fusec_step_launches": len(launches), "passed": ok})
+    if defines is None:
+        _record(name, {"fusec_rel_err": max(errs), "bf16_eager_rel_err": max(eager_errs), "fallbacks": w.fallbacks,
+                       "fusec_step_launches": len(launches), "passed": ok})
     assert not w.fallbacks, w.fallbacks
     assert len(launches) == 1, launches
     assert max(errs) <= 1.5 * max(eager_errs) + 1e-3, (errs, eager_errs)

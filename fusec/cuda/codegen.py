@@ -46,7 +46,17 @@ MAX_SMEM_BYTES = 227 * 1024   # dynamic shared memory per CTA on sm_90 (opt-in m
 #: merge (attention_partial_merge; predicted -2 to -2.5 us per layer at short positions; not yet
 #: measured, so 0). FUSEC_MERGE_ONE_PASS: 1 issues every load of a split-KV merge before its
 #: arithmetic (common.cuh merge_split_kv; the merge took 1.7 us of the split-KV level's 7.7 at
-#: position 2047 on the 1B; not yet measured, so 0).
+#: position 2047 on the 1B; not yet measured, so 0). FUSEC_EARLY_EPILOGUE_LOADS: 1 loads a row's
+#: residual or bias (matvec_residual, matvec, rms_qkv_rope) and a head epilogue's norm weight and
+#: RoPE entries before the work that precedes their use, so they arrive during it (0: after it,
+#: one more L2 round trip at the end of every O- and down-projection tile; not yet measured).
+#: FUSEC_HEADNORM_WARP_SUM: 1 sums a q/k head's squares by warp shuffles instead of D serial adds
+#: per thread (Qwen3's head norm; not yet measured). FUSEC_ATTN_Q_EARLY: 1 loads a split-KV tile's
+#: query heads into registers before its position, so the two L2 round trips overlap (0: q after
+#: the position; the q mark is at 0.8 us after ready on the 1B; not yet measured).
+#: FUSEC_ATTN_V_BATCH: a split-KV tile's thread loads its value rows this many at a time before
+#: using them (1: one L2 round trip per row, as the PTX of the unrolled loop shows: 2 rows per
+#: thread at position 2047 on the 1B, 4 at 4095; not yet measured).
 #: (A warp's first weight loads issued before a matvec tile's prologue, FUSEC_FIRST_BATCH in
 #: experiments/first-batch.mbox, measured 0.04-0.35 ms slower.)
 #: (Staging the first weight batch in shared memory or in registers before the waits, or an L2
@@ -55,7 +65,8 @@ MAX_SMEM_BYTES = 227 * 1024   # dynamic shared memory per CTA on sm_90 (opt-in m
 #: docs/performance.md.)
 KNOBS = {"FUSEC_LOADS_IN_FLIGHT": 8, "FUSEC_PREFETCH": 0, "FUSEC_INLINE_OTHER_KINDS": 0, "FUSEC_ATTN_PREFETCH": 1,
          "FUSEC_STAGE_QUEUE": 1, "FUSEC_DISPATCH_BY_KIND": 1, "FUSEC_ABORT_EVERY_INSTR": 0,
-         "FUSEC_ATTN_SINGLE": 0, "FUSEC_MERGE_ONE_PASS": 0}
+         "FUSEC_ATTN_SINGLE": 0, "FUSEC_MERGE_ONE_PASS": 0, "FUSEC_EARLY_EPILOGUE_LOADS": 0,
+         "FUSEC_HEADNORM_WARP_SUM": 0, "FUSEC_ATTN_Q_EARLY": 0, "FUSEC_ATTN_V_BATCH": 1}
 #: FUSEC_DISPATCH_BY_KIND keeps the per-op dispatch when its tables would pass this many bytes
 DISPATCH_TABLE_LIMIT = 48 * 1024
 #: FUSEC_STAGE_QUEUE stages at most this many bytes (queue, waits, buffer table; with
