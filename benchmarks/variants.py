@@ -49,9 +49,23 @@ def record_timeline(bench: decode.Bench, options: dict[str, Any], folder: str, p
     torch.cuda.synchronize()
 
 
+def _variants(text: str) -> list:
+    """``--variants``: the JSON text, or ``@FILE`` to read it from a file."""
+    if text.startswith("@"):
+        path = Path(text[1:])
+        if not path.is_file():
+            raise argparse.ArgumentTypeError(f"{path}: no such variants file")
+        text = path.read_text()
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not a JSON list of variants: {exc}") from None
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--variants", required=True, type=json.loads, help="JSON list of {name, options}")
+    ap.add_argument("--variants", required=True, type=_variants,
+                    help="JSON list of {name, options}, or @FILE holding one (benchmarks/*.json)")
     ap.add_argument("--profile", default=None, help="folder: record the first variant's timeline")
     ap.add_argument("--profile-only", action="store_true",
                     help="time nothing: record the first variant's timeline at every --positions "

@@ -290,10 +290,24 @@ __device__ __forceinline__ float row_dot(const TW* __restrict__ w, const TS* __r
 }
 
 // Stage x[0:K] into shared memory in its own dtype (16-byte copies when K allows).
+// FUSEC_STAGE_BATCH 1: a thread's PT <= 8 copies are all loaded before any is stored (one L2
+// round trip; the loop's loads each wait for the one before: 2 per thread for K = 8192 bf16).
 template <typename TX, int K>
 __device__ __forceinline__ void stage_vec(const TX* __restrict__ x, TX* xs) {
-  constexpr int E = 16 / sizeof(TX);
-  if constexpr (K % E == 0) {
+  constexpr int E = 16 / sizeof(TX), PT = (K / E + FUSEC_THREADS - 1) / FUSEC_THREADS;
+  if constexpr (K % E == 0 && FUSEC_STAGE_BATCH && PT <= 8) {
+    uint4 v[PT];
+#pragma unroll
+    for (int k = 0; k < PT; ++k) {
+      const int i = threadIdx.x + k * FUSEC_THREADS;
+      v[k] = i < K / E ? __ldcg(reinterpret_cast<const uint4*>(x) + i) : make_uint4(0u, 0u, 0u, 0u);
+    }
+#pragma unroll
+    for (int k = 0; k < PT; ++k) {
+      const int i = threadIdx.x + k * FUSEC_THREADS;
+      if (i < K / E) reinterpret_cast<uint4*>(xs)[i] = v[k];
+    }
+  } else if constexpr (K % E == 0) {
     for (int i = threadIdx.x; i < K / E; i += blockDim.x)
       reinterpret_cast<uint4*>(xs)[i] = __ldcg(reinterpret_cast<const uint4*>(x) + i);
   } else {
@@ -347,10 +361,11 @@ __device__ __forceinline__ void rms_prologue(const TX* x, const TW* w, float eps
 // Log-sum-exp merge of NC split-KV partials (o_part [H][NC][D], ml [H][NC][{m, l}], fp32, read
 // from L2: other CTAs wrote them) for query heads [h0, h1): M = max m_c, w_c = exp(m_c - M)
 // (0 for an empty chunk), out = sum w_c o_c / sum w_c l_c. attention_reduce and the last-tile
-// merge of attention_partial. FUSEC_MERGE_ONE_PASS 1 (NC <= 32): a thread issues all its 3 NC
-// loads before any arithmetic and weighs chunks without a branch (exp(-inf) = 0), one L2 round
-// trip; 0: the max pass, then a loop whose loads follow a branch per chunk (several round trips
-// in the PTX). Same sums in the same order either way.
+// merge of attention_partial. FUSEC_MERGE_ONE_PASS 1 (NC <= 32): a thread issues all its 2 NC
+// loads ({m, l} as one float2, o) before any arithmetic and weighs chunks without a branch
+// (exp(-inf) = 0), one L2 round trip; 0, or NC > 32 (4 or fewer KV heads on 132 SMs): the max
+// pass, then a loop whose loads follow a branch per chunk (several round trips in the PTX).
+// Same sums in the same order either way.
 template <typename TO, int D, int NC>
 __device__ __forceinline__ void merge_split_kv(const float* __restrict__ o_part, const float* __restrict__ ml,
                                                TO* __restrict__ out, int h0, int h1) {
@@ -360,8 +375,9 @@ __device__ __forceinline__ void merge_split_kv(const float* __restrict__ o_part,
       float mv[NC], lv[NC], ov[NC];
 #pragma unroll
       for (int c = 0; c < NC; ++c) {
-        mv[c] = __ldcg(ml + (h * NC + c) * 2);
-        lv[c] = __ldcg(ml + (h * NC + c) * 2 + 1);
+        const float2 mlc = __ldcg(reinterpret_cast<const float2*>(ml) + h * NC + c);   // {m, l}: 8-byte aligned
+        mv[c] = mlc.x;
+        lv[c] = mlc.y;
         ov[c] = __ldcg(o_part + (h * NC + c) * D + t);
       }
       float m = -INFINITY;

@@ -122,9 +122,9 @@ def test_dispatch_by_kind_calls_what_each_op_called(factory, dtype, tmp_path):
 
 
 def test_single_split_attention_knob_renders_and_compiles(tmp_path):
-    """FUSEC_ATTN_SINGLE: the merge kind gets its one-split path (split 0 alone over the valid
-    rows, an attention_partial with one chunk and a one-chunk merge) and compiles without spills;
-    its numbers are checked on the GPU (test_gpu.py, test_kernel_knobs_match_eager)."""
+    """FUSEC_ATTN_SINGLE: the merge kind calls attention_partial_single (split 0 alone over the
+    valid rows at short positions, writing the output itself) and compiles without spills; its
+    numbers are checked on the GPU (test_gpu.py, test_kernel_knobs_match_eager)."""
     res = _tiny_decode_step(hf_tiny.llama, torch.bfloat16, 8)
     plain = render(res.schedule)
     single = render(res.schedule, defines={"FUSEC_ATTN_SINGLE": 256})
@@ -133,8 +133,8 @@ def test_single_split_attention_knob_renders_and_compiles(tmp_path):
     k = compile_cuda(single.source, "fusec_step.cu", cache_dir=str(tmp_path))
     k.assert_no_spills()
     base = compile_cuda(plain.source, "fusec_step.cu", cache_dir=str(tmp_path))
-    n_att = lambda kern: sum("attention_partial" in name for name in kern.resources)  # noqa: E731
-    assert n_att(k) == n_att(base) + 1, (sorted(k.resources), sorted(base.resources))   # the one-chunk copy
+    single_fn = lambda kern: [n for n in kern.resources if "attention_partial_single" in n]  # noqa: E731
+    assert len(single_fn(k)) == 1 and not single_fn(base), sorted(k.resources)
 
 
 @pytest.mark.parametrize("factory,dtype,merge,defines", [
@@ -144,12 +144,14 @@ def test_single_split_attention_knob_renders_and_compiles(tmp_path):
     (hf_tiny.qwen3, torch.float32, "last_tile", {"FUSEC_EARLY_EPILOGUE_LOADS": 1, "FUSEC_HEADNORM_WARP_SUM": 1}),
     (hf_tiny.qwen2_bias, torch.bfloat16, "last_tile", {"FUSEC_EARLY_EPILOGUE_LOADS": 1}),
     (hf_tiny.llama, torch.bfloat16, "last_tile", {"FUSEC_ATTN_Q_EARLY": 1, "FUSEC_ATTN_V_BATCH": 4}),
+    (hf_tiny.llama, torch.float32, "last_tile", {"FUSEC_STAGE_BATCH": 1}),
     (hf_tiny.qwen3, torch.float32, "reduce", {"FUSEC_ATTN_Q_EARLY": 1, "FUSEC_ATTN_V_BATCH": 4})])
 def test_latency_knobs_render_and_compile(factory, dtype, merge, defines, tmp_path):
     """The latency knobs not yet measured on a GPU (FUSEC_MERGE_ONE_PASS: the split-KV merge's
     loads first, for both merges; FUSEC_EARLY_EPILOGUE_LOADS: residual, bias, head-norm and RoPE
     loads before the work that precedes their use, with biases and Qwen3's head norm;
-    FUSEC_HEADNORM_WARP_SUM; FUSEC_ATTN_Q_EARLY and FUSEC_ATTN_V_BATCH in the split-KV tile):
+    FUSEC_HEADNORM_WARP_SUM; FUSEC_ATTN_Q_EARLY and FUSEC_ATTN_V_BATCH in the split-KV tile;
+    FUSEC_STAGE_BATCH):
     the kernel compiles without spills or warnings (numbers: the GPU knob and family tests)."""
     res = _tiny_decode_step(factory, dtype, 8, attention_merge=merge)
     plan = render(res.schedule, defines=defines)

@@ -81,23 +81,34 @@ def test_mid_size_matvec_paths_match_eager(hidden, inter):
                                      {"FUSEC_ABORT_EVERY_INSTR": 1}, {"FUSEC_ABORT_EVERY_INSTR": 1, "FUSEC_STAGE_QUEUE": 0},
                                      {"FUSEC_ATTN_SINGLE": 256}, {"FUSEC_MERGE_ONE_PASS": 1},
                                      {"FUSEC_EARLY_EPILOGUE_LOADS": 1, "FUSEC_HEADNORM_WARP_SUM": 1},
-                                     {"FUSEC_ATTN_Q_EARLY": 1, "FUSEC_ATTN_V_BATCH": 4},
+                                     {"FUSEC_ATTN_Q_EARLY": 1, "FUSEC_ATTN_V_BATCH": 4}, {"FUSEC_STAGE_BATCH": 1},
                                      {"FUSEC_MERGE_ONE_PASS": 1, "FUSEC_ATTN_SINGLE": 256, "FUSEC_EARLY_EPILOGUE_LOADS": 1,
-                                      "FUSEC_HEADNORM_WARP_SUM": 1, "FUSEC_ATTN_Q_EARLY": 1, "FUSEC_ATTN_V_BATCH": 4}])
+                                      "FUSEC_HEADNORM_WARP_SUM": 1, "FUSEC_ATTN_Q_EARLY": 1, "FUSEC_ATTN_V_BATCH": 4,
+                                      "FUSEC_STAGE_BATCH": 1}])
 def test_kernel_knobs_match_eager(defines):
     """A non-default setting of each kernel knob (codegen.KNOBS) against eager, in bf16, on
     shapes where the batched matvec and the vector attention paths run; 5e-2 is a gross-error
-    bound (both round to bf16), 8 steps after a 9-token prompt."""
+    bound (both round to bf16), 12 steps after a 9-token prompt (positions 9-20: the split-KV
+    chunk is 16 rows, so FUSEC_ATTN_SINGLE's one-split path runs up to 15 and the merge after),
+    then both caches' positions reset to 5 and 4 steps more on the same kernel (one split again,
+    after steps whose tickets wrapped)."""
     factory = lambda: hf_tiny.llama(hidden=512, inter=1024, heads=8, kv_heads=2, head_dim=64,  # noqa: E731
                                     vocab=256)
     gen = torch.Generator().manual_seed(7)
-    toks = [torch.randint(0, 128, (1, 1), generator=gen).cuda() for _ in range(8)]
+    toks = [torch.randint(0, 128, (1, 1), generator=gen).cuda() for _ in range(12)]
     model, cache = step_util.tiny_on_gpu(factory, torch.bfloat16, max_len=64, prompt=9)
     ref_cache = copy.deepcopy(cache)
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="fusec", options={"fallback": "eager", "defines": defines})
     with torch.no_grad(), FallbackWatch() as watch:
         for tok in toks:
+            a = compiled(input_ids=tok, past_key_values=cache, use_cache=True).logits.float()
+            b = model(input_ids=tok, past_key_values=ref_cache, use_cache=True).logits.float()
+            assert torch.isfinite(a).all() and step_util.rel(a, b) < 5e-2
+        for c in (cache, ref_cache):
+            for layer in c.layers:
+                layer.cumulative_length.fill_(5)
+        for tok in toks[:4]:
             a = compiled(input_ids=tok, past_key_values=cache, use_cache=True).logits.float()
             b = model(input_ids=tok, past_key_values=ref_cache, use_cache=True).logits.float()
             assert torch.isfinite(a).all() and step_util.rel(a, b) < 5e-2

@@ -56,7 +56,10 @@ MAX_SMEM_BYTES = 227 * 1024   # dynamic shared memory per CTA on sm_90 (opt-in m
 #: the position; the q mark is at 0.8 us after ready on the 1B; not yet measured).
 #: FUSEC_ATTN_V_BATCH: a split-KV tile's thread loads its value rows this many at a time before
 #: using them (1: one L2 round trip per row, as the PTX of the unrolled loop shows: 2 rows per
-#: thread at position 2047 on the 1B, 4 at 4095; not yet measured).
+#: thread at position 2047 on the 1B, 4 at 4095; not yet measured). FUSEC_STAGE_BATCH: 1 loads
+#: all of a thread's 16-byte copies of a matvec's input before storing them to shared memory (one
+#: L2 round trip instead of one per copy: 2 for the 1B's down-projection, 4 for the 8B's; not
+#: yet measured).
 #: (A warp's first weight loads issued before a matvec tile's prologue, FUSEC_FIRST_BATCH in
 #: experiments/first-batch.mbox, measured 0.04-0.35 ms slower.)
 #: (Staging the first weight batch in shared memory or in registers before the waits, or an L2
@@ -66,7 +69,8 @@ MAX_SMEM_BYTES = 227 * 1024   # dynamic shared memory per CTA on sm_90 (opt-in m
 KNOBS = {"FUSEC_LOADS_IN_FLIGHT": 8, "FUSEC_PREFETCH": 0, "FUSEC_INLINE_OTHER_KINDS": 0, "FUSEC_ATTN_PREFETCH": 1,
          "FUSEC_STAGE_QUEUE": 1, "FUSEC_DISPATCH_BY_KIND": 1, "FUSEC_ABORT_EVERY_INSTR": 0,
          "FUSEC_ATTN_SINGLE": 0, "FUSEC_MERGE_ONE_PASS": 0, "FUSEC_EARLY_EPILOGUE_LOADS": 0,
-         "FUSEC_HEADNORM_WARP_SUM": 0, "FUSEC_ATTN_Q_EARLY": 0, "FUSEC_ATTN_V_BATCH": 1}
+         "FUSEC_HEADNORM_WARP_SUM": 0, "FUSEC_ATTN_Q_EARLY": 0, "FUSEC_ATTN_V_BATCH": 1,
+         "FUSEC_STAGE_BATCH": 0}
 #: FUSEC_DISPATCH_BY_KIND keeps the per-op dispatch when its tables would pass this many bytes
 DISPATCH_TABLE_LIMIT = 48 * 1024
 #: FUSEC_STAGE_QUEUE stages at most this many bytes (queue, waits, buffer table; with
