@@ -145,13 +145,16 @@ def test_single_split_attention_knob_renders_and_compiles(tmp_path):
     (hf_tiny.qwen2_bias, torch.bfloat16, "last_tile", {"FUSEC_EARLY_EPILOGUE_LOADS": 1}),
     (hf_tiny.llama, torch.bfloat16, "last_tile", {"FUSEC_ATTN_Q_EARLY": 1, "FUSEC_ATTN_V_BATCH": 4}),
     (hf_tiny.llama, torch.float32, "last_tile", {"FUSEC_STAGE_BATCH": 1}),
+    (hf_tiny.llama, torch.bfloat16, "last_tile", {"FUSEC_ATTN_KV_EARLY": 1}),
+    (hf_tiny.qwen3, torch.bfloat16, "reduce", {"FUSEC_ATTN_KV_EARLY": 2}),
+    (hf_tiny.llama, torch.bfloat16, "last_tile", {"FUSEC_ATTN_KV_EARLY": 2, "FUSEC_STAGE_QUEUE": 0}),
     (hf_tiny.qwen3, torch.float32, "reduce", {"FUSEC_ATTN_Q_EARLY": 1, "FUSEC_ATTN_V_BATCH": 4})])
 def test_latency_knobs_render_and_compile(factory, dtype, merge, defines, tmp_path):
     """The latency knobs not yet measured on a GPU (FUSEC_MERGE_ONE_PASS: the split-KV merge's
     loads first, for both merges; FUSEC_EARLY_EPILOGUE_LOADS: residual, bias, head-norm and RoPE
     loads before the work that precedes their use, with biases and Qwen3's head norm;
     FUSEC_HEADNORM_WARP_SUM; FUSEC_ATTN_Q_EARLY and FUSEC_ATTN_V_BATCH in the split-KV tile;
-    FUSEC_STAGE_BATCH):
+    FUSEC_STAGE_BATCH; FUSEC_ATTN_KV_EARLY, with the queue staged or not):
     the kernel compiles without spills or warnings (numbers: the GPU knob and family tests)."""
     res = _tiny_decode_step(factory, dtype, 8, attention_merge=merge)
     plan = render(res.schedule, defines=defines)

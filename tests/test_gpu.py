@@ -82,9 +82,10 @@ def test_mid_size_matvec_paths_match_eager(hidden, inter):
                                      {"FUSEC_ATTN_SINGLE": 256}, {"FUSEC_MERGE_ONE_PASS": 1},
                                      {"FUSEC_EARLY_EPILOGUE_LOADS": 1, "FUSEC_HEADNORM_WARP_SUM": 1},
                                      {"FUSEC_ATTN_Q_EARLY": 1, "FUSEC_ATTN_V_BATCH": 4}, {"FUSEC_STAGE_BATCH": 1},
+                                     {"FUSEC_ATTN_KV_EARLY": 1}, {"FUSEC_ATTN_KV_EARLY": 2, "FUSEC_STAGE_QUEUE": 0},
                                      {"FUSEC_MERGE_ONE_PASS": 1, "FUSEC_ATTN_SINGLE": 256, "FUSEC_EARLY_EPILOGUE_LOADS": 1,
                                       "FUSEC_HEADNORM_WARP_SUM": 1, "FUSEC_ATTN_Q_EARLY": 1, "FUSEC_ATTN_V_BATCH": 4,
-                                      "FUSEC_STAGE_BATCH": 1}])
+                                      "FUSEC_STAGE_BATCH": 1, "FUSEC_ATTN_KV_EARLY": 2}])
 def test_kernel_knobs_match_eager(defines):
     """A non-default setting of each kernel knob (codegen.KNOBS) against eager, in bf16, on
     shapes where the batched matvec and the vector attention paths run; 5e-2 is a gross-error

@@ -46,7 +46,8 @@ def _record(name: str, row: dict) -> None:
 #: kernel knobs not yet the default, checked on the families whose paths they change (q/k/v biases,
 #: Qwen3's per-head norm); not recorded in the README's table
 LATENCY_KNOBS = {"FUSEC_EARLY_EPILOGUE_LOADS": 1, "FUSEC_HEADNORM_WARP_SUM": 1, "FUSEC_MERGE_ONE_PASS": 1,
-                 "FUSEC_ATTN_SINGLE": 256, "FUSEC_ATTN_Q_EARLY": 1, "FUSEC_ATTN_V_BATCH": 4, "FUSEC_STAGE_BATCH": 1}
+                 "FUSEC_ATTN_SINGLE": 256, "FUSEC_ATTN_Q_EARLY": 1, "FUSEC_ATTN_V_BATCH": 4, "FUSEC_STAGE_BATCH": 1,
+                 "FUSEC_ATTN_KV_EARLY": 2}
 
 
 @pytest.mark.parametrize("name,defines", [(n, None) for n in sorted(FAMILIES)]

@@ -59,7 +59,10 @@ MAX_SMEM_BYTES = 227 * 1024   # dynamic shared memory per CTA on sm_90 (opt-in m
 #: thread at position 2047 on the 1B, 4 at 4095; not yet measured). FUSEC_STAGE_BATCH: 1 loads
 #: all of a thread's 16-byte copies of a matvec's input before storing them to shared memory (one
 #: L2 round trip instead of one per copy: 2 for the 1B's down-projection, 4 for the 8B's; not
-#: yet measured).
+#: yet measured). FUSEC_ATTN_KV_EARLY: 1 asks L2 for a split-KV tile's K and V rows before its
+#: counter waits, 2 before the waits of the instruction ahead of it in the SM's queue (its QKV
+#: tile), so the rows stream during the QKV level (a kind's ``early`` macro, kernel.cu.j2
+#: early_instr; the K rows now come from DRAM 1.5 us into the tile; not yet measured).
 #: (A warp's first weight loads issued before a matvec tile's prologue, FUSEC_FIRST_BATCH in
 #: experiments/first-batch.mbox, measured 0.04-0.35 ms slower.)
 #: (Staging the first weight batch in shared memory or in registers before the waits, or an L2
@@ -70,7 +73,7 @@ KNOBS = {"FUSEC_LOADS_IN_FLIGHT": 8, "FUSEC_PREFETCH": 0, "FUSEC_INLINE_OTHER_KI
          "FUSEC_STAGE_QUEUE": 1, "FUSEC_DISPATCH_BY_KIND": 1, "FUSEC_ABORT_EVERY_INSTR": 0,
          "FUSEC_ATTN_SINGLE": 0, "FUSEC_MERGE_ONE_PASS": 0, "FUSEC_EARLY_EPILOGUE_LOADS": 0,
          "FUSEC_HEADNORM_WARP_SUM": 0, "FUSEC_ATTN_Q_EARLY": 0, "FUSEC_ATTN_V_BATCH": 1,
-         "FUSEC_STAGE_BATCH": 0}
+         "FUSEC_STAGE_BATCH": 0, "FUSEC_ATTN_KV_EARLY": 0}
 #: FUSEC_DISPATCH_BY_KIND keeps the per-op dispatch when its tables would pass this many bytes
 DISPATCH_TABLE_LIMIT = 48 * 1024
 #: FUSEC_STAGE_QUEUE stages at most this many bytes (queue, waits, buffer table; with
@@ -203,9 +206,10 @@ def render(s: Schedule, title: str = "", threads: int = THREADS, profile: bool =
             if args.get("helpers") and args["helpers"] not in gen_helpers:
                 gen_helpers.append(args["helpers"])
         pf = mod.prefetch(args).strip() if hasattr(mod, "prefetch") else ""
+        early = mod.early(args).strip() if hasattr(mod, "early") else ""
         call = cls.call.text(op, args) if cls.call is not None else mod.call(args).strip()
         cases.append({"op": k, "name": op.name, "kind": op.kind, "layer": op.layer,
-                      "call": call, "prefetch": pf})
+                      "call": call, "prefetch": pf, "early": early})
         smem = max(smem, cls.smem_floats(op, g))
     defines = {**KNOBS, **(defines or {})}
     if smem * 4 > MAX_SMEM_BYTES:
