@@ -79,10 +79,13 @@ def test_mid_size_matvec_paths_match_eager(hidden, inter):
                                      {"FUSEC_STAGE_QUEUE": 0}, {"FUSEC_DISPATCH_BY_KIND": 0},
                                      {"FUSEC_DISPATCH_BY_KIND": 0, "FUSEC_STAGE_QUEUE": 0},
                                      {"FUSEC_ABORT_EVERY_INSTR": 1}, {"FUSEC_ABORT_EVERY_INSTR": 1, "FUSEC_STAGE_QUEUE": 0},
-                                     {"FUSEC_ATTN_SINGLE": 256}, {"FUSEC_MERGE_ONE_PASS": 1},
-                                     {"FUSEC_EARLY_EPILOGUE_LOADS": 1, "FUSEC_HEADNORM_WARP_SUM": 1},
-                                     {"FUSEC_ATTN_Q_EARLY": 1, "FUSEC_ATTN_V_BATCH": 4}, {"FUSEC_STAGE_BATCH": 1},
-                                     {"FUSEC_ATTN_KV_EARLY": 1}, {"FUSEC_ATTN_KV_EARLY": 2, "FUSEC_STAGE_QUEUE": 0},
+                                     # the latency knobs not yet measured (performance.md, Next 0): each in
+                                     # one set, and all together
+                                     {"FUSEC_ATTN_SINGLE": 256},
+                                     {"FUSEC_MERGE_ONE_PASS": 1, "FUSEC_EARLY_EPILOGUE_LOADS": 1, "FUSEC_HEADNORM_WARP_SUM": 1},
+                                     {"FUSEC_ATTN_Q_EARLY": 1, "FUSEC_ATTN_V_BATCH": 4, "FUSEC_STAGE_BATCH": 1,
+                                      "FUSEC_ATTN_KV_EARLY": 1},
+                                     {"FUSEC_ATTN_KV_EARLY": 2, "FUSEC_STAGE_QUEUE": 0},
                                      {"FUSEC_MERGE_ONE_PASS": 1, "FUSEC_ATTN_SINGLE": 256, "FUSEC_EARLY_EPILOGUE_LOADS": 1,
                                       "FUSEC_HEADNORM_WARP_SUM": 1, "FUSEC_ATTN_Q_EARLY": 1, "FUSEC_ATTN_V_BATCH": 4,
                                       "FUSEC_STAGE_BATCH": 1, "FUSEC_ATTN_KV_EARLY": 2}])
