@@ -1,6 +1,9 @@
 """Rendering and NVRTC compile-check of small megakernels (CPU only: NVRTC needs no GPU)."""
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -162,3 +165,21 @@ def test_latency_knobs_render_and_compile(factory, dtype, merge, defines, tmp_pa
     k = compile_cuda(plan.source, "fusec_step.cu", cache_dir=str(tmp_path))
     k.assert_no_spills()
     assert "warning" not in k.log, k.log
+
+
+def test_early_epilogue_loads_put_the_residual_load_before_the_weight_loads():
+    """What FUSEC_EARLY_EPILOGUE_LOADS is for, read in the PTX (tools/kernel_ptx.py): off, the
+    O-/down-projection's residual load (a bf16 scalar) comes after the row's weight loads and
+    shuffles (one more L2 round trip per tile); on, before its weight loads."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+    import kernel_ptx
+    factory = lambda: hf_tiny.llama(hidden=512, inter=1024, heads=8, kv_heads=2, head_dim=64)  # noqa: E731
+    res = _tiny_decode_step(factory, torch.bfloat16, 8)
+    order = {}
+    for on in (0, 1):
+        ptx = kernel_ptx.ptx_of(render(res.schedule, defines={"FUSEC_EARLY_EPILOGUE_LOADS": on}).source)
+        body = next(b for n, b in kernel_ptx.functions(ptx).items() if "matvec_residual" in n).splitlines()
+        residual = next(i for i, line in enumerate(body) if "ld.global.cg.b16" in line)
+        weights = next(i for i, line in enumerate(body) if "ld.global.nc.L1::no_allocate" in line)
+        order[on] = residual < weights
+    assert order == {0: False, 1: True}, order
