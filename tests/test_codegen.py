@@ -10,7 +10,7 @@ import torch
 import hf_tiny
 from fusec.api import compile_model
 from fusec.cuda.codegen import WORD, render
-from fusec.cuda.jit import compile_cuda
+from fusec.cuda.jit import compile_cuda, compile_ptx
 
 
 def _tiny_decode_step(factory, dtype, num_sms, **options):
@@ -177,7 +177,7 @@ def test_early_epilogue_loads_put_the_residual_load_before_the_weight_loads():
     res = _tiny_decode_step(factory, torch.bfloat16, 8)
     order = {}
     for on in (0, 1):
-        ptx = kernel_ptx.ptx_of(render(res.schedule, defines={"FUSEC_EARLY_EPILOGUE_LOADS": on}).source)
+        ptx = compile_ptx(render(res.schedule, defines={"FUSEC_EARLY_EPILOGUE_LOADS": on}).source)
         body = next(b for n, b in kernel_ptx.functions(ptx).items() if "matvec_residual" in n).splitlines()
         residual = next(i for i, line in enumerate(body) if "ld.global.cg.b16" in line)
         weights = next(i for i, line in enumerate(body) if "ld.global.nc.L1::no_allocate" in line)

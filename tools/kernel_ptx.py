@@ -21,32 +21,10 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from cuda.bindings import nvrtc  # noqa: E402
-
-from fusec.cuda.jit import include_dirs  # noqa: E402
+from fusec.cuda.jit import compile_ptx  # noqa: E402
 
 #: PTX lines worth seeing when looking for dependent round trips
 INTERESTING = re.compile(r"\b(ld\.global|st\.global|atom\.|red\.|bar\.sync|bra|shfl|prefetch)|^\$L")
-
-
-def ptx_of(source: str) -> str:
-    """NVRTC's PTX of ``source`` for compute_90a (raises RuntimeError with the log on failure)."""
-    _, prog = nvrtc.nvrtcCreateProgram(source.encode(), b"kernel.cu", 0, [], [])
-    opts = [b"--gpu-architecture=compute_90a", b"-std=c++17", b"-default-device",
-            *(f"-I{d}".encode() for d in include_dirs())]
-    try:
-        (res,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
-        if res != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-            _, n = nvrtc.nvrtcGetProgramLogSize(prog)
-            log = bytearray(n)
-            nvrtc.nvrtcGetProgramLog(prog, log)
-            raise RuntimeError(bytes(log).decode(errors="replace"))
-        _, n = nvrtc.nvrtcGetPTXSize(prog)
-        buf = bytearray(n)
-        nvrtc.nvrtcGetPTX(prog, buf)
-        return bytes(buf).rstrip(b"\0").decode()
-    finally:
-        nvrtc.nvrtcDestroyProgram(prog)
 
 
 def functions(ptx: str) -> dict[str, str]:
@@ -75,7 +53,7 @@ def main() -> int:
         source, n = re.subn(rf"^#define {re.escape(name)} .*$", f"#define {name} {value}", source, flags=re.M)
         if not n:
             sys.exit(f"{ns.kernel_cu}: no '#define {name}' line to set")
-    funcs = functions(ptx_of(source))
+    funcs = functions(compile_ptx(source))
     if ns.function is None:
         for name, body in funcs.items():
             print(f"{body.count(chr(10)) + 1:6d} lines  {name}")

@@ -211,7 +211,8 @@ def _load_cached(folder: Path, key: str) -> dict | None:
         return None
 
 
-def _nvrtc_compile(source: str, name: str, opts: list[str]) -> tuple[bytes, str]:
+def _nvrtc_compile(source: str, name: str, opts: list[str], ptx: bool = False) -> tuple[bytes, str]:
+    """NVRTC's CUBIN of ``source`` (``ptx``: its PTX, for a virtual arch) and the program log."""
     prog = _check(nvrtc.nvrtcCreateProgram(source.encode(), name.encode(), 0, [], []),
                   "nvrtcCreateProgram", name)
     try:
@@ -222,15 +223,30 @@ def _nvrtc_compile(source: str, name: str, opts: list[str]) -> tuple[bytes, str]
         _check(nvrtc.nvrtcGetProgramLog(prog, buf), "nvrtcGetProgramLog", name)
         prog_log = bytes(buf).rstrip(b"\x00").decode(errors="replace").rstrip()
         _check(compile_result, "compilation", name, f"options: {' '.join(opts)}\n{prog_log}")
-        out = bytearray(_check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize", name))
-        _check(nvrtc.nvrtcGetCUBIN(prog, out), "nvrtcGetCUBIN", name)
+        size, get = ((nvrtc.nvrtcGetPTXSize, nvrtc.nvrtcGetPTX) if ptx
+                     else (nvrtc.nvrtcGetCUBINSize, nvrtc.nvrtcGetCUBIN))
+        out = bytearray(_check(size(prog), size.__name__, name))
+        _check(get(prog, out), get.__name__, name)
         cubin = bytes(out)
     finally:
         if nvrtc.nvrtcDestroyProgram(prog)[0] != nvrtc.nvrtcResult.NVRTC_SUCCESS:
             log.warning("nvrtcDestroyProgram failed for %s", name)
+    if ptx:
+        return cubin.rstrip(b"\0"), prog_log
     if not cubin.startswith(ELF_MAGIC):
         raise JitError(f"NVRTC returned no CUBIN for {name!r} (is the arch a real sm_XX?)")
     return cubin, prog_log
+
+
+def compile_ptx(source: str, name: str = "kernel.cu", arch: str = "compute_90a") -> str:
+    """NVRTC's PTX of CUDA C++ ``source`` for the virtual ``arch`` (no cache, no ptxas): for
+    reading which loads a device function issues before it uses them (tools/kernel_ptx.py).
+
+    Raises:
+        JitError: compilation failed (message: name, options, full NVRTC log).
+    """
+    opts = [f"--gpu-architecture={arch}", "-std=c++17", "-default-device", *(f"-I{d}" for d in include_dirs())]
+    return _nvrtc_compile(source, name, opts, ptx=True)[0].decode()
 
 
 def compile_cuda(source: str, name: str = "kernel.cu", arch: str = "sm_90a",

@@ -57,19 +57,13 @@ class RmsGateUpSilu(Instruction):
     @classmethod
     def run_tile(cls, op: Op, tile: Tile, env: Env) -> None:
         r0, r1 = tile.params["rows"]
-        env.flat(op.outputs["out"])[r0:r1] = glu_rows(op, env, r0, r1, env.g.tensors[op.outputs["out"]].dtype)
-
-
-def glu_rows(op: Op, env: Env, r0: int, r1: int, dt: torch.dtype) -> torch.Tensor:
-    """Rows ``[r0, r1)`` of a GLU MLP's intermediate vector in ``dt``: ``act(rnd(Wg @ n)) *
-    rnd(Wu @ n)`` with ``n`` the RMSNorm of ``op``'s ``x`` (inputs ``wg``, ``wu``, attr ``act``);
-    SiLU stays fused, GELU (its own op in PyTorch) is rounded before the product."""
-    n = rms_prologue(op, env)
-    gate = (env.read(op.inputs["wg"])[r0:r1].float() @ n).to(dt).float()
-    up = (env.read(op.inputs["wu"])[r0:r1].float() @ n).to(dt).float()
-    act = op.attrs.get("act", "silu")
-    if act == "silu":
-        a = torch.nn.functional.silu(gate)
-    else:
-        a = torch.nn.functional.gelu(gate, approximate="tanh" if act == "gelu_tanh" else "none").to(dt).float()
-    return (a * up).to(dt)
+        dt = env.g.tensors[op.outputs["out"]].dtype
+        n = rms_prologue(op, env)
+        gate = (env.read(op.inputs["wg"])[r0:r1].float() @ n).to(dt).float()
+        up = (env.read(op.inputs["wu"])[r0:r1].float() @ n).to(dt).float()
+        act = op.attrs.get("act", "silu")
+        if act == "silu":
+            a = torch.nn.functional.silu(gate)
+        else:   # GELU is its own op in PyTorch: rounded before the product
+            a = torch.nn.functional.gelu(gate, approximate="tanh" if act == "gelu_tanh" else "none").to(dt).float()
+        env.flat(op.outputs["out"])[r0:r1] = (a * up).to(dt)
