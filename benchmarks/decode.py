@@ -75,11 +75,14 @@ DEFAULT_POSITIONS = (127, 2047, 4095)
 QUICK_POSITIONS = (2047,)
 DEFAULT_STEPS, QUICK_STEPS = 200, 50
 #: Logits check against HF bf16 eager. Two correct bf16 implementations differ by 3.2e-2 to
-#: 3.8e-2 here (measured on the H200: random weights of std 0.02 give small logits, and each
-#: is ~3e-2 from an fp32 reference, see docs/measurements.md), so this bound only catches gross
-#: errors; the exact semantics of the hand-written step are tested in fp32 on the CPU
+#: 3.8e-2 on the 1B and up to 6.0e-2 on the 8B here (measured on the H200: random weights of std
+#: 0.02 give small logits, each is ~3e-2 from an fp32 reference on the 1B, see
+#: docs/measurements.md, and the difference grows with the layers: fusec's 8B at position 127
+#: was 5.93e-2 with the split-KV merge and 6.03e-2 with one split, 2026-12-02), so this bound
+#: only catches gross errors; fusec's logits are held to an fp32 reference in the GPU tests
+#: (tests/test_gpu.py) and the hand-written step's semantics in fp32 on the CPU
 #: (tests/test_bench_handwritten.py, 1e-4).
-CHECK_TOL = 6e-2
+CHECK_TOL = 8e-2
 #: inductor settings of the hand-written engine (gpt-fast's; applied only while it compiles)
 HANDWRITTEN_INDUCTOR = {"coordinate_descent_tuning": True}
 

@@ -9,7 +9,7 @@ import torch
 
 import hf_tiny
 from fusec.api import compile_model
-from fusec.cuda.codegen import WORD, render
+from fusec.cuda.codegen import LATENCY_KNOBS_OFF, WORD, render
 from fusec.cuda.jit import compile_cuda, compile_ptx
 
 
@@ -129,8 +129,8 @@ def test_single_split_attention_knob_renders_and_compiles(tmp_path):
     valid rows at short positions, writing the output itself) and compiles without spills; its
     numbers are checked on the GPU (test_gpu.py, test_kernel_knobs_match_eager)."""
     res = _tiny_decode_step(hf_tiny.llama, torch.bfloat16, 8)
-    plain = render(res.schedule)
-    single = render(res.schedule, defines={"FUSEC_ATTN_SINGLE": 256})
+    plain = render(res.schedule, defines={"FUSEC_ATTN_SINGLE": 0})
+    single = render(res.schedule)   # the default: 256
     assert "#define FUSEC_ATTN_SINGLE 0" in plain.source and "#define FUSEC_ATTN_SINGLE 256" in single.source
     assert single.words == plain.words and single.waits == plain.waits   # same schedule
     k = compile_cuda(single.source, "fusec_step.cu", cache_dir=str(tmp_path))
@@ -141,24 +141,21 @@ def test_single_split_attention_knob_renders_and_compiles(tmp_path):
 
 
 @pytest.mark.parametrize("factory,dtype,merge,defines", [
-    (hf_tiny.llama, torch.bfloat16, "last_tile", {"FUSEC_MERGE_ONE_PASS": 1}),
-    (hf_tiny.llama, torch.bfloat16, "reduce", {"FUSEC_MERGE_ONE_PASS": 1}),
-    (hf_tiny.llama, torch.bfloat16, "last_tile", {"FUSEC_EARLY_EPILOGUE_LOADS": 1}),
-    (hf_tiny.qwen3, torch.float32, "last_tile", {"FUSEC_EARLY_EPILOGUE_LOADS": 1, "FUSEC_HEADNORM_WARP_SUM": 1}),
-    (hf_tiny.qwen2_bias, torch.bfloat16, "last_tile", {"FUSEC_EARLY_EPILOGUE_LOADS": 1}),
-    (hf_tiny.llama, torch.bfloat16, "last_tile", {"FUSEC_ATTN_Q_EARLY": 1, "FUSEC_ATTN_V_BATCH": 4}),
-    (hf_tiny.llama, torch.float32, "last_tile", {"FUSEC_STAGE_BATCH": 1}),
-    (hf_tiny.llama, torch.bfloat16, "last_tile", {"FUSEC_ATTN_KV_EARLY": 1}),
+    (hf_tiny.llama, torch.bfloat16, "last_tile", LATENCY_KNOBS_OFF),
+    (hf_tiny.qwen3, torch.float32, "reduce", LATENCY_KNOBS_OFF),
+    (hf_tiny.llama, torch.bfloat16, "reduce", {"FUSEC_MERGE_ONE_PASS": 0}),
+    (hf_tiny.qwen3, torch.float32, "last_tile", {"FUSEC_EARLY_EPILOGUE_LOADS": 0}),
+    (hf_tiny.qwen2_bias, torch.bfloat16, "last_tile", {"FUSEC_EARLY_EPILOGUE_LOADS": 0}),
+    (hf_tiny.llama, torch.float32, "last_tile", {"FUSEC_STAGE_BATCH": 0, "FUSEC_ATTN_Q_EARLY": 0}),
     (hf_tiny.qwen3, torch.bfloat16, "reduce", {"FUSEC_ATTN_KV_EARLY": 2}),
     (hf_tiny.llama, torch.bfloat16, "last_tile", {"FUSEC_ATTN_KV_EARLY": 2, "FUSEC_STAGE_QUEUE": 0}),
-    (hf_tiny.qwen3, torch.float32, "reduce", {"FUSEC_ATTN_Q_EARLY": 1, "FUSEC_ATTN_V_BATCH": 4})])
+    (hf_tiny.llama, torch.bfloat16, "last_tile", {"FUSEC_ATTN_KV_EARLY": 0, "FUSEC_STAGE_QUEUE": 0})])
 def test_latency_knobs_render_and_compile(factory, dtype, merge, defines, tmp_path):
-    """The latency knobs not yet measured on a GPU (FUSEC_MERGE_ONE_PASS: the split-KV merge's
-    loads first, for both merges; FUSEC_EARLY_EPILOGUE_LOADS: residual, bias, head-norm and RoPE
-    loads before the work that precedes their use, with biases and Qwen3's head norm;
-    FUSEC_HEADNORM_WARP_SUM; FUSEC_ATTN_Q_EARLY and FUSEC_ATTN_V_BATCH in the split-KV tile;
-    FUSEC_STAGE_BATCH; FUSEC_ATTN_KV_EARLY, with the queue staged or not):
-    the kernel compiles without spills or warnings (numbers: the GPU knob and family tests)."""
+    """The latency knobs (on by default, codegen.KNOBS) off, all or one by one (FUSEC_MERGE_ONE_PASS
+    for both merges; FUSEC_EARLY_EPILOGUE_LOADS with biases and Qwen3's head norm), and
+    FUSEC_ATTN_KV_EARLY's other values with the queue staged or not: the kernel compiles without
+    spills or warnings (the defaults: every family's emission test; numbers: the GPU knob and
+    family tests)."""
     res = _tiny_decode_step(factory, dtype, 8, attention_merge=merge)
     plan = render(res.schedule, defines=defines)
     assert all(f"#define {k} {v}" in plan.source for k, v in defines.items())

@@ -11,6 +11,7 @@ import torch
 
 import step_util
 import hf_tiny
+from fusec.cuda.codegen import LATENCY_KNOBS_OFF
 from fusec.fallbacks import FallbackWatch
 
 pytestmark = pytest.mark.gpu
@@ -79,16 +80,12 @@ def test_mid_size_matvec_paths_match_eager(hidden, inter):
                                      {"FUSEC_STAGE_QUEUE": 0}, {"FUSEC_DISPATCH_BY_KIND": 0},
                                      {"FUSEC_DISPATCH_BY_KIND": 0, "FUSEC_STAGE_QUEUE": 0},
                                      {"FUSEC_ABORT_EVERY_INSTR": 1}, {"FUSEC_ABORT_EVERY_INSTR": 1, "FUSEC_STAGE_QUEUE": 0},
-                                     # the latency knobs not yet measured (performance.md, Next 0): each in
-                                     # one set, and all together
-                                     {"FUSEC_ATTN_SINGLE": 256},
-                                     {"FUSEC_MERGE_ONE_PASS": 1, "FUSEC_EARLY_EPILOGUE_LOADS": 1, "FUSEC_HEADNORM_WARP_SUM": 1},
-                                     {"FUSEC_ATTN_Q_EARLY": 1, "FUSEC_ATTN_V_BATCH": 4, "FUSEC_STAGE_BATCH": 1,
-                                      "FUSEC_ATTN_KV_EARLY": 1},
-                                     {"FUSEC_ATTN_KV_EARLY": 2, "FUSEC_STAGE_QUEUE": 0},
-                                     {"FUSEC_MERGE_ONE_PASS": 1, "FUSEC_ATTN_SINGLE": 256, "FUSEC_EARLY_EPILOGUE_LOADS": 1,
-                                      "FUSEC_HEADNORM_WARP_SUM": 1, "FUSEC_ATTN_Q_EARLY": 1, "FUSEC_ATTN_V_BATCH": 4,
-                                      "FUSEC_STAGE_BATCH": 1, "FUSEC_ATTN_KV_EARLY": 2}])
+                                     # the latency knobs (on by default since 2026-12-02): all off (the path
+                                     # before), each off in one set, and FUSEC_ATTN_KV_EARLY's other value
+                                     LATENCY_KNOBS_OFF, {"FUSEC_ATTN_SINGLE": 0},
+                                     {"FUSEC_MERGE_ONE_PASS": 0, "FUSEC_EARLY_EPILOGUE_LOADS": 0},
+                                     {"FUSEC_ATTN_Q_EARLY": 0, "FUSEC_STAGE_BATCH": 0, "FUSEC_ATTN_KV_EARLY": 0},
+                                     {"FUSEC_ATTN_KV_EARLY": 2, "FUSEC_STAGE_QUEUE": 0}])
 def test_kernel_knobs_match_eager(defines):
     """A non-default setting of each kernel knob (codegen.KNOBS) against eager, in bf16, on
     shapes where the batched matvec and the vector attention paths run; 5e-2 is a gross-error

@@ -18,6 +18,7 @@ import torch
 
 import hf_tiny
 import test_families as fam
+from fusec.cuda.codegen import LATENCY_KNOBS_OFF
 from fusec.fallbacks import FallbackWatch
 
 pytestmark = pytest.mark.gpu
@@ -43,15 +44,11 @@ def _record(name: str, row: dict) -> None:
     REPORT.write_text(json.dumps(rows, indent=1))
 
 
-#: kernel knobs not yet the default, checked on the families whose paths they change (q/k/v biases,
-#: Qwen3's per-head norm); not recorded in the README's table
-LATENCY_KNOBS = {"FUSEC_EARLY_EPILOGUE_LOADS": 1, "FUSEC_HEADNORM_WARP_SUM": 1, "FUSEC_MERGE_ONE_PASS": 1,
-                 "FUSEC_ATTN_SINGLE": 256, "FUSEC_ATTN_Q_EARLY": 1, "FUSEC_ATTN_V_BATCH": 4, "FUSEC_STAGE_BATCH": 1,
-                 "FUSEC_ATTN_KV_EARLY": 2}
-
-
+#: the latency knobs off (codegen.LATENCY_KNOBS_OFF, the path before they were on by default),
+#: checked on the families whose paths they change (q/k/v biases, Qwen3's per-head norm); not
+#: recorded in the README's table
 @pytest.mark.parametrize("name,defines", [(n, None) for n in sorted(FAMILIES)]
-                         + [(n, LATENCY_KNOBS) for n in ("qwen3", "qwen2")])
+                         + [(n, LATENCY_KNOBS_OFF) for n in ("qwen3", "qwen2")])
 def test_family_is_one_megakernel(name, defines):
     from transformers import StaticCache
     ref = FAMILIES[name]().cuda()

@@ -14,11 +14,12 @@ import variants  # noqa: E402
 from fusec.config import Options  # noqa: E402
 
 
-def test_variants_file_parses_and_names_only_known_knobs():
-    """benchmarks/latency-knobs.json (``variants.py --variants @FILE``) is a list of variants
-    whose defines are all kernel knobs, so a device call does not fail on a typo."""
-    runs = variants._variants("@" + str(Path(__file__).resolve().parent.parent / "benchmarks" / "latency-knobs.json"))
-    assert [r["name"] for r in runs][0] == "base" and len({r["name"] for r in runs}) == len(runs)
+@pytest.mark.parametrize("name", ["latency-knobs.json", "latency-combos.json"])
+def test_variants_file_parses_and_names_only_known_knobs(name):
+    """benchmarks/latency-*.json (``variants.py --variants @FILE``) are lists of uniquely named
+    variants whose defines are all kernel knobs, so a device call does not fail on a typo."""
+    runs = variants._variants("@" + str(Path(__file__).resolve().parent.parent / "benchmarks" / name))
+    assert "base" in [r["name"] for r in runs] and len({r["name"] for r in runs}) == len(runs)
     for r in runs:
         Options.from_dict(r.get("options", {}))   # raises FusecError on an unknown knob
     with pytest.raises(argparse.ArgumentTypeError, match="no such variants file"):

@@ -11,7 +11,7 @@ Usage:
   .venv/bin/fusec compile examples/llama_3_2_1b.py -o /tmp/k --emit-cuda
   .venv/bin/python tools/kernel_ptx.py /tmp/k/kernel.cu                       # list the functions
   .venv/bin/python tools/kernel_ptx.py /tmp/k/kernel.cu matvec_residual       # its memory lines
-  .venv/bin/python tools/kernel_ptx.py /tmp/k/kernel.cu attention --define FUSEC_ATTN_V_BATCH=4 --full
+  .venv/bin/python tools/kernel_ptx.py /tmp/k/kernel.cu attention --define FUSEC_ATTN_KV_EARLY=0 --full
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def main() -> int:
     ap.add_argument("kernel_cu", help="kernel.cu written by fusec compile --emit-cuda (or FUSEC_DUMP)")
     ap.add_argument("function", nargs="?", help="part of a device function's name (default: list them)")
     ap.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
-                    help="set a kernel knob's #define (e.g. FUSEC_ATTN_V_BATCH=4)")
+                    help="set a kernel knob's #define (e.g. FUSEC_ATTN_KV_EARLY=2)")
     ap.add_argument("--full", action="store_true", help="print the whole PTX body, not only the memory lines")
     ns = ap.parse_args()
     source = Path(ns.kernel_cu).read_text()

@@ -41,28 +41,30 @@ MAX_SMEM_BYTES = 227 * 1024   # dynamic shared memory per CTA on sm_90 (opt-in m
 #: instead of one case per op (:func:`dispatch_by_kind`): as fast, and NVRTC takes half the time;
 #: FUSEC_ABORT_EVERY_INSTR: 1 reads the watchdog's abort flag after every instruction's waits, 0
 #: once per step and while spinning (kernel.cu.j2, wait_all; 0 measured 0-6 us per step faster).
-#: FUSEC_ATTN_SINGLE: T > 0 lets split 0 of each KV head do the whole head while the valid cache
-#: rows are at most min(T, the split's chunk), writing the output without partials, ticket or
-#: merge (attention_partial_merge; predicted -2 to -2.5 us per layer at short positions; not yet
-#: measured, so 0). FUSEC_MERGE_ONE_PASS: 1 issues every load of a split-KV merge before its
-#: arithmetic (common.cuh merge_split_kv; the merge took 1.7 us of the split-KV level's 7.7 at
-#: position 2047 on the 1B; not yet measured, so 0). FUSEC_EARLY_EPILOGUE_LOADS: 1 loads a row's
-#: residual or bias (matvec_residual, matvec, rms_qkv_rope) and a head epilogue's norm weight and
-#: RoPE entries before the work that precedes their use, so they arrive during it (0: after it,
-#: one more L2 round trip at the end of every O- and down-projection tile; not yet measured).
-#: FUSEC_HEADNORM_WARP_SUM: 1 sums a q/k head's squares by warp shuffles instead of D serial adds
-#: per thread (Qwen3's head norm; not yet measured). FUSEC_ATTN_Q_EARLY: 1 loads a split-KV tile's
-#: query heads into registers before its position, so the two L2 round trips overlap (0: q after
-#: the position; the q mark is at 0.8 us after ready on the 1B; not yet measured).
-#: FUSEC_ATTN_V_BATCH: a split-KV tile's thread loads its value rows this many at a time before
-#: using them (1: one L2 round trip per row, as the PTX of the unrolled loop shows: 2 rows per
-#: thread at position 2047 on the 1B, 4 at 4095; not yet measured). FUSEC_STAGE_BATCH: 1 loads
-#: all of a thread's 16-byte copies of a matvec's input before storing them to shared memory (one
-#: L2 round trip instead of one per copy: 2 for the 1B's down-projection, 4 for the 8B's; not
-#: yet measured). FUSEC_ATTN_KV_EARLY: 1 asks L2 for a split-KV tile's K and V rows before its
-#: counter waits, 2 before the waits of the instruction ahead of it in the SM's queue (its QKV
-#: tile), so the rows stream during the QKV level (a kind's ``early`` macro, kernel.cu.j2
-#: early_instr; the K rows now come from DRAM 1.5 us into the tile; not yet measured).
+#: The latency knobs below remove dependent L2 round trips found in the kinds' PTX
+#: (tools/kernel_ptx.py); measured one by one and together on the H200 on 2026-12-02
+#: (benchmarks/latency-knobs.json, latency-combos.json; docs/performance.md, section 16), the six
+#: on by default take the Llama-3.2-1B step from 0.861 / 0.897 / 0.931 ms to 0.826 / 0.868 /
+#: 0.900 at positions 127 / 2047 / 4095 and Qwen3-0.6B from 0.828 / 0.919 / 1.036 to
+#: 0.797 / 0.868 / 0.991. FUSEC_ATTN_SINGLE: T > 0 lets split 0 of each KV head do the whole
+#: head while the valid cache rows are at most min(T, the split's chunk), writing the output
+#: without partials, ticket or merge (attention_partial_merge; 256: -0.018 ms at 127 on the 1B
+#: alone). FUSEC_MERGE_ONE_PASS: 1 issues every load of a split-KV merge before its arithmetic
+#: (common.cuh merge_split_kv; up to 32 splits a KV head, else the two-pass merge; -0.016 ms on
+#: the 1B, -0.025 on Qwen3 alone). FUSEC_EARLY_EPILOGUE_LOADS: 1 loads a row's residual or bias
+#: (matvec_residual, matvec, rms_qkv_rope) and a head epilogue's norm weight and RoPE entries
+#: before the work that precedes their use, so they arrive during it (0: after it, one more L2
+#: round trip at the end of every O- and down-projection tile; -0.004 to -0.010 ms alone).
+#: FUSEC_ATTN_Q_EARLY: 1 loads a split-KV tile's query heads into registers before its
+#: position, so the two L2 round trips overlap (0: q after the position; 0.000 to -0.008 ms).
+#: FUSEC_STAGE_BATCH: 1 loads all of a thread's 16-byte copies of a matvec's input before
+#: storing them to shared memory (one L2 round trip instead of one per copy; -0.005 ms on the
+#: 1B). FUSEC_ATTN_KV_EARLY: 1 asks L2 for a split-KV tile's K and V rows before its counter
+#: waits, 2 before the waits of the instruction ahead of it in the SM's queue (its QKV tile)
+#: (a kind's ``early`` macro, kernel.cu.j2 early_instr; 1: -0.006 to -0.013 ms alone, and
+#: with the others 2 lost 0.003-0.024 ms to 1 at positions 2047 and 4095).
+#: (Qwen3's head norm summed by warp shuffles and a split-KV tile's value rows loaded four at a
+#: time measured no faster, 0.000 to +0.007 ms, and were removed: experiments/warpsum-vbatch.mbox.)
 #: (A warp's first weight loads issued before a matvec tile's prologue, FUSEC_FIRST_BATCH in
 #: experiments/first-batch.mbox, measured 0.04-0.35 ms slower.)
 #: (Staging the first weight batch in shared memory or in registers before the waits, or an L2
@@ -71,9 +73,12 @@ MAX_SMEM_BYTES = 227 * 1024   # dynamic shared memory per CTA on sm_90 (opt-in m
 #: docs/performance.md.)
 KNOBS = {"FUSEC_LOADS_IN_FLIGHT": 8, "FUSEC_PREFETCH": 0, "FUSEC_INLINE_OTHER_KINDS": 0, "FUSEC_ATTN_PREFETCH": 1,
          "FUSEC_STAGE_QUEUE": 1, "FUSEC_DISPATCH_BY_KIND": 1, "FUSEC_ABORT_EVERY_INSTR": 0,
-         "FUSEC_ATTN_SINGLE": 0, "FUSEC_MERGE_ONE_PASS": 0, "FUSEC_EARLY_EPILOGUE_LOADS": 0,
-         "FUSEC_HEADNORM_WARP_SUM": 0, "FUSEC_ATTN_Q_EARLY": 0, "FUSEC_ATTN_V_BATCH": 1,
-         "FUSEC_STAGE_BATCH": 0, "FUSEC_ATTN_KV_EARLY": 0}
+         "FUSEC_ATTN_SINGLE": 256, "FUSEC_MERGE_ONE_PASS": 1, "FUSEC_EARLY_EPILOGUE_LOADS": 1,
+         "FUSEC_ATTN_Q_EARLY": 1, "FUSEC_STAGE_BATCH": 1, "FUSEC_ATTN_KV_EARLY": 1}
+#: The latency knobs' values before 2026-12-02 (all off): the GPU knob test and the family tests
+#: keep that path checked
+LATENCY_KNOBS_OFF = {"FUSEC_ATTN_SINGLE": 0, "FUSEC_MERGE_ONE_PASS": 0, "FUSEC_EARLY_EPILOGUE_LOADS": 0,
+                     "FUSEC_ATTN_Q_EARLY": 0, "FUSEC_STAGE_BATCH": 0, "FUSEC_ATTN_KV_EARLY": 0}
 #: FUSEC_DISPATCH_BY_KIND keeps the per-op dispatch when its tables would pass this many bytes
 DISPATCH_TABLE_LIMIT = 48 * 1024
 #: FUSEC_STAGE_QUEUE stages at most this many bytes (queue, waits, buffer table; with
