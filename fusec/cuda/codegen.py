@@ -63,6 +63,11 @@ MAX_SMEM_BYTES = 227 * 1024   # dynamic shared memory per CTA on sm_90 (opt-in m
 #: waits, 2 before the waits of the instruction ahead of it in the SM's queue (its QKV tile)
 #: (a kind's ``early`` macro, kernel.cu.j2 early_instr; 1: -0.006 to -0.013 ms alone, and
 #: with the others 2 lost 0.003-0.024 ms to 1 at positions 2047 and 4095).
+#: FUSEC_POLL_ONE_TRIP: 1 loads the abort flag together with the counter in a counter wait's
+#: poll loop (kernel.cu.j2 wait_all), where 0 loads it first and branches on it: two dependent
+#: L2 round trips per poll, so a consumer sees a released counter up to a round trip later
+#: (predicted -0.1 to -0.2 us per level change, 5 per layer; not yet measured, so 0).
+#: FUSEC_POLL_SLEEP: the __nanosleep between polls in ns (0: none; not yet measured below 32).
 #: (Qwen3's head norm summed by warp shuffles and a split-KV tile's value rows loaded four at a
 #: time measured no faster, 0.000 to +0.007 ms, and were removed: experiments/warpsum-vbatch.mbox.)
 #: (A warp's first weight loads issued before a matvec tile's prologue, FUSEC_FIRST_BATCH in
@@ -74,7 +79,8 @@ MAX_SMEM_BYTES = 227 * 1024   # dynamic shared memory per CTA on sm_90 (opt-in m
 KNOBS = {"FUSEC_LOADS_IN_FLIGHT": 8, "FUSEC_PREFETCH": 0, "FUSEC_INLINE_OTHER_KINDS": 0, "FUSEC_ATTN_PREFETCH": 1,
          "FUSEC_STAGE_QUEUE": 1, "FUSEC_DISPATCH_BY_KIND": 1, "FUSEC_ABORT_EVERY_INSTR": 0,
          "FUSEC_ATTN_SINGLE": 256, "FUSEC_MERGE_ONE_PASS": 1, "FUSEC_EARLY_EPILOGUE_LOADS": 1,
-         "FUSEC_ATTN_Q_EARLY": 1, "FUSEC_STAGE_BATCH": 1, "FUSEC_ATTN_KV_EARLY": 1}
+         "FUSEC_ATTN_Q_EARLY": 1, "FUSEC_STAGE_BATCH": 1, "FUSEC_ATTN_KV_EARLY": 1,
+         "FUSEC_POLL_ONE_TRIP": 0, "FUSEC_POLL_SLEEP": 32}
 #: The latency knobs' values before 2026-12-02 (all off): the GPU knob test and the family tests
 #: keep that path checked
 LATENCY_KNOBS_OFF = {"FUSEC_ATTN_SINGLE": 0, "FUSEC_MERGE_ONE_PASS": 0, "FUSEC_EARLY_EPILOGUE_LOADS": 0,
