@@ -85,7 +85,7 @@ def _parser() -> argparse.ArgumentParser:
              "torch.compile(backend='fusec') and print its median step time next to eager's; "
              "without one, print that it was skipped",
     )
-    c.add_argument("--run-steps", metavar="N", type=_positive_int, default=RUN_STEPS,
+    c.add_argument("--run-steps", metavar="N", type=_positive_int, default=None,
                    help=f"timed decode steps of --run, for fusec and for eager (default {RUN_STEPS})")
     c.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     t = sub.add_parser(
@@ -103,6 +103,7 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--layer", type=int, default=None, metavar="N",
                    help="also print when each op of decoder layer N ran (its critical path)")
     t.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    p.set_defaults(subparsers={"compile": c, "timeline": t})
     return p
 
 
@@ -256,6 +257,8 @@ def _check_build_result(path: str | os.PathLike, result: Any) -> tuple[Any, tupl
 
 def cmd_compile(ns: argparse.Namespace) -> int:
     """Run ``fusec compile``: load the model file, compile, write artifacts, print the summary."""
+    from fusec.config import Options
+    Options.from_dict({})   # a bad FUSEC_* environment value fails here, before build() runs
     out_dir = Path(ns.out_dir) if ns.out_dir else Path("build") / Path(ns.model_py).stem
     log.info("loading %s", ns.model_py)
     t0 = time.perf_counter()
@@ -264,7 +267,6 @@ def cmd_compile(ns: argparse.Namespace) -> int:
 
     from fusec.api import compile_model  # imported late: the checks above need none of the compiler
 
-    from fusec.config import Options
     num_sms = ns.num_sms or Options.from_dict({}).num_sms or DEFAULT_NUM_SMS
     options = {
         "num_sms": num_sms,
@@ -305,7 +307,7 @@ def cmd_compile(ns: argparse.Namespace) -> int:
             sys.stdout.write("no CUDA device: --run skipped\n")
         else:
             del model, args, kwargs, result    # the CPU copy (the 1B: 2.5 GB) is not needed
-            run_step_timing(ns.model_py, "cuda", steps=ns.run_steps)
+            run_step_timing(ns.model_py, "cuda", steps=ns.run_steps or RUN_STEPS)
     return 0
 
 
@@ -343,7 +345,13 @@ def main(argv: list[str] | None = None) -> int:
     Args:
         argv: the arguments after the program name (default: ``sys.argv[1:]``).
     """
-    ns = _parser().parse_args(argv)
+    parser = _parser()
+    ns, extra = parser.parse_known_args(argv)
+    sub = ns.subparsers[ns.command]
+    if extra:   # the subcommand's usage, not the top-level one, for a misspelt flag
+        sub.error(f"unrecognized arguments: {' '.join(extra)}")
+    if ns.command == "compile" and ns.run_steps is not None and not ns.run:
+        sub.error("--run-steps needs --run (it sets how many steps --run times)")
     with _cli_logging(ns.verbose):
         try:
             return _dispatch(ns)

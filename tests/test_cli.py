@@ -312,3 +312,25 @@ def test_run_needs_build_with_device(tmp_path):
     f.write_text("import torch\n\ndef build():\n    return torch.nn.Linear(2, 2), ()\n")
     with pytest.raises(ModelFileError, match="build\\(\\) takes no device argument"):
         run_step_timing(f, "cpu", steps=1, warmup=0)
+
+
+def test_flag_mistakes_name_the_subcommand(tmp_path, capsys, monkeypatch):
+    """A misspelt flag gets the compile subcommand's usage (not the top-level one); --run-steps
+    without --run is an error instead of doing nothing; a bad FUSEC_* environment value fails
+    before the model file's build() runs (found by a new-user trial)."""
+    example = ROOT / "examples" / "tiny_llama.py"
+    with pytest.raises(SystemExit) as e:
+        main(["compile", str(example), "--emit-cude"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "usage: fusec compile" in err and "unrecognized arguments: --emit-cude" in err
+    with pytest.raises(SystemExit) as e:
+        main(["compile", str(example), "--run-steps", "5"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--run-steps needs --run" in err
+    marker = tmp_path / "built"
+    model_py = tmp_path / "m.py"
+    model_py.write_text(f"def build():\n    open({str(marker)!r}, 'w').close()\n    raise SystemExit('not reached')\n")
+    monkeypatch.setenv("FUSEC_ATTENTION_MERGE", "nope")
+    code, err = _run(capsys, "compile", str(model_py), "-o", str(tmp_path / "out"))
+    assert code == 2 and "FUSEC_ATTENTION_MERGE" in err and "Traceback" not in err
+    assert not marker.exists(), "build() ran before the environment was checked"
