@@ -1,7 +1,7 @@
 """Show where a rendered kernel's device functions wait on memory: the PTX of one function with
 its global loads, branches, barriers and shuffles, no GPU needed.
 
-How this project found its dependent L2 round trips (docs/performance.md, Next 0): a load whose
+How this project found its dependent L2 round trips (docs/performance.md, section 16): a load whose
 value is used before the next load is issued (a loop whose loads sit behind its exit branch, a
 residual loaded after the dot product) costs a round trip each; loads issued back to back cost
 one together. PTX is NVRTC's output for ``compute_90a`` (ptxas may still reorder a little; no

@@ -73,7 +73,8 @@ MAX_SMEM_BYTES = 227 * 1024   # dynamic shared memory per CTA on sm_90 (opt-in m
 #: (A warp's first weight loads issued before a matvec tile's prologue, FUSEC_FIRST_BATCH in
 #: experiments/first-batch.mbox, measured 0.04-0.35 ms slower.)
 #: (Staging the first weight batch in shared memory or in registers before the waits, or an L2
-#: prefetch of it after them, early K/V loads in the split-KV tiles, a split-KV tile in one pass,
+#: prefetch of it after them, early K/V register loads in the split-KV tiles (not the L2 prefetch
+#: of FUSEC_ATTN_KV_EARLY), a split-KV tile in one pass,
 #: and a shared-memory weight ring of bulk async copies all measured slower and were removed:
 #: docs/performance.md.)
 KNOBS = {"FUSEC_LOADS_IN_FLIGHT": 8, "FUSEC_PREFETCH": 0, "FUSEC_INLINE_OTHER_KINDS": 0, "FUSEC_ATTN_PREFETCH": 1,
