@@ -53,9 +53,12 @@ def elementwise(ctx: Ctx, operands: list[Operand], ctype: str, expr: Callable[..
                 st = broadcast_strides(ctx.shape(o.tensor), oshape)
             except ValueError as e:
                 raise ctx.fail(str(e)) from None
-            if coords is None:
-                coords = ctx.coords(oshape, "i", ix)
-            off = offset(coords, st)
+            if not any(st):
+                off = "0"    # a broadcast scalar: no coordinates (they would be unused variables)
+            else:
+                if coords is None:
+                    coords = ctx.coords(oshape, "i", ix)
+                off = offset(coords, st)
         v = ctx.fresh("a")
         if o.ctype is None:
             ctx.emit(f"const {ctx.ctype(o.tensor)} {v} = {ctx.load(o.tensor, off)};")
