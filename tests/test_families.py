@@ -222,4 +222,5 @@ def test_generic_heavy_families_match_eager_and_emit_cuda(factory, steps):
     (step,) = steps
     kinds = step.schedule.graph.count_kinds()
     assert "linear" not in kinds and kinds["attention_partial"] == 2
-    compile_cuda(render(step.schedule).source, "fusec_step.cu")
+    kernel = compile_cuda(render(step.schedule).source, "fusec_step.cu")
+    assert "warning" not in kernel.log, kernel.log   # e.g. a broadcast operand's unused coordinate

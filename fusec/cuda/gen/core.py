@@ -9,6 +9,7 @@ under any strides (0 for a broadcast dim).
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, Sequence
 
 import torch
@@ -118,6 +119,7 @@ class Ctx:
         self.roots: list[str] = []                      # root buffer of each parameter
         self._param_of: dict[str, str] = {}             # root tensor -> param name
         self.lines: list[str] = []
+        self._optional: dict[int, str] = {}   # line index -> the coordinate it declares
         self._n = 0
         self.smem_floats = 0
         self.args = self._bind() if "target" in op.attrs else {}
@@ -234,7 +236,8 @@ class Ctx:
         self.emit(f"{ix} {r} = {var};")
         for d in reversed(dims):
             c = self.fresh("c")
-            if d == dims[0]:
+            if d == dims[0]:   # a broadcast operand may not use it: dropped from body() then
+                self._optional[len(self.lines)] = c
                 self.emit(f"const {ix} {c} = {r};")
             else:
                 self.emit(f"const {ix} {c} = {r} % {shape[d]}; {r} /= {shape[d]};")
@@ -246,4 +249,9 @@ class Ctx:
         return f"for ({ix} {var} = threadIdx.x; {var} < {n}; {var} += blockDim.x) {{"
 
     def body(self) -> str:
-        return "\n".join("  " + ln for ln in self.lines)
+        """The emitted lines, less an outermost coordinate that no other line reads (an unused
+        variable is an NVRTC warning)."""
+        keep = [ln for k, ln in enumerate(self.lines)
+                if k not in self._optional or any(re.search(rf"\b{self._optional[k]}\b", other)
+                                                  for j, other in enumerate(self.lines) if j != k)]
+        return "\n".join("  " + ln for ln in keep)
