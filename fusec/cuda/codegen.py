@@ -49,7 +49,7 @@ MAX_SMEM_BYTES = 227 * 1024   # dynamic shared memory per CTA on sm_90 (opt-in m
 #: 0.797 / 0.868 / 0.991. FUSEC_ATTN_SINGLE: T > 0 lets split 0 of each KV head do the whole
 #: head while the valid cache rows are at most min(T, the split's chunk), writing the output
 #: without partials, ticket or merge (attention_partial_merge; 256: -0.018 ms at 127 on the 1B
-#: alone). FUSEC_MERGE_ONE_PASS: 1 issues every load of a split-KV merge before its arithmetic
+#: alone; with the others +-0.006 ms, the noise). FUSEC_MERGE_ONE_PASS: 1 issues every load of a split-KV merge before its arithmetic
 #: (common.cuh merge_split_kv; up to 32 splits a KV head, else the two-pass merge; -0.016 ms on
 #: the 1B, -0.025 on Qwen3 alone). FUSEC_EARLY_EPILOGUE_LOADS: 1 loads a row's residual or bias
 #: (matvec_residual, matvec, rms_qkv_rope) and a head epilogue's norm weight and RoPE entries
@@ -62,7 +62,7 @@ MAX_SMEM_BYTES = 227 * 1024   # dynamic shared memory per CTA on sm_90 (opt-in m
 #: 1B). FUSEC_ATTN_KV_EARLY: 1 asks L2 for a split-KV tile's K and V rows before its counter
 #: waits, 2 before the waits of the instruction ahead of it in the SM's queue (its QKV tile)
 #: (a kind's ``early`` macro, kernel.cu.j2 early_instr; 1: -0.006 to -0.013 ms alone, and
-#: with the others 2 lost 0.003-0.024 ms to 1 at positions 2047 and 4095).
+#: with the others 2 lost up to 0.024 ms to 1 at position 4095).
 #: FUSEC_POLL_ONE_TRIP: 1 loads the abort flag together with the counter in a counter wait's
 #: poll loop (kernel.cu.j2 wait_all), where 0 loads it first and branches on it: two dependent
 #: L2 round trips per poll, so a consumer sees a released counter up to a round trip later
