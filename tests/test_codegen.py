@@ -151,12 +151,15 @@ def test_single_split_attention_knob_renders_and_compiles(tmp_path):
     (hf_tiny.llama, torch.bfloat16, "last_tile", {"FUSEC_ATTN_KV_EARLY": 2, "FUSEC_STAGE_QUEUE": 0}),
     (hf_tiny.llama, torch.bfloat16, "last_tile", {"FUSEC_ATTN_KV_EARLY": 0, "FUSEC_STAGE_QUEUE": 0}),
     (hf_tiny.llama, torch.bfloat16, "last_tile", {"FUSEC_POLL_ONE_TRIP": 1}),
-    (hf_tiny.qwen3, torch.float32, "reduce", {"FUSEC_POLL_ONE_TRIP": 1, "FUSEC_POLL_SLEEP": 0})])
+    (hf_tiny.qwen3, torch.float32, "reduce", {"FUSEC_POLL_ONE_TRIP": 1, "FUSEC_POLL_SLEEP": 0}),
+    (hf_tiny.llama, torch.bfloat16, "last_tile", {"FUSEC_QKV_LOADS_IN_FLIGHT": 16}),
+    (hf_tiny.qwen3, torch.bfloat16, "last_tile", {"FUSEC_QKV_LOADS_IN_FLIGHT": 16}),
+    (hf_tiny.qwen2_bias, torch.float32, "last_tile", {"FUSEC_QKV_LOADS_IN_FLIGHT": 16})])
 def test_latency_knobs_render_and_compile(factory, dtype, merge, defines, tmp_path):
     """The latency knobs (on by default, codegen.KNOBS) off, all or one by one (FUSEC_MERGE_ONE_PASS
     for both merges; FUSEC_EARLY_EPILOGUE_LOADS with biases and Qwen3's head norm), and
     FUSEC_ATTN_KV_EARLY's other values with the queue staged or not, and the poll knobs not yet
-    measured (FUSEC_POLL_ONE_TRIP, FUSEC_POLL_SLEEP): the kernel compiles without
+    measured (FUSEC_POLL_ONE_TRIP, FUSEC_POLL_SLEEP, FUSEC_QKV_LOADS_IN_FLIGHT): the kernel compiles without
     spills or warnings (the defaults: every family's emission test; numbers: the GPU knob and
     family tests)."""
     res = _tiny_decode_step(factory, dtype, 8, attention_merge=merge)

@@ -87,7 +87,9 @@ def test_mid_size_matvec_paths_match_eager(hidden, inter):
                                      {"FUSEC_ATTN_Q_EARLY": 0, "FUSEC_STAGE_BATCH": 0, "FUSEC_ATTN_KV_EARLY": 0},
                                      {"FUSEC_ATTN_KV_EARLY": 2, "FUSEC_STAGE_QUEUE": 0},
                                      # not yet measured: the counter poll in one round trip, without sleep
-                                     {"FUSEC_POLL_ONE_TRIP": 1}, {"FUSEC_POLL_SLEEP": 0, "FUSEC_POLL_ONE_TRIP": 1}])
+                                     {"FUSEC_POLL_ONE_TRIP": 1}, {"FUSEC_POLL_SLEEP": 0, "FUSEC_POLL_ONE_TRIP": 1},
+                                     # and rms_qkv_rope's weight loads in one batch per unit
+                                     {"FUSEC_QKV_LOADS_IN_FLIGHT": 16}])
 def test_kernel_knobs_match_eager(defines):
     """A non-default setting of each kernel knob (codegen.KNOBS) against eager, in bf16, on
     shapes where the batched matvec and the vector attention paths run; 5e-2 is a gross-error

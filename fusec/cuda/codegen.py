@@ -68,6 +68,10 @@ MAX_SMEM_BYTES = 227 * 1024   # dynamic shared memory per CTA on sm_90 (opt-in m
 #: L2 round trips per poll, so a consumer sees a released counter up to a round trip later
 #: (predicted -0.1 to -0.2 us per level change, 5 per layer; not yet measured, so 0).
 #: FUSEC_POLL_SLEEP: the __nanosleep between polls in ns (0: none; not yet measured below 32).
+#: FUSEC_QKV_LOADS_IN_FLIGHT: weight loads in flight per lane in rms_qkv_rope (0: as
+#: FUSEC_LOADS_IN_FLIGHT). Its tiles give most warps one unit (two rows, 8 KB on the 1B) that 8
+#: loads per lane stream in two dependent batches; 16 would take one (the QKV rows ran at 3.6 TB/s,
+#: 3.5 us for the level's 12.6 MB after a 1.3 us norm, at 2047; not yet measured, so 0).
 #: (Qwen3's head norm summed by warp shuffles and a split-KV tile's value rows loaded four at a
 #: time measured no faster, 0.000 to +0.007 ms, and were removed: experiments/warpsum-vbatch.mbox.)
 #: (A warp's first weight loads issued before a matvec tile's prologue, FUSEC_FIRST_BATCH in
@@ -81,7 +85,7 @@ KNOBS = {"FUSEC_LOADS_IN_FLIGHT": 8, "FUSEC_PREFETCH": 0, "FUSEC_INLINE_OTHER_KI
          "FUSEC_STAGE_QUEUE": 1, "FUSEC_DISPATCH_BY_KIND": 1, "FUSEC_ABORT_EVERY_INSTR": 0,
          "FUSEC_ATTN_SINGLE": 256, "FUSEC_MERGE_ONE_PASS": 1, "FUSEC_EARLY_EPILOGUE_LOADS": 1,
          "FUSEC_ATTN_Q_EARLY": 1, "FUSEC_STAGE_BATCH": 1, "FUSEC_ATTN_KV_EARLY": 1,
-         "FUSEC_POLL_ONE_TRIP": 0, "FUSEC_POLL_SLEEP": 32}
+         "FUSEC_POLL_ONE_TRIP": 0, "FUSEC_POLL_SLEEP": 32, "FUSEC_QKV_LOADS_IN_FLIGHT": 0}
 #: The latency knobs' values before 2026-12-02 (all off): the GPU knob test and the family tests
 #: keep that path checked
 LATENCY_KNOBS_OFF = {"FUSEC_ATTN_SINGLE": 0, "FUSEC_MERGE_ONE_PASS": 0, "FUSEC_EARLY_EPILOGUE_LOADS": 0,
