@@ -84,7 +84,7 @@ class Options:
             "reduce" (a separate ``attention_reduce`` level after all partial tiles). The default
             "last_tile" measured 1.0-1.4% faster on the H200 (docs/performance.md section 8).
         defines: ``#define`` name -> value for the kernel source: the tuning knobs of
-            :data:`fusec.cuda.codegen.KNOBS` (``FUSEC_LOADS_IN_FLIGHT``, ``FUSEC_PREFETCH``)
+            :data:`fusec.cuda.knobs.KNOBS` (``FUSEC_LOADS_IN_FLIGHT``, ``FUSEC_PREFETCH``)
             and their defaults.
         mode: ``torch.compile``'s mode, passed by torch as a backend keyword: None or "default"
             and "max-autotune-no-cudagraphs" launch the kernel directly each step;
@@ -182,7 +182,7 @@ class Options:
             if isinstance(v, bool) or not isinstance(v, (int, str)) or not re.fullmatch(r"[-+\w.]+", str(v)):
                 raise FusecError(f"option defines: {k}={v!r} must be an int or a plain token")
         if o.defines:
-            from fusec.cuda.codegen import KNOBS   # the kernel's knobs (a misspelt one would do nothing)
+            from fusec.cuda.knobs import KNOBS   # the kernel's knobs (a misspelt one would do nothing)
             unknown = sorted(set(o.defines) - set(KNOBS))
             if unknown:
                 raise FusecError(f"option defines{via('defines')}: unknown kernel knob(s) {unknown}; "

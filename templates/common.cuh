@@ -176,7 +176,7 @@ __device__ __forceinline__ void lds_vec(const TS* p, float (&f)[V]) {
 #endif
 
 // Tuning knobs (FUSEC_LOADS_IN_FLIGHT, FUSEC_PREFETCH, ...): #defined at the top of the kernel by
-// codegen (fusec.cuda.codegen.KNOBS holds all of them, their defaults and meaning).
+// codegen (fusec.cuda.knobs holds all of them, their defaults and meaning).
 
 // Batch shape of a matvec over R rows of length K: B loads of 16 bytes per row and lane in flight
 // (LIF per lane in all; a kind may ask for its own, as rms_qkv_rope does).

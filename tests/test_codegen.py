@@ -9,7 +9,8 @@ import torch
 
 import hf_tiny
 from fusec.api import compile_model
-from fusec.cuda.codegen import LATENCY_KNOBS_OFF, WORD, render
+from fusec.cuda.codegen import WORD, render
+from fusec.cuda.knobs import LATENCY_KNOBS_OFF
 from fusec.cuda.jit import compile_cuda, compile_ptx
 
 
@@ -156,7 +157,7 @@ def test_single_split_attention_knob_renders_and_compiles(tmp_path):
     (hf_tiny.qwen3, torch.bfloat16, "last_tile", {"FUSEC_QKV_LOADS_IN_FLIGHT": 16}),
     (hf_tiny.qwen2_bias, torch.float32, "last_tile", {"FUSEC_QKV_LOADS_IN_FLIGHT": 16})])
 def test_latency_knobs_render_and_compile(factory, dtype, merge, defines, tmp_path):
-    """The latency knobs (on by default, codegen.KNOBS) off, all or one by one (FUSEC_MERGE_ONE_PASS
+    """The latency knobs (on by default, fusec.cuda.knobs) off, all or one by one (FUSEC_MERGE_ONE_PASS
     for both merges; FUSEC_EARLY_EPILOGUE_LOADS with biases and Qwen3's head norm), and
     FUSEC_ATTN_KV_EARLY's other values with the queue staged or not, and the poll knobs not yet
     measured (FUSEC_POLL_ONE_TRIP, FUSEC_POLL_SLEEP, FUSEC_QKV_LOADS_IN_FLIGHT): the kernel compiles without
@@ -204,3 +205,17 @@ def test_poll_one_trip_loads_the_abort_flag_next_to_the_counter():
         flag = max(i for i, line in enumerate(body[:acquire]) if "ld.volatile.global" in line)
         between[on] = [line.strip() for line in body[flag + 1:acquire] if "bra" in line]
     assert len(between[0]) >= 1 and between[1] == [], between
+
+
+def test_every_knob_is_documented_and_read_by_a_template():
+    """fusec/cuda/knobs.py: unique FUSEC_ names with int defaults and a description, and every
+    knob is read somewhere in templates/ (a knob no template reads would do nothing)."""
+    from fusec import template_dir
+    from fusec.cuda.knobs import KNOBS, LATENCY_KNOBS_OFF, TABLE
+    names = [k.name for k in TABLE]
+    assert len(set(names)) == len(names) == len(KNOBS)
+    assert all(k.name.startswith("FUSEC_") and isinstance(k.default, int) and len(k.doc) > 20 for k in TABLE)
+    assert set(LATENCY_KNOBS_OFF) <= set(KNOBS)
+    text = "".join(p.read_text() for p in Path(template_dir()).iterdir() if p.suffix in (".j2", ".cuh"))
+    unread = [n for n in names if n not in text.replace(f"#define {n}", "")]
+    assert not unread, unread

@@ -11,7 +11,7 @@ import torch
 
 import step_util
 import hf_tiny
-from fusec.cuda.codegen import LATENCY_KNOBS_OFF
+from fusec.cuda.knobs import LATENCY_KNOBS_OFF
 from fusec.fallbacks import FallbackWatch
 
 pytestmark = pytest.mark.gpu
@@ -91,7 +91,7 @@ def test_mid_size_matvec_paths_match_eager(hidden, inter):
                                      # and rms_qkv_rope's weight loads in one batch per unit
                                      {"FUSEC_QKV_LOADS_IN_FLIGHT": 16}])
 def test_kernel_knobs_match_eager(defines):
-    """A non-default setting of each kernel knob (codegen.KNOBS) against eager, in bf16, on
+    """A non-default setting of each kernel knob (fusec.cuda.knobs) against eager, in bf16, on
     shapes where the batched matvec and the vector attention paths run; 5e-2 is a gross-error
     bound (both round to bf16), 12 steps after a 9-token prompt (positions 9-20: the split-KV
     chunk is 16 rows, so FUSEC_ATTN_SINGLE's one-split path runs up to 15 and the merge after),

@@ -18,7 +18,7 @@ import torch
 
 import hf_tiny
 import test_families as fam
-from fusec.cuda.codegen import LATENCY_KNOBS_OFF
+from fusec.cuda.knobs import LATENCY_KNOBS_OFF
 from fusec.fallbacks import FallbackWatch
 
 pytestmark = pytest.mark.gpu
@@ -44,7 +44,7 @@ def _record(name: str, row: dict) -> None:
     REPORT.write_text(json.dumps(rows, indent=1))
 
 
-#: the latency knobs off (codegen.LATENCY_KNOBS_OFF, the path before they were on by default),
+#: the latency knobs off (knobs.LATENCY_KNOBS_OFF, the path before they were on by default),
 #: checked on the families whose paths they change (q/k/v biases, Qwen3's per-head norm); not
 #: recorded in the README's table
 @pytest.mark.parametrize("name,defines", [(n, None) for n in sorted(FAMILIES)]

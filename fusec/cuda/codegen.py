@@ -18,6 +18,7 @@ import jinja2
 import torch
 
 from fusec import template_dir
+from fusec.cuda.knobs import KNOBS   # the kernel's tuning knobs and defaults (what each does: there)
 from fusec.errors import FallbackRequired
 from fusec.instructions import kind_of
 from fusec.instructions.base import CTA_THREADS
@@ -26,70 +27,6 @@ from fusec.ir.schedule import Schedule
 
 THREADS = CTA_THREADS
 MAX_SMEM_BYTES = 227 * 1024   # dynamic shared memory per CTA on sm_90 (opt-in maximum)
-#: Kernel tuning knobs (``#define``d at the top of every kernel) and their defaults; the
-#: ``defines`` option overrides them. FUSEC_LOADS_IN_FLIGHT: 16-byte weight loads in flight per
-#: lane in a matvec; FUSEC_PREFETCH: L2 bulk prefetch of this and the next instruction's
-#: weights before the counter waits; FUSEC_INLINE_OTHER_KINDS: 1 inlines the kinds other than
-#: the per-layer matvecs into their cases (as before 2026-12-01; NVRTC then takes 8-10x longer);
-#: FUSEC_ATTN_PREFETCH: 1 (2) asks L2 for a split-KV tile's V (K and V) rows before it stages q
-#: (1 measured 6-9 us per step faster than 0 on the Llama-3.2-1B, 2026-12-02); FUSEC_STAGE_QUEUE:
-#: 1 copies the SM's instruction words, wait lists and the buffer table to shared memory at the
-#: start of the step (kernel.cu.j2; when they fit in STAGE_LIMIT bytes; 1 measured 15-19 us per
-#: step faster than 0 on the 1B and 31-42 us on Qwen3-0.6B, 2026-12-02); FUSEC_DISPATCH_BY_KIND: 1
-#: dispatches on one case per distinct call (the layers of a kind share it) with each op's
-#: buffer indices and spare-counter offsets in a table (staged in shared memory with the queue),
-#: instead of one case per op (:func:`dispatch_by_kind`): as fast, and NVRTC takes half the time;
-#: FUSEC_ABORT_EVERY_INSTR: 1 reads the watchdog's abort flag after every instruction's waits, 0
-#: once per step and while spinning (kernel.cu.j2, wait_all; 0 measured 0-6 us per step faster).
-#: The latency knobs below remove dependent L2 round trips found in the kinds' PTX
-#: (tools/kernel_ptx.py); measured one by one and together on the H200 on 2026-12-02
-#: (benchmarks/latency-knobs.json, latency-combos.json; docs/performance.md, section 16), the six
-#: on by default take the Llama-3.2-1B step from 0.861 / 0.897 / 0.931 ms to 0.826 / 0.868 /
-#: 0.900 at positions 127 / 2047 / 4095 and Qwen3-0.6B from 0.828 / 0.919 / 1.036 to
-#: 0.797 / 0.868 / 0.991. FUSEC_ATTN_SINGLE: T > 0 lets split 0 of each KV head do the whole
-#: head while the valid cache rows are at most min(T, the split's chunk), writing the output
-#: without partials, ticket or merge (attention_partial_merge; 256: -0.018 ms at 127 on the 1B
-#: alone; with the others +-0.006 ms, the noise). FUSEC_MERGE_ONE_PASS: 1 issues every load of a split-KV merge before its arithmetic
-#: (common.cuh merge_split_kv; up to 32 splits a KV head, else the two-pass merge; -0.016 ms on
-#: the 1B, -0.025 on Qwen3 alone). FUSEC_EARLY_EPILOGUE_LOADS: 1 loads a row's residual or bias
-#: (matvec_residual, matvec, rms_qkv_rope) and a head epilogue's norm weight and RoPE entries
-#: before the work that precedes their use, so they arrive during it (0: after it, one more L2
-#: round trip at the end of every O- and down-projection tile; -0.004 to -0.010 ms alone).
-#: FUSEC_ATTN_Q_EARLY: 1 loads a split-KV tile's query heads into registers before its
-#: position, so the two L2 round trips overlap (0: q after the position; 0.000 to -0.008 ms).
-#: FUSEC_STAGE_BATCH: 1 loads all of a thread's 16-byte copies of a matvec's input before
-#: storing them to shared memory (one L2 round trip instead of one per copy; -0.005 ms on the
-#: 1B). FUSEC_ATTN_KV_EARLY: 1 asks L2 for a split-KV tile's K and V rows before its counter
-#: waits, 2 before the waits of the instruction ahead of it in the SM's queue (its QKV tile)
-#: (a kind's ``early`` macro, kernel.cu.j2 early_instr; 1: -0.006 to -0.013 ms alone, and
-#: with the others 2 lost up to 0.024 ms to 1 at position 4095).
-#: FUSEC_POLL_ONE_TRIP: 1 loads the abort flag together with the counter in a counter wait's
-#: poll loop (kernel.cu.j2 wait_all), where 0 loads it first and branches on it: two dependent
-#: L2 round trips per poll, so a consumer sees a released counter up to a round trip later
-#: (predicted -0.1 to -0.2 us per level change, 5 per layer; not yet measured, so 0).
-#: FUSEC_POLL_SLEEP: the __nanosleep between polls in ns (0: none; not yet measured below 32).
-#: FUSEC_QKV_LOADS_IN_FLIGHT: weight loads in flight per lane in rms_qkv_rope (0: as
-#: FUSEC_LOADS_IN_FLIGHT). Its tiles give most warps one unit (two rows, 8 KB on the 1B) that 8
-#: loads per lane stream in two dependent batches; 16 would take one (the QKV rows ran at 3.6 TB/s,
-#: 3.5 us for the level's 12.6 MB after a 1.3 us norm, at 2047; not yet measured, so 0).
-#: (Qwen3's head norm summed by warp shuffles and a split-KV tile's value rows loaded four at a
-#: time measured no faster, 0.000 to +0.007 ms, and were removed: experiments/warpsum-vbatch.mbox.)
-#: (A warp's first weight loads issued before a matvec tile's prologue, FUSEC_FIRST_BATCH in
-#: experiments/first-batch.mbox, measured 0.04-0.35 ms slower.)
-#: (Staging the first weight batch in shared memory or in registers before the waits, or an L2
-#: prefetch of it after them, early K/V register loads in the split-KV tiles (not the L2 prefetch
-#: of FUSEC_ATTN_KV_EARLY), a split-KV tile in one pass,
-#: and a shared-memory weight ring of bulk async copies all measured slower and were removed:
-#: docs/performance.md.)
-KNOBS = {"FUSEC_LOADS_IN_FLIGHT": 8, "FUSEC_PREFETCH": 0, "FUSEC_INLINE_OTHER_KINDS": 0, "FUSEC_ATTN_PREFETCH": 1,
-         "FUSEC_STAGE_QUEUE": 1, "FUSEC_DISPATCH_BY_KIND": 1, "FUSEC_ABORT_EVERY_INSTR": 0,
-         "FUSEC_ATTN_SINGLE": 256, "FUSEC_MERGE_ONE_PASS": 1, "FUSEC_EARLY_EPILOGUE_LOADS": 1,
-         "FUSEC_ATTN_Q_EARLY": 1, "FUSEC_STAGE_BATCH": 1, "FUSEC_ATTN_KV_EARLY": 1,
-         "FUSEC_POLL_ONE_TRIP": 0, "FUSEC_POLL_SLEEP": 32, "FUSEC_QKV_LOADS_IN_FLIGHT": 0}
-#: The latency knobs' values before 2026-12-02 (all off): the GPU knob test and the family tests
-#: keep that path checked
-LATENCY_KNOBS_OFF = {"FUSEC_ATTN_SINGLE": 0, "FUSEC_MERGE_ONE_PASS": 0, "FUSEC_EARLY_EPILOGUE_LOADS": 0,
-                     "FUSEC_ATTN_Q_EARLY": 0, "FUSEC_STAGE_BATCH": 0, "FUSEC_ATTN_KV_EARLY": 0}
 #: FUSEC_DISPATCH_BY_KIND keeps the per-op dispatch when its tables would pass this many bytes
 DISPATCH_TABLE_LIMIT = 48 * 1024
 #: FUSEC_STAGE_QUEUE stages at most this many bytes (queue, waits, buffer table; with

@@ -1,0 +1,101 @@
+"""Kernel tuning knobs: the ``#define``s at the top of every rendered kernel, their defaults, what
+each does, and the measurement that set its default.
+
+The ``defines`` option (or ``FUSEC_DEFINES="NAME=VALUE,..."``) overrides a default for one
+compile; a name not in :data:`KNOBS` is an error (:meth:`fusec.config.Options.from_dict`), since a
+misspelt knob would do nothing. Measured on the H200 with ``benchmarks/variants.py`` in one
+process per model; the sections named are those of ``docs/performance.md``. Times are per step,
+Llama-3.2-1B unless said, at positions 127 / 2047.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One kernel knob: its ``#define`` name, default value (an int) and what it does."""
+    name: str
+    default: int
+    doc: str
+
+
+TABLE: tuple[Knob, ...] = (
+    Knob("FUSEC_LOADS_IN_FLIGHT", 8,
+         "16-byte weight loads in flight per lane in a matvec (4 / 6 / 12 measured 0.004-0.027 ms "
+         "slower, §15; 16 2% slower, §6)"),
+    Knob("FUSEC_PREFETCH", 0,
+         "1: L2 bulk prefetch of this and the next instruction's weights before the counter waits "
+         "(0.10-0.15 ms slower, §9)"),
+    Knob("FUSEC_INLINE_OTHER_KINDS", 0,
+         "1 inlines the kinds other than the per-layer matvecs into their cases (as before "
+         "2026-12-01; NVRTC then takes 8-10x longer, and the step was 0.031-0.052 ms slower, §13)"),
+    Knob("FUSEC_ATTN_PREFETCH", 1,
+         "1 (2): a split-KV tile asks L2 for its V (K and V) rows before it stages q (1: 6-9 us "
+         "faster than 0, §13)"),
+    Knob("FUSEC_STAGE_QUEUE", 1,
+         "1 copies the SM's instruction words, wait lists and the buffer table to shared memory at "
+         "the start of the step, when they fit codegen.STAGE_LIMIT (15-19 us faster on the 1B, "
+         "31-42 us on Qwen3-0.6B, §14)"),
+    Knob("FUSEC_DISPATCH_BY_KIND", 1,
+         "1: one dispatch case per distinct call (the layers of a kind share it), each op's buffer "
+         "indices and spare-counter offsets in a table staged with the queue; 0: one case per op "
+         "(as fast; NVRTC takes half the time with 1, §14)"),
+    Knob("FUSEC_ABORT_EVERY_INSTR", 0,
+         "1 reads the watchdog's abort flag after every instruction's waits; 0 once per step and "
+         "while spinning (kernel.cu.j2 wait_all; 0 was 0-6 us faster, §14)"),
+    # the latency knobs of §16: each removes a dependent L2 round trip (or, at short positions,
+    # the split-KV merge) found in the kinds' PTX (tools/kernel_ptx.py); the six on by default
+    # took the 1B from 0.861 / 0.897 / 0.931 ms to 0.826 / 0.868 / 0.900 at 127 / 2047 / 4095 and
+    # Qwen3-0.6B from 0.828 / 0.919 / 1.036 to 0.797 / 0.868 / 0.991
+    Knob("FUSEC_ATTN_SINGLE", 256,
+         "T > 0: split 0 of each KV head does the whole head while the valid cache rows are at "
+         "most min(T, the split's chunk), writing the output without partials, ticket or merge "
+         "(attention_partial_merge; alone -0.018 ms at 127, with the others +-0.006 ms, §16)"),
+    Knob("FUSEC_MERGE_ONE_PASS", 1,
+         "1 issues every load of a split-KV merge before its arithmetic (common.cuh "
+         "merge_split_kv; up to 32 splits per KV head, else the two-pass merge; alone -0.016 ms "
+         "on the 1B, -0.025 on Qwen3-0.6B, §16)"),
+    Knob("FUSEC_EARLY_EPILOGUE_LOADS", 1,
+         "1 loads a row's residual or bias (matvec_residual, matvec, rms_qkv_rope) and a q/k head "
+         "epilogue's norm weight and RoPE entries before the work that precedes their use "
+         "(alone -0.004 to -0.010 ms, §16)"),
+    Knob("FUSEC_ATTN_Q_EARLY", 1,
+         "1 loads a split-KV tile's query heads into registers before its position, so the two "
+         "L2 round trips overlap (alone 0.000 to -0.008 ms, §16)"),
+    Knob("FUSEC_STAGE_BATCH", 1,
+         "1 loads all of a thread's 16-byte copies of a matvec's input before storing any to "
+         "shared memory (alone -0.005 ms, §16)"),
+    Knob("FUSEC_ATTN_KV_EARLY", 1,
+         "1 asks L2 for a split-KV tile's K and V rows before its counter waits, 2 before the "
+         "waits of the instruction ahead of it in the SM's queue (a kind's `early` macro, "
+         "kernel.cu.j2 early_instr; 1 alone -0.006 to -0.013 ms; 2 lost up to 0.024 ms to 1 at "
+         "4095, §16)"),
+    # not yet measured on a GPU, so at the value that leaves the kernel as before
+    Knob("FUSEC_POLL_ONE_TRIP", 0,
+         "1 loads the abort flag together with the counter in a counter wait's poll (kernel.cu.j2 "
+         "wait_all); 0 loads it first and branches on it: two dependent L2 round trips per poll "
+         "(predicted -0.1 to -0.2 us per level change; performance.md, Next 0)"),
+    Knob("FUSEC_POLL_SLEEP", 32, "the __nanosleep between two polls of a counter, in ns (0: none)"),
+    Knob("FUSEC_QKV_LOADS_IN_FLIGHT", 0,
+         "weight loads in flight per lane in rms_qkv_rope (0: FUSEC_LOADS_IN_FLIGHT); at 16 a "
+         "warp's unit (two rows, 8 KB on the 1B) streams in one batch instead of two "
+         "(predicted -0.3 to -1 us per layer; performance.md, Next 0)"),
+)
+
+#: name -> default, in the order the kernel's header defines them
+KNOBS: dict[str, int] = {k.name: k.default for k in TABLE}
+
+#: The latency knobs' values before 2026-12-02 (all off): the GPU knob test and the Qwen3 / Qwen2
+#: family GPU tests keep that path checked
+LATENCY_KNOBS_OFF: dict[str, int] = {"FUSEC_ATTN_SINGLE": 0, "FUSEC_MERGE_ONE_PASS": 0,
+                                     "FUSEC_EARLY_EPILOGUE_LOADS": 0, "FUSEC_ATTN_Q_EARLY": 0,
+                                     "FUSEC_STAGE_BATCH": 0, "FUSEC_ATTN_KV_EARLY": 0}
+
+# Mechanisms measured slower and removed (their patch series in experiments/): the first weight
+# batch staged in shared memory or registers before the waits, an L2 prefetch of it after them,
+# a warp's first weight loads before a tile's prologue (first-batch), early K/V register loads in
+# the split-KV tiles (not the L2 prefetch of FUSEC_ATTN_KV_EARLY), a split-KV tile in one pass
+# (attn-one-pass), shared-memory weight rings of cp.async or bulk copies (preload, tma), Qwen3's
+# head norm by shuffles and value rows in batches (warpsum-vbatch), the norm weight asked for
+# before the waits (norm-early): docs/performance.md, "What was tried".
