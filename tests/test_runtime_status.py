@@ -50,7 +50,7 @@ def test_kernel_with_host_status_compiles_without_spills(tiny_schedule, profile,
     assert f"fusec_status + {ST_HEAD}) + 8 * sm" in wait
     assert "fusec_report_fault(code, v, bound)" in src and "fusec_report_wait(blockIdx.x, q, in.op" in src
     # the spin polls the abort flag in device memory, never the host-mapped status
-    spin = src[src.index("while ((int)(v - target) < 0)"):src.index("__nanosleep(32)")]
+    spin = src[src.index("while ((int)(v - target) < 0)"):src.index("__nanosleep(FUSEC_POLL_SLEEP)")]
     assert "*(volatile int*)wd" in spin
     k = compile_cuda(src, "fusec_step.cu", cache_dir=str(tmp_path))
     k.assert_no_spills()
