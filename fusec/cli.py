@@ -47,6 +47,8 @@ def _parser() -> argparse.ArgumentParser:
         prog="fusec",
         description="Compile one transformer decode step into a persistent megakernel.",
     )
+    p.add_argument("-v", "--verbose", dest="verbose_top", action="store_true",
+                   help="debug logging (also after the command)")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     c = sub.add_parser(
         "compile",
@@ -352,6 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         sub.error(f"unrecognized arguments: {' '.join(extra)}")
     if ns.command == "compile" and ns.run_steps is not None and not ns.run:
         sub.error("--run-steps needs --run (it sets how many steps --run times)")
+    ns.verbose = ns.verbose or ns.verbose_top   # `fusec -v compile ...` as `fusec compile -v ...`
     with _cli_logging(ns.verbose):
         try:
             return _dispatch(ns)

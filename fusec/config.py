@@ -176,11 +176,19 @@ class Options:
             raise FusecError(f"option profile_step={o.profile_step} must be >= 1")
         if not isinstance(o.defines, dict):
             raise FusecError(f"option defines={o.defines!r} must be a dict of NAME -> value")
+        values = {}
         for k, v in o.defines.items():
             if not (isinstance(k, str) and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k)):
-                raise FusecError(f"option defines: {k!r} is not a C macro name")
-            if isinstance(v, bool) or not isinstance(v, (int, str)) or not re.fullmatch(r"[-+\w.]+", str(v)):
-                raise FusecError(f"option defines: {k}={v!r} must be an int or a plain token")
+                raise FusecError(f"option defines{via('defines')}: {k!r} is not a C macro name")
+            # every kernel knob is an int (fusec.cuda.knobs); a token such as "abc" would reach
+            # NVRTC as an undefined identifier, or silently nothing without --emit-cuda
+            text = str(v).strip() if isinstance(v, str) else None
+            if isinstance(v, bool) or not (isinstance(v, int) or (text and re.fullmatch(r"[-+]?\d+", text))) \
+                    or not -2 ** 31 <= int(v) < 2 ** 31:
+                raise FusecError(f"option defines{via('defines')}: {k}={v!r} must be an integer "
+                                 f"(a 32-bit int: kernel knobs are #defined ints)")
+            values[k] = int(v)
+        o.defines = values
         if o.defines:
             from fusec.cuda.knobs import KNOBS   # the kernel's knobs (a misspelt one would do nothing)
             unknown = sorted(set(o.defines) - set(KNOBS))

@@ -60,6 +60,9 @@ class Zoo(torch.nn.Module):
               F.scaled_dot_product_attention(q, kk, kk, attn_mask=y.reshape(-1)[:18].reshape(1, 3, 6), scale=0.3),
               F.scaled_dot_product_attention(q, k, k, is_causal=True),
               F.scaled_dot_product_attention(q.reshape(1, 2, 3, 8).repeat(1, 2, 1, 1), kk, kk, enable_gqa=True)]
+        # broadcasts that read only some coordinates of the output index (inner and outer dims of
+        # size 1), a 1-D gather: the generated code declares only the coordinates it reads
+        r += [x * x[:, :, :1], x + x[:1, :, :1], y - x[:, :1], torch.gather(x.reshape(-1), 0, ids[0])]
         buf[1:3].copy_(x[0, :2, :buf.shape[1]])
         return tuple(r)
 

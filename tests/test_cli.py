@@ -327,6 +327,9 @@ def test_flag_mistakes_name_the_subcommand(tmp_path, capsys, monkeypatch):
         main(["compile", str(example), "--run-steps", "5"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and "--run-steps needs --run" in err
+    monkeypatch.setenv("FUSEC_CACHE_DIR", str(tmp_path / "cache"))
+    assert main(["-v", "compile", str(example), "-o", str(tmp_path / "o1")]) == 0   # -v before the command
+    capsys.readouterr()
     marker = tmp_path / "built"
     model_py = tmp_path / "m.py"
     model_py.write_text(f"def build():\n    open({str(marker)!r}, 'w').close()\n    raise SystemExit('not reached')\n")

@@ -125,7 +125,7 @@ def test_profile_and_defines_options(monkeypatch):
     monkeypatch.setenv("FUSEC_DEFINES", "FUSEC_LOADS_IN_FLIGHT=16,FUSEC_PREFETCH=0")
     monkeypatch.setenv("FUSEC_PROFILE", "prof")
     o = Options.from_dict({})
-    assert o.defines == {"FUSEC_LOADS_IN_FLIGHT": "16", "FUSEC_PREFETCH": "0"}
+    assert o.defines == {"FUSEC_LOADS_IN_FLIGHT": 16, "FUSEC_PREFETCH": 0}   # knobs are ints
     assert o.profile and o.profile_dir == "prof"
     monkeypatch.setenv("FUSEC_DEFINES", "NOVALUE")
     with pytest.raises(FusecError, match="FUSEC_DEFINES"):
@@ -139,6 +139,13 @@ def test_profile_and_defines_options(monkeypatch):
     monkeypatch.setenv("FUSEC_DEFINES", "FUSEC_LOADS_IN_FLIGTH=4")
     with pytest.raises(FusecError, match=r"defines \(from FUSEC_DEFINES\): unknown kernel knob.*FUSEC_LOADS_IN_FLIGTH"):
         Options.from_dict({})
+    # a value that is not an int would reach NVRTC as an undefined identifier (found by a review)
+    monkeypatch.setenv("FUSEC_DEFINES", "FUSEC_LOADS_IN_FLIGHT=abc")
+    with pytest.raises(FusecError, match=r"defines \(from FUSEC_DEFINES\): FUSEC_LOADS_IN_FLIGHT='abc' must be an integer"):
+        Options.from_dict({})
+    for bad in ("1.5", "0x10", 2 ** 40, True, None):
+        with pytest.raises(FusecError, match="FUSEC_PREFETCH=.* must be an integer"):
+            Options.from_dict({"defines": {"FUSEC_PREFETCH": bad}})
     monkeypatch.delenv("FUSEC_DEFINES")
     with pytest.raises(FusecError, match=r"unknown kernel knob\(s\) \['FUSEC_NOPE'\]"):
         Options.from_dict({"defines": {"FUSEC_NOPE": 1}})

@@ -119,7 +119,7 @@ class Ctx:
         self.roots: list[str] = []                      # root buffer of each parameter
         self._param_of: dict[str, str] = {}             # root tensor -> param name
         self.lines: list[str] = []
-        self._optional: dict[int, str] = {}   # line index -> the coordinate it declares
+        self._coord_blocks: dict[int, tuple] = {}   # line index -> a coords() block (see body)
         self._n = 0
         self.smem_floats = 0
         self.args = self._bind() if "target" in op.attrs else {}
@@ -227,21 +227,21 @@ class Ctx:
 
     def coords(self, shape: Sequence[int], var: str, ix: str) -> list[str]:
         """Emit the decomposition of flat index ``var`` over ``shape`` (row-major); returns one
-        C expression per dim ("0" for size-1 dims)."""
+        C expression per dim ("0" for size-1 dims). The lines are written out by :meth:`body`,
+        which leaves out the coordinates no other line reads (a broadcast operand may use only
+        some; an unused variable is an NVRTC warning)."""
         dims = [d for d, s in enumerate(shape) if s != 1]
         out = ["0"] * len(shape)
         if not dims:
             return out
         r = self.fresh("r")
-        self.emit(f"{ix} {r} = {var};")
+        parts = []   # innermost first: (variable, the dim's size, outermost)
         for d in reversed(dims):
             c = self.fresh("c")
-            if d == dims[0]:   # a broadcast operand may not use it: dropped from body() then
-                self._optional[len(self.lines)] = c
-                self.emit(f"const {ix} {c} = {r};")
-            else:
-                self.emit(f"const {ix} {c} = {r} % {shape[d]}; {r} /= {shape[d]};")
+            parts.append((c, shape[d], d == dims[0]))
             out[d] = c
+        self._coord_blocks[len(self.lines)] = (ix, r, var, parts)
+        self.emit(f"// coordinates {r}")   # placeholder, expanded by body()
         return out
 
     def loop(self, n: int | str, var: str, ix: str) -> str:
@@ -249,9 +249,28 @@ class Ctx:
         return f"for ({ix} {var} = threadIdx.x; {var} < {n}; {var} += blockDim.x) {{"
 
     def body(self) -> str:
-        """The emitted lines, less an outermost coordinate that no other line reads (an unused
-        variable is an NVRTC warning)."""
-        keep = [ln for k, ln in enumerate(self.lines)
-                if k not in self._optional or any(re.search(rf"\b{self._optional[k]}\b", other)
-                                                  for j, other in enumerate(self.lines) if j != k)]
-        return "\n".join("  " + ln for ln in keep)
+        """The emitted lines, each :meth:`coords` block written out with only the coordinates
+        that other lines read (and the divisions that those need)."""
+        plain = [ln for k, ln in enumerate(self.lines) if k not in self._coord_blocks]
+        used = lambda c: any(re.search(rf"\b{c}\b", ln) for ln in plain)  # noqa: E731
+        out = []
+        for k, ln in enumerate(self.lines):
+            if k not in self._coord_blocks:
+                out.append(ln)
+                continue
+            ix, r, var, parts = self._coord_blocks[k]
+            need = [used(c) for c, _, _ in parts]
+            if not any(need):
+                continue
+            out.append(f"{ix} {r} = {var};")
+            last = max(i for i, n in enumerate(need) if n)   # no division after the last one used
+            for i, (c, size, outer) in enumerate(parts[:last + 1]):
+                if outer:
+                    out.append(f"const {ix} {c} = {r};")
+                elif need[i] and i < last:
+                    out.append(f"const {ix} {c} = {r} % {size}; {r} /= {size};")
+                elif need[i]:
+                    out.append(f"const {ix} {c} = {r} % {size};")
+                else:
+                    out.append(f"{r} /= {size};")
+        return "\n".join("  " + ln for ln in out)
