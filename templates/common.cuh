@@ -178,14 +178,13 @@ __device__ __forceinline__ void lds_vec(const TS* p, float (&f)[V]) {
 // Tuning knobs (FUSEC_LOADS_IN_FLIGHT, FUSEC_PREFETCH, ...): #defined at the top of the kernel by
 // codegen (fusec.cuda.knobs holds all of them, their defaults and meaning).
 
-// Batch shape of a matvec over R rows of length K: B loads of 16 bytes per row and lane in flight
-// (LIF per lane in all; a kind may ask for its own, as rms_qkv_rope does).
-template <typename TW, int K, int R, int LIF = FUSEC_LOADS_IN_FLIGHT>
+// Batch shape of a matvec over R rows of length K: B loads of 16 bytes per row and lane in flight.
+template <typename TW, int K, int R>
 struct MatvecBatch {
   static constexpr int V = 16 / sizeof(TW), STEP = 32 * V;
   static constexpr bool VEC = K % STEP == 0;      // the batched path runs
   static constexpr int NK = K / STEP;
-  static constexpr int B0 = LIF / R > 0 ? LIF / R : 1;
+  static constexpr int B0 = FUSEC_LOADS_IN_FLIGHT / R > 0 ? FUSEC_LOADS_IN_FLIGHT / R : 1;
   static constexpr int B = NK < B0 ? (NK > 0 ? NK : 1) : B0;
   static constexpr int NB = NK / B;
 };
@@ -227,10 +226,10 @@ __device__ __forceinline__ void dot_batch(const TW* const (&w)[R], const TS* __r
 // weights stream with 16-byte loads, FUSEC_LOADS_IN_FLIGHT per lane in flight when K is a
 // multiple of a warp's step (32 x 16 bytes), one per row otherwise; scalar loads if K is not a
 // multiple of 16 bytes.
-template <typename TW, typename TS, int K, int R, int LIF = FUSEC_LOADS_IN_FLIGHT>
+template <typename TW, typename TS, int K, int R>
 __device__ __forceinline__ void dot_rows(const TW* const (&w)[R], const TS* __restrict__ xs, int lane,
                                          float (&out)[R]) {
-  using M = MatvecBatch<TW, K, R, LIF>;
+  using M = MatvecBatch<TW, K, R>;
   constexpr int V = M::V, STEP = M::STEP;
   float acc[R];
 #pragma unroll

@@ -151,16 +151,22 @@ def test_single_split_attention_knob_renders_and_compiles(tmp_path):
     (hf_tiny.qwen3, torch.bfloat16, "reduce", {"FUSEC_ATTN_KV_EARLY": 2}),
     (hf_tiny.llama, torch.bfloat16, "last_tile", {"FUSEC_ATTN_KV_EARLY": 2, "FUSEC_STAGE_QUEUE": 0}),
     (hf_tiny.llama, torch.bfloat16, "last_tile", {"FUSEC_ATTN_KV_EARLY": 0, "FUSEC_STAGE_QUEUE": 0}),
-    (hf_tiny.llama, torch.bfloat16, "last_tile", {"FUSEC_POLL_ONE_TRIP": 1}),
-    (hf_tiny.qwen3, torch.float32, "reduce", {"FUSEC_POLL_ONE_TRIP": 1, "FUSEC_POLL_SLEEP": 0}),
-    (hf_tiny.llama, torch.bfloat16, "last_tile", {"FUSEC_QKV_LOADS_IN_FLIGHT": 16}),
-    (hf_tiny.qwen3, torch.bfloat16, "last_tile", {"FUSEC_QKV_LOADS_IN_FLIGHT": 16}),
-    (hf_tiny.qwen2_bias, torch.float32, "last_tile", {"FUSEC_QKV_LOADS_IN_FLIGHT": 16})])
+    (hf_tiny.qwen3, torch.float32, "reduce", {"FUSEC_POLL_SLEEP": 0}),
+    (hf_tiny.llama, torch.bfloat16, "last_tile", {"FUSEC_ATTN_LANES": 2}),
+    (hf_tiny.qwen3, torch.float32, "reduce", {"FUSEC_ATTN_LANES": 0}),
+    # the register limits of the lanes path (q chunks in registers, V in the K batch) at 16 and 8
+    # query heads per KV head, and the value pass's reduce-scatter
+    (lambda: hf_tiny.qwen3(hidden=256, inter=256, heads=16, kv_heads=1, head_dim=64), torch.float32, "last_tile",
+     {"FUSEC_ATTN_LANES": 2}),
+    (lambda: hf_tiny.llama(hidden=512, inter=1024, heads=8, kv_heads=1, head_dim=64), torch.bfloat16, "last_tile",
+     {"FUSEC_ATTN_LANES": 2, "FUSEC_ATTN_V_SCATTER": 1}),
+    (hf_tiny.qwen3, torch.float32, "reduce", {"FUSEC_ATTN_V_SCATTER": 1})])
 def test_latency_knobs_render_and_compile(factory, dtype, merge, defines, tmp_path):
     """The latency knobs (on by default, fusec.cuda.knobs) off, all or one by one (FUSEC_MERGE_ONE_PASS
     for both merges; FUSEC_EARLY_EPILOGUE_LOADS with biases and Qwen3's head norm), and
-    FUSEC_ATTN_KV_EARLY's other values with the queue staged or not, and the poll knobs not yet
-    measured (FUSEC_POLL_ONE_TRIP, FUSEC_POLL_SLEEP, FUSEC_QKV_LOADS_IN_FLIGHT): the kernel compiles without
+    FUSEC_ATTN_KV_EARLY's other values with the queue staged or not, the poll without a sleep, and
+    the split-KV scores by lanes (FUSEC_ATTN_LANES) and the value pass's reduce-scatter
+    (FUSEC_ATTN_V_SCATTER): the kernel compiles without
     spills or warnings (the defaults: every family's emission test; numbers: the GPU knob and
     family tests)."""
     res = _tiny_decode_step(factory, dtype, 8, attention_merge=merge)
@@ -187,24 +193,6 @@ def test_early_epilogue_loads_put_the_residual_load_before_the_weight_loads():
         weights = next(i for i, line in enumerate(body) if "ld.global.nc.L1::no_allocate" in line)
         order[on] = residual < weights
     assert order == {0: False, 1: True}, order
-
-
-def test_poll_one_trip_loads_the_abort_flag_next_to_the_counter():
-    """What FUSEC_POLL_ONE_TRIP is for, read in the PTX of the counter wait's poll loop
-    (kernel.cu.j2 wait_all): off, the abort flag's load is followed by branches on its value
-    before the counter's acquire load (two dependent L2 round trips per poll); on, the two
-    loads are adjacent, with no branch between them."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-    import kernel_ptx
-    res = _tiny_decode_step(hf_tiny.llama, torch.bfloat16, 8)
-    between = {}
-    for on in (0, 1):
-        ptx = compile_ptx(render(res.schedule, defines={"FUSEC_POLL_ONE_TRIP": on}).source)
-        body = kernel_ptx.functions(ptx)["fusec_step"].splitlines()
-        acquire = max(i for i, line in enumerate(body) if "ld.acquire.gpu" in line)   # the poll's
-        flag = max(i for i, line in enumerate(body[:acquire]) if "ld.volatile.global" in line)
-        between[on] = [line.strip() for line in body[flag + 1:acquire] if "bra" in line]
-    assert len(between[0]) >= 1 and between[1] == [], between
 
 
 def test_every_knob_is_documented_and_read_by_a_template():

@@ -86,10 +86,12 @@ def test_mid_size_matvec_paths_match_eager(hidden, inter):
                                      {"FUSEC_MERGE_ONE_PASS": 0, "FUSEC_EARLY_EPILOGUE_LOADS": 0},
                                      {"FUSEC_ATTN_Q_EARLY": 0, "FUSEC_STAGE_BATCH": 0, "FUSEC_ATTN_KV_EARLY": 0},
                                      {"FUSEC_ATTN_KV_EARLY": 2, "FUSEC_STAGE_QUEUE": 0},
-                                     # not yet measured: the counter poll in one round trip, without sleep
-                                     {"FUSEC_POLL_ONE_TRIP": 1}, {"FUSEC_POLL_SLEEP": 0, "FUSEC_POLL_ONE_TRIP": 1},
-                                     # and rms_qkv_rope's weight loads in one batch per unit
-                                     {"FUSEC_QKV_LOADS_IN_FLIGHT": 16}])
+                                     # the counter polled without sleeping
+                                     {"FUSEC_POLL_SLEEP": 0},
+                                     # the split-KV scores by lanes, with the value rows in the K batch or not
+                                     {"FUSEC_ATTN_LANES": 0}, {"FUSEC_ATTN_LANES": 2, "FUSEC_ATTN_SINGLE": 0},
+                                     # the value pass's reduce-scatter (off until the whole suite has run it)
+                                     {"FUSEC_ATTN_V_SCATTER": 1}])
 def test_kernel_knobs_match_eager(defines):
     """A non-default setting of each kernel knob (fusec.cuda.knobs) against eager, in bf16, on
     shapes where the batched matvec and the vector attention paths run; 5e-2 is a gross-error
@@ -121,18 +123,16 @@ def test_kernel_knobs_match_eager(defines):
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("defines", [None, {"FUSEC_POLL_ONE_TRIP": 1}])
-def test_watchdog_reports_a_missing_producer(defines):
+def test_watchdog_reports_a_missing_producer():
     """A wait on a counter nobody signals: the step returns at once (no sync), the kernel gives
     up on the GPU; raise_if_watchdog (synchronizing) reports it, and so does the next call
-    (before launching). Counters are reset: the repaired step runs again. Also with the abort
-    flag loaded next to the counter in the poll (FUSEC_POLL_ONE_TRIP)."""
+    (before launching). Counters are reset: the repaired step runs again."""
     from fusec.errors import WatchdogError
     model, cache = step_util.tiny_on_gpu(hf_tiny.llama, torch.bfloat16)
     kwargs = {"input_ids": torch.randint(0, 128, (1, 1), device="cuda"), "past_key_values": cache,
               "use_cache": True}
     _, g, flat = step_util.capture(model, kwargs)
-    step, sched = step_util.build(g, flat, watchdog_s=0.2, **({"defines": defines} if defines else {}))
+    step, sched = step_util.build(g, flat, watchdog_s=0.2)
     step(*flat)  # a good step first
     step.raise_if_watchdog()
     victim = next(i for i in range(len(step.plan.words) // 8) if step.plan.words[i * 8 + 6] > 0)

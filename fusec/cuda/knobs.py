@@ -71,26 +71,33 @@ TABLE: tuple[Knob, ...] = (
          "waits of the instruction ahead of it in the SM's queue (a kind's `early` macro, "
          "kernel.cu.j2 early_instr; 1 alone -0.006 to -0.013 ms; 2 lost up to 0.024 ms to 1 at "
          "4095, §16)"),
-    # not yet measured on a GPU, so at the value that leaves the kernel as before
-    Knob("FUSEC_POLL_ONE_TRIP", 0,
-         "1 loads the abort flag together with the counter in a counter wait's poll (kernel.cu.j2 "
-         "wait_all); 0 loads it first and branches on it: two dependent L2 round trips per poll "
-         "(predicted -0.1 to -0.2 us per level change; performance.md, Next 0)"),
-    Knob("FUSEC_POLL_SLEEP", 32, "the __nanosleep between two polls of a counter, in ns (0: none)"),
-    Knob("FUSEC_QKV_LOADS_IN_FLIGHT", 0,
-         "weight loads in flight per lane in rms_qkv_rope (0: FUSEC_LOADS_IN_FLIGHT); at 16 a "
-         "warp's unit (two rows, 8 KB on the 1B) streams in one batch instead of two "
-         "(predicted -0.3 to -1 us per layer; performance.md, Next 0)"),
+    Knob("FUSEC_POLL_SLEEP", 32,
+         "the __nanosleep between two polls of a counter, in ns (0: none; 100 and 0 measured the "
+         "same as 32, within 0.004 ms; performance.md §17)"),
+    Knob("FUSEC_ATTN_LANES", 1,
+         "1: a split-KV tile's scores with D / (16 bytes) lanes per cache row (two rows per lane "
+         "in one batch of K loads, the dot summed by shuffles) instead of one thread per row "
+         "(Qwen3-0.6B -0.003 / -0.019 / -0.047 ms at 127 / 2047 / 4095, the 1B -0.001 / -0.002 / "
+         "-0.012, §17); 2: also those rows' V chunks loaded in that batch (1B +0.003 / +0.012 / "
+         "0.000, Qwen3 -0.015 / -0.021 / -0.047: not the default; as 1 where a lane's q chunks "
+         "take more than 32 registers)"),
+    # measured faster on the 1B but not yet through the whole GPU suite, so off
+    Knob("FUSEC_ATTN_V_SCATTER", 0,
+         "1: a split-KV tile's value pass sums a warp's row slices by a reduce-scatter (each "
+         "shuffle step halves the values a lane keeps: 24 shuffles per warp instead of 64 on the "
+         "1B, 8 instead of 16 on Qwen3-0.6B); 1B -0.008 / -0.005 ms at 127 / 2047, Qwen3-0.6B "
+         "+0.002 / 0.000 (§17.5); its GPU knob test passed, the family tests have not run it"),
 )
 
 #: name -> default, in the order the kernel's header defines them
 KNOBS: dict[str, int] = {k.name: k.default for k in TABLE}
 
-#: The latency knobs' values before 2026-12-02 (all off): the GPU knob test and the Qwen3 / Qwen2
-#: family GPU tests keep that path checked
+#: The latency knobs' values before 2026-12-02 (all off; §16 and FUSEC_ATTN_LANES of §17): the GPU
+#: knob test and the Qwen3 / Qwen2 family GPU tests keep that path checked
 LATENCY_KNOBS_OFF: dict[str, int] = {"FUSEC_ATTN_SINGLE": 0, "FUSEC_MERGE_ONE_PASS": 0,
                                      "FUSEC_EARLY_EPILOGUE_LOADS": 0, "FUSEC_ATTN_Q_EARLY": 0,
-                                     "FUSEC_STAGE_BATCH": 0, "FUSEC_ATTN_KV_EARLY": 0}
+                                     "FUSEC_STAGE_BATCH": 0, "FUSEC_ATTN_KV_EARLY": 0,
+                                     "FUSEC_ATTN_LANES": 0}
 
 # Mechanisms measured slower and removed (their patch series in experiments/): the first weight
 # batch staged in shared memory or registers before the waits, an L2 prefetch of it after them,
@@ -98,4 +105,6 @@ LATENCY_KNOBS_OFF: dict[str, int] = {"FUSEC_ATTN_SINGLE": 0, "FUSEC_MERGE_ONE_PA
 # the split-KV tiles (not the L2 prefetch of FUSEC_ATTN_KV_EARLY), a split-KV tile in one pass
 # (attn-one-pass), shared-memory weight rings of cp.async or bulk copies (preload, tma), Qwen3's
 # head norm by shuffles and value rows in batches (warpsum-vbatch), the norm weight asked for
-# before the waits (norm-early): docs/performance.md, "What was tried".
+# before the waits (norm-early); and (no change, §17; commits cc3de9f, c42c6c6) the abort flag loaded
+# next to the counter in a poll (FUSEC_POLL_ONE_TRIP) and rms_qkv_rope's own loads in flight
+# (FUSEC_QKV_LOADS_IN_FLIGHT): docs/performance.md, "What was tried".
