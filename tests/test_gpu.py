@@ -90,8 +90,8 @@ def test_mid_size_matvec_paths_match_eager(hidden, inter):
                                      {"FUSEC_POLL_SLEEP": 0},
                                      # the split-KV scores by lanes, with the value rows in the K batch or not
                                      {"FUSEC_ATTN_LANES": 0}, {"FUSEC_ATTN_LANES": 2, "FUSEC_ATTN_SINGLE": 0},
-                                     # the value pass's reduce-scatter (off until the whole suite has run it)
-                                     {"FUSEC_ATTN_V_SCATTER": 1}])
+                                     # the value pass's butterfly sums instead of the reduce-scatter
+                                     {"FUSEC_ATTN_V_SCATTER": 0}])
 def test_kernel_knobs_match_eager(defines):
     """A non-default setting of each kernel knob (fusec.cuda.knobs) against eager, in bf16, on
     shapes where the batched matvec and the vector attention paths run; 5e-2 is a gross-error

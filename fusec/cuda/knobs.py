@@ -81,23 +81,22 @@ TABLE: tuple[Knob, ...] = (
          "-0.012, §17); 2: also those rows' V chunks loaded in that batch (1B +0.003 / +0.012 / "
          "0.000, Qwen3 -0.015 / -0.021 / -0.047: not the default; as 1 where a lane's q chunks "
          "take more than 32 registers)"),
-    # measured faster on the 1B but not yet through the whole GPU suite, so off
-    Knob("FUSEC_ATTN_V_SCATTER", 0,
+    Knob("FUSEC_ATTN_V_SCATTER", 1,
          "1: a split-KV tile's value pass sums a warp's row slices by a reduce-scatter (each "
          "shuffle step halves the values a lane keeps: 24 shuffles per warp instead of 64 on the "
          "1B, 8 instead of 16 on Qwen3-0.6B); 1B -0.008 / -0.005 ms at 127 / 2047, Qwen3-0.6B "
-         "+0.002 / 0.000 (§17.5); its GPU knob test passed, the family tests have not run it"),
+         "+0.002 / 0.000 (§17.5); 0: the butterfly sums (the whole GPU suite passed with 1, 2026-12-02)"),
 )
 
 #: name -> default, in the order the kernel's header defines them
 KNOBS: dict[str, int] = {k.name: k.default for k in TABLE}
 
-#: The latency knobs' values before 2026-12-02 (all off; §16 and FUSEC_ATTN_LANES of §17): the GPU
+#: The latency knobs' values before 2026-12-02 (all off; §16 and FUSEC_ATTN_LANES / _V_SCATTER of §17): the GPU
 #: knob test and the Qwen3 / Qwen2 family GPU tests keep that path checked
 LATENCY_KNOBS_OFF: dict[str, int] = {"FUSEC_ATTN_SINGLE": 0, "FUSEC_MERGE_ONE_PASS": 0,
                                      "FUSEC_EARLY_EPILOGUE_LOADS": 0, "FUSEC_ATTN_Q_EARLY": 0,
                                      "FUSEC_STAGE_BATCH": 0, "FUSEC_ATTN_KV_EARLY": 0,
-                                     "FUSEC_ATTN_LANES": 0}
+                                     "FUSEC_ATTN_LANES": 0, "FUSEC_ATTN_V_SCATTER": 0}
 
 # Mechanisms measured slower and removed (their patch series in experiments/): the first weight
 # batch staged in shared memory or registers before the waits, an L2 prefetch of it after them,
