@@ -28,6 +28,11 @@ ROOT = Path(__file__).resolve().parent.parent
 CACHE_NAMES = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "FUSEC_CACHE_DIR", "CUDA_CACHE_PATH")
 
 
+#: the engine name of the ``fusec.generate`` rows: its first two tokens (prefill, the decode
+#: step's compile or load, one step) in new processes (``decode.py`` ``generate_probe``)
+GENERATE = "fusec.generate"
+
+
 def cache_folders(root: Path) -> dict[str, str]:
     """One folder under ``root`` per cache of :data:`CACHE_NAMES` (env name -> path)."""
     return {name: str(root / name.split("_")[0].lower()) for name in CACHE_NAMES}
@@ -68,7 +73,7 @@ def compile_in_new_processes(engine: str, example: str | Path, args: argparse.Na
             if res["fallbacks"]:
                 raise RuntimeError(f"fusec fell back to another backend: {res['fallbacks'][0]}")
             out[f"compile_{which}_s"] = res["seconds"]
-            if engine == "fusec":
+            if engine in ("fusec", GENERATE):
                 out[f"compile_{which}_stages"] = [ln for ln in p.stderr.splitlines() if " fusec: stage " in ln]
             log.info("%s (%s): compile %s %.1f s (new process)", engine, Path(example).stem, which,
                      res["seconds"])
@@ -86,6 +91,7 @@ def compile_models(examples: list[str], args: argparse.Namespace, script: Path) 
         out[Path(example).stem] = rec
         try:
             rec.update(compile_in_new_processes("fusec", example, args, script))
+            rec["generate"] = compile_in_new_processes(GENERATE, example, args, script)
         except Exception as e:   # one model failing must not lose the rest of the results
             rec["error"] = f"{type(e).__name__}: {str(e).strip()[:500]}"
             log.error("fusec compile of %s: FAILED: %s", example, rec["error"])
@@ -104,16 +110,19 @@ def print_compile_times(results: dict[str, Any]) -> None:
     rows = [(name, "llama_3_2_1b", rec) for name, rec in results["engines"].items()
             if rec.get("compile_cold_s") is not None]
     rows += [("fusec", model, rec) for model, rec in results.get("compile_times", {}).items()]
+    rows = [r for name, model, rec in rows
+            for r in [(name, model, rec)] + ([(GENERATE, model, rec["generate"])] if rec.get("generate") else [])]
     if not rows:
         return
     print("\ncompile time, torch.compile to the first logits, each in a new process "
-          "(cold: empty cache folders; warm: the caches the cold process filled)")
-    head = f"{'engine':<12} {'model':<16} {'cold s':>7} {'warm s':>7}"
+          "(cold: empty cache folders; warm: the caches the cold process filled; fusec.generate: "
+          "the call that returns an 8-token prompt's first 2 new tokens)")
+    head = f"{'engine':<14} {'model':<16} {'cold s':>7} {'warm s':>7}"
     print(head)
     print("-" * len(head))
     for name, model, rec in rows:
         if rec.get("error"):
-            print(f"{name:<12} {model:<16} FAILED  {rec['error'][:100]}")
+            print(f"{name:<14} {model:<16} FAILED  {rec['error'][:100]}")
             continue
-        print(f"{name:<12} {model:<16} {fmt(rec.get('compile_cold_s'), '.1f', 7)} "
+        print(f"{name:<14} {model:<16} {fmt(rec.get('compile_cold_s'), '.1f', 7)} "
               f"{fmt(rec.get('compile_warm_s'), '.1f', 7)}")

@@ -114,7 +114,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--compile-models", nargs="*", default=[], metavar="EXAMPLE_PY",
                     help="example model files (examples/llama_3_1_8b.py) whose fusec compile time, cold "
                     "and warm in new processes, is measured too")
-    ap.add_argument("--compile-probe", choices=COMPILED, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--compile-probe", choices=COMPILED + (compile_time.GENERATE,), default=None,
+                    help=argparse.SUPPRESS)
     ap.add_argument("--compile-example", default=str(ROOT / "examples" / "llama_3_2_1b.py"),
                     help=argparse.SUPPRESS)
     ap.add_argument("--keep-caches", action="store_true",
@@ -378,6 +379,31 @@ def compile_probe(args: argparse.Namespace) -> int:
     return 0
 
 
+def generate_probe(args: argparse.Namespace) -> int:
+    """``--compile-probe fusec.generate`` (a child process): build ``--compile-example``'s model
+    on the GPU and time ``fusec.generate`` of 2 new tokens after an 8-token prompt: the eager
+    prefill (the first token), the decode step's compile (or, warm, its load: dynamo's trace
+    skipped, fusec.frontend.precompiled) and one decode step; print it as JSON."""
+    import fusec
+    from fusec.fallbacks import FallbackWatch
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    dev = torch.device(PROBE_DEVICE)
+    ex = runpy.run_path(args.compile_example)
+    model = build_model(ex, dev, args.seed)
+    ids = torch.randint(0, model.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(args.seed))
+    ids = ids.to(dev)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with FallbackWatch() as w:
+        out = fusec.generate(model, ids, 2, eos_token_id=[], options=args.fusec_options or None)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    if out.shape != (1, 10):
+        raise RuntimeError(f"fusec.generate returned shape {tuple(out.shape)}, expected (1, 10)")
+    print(json.dumps({"seconds": seconds, "fallbacks": list(w.fallbacks)}), flush=True)
+    return 0
+
+
 def run_engine(eng: Engine, bench: Bench, record: dict[str, Any]) -> None:
     """Compile (cold, warm: new processes), then check and time ``eng`` at every position; fills
     ``record``.
@@ -388,6 +414,9 @@ def run_engine(eng: Engine, bench: Bench, record: dict[str, Any]) -> None:
     if eng.compiled and args.compile_time:
         record.update(compile_time.compile_in_new_processes(eng.name, args.compile_example, args,
                                                               PROBE_SCRIPT))
+        if eng.name == "fusec":
+            record["generate"] = compile_time.compile_in_new_processes(compile_time.GENERATE,
+                                                                       args.compile_example, args, PROBE_SCRIPT)
     with eng.context():
         step, first = first_call_seconds(eng, args.positions[0], args.seed)
         if eng.compiled:
@@ -439,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; returns the exit status (1 if any engine failed)."""
     args = parse_args(argv)
     if args.compile_probe:
-        return compile_probe(args)
+        return generate_probe(args) if args.compile_probe == compile_time.GENERATE else compile_probe(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     if not torch.cuda.is_available():
         log.error("no CUDA device: this benchmark runs on the GPU machine")
@@ -484,7 +513,8 @@ def _run(args: argparse.Namespace, caches: dict[str, str], argv: list[str] | Non
                    "argv": sys.argv[1:] if argv is None else argv,
                    "note": "compile_cold_s: from torch.compile to the first step's logits in a new "
                            "process over empty cache folders; compile_warm_s: the same in a second new "
-                           "process over the caches the first filled; compile_in_process_s: the "
+                           "process over the caches the first filled (fusec's 'generate': the same for "
+                           "fusec.generate's first two tokens); compile_in_process_s: the "
                            "compile of the step timed here, in engine order (later engines find "
                            "the compile workers started)"},
         "model": {"name": f"{ex.get('NAME', Path(args.example).stem)} (random weights)", "dtype": "bfloat16",

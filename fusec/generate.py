@@ -30,6 +30,7 @@ import torch
 from fusec.errors import FusecError
 from fusec.fallbacks import FallbackWatch
 from fusec.fallbacks import warn as warn_fallback
+from fusec.frontend.precompiled import PrecompiledStep
 
 log = logging.getLogger("fusec")
 
@@ -46,6 +47,11 @@ CACHE_ALIGN = 64
 #: instructions measured 1.22 ms/token (temperature only) and 49 ms/token (top_k=50) against
 #: 0.235 and 0.370 ms/token as torch ops (greedy: 0.145 ms/token, argmax fused into the LM head).
 SAMPLE_IN_GRAPH = False
+#: the decode step through :class:`fusec.frontend.precompiled.PrecompiledStep`: dynamo traces
+#: the model once per model configuration and input shapes, and later processes load its graph
+#: and guards from the artifact cache instead of tracing again (the plain ``torch.compile``
+#: path when that fails, with one log line, or with the ``cache`` option off)
+PRECOMPILE = True
 
 
 def _gumbel_(u: torch.Tensor) -> torch.Tensor:
@@ -210,8 +216,9 @@ class _StepCache(dict):
 
 def _compiled_step(model: torch.nn.Module, sample: bool, temperature: float, top_k: int | None,
                    select_in_graph: bool, options: dict[str, Any]) -> Any:
-    """``torch.compile(_DecodeStep(...), backend="fusec", options=options)``, kept on the model
-    per selection settings and options so that a second call reuses dynamo's compiled graph."""
+    """``_DecodeStep(...)`` compiled with fusec, kept on the model per selection settings and
+    options so that a second call reuses it: precompiled (:data:`PRECOMPILE`) or plain
+    ``torch.compile(..., backend="fusec", options=options)``."""
     key = (sample, float(temperature) if sample else None, top_k if sample else None, select_in_graph,
            repr(sorted(options.items())))
     steps = model.__dict__.get("_fusec_generate_steps")
@@ -220,7 +227,8 @@ def _compiled_step(model: torch.nn.Module, sample: bool, temperature: float, top
         object.__setattr__(model, "_fusec_generate_steps", steps)   # not a submodule: no state_dict entry
     if key not in steps:
         wrapper = _DecodeStep(model, sample, temperature, top_k, select_in_graph)
-        steps[key] = torch.compile(wrapper, backend="fusec", options=options)
+        steps[key] = PrecompiledStep(wrapper, model, options) if PRECOMPILE else \
+            torch.compile(wrapper, backend="fusec", options=options)
     return steps[key]
 
 

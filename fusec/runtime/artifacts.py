@@ -243,6 +243,11 @@ def loads(data: bytes) -> Any:
         return pickle.loads(payload)
 
 
+#: an entry kind's payload field and type, where it is not an IR graph under ``graph``
+#: (:data:`fusec.frontend.warm.KIND`): a precompiled step's bytes (:mod:`fusec.frontend.precompiled`)
+KIND_PAYLOAD: dict[str, tuple[str, type]] = {"precompiled": ("data", bytes)}
+
+
 def cache_folder() -> Path:
     """``artifacts/`` in NVRTC's cache folder (:func:`fusec.cuda.jit.cache_folder`:
     ``$FUSEC_CACHE_DIR``, default ``~/.cache/fusec``)."""
@@ -272,7 +277,7 @@ class ArtifactCache:
         """The entry of ``key`` (its mtime touched), or None: absent, or unreadable (one log line).
 
         ``kind``: None for a lowered step (a schedule and weight digests), else the ``kind`` the
-        entry must carry (:data:`fusec.frontend.warm.KIND`: an IR graph)."""
+        entry must carry (:data:`fusec.frontend.warm.KIND`: an IR graph; :data:`KIND_PAYLOAD`: others)."""
         path = self.path(key, kind)
         try:
             data = path.read_bytes()
@@ -286,7 +291,8 @@ class ArtifactCache:
             if not isinstance(art, dict) or art.get("format") != FORMAT or art.get("key") != key:
                 raise ValueError("not an entry of this key and format")
             if kind is not None:
-                if art.get("kind") != kind or not isinstance(art.get("graph"), Graph):
+                field, cls = KIND_PAYLOAD.get(kind, ("graph", Graph))
+                if art.get("kind") != kind or not isinstance(art.get(field), cls):
                     raise ValueError(f"not a {kind} entry")
             elif not isinstance(art.get("schedule"), Schedule) or not isinstance(art.get("values"), dict):
                 raise ValueError("no schedule or no weight digests in the entry")

@@ -52,7 +52,7 @@ class CompiledStep:
                 t0 = time.perf_counter()
                 self.engine = self._build(list(args))
                 log.info("stage %-13s the step is ready: its first call built it in %.2f s (the stages "
-                         "above; dynamo and AOT autograd ran before, see the capture line)", "compiled",
+                         "above; dynamo and AOT autograd, when they ran, before them: see the capture line)", "compiled",
                          time.perf_counter() - t0)
                 note_compiled()
             except FusecError as e:

@@ -1,0 +1,304 @@
+"""Warm start past dynamo: a decode step traced once, then loaded by later processes.
+
+A warm ``torch.compile(model, backend="fusec")`` skips AOT autograd and every fusec stage
+(:mod:`fusec.frontend.warm`, the artifact cache), but dynamo still traces the model's Python
+in every new process before it calls the backend: 2.4-3.8 s of the Llama-3.2-1B's 4.4-5.1 s
+warm start on the H200 machine (docs/compile-time.md). torch's ahead-of-time precompile
+(``torch.compile(fn, fullgraph=True).aot_compile(...)``, experimental since torch 2.9) saves
+dynamo's graph, guards and bytecode; a later process loads them without tracing. It needs a
+backend that returns a :class:`torch._dynamo.aot_compile_types.SerializableCallable`:
+:class:`SerializedStep`.
+
+:class:`PrecompiledStep` is the decode step of :func:`fusec.generate`: on its first call with
+a new set of inputs it looks in the artifact cache for a precompiled step under a key of the
+model (class, configuration), the step's settings, the inputs' shapes, fusec's options and
+the toolchain (:func:`key`; weight values are never part of it); it loads the entry if there is
+one and its guards hold for the call's inputs, else traces with ``aot_compile``, stores the
+result and uses it. Anything in that path that fails (a graph break under ``fullgraph``, a
+guard that cannot be serialized, a torch without the API) logs one line and the step runs
+through plain ``torch.compile(module, backend="fusec")`` instead: slower to start, never wrong.
+
+Guards: torch drops guards on globals and those it cannot serialize (an object's identity;
+for HF models, the code object inside a decorator of ``forward``), and dynamo does not guard
+on module hooks. The key stands in for them: the model class, transformers' and torch's
+versions, fusec's source, and a digest of the code the model's forward may run, its hooks and
+transformers' attention registry (:mod:`fusec.frontend.code_fingerprint`: a patched
+``forward``, a rebound module function, a registered attention function or a hook gives
+another key). What that digest does not cover (a global flag the model's code reads, code in
+modules the model's modules import nothing from) a loaded step does not see: set the ``cache``
+option off (``FUSEC_CACHE=0``) in a process that changes such state. The guards kept (every
+tensor's shape, dtype, device and stride, the modules' ``training`` flags, the step's
+settings) are checked before every call; a miss traces again for the new inputs.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import pickle
+import time
+from typing import Any, Callable
+
+import torch
+
+from fusec.config import Options
+
+log = logging.getLogger("fusec")
+
+#: the artifact cache entry's ``kind``: a precompiled step (torch's serialized AOT function)
+KIND = "precompiled"
+#: precompiled steps kept per :class:`PrecompiledStep` (one per set of input shapes)
+MAX_ENTRIES = 8
+
+
+def serializable_guards(entries: list[Any]) -> list[bool]:
+    """The ``guard_filter_fn`` of the precompile: keep a guard unless it is on a global or of a
+    type torch cannot serialize (its own default filter also drops those whose *derived* type
+    cannot be serialized: a ``CONSTANT_MATCH`` on a code object is an ``ID_MATCH``)."""
+    from torch._dynamo.guards import CheckFunctionManager
+    bad = set(CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES)
+    return [not (e.is_global or e.guard_type in bad or any(t in bad for t in (e.derived_guard_types or ())))
+            for e in entries]
+
+
+try:
+    from torch._dynamo.aot_compile_types import SerializableCallable as _Serializable
+except ImportError:   # a torch without the precompile API: PrecompiledStep falls back
+    _Serializable = object
+
+
+class SerializedStep(_Serializable):
+    """The backend's result under ``aot_compile``: dynamo's graph module and fusec's options,
+    compiled by :func:`fusec.frontend.backend.fusec_backend` on the first call (with that call's
+    real inputs; in a warm process the IR and the kernel come from fusec's caches).
+
+    The graph module is kept as bytes (:func:`graph_bytes`): the first process compiles the same
+    round-tripped graph as a later one, so both reach the same warm-start key. Which inputs are
+    the model's weights is read from dynamo's sources while they are there and kept with it
+    (``model_tensors``)."""
+
+    def __init__(self, gm_bytes: bytes, model_tensors: list[bool], options: dict[str, Any]):
+        from fusec.frontend.capture import MODEL_TENSOR
+        self.gm_bytes, self.model_tensors, self.options = gm_bytes, list(model_tensors), dict(options)
+        self.gm = graph_from_bytes(gm_bytes)
+        placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+        if len(placeholders) == len(self.model_tensors):
+            for n, flag in zip(placeholders, self.model_tensors):
+                n.meta[MODEL_TENSOR] = flag
+        self.step: Callable | None = None
+
+    @classmethod
+    def from_dynamo(cls, gm: torch.fx.GraphModule, example_inputs: list[Any],
+                    options: dict[str, Any]) -> "SerializedStep":
+        """The backend: wrap dynamo's ``gm`` (nothing is compiled until the first call)."""
+        from fusec.frontend.capture import model_tensors
+        return cls(graph_bytes(gm), model_tensors(gm, example_inputs), options)
+
+    @classmethod
+    def serialize_compile_artifacts(cls, fn: "SerializedStep") -> bytes:
+        return pickle.dumps({"gm": fn.gm_bytes, "model_tensors": fn.model_tensors, "options": fn.options})
+
+    @classmethod
+    def deserialize_compile_artifacts(cls, data: bytes) -> "SerializedStep":
+        d = pickle.loads(data)
+        return cls(d["gm"], d["model_tensors"], d["options"])
+
+    def __call__(self, *args: Any) -> Any:
+        if self.step is None:
+            from torch._guards import TracingContext, tracing
+            from torch._subclasses.fake_tensor import FakeTensorMode
+
+            from fusec.frontend.backend import fusec_backend
+            # AOT autograd records the graph's metadata in the tracing context, which dynamo
+            # provides to a backend it calls; the warm-start check reads it there
+            with tracing(TracingContext(FakeTensorMode())):
+                self.step = fusec_backend(self.gm, list(args), self.options)
+        return self.step(*args)
+
+
+def graph_bytes(gm: torch.fx.GraphModule) -> bytes:
+    """``gm`` serialized node by node (``torch.fx._graph_pickler.GraphPickler``; a plain pickle
+    re-traces the generated code, which folds calls on constants such as ``torch.arange`` and
+    drops ``torch._C._set_grad_enabled``). Each node's metadata keeps only its ``stack_trace``
+    (error messages name the model's line) and its ``example_value`` as a meta tensor of the
+    same shape, stride and dtype (``check_decode_step`` reads the attention's shapes); dynamo's
+    fake tensors and input records hold weak references that do not pickle."""
+    import copy
+
+    import torch.utils._pytree as pytree
+    from torch.fx._graph_pickler import GraphPickler, Options as PicklerOptions
+
+    def lite(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
+        return v if isinstance(v, (bool, int, float, str, type(None))) else None
+
+    g = copy.deepcopy(gm.graph)
+    for n in g.nodes:
+        meta = {k: n.meta[k] for k in ("stack_trace",) if k in n.meta}
+        if "example_value" in n.meta:
+            meta["example_value"] = pytree.tree_map(lite, n.meta["example_value"])
+        n.meta = meta
+    out = torch.fx.GraphModule(gm, g)
+    out.meta = {}
+    return GraphPickler.dumps(out, PicklerOptions(ops_filter=None))
+
+
+def graph_from_bytes(data: bytes) -> torch.fx.GraphModule:
+    """The graph module :func:`graph_bytes` serialized."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx._graph_pickler import GraphPickler
+    return GraphPickler.loads(data, FakeTensorMode())
+
+
+def _run(module: torch.nn.Module, *args: Any) -> Any:
+    """The function torch precompiles: the step module called on the step's inputs."""
+    return module(*args)
+
+
+def _describe(x: Any) -> Any:
+    """A JSON-able description of one step input for the key (shapes, not values)."""
+    if isinstance(x, torch.Tensor):
+        return ["tensor", list(x.shape), str(x.dtype), x.device.type]
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    tensors = [v for v in vars(x).values() if isinstance(v, torch.Tensor)] if hasattr(x, "__dict__") else []
+    layers = getattr(x, "layers", None)
+    shapes = []
+    for layer in layers if isinstance(layers, (list, tuple)) else ():
+        shapes.append([_describe(v) for v in vars(layer).values() if isinstance(v, torch.Tensor)])
+    return [f"{type(x).__module__}.{type(x).__qualname__}", [_describe(t) for t in tensors], shapes]
+
+
+def key(module: torch.nn.Module, model: torch.nn.Module, args: tuple, options: dict[str, Any]) -> str:
+    """The cache key (hex sha256) of precompiling ``module(*args)``: the toolchain
+    (:func:`fusec.runtime.artifacts.toolchain`, transformers' version), the model's class and
+    configuration (``config.to_json_string``), the code its forward may run and its hooks
+    (:func:`fusec.frontend.code_fingerprint.model_code_digest`: dynamo's guards on them cannot
+    be saved), the step module's class and its plain settings, each input's description (tensor shapes, dtypes, device types; a cache object's class and
+    its tensors' shapes), the parameters' dtypes and devices, fusec's options and the global
+    modes dynamo's tracing depends on. Not the weights' values."""
+    from fusec.frontend.warm import global_modes
+    from fusec.runtime.artifacts import toolchain
+    try:
+        import transformers
+        tf_version = transformers.__version__
+    except ImportError:   # pragma: no cover - transformers is a requirement
+        tf_version = None
+    from fusec.frontend.code_fingerprint import model_code_digest
+    cfg = getattr(model, "config", None)
+    settings = {k: repr(v) for k, v in vars(module).items() if not k.startswith("_")}
+    params = sorted({(str(p.dtype), p.device.type) for p in model.parameters()})
+    parts = {**toolchain(), "kind": KIND, "transformers": tf_version,
+             "model": f"{type(model).__module__}.{type(model).__qualname__}",
+             "config": cfg.to_json_string() if hasattr(cfg, "to_json_string") else repr(cfg),
+             "code": model_code_digest(model),
+             "module": f"{type(module).__module__}.{type(module).__qualname__}", "settings": settings,
+             "args": [_describe(a) for a in args], "params": params,
+             "options": repr(sorted(options.items())), "modes": global_modes()}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=repr).encode()).hexdigest()
+
+
+def aot_compile(backend: Callable, args: tuple) -> Any:
+    """``_run(*args)`` traced by dynamo (``fullgraph``, static shapes, :func:`serializable_guards`)
+    for ``backend``: torch's ``AOTCompiledFunction``. ``torch.compile(...).aot_compile`` where
+    the compiled function has it (torch 2.13), else ``torch._dynamo.aot_compile``'s
+    ``aot_compile_fullgraph`` with the same hooks (torch 2.11 has no such attribute).
+
+    Raises: whatever dynamo raises (a graph break, a guard it cannot serialize)."""
+    import inspect
+    # dynamic=False: static shapes even after a first trace with other ones (dynamo's
+    # automatic dynamic would make them symbolic; fusec compiles for concrete sizes)
+    compiled = torch.compile(_run, fullgraph=True, dynamic=False, backend=backend,
+                             options={"guard_filter_fn": serializable_guards})
+    if hasattr(compiled, "aot_compile"):
+        return compiled.aot_compile((args, {}))
+    from torch._dynamo.aot_compile import aot_compile_fullgraph
+    from torch._dynamo.hooks import Hooks
+    kw = {"dynamic": False} if "dynamic" in inspect.signature(aot_compile_fullgraph).parameters else {}
+    return aot_compile_fullgraph(_run, (args, {}), hooks=Hooks(guard_filter_fn=serializable_guards),
+                                 backend=backend, **kw)
+
+
+class PrecompiledStep:
+    """``module(*args)`` through a step precompiled once and loaded by later processes.
+
+    Args:
+        module: the step (``fusec.generate``'s ``_DecodeStep``: a model, its settings).
+        model: the model inside it (its class and configuration key the entry).
+        options: fusec options (:class:`fusec.config.Options`); with ``cache`` off or a
+            ``dump_dir`` set, the step is plain ``torch.compile(module, backend="fusec")``.
+
+    Calling it: ``step(*args)``, as ``module(*args)``. The first call with new input shapes
+    loads or traces (one stage line says which and its time); later calls check the kept
+    guards and run the loaded function.
+    """
+
+    def __init__(self, module: torch.nn.Module, model: torch.nn.Module, options: dict[str, Any]):
+        self.module, self.model, self.options = module, model, dict(options)
+        self.entries: list[Any] = []        # loaded AOT functions, most recent first
+        self.compiled: Callable | None = None   # plain torch.compile, once the precompile failed
+
+    def __call__(self, *args: Any) -> Any:
+        if self.compiled is not None:
+            return self.compiled(*args)
+        for i, fn in enumerate(self.entries):
+            if fn.guard_check(self.module, *args):
+                if i:
+                    self.entries.insert(0, self.entries.pop(i))
+                return fn(self.module, *args)
+        fn = self._bind(args)
+        if fn is None:
+            self.compiled = torch.compile(self.module, backend="fusec", options=self.options)
+            return self.compiled(*args)
+        self.entries.insert(0, fn)
+        del self.entries[MAX_ENTRIES:]
+        return fn(self.module, *args)
+
+    def _bind(self, args: tuple) -> Any:
+        """A precompiled function whose guards hold for ``args`` (its guard check then off:
+        :meth:`__call__` checks first), loaded or traced and stored; None when the precompile
+        is off or failed (one log line)."""
+        opts = Options.from_dict(self.options)
+        if not opts.cache or opts.dump_dir:
+            return None
+        from fusec.runtime.artifacts import FORMAT, ArtifactCache
+        cache = ArtifactCache.for_options(opts)
+        try:
+            from torch._dynamo.aot_compile import AOTCompiledFunction
+            k = key(self.module, self.model, args, self.options)
+        except Exception as e:   # noqa: BLE001 - no precompile API, or no key: plain torch.compile
+            log.info("fusec: no precompiled step (%s: %s); dynamo traces the model in every process",
+                     type(e).__name__, str(e)[:200])
+            return None
+        t0 = time.perf_counter()
+        art = cache.load(k, kind=KIND)
+        if art is not None:
+            try:
+                fn = AOTCompiledFunction.deserialize(art["data"])
+                fn.disable_guard_check()
+                if fn.guard_check(self.module, *args):
+                    log.info("stage %-13s loaded %s (%.1f KiB): dynamo's trace skipped, %.2f s", "precompiled",
+                             k[:12], len(art["data"]) / 1024, time.perf_counter() - t0)
+                    return fn
+                log.info("fusec: precompiled step %s: its guards do not hold for these inputs; tracing again",
+                         k[:12])
+            except Exception as e:   # noqa: BLE001 - a damaged or foreign entry: trace and rewrite it
+                log.warning("fusec: precompiled step %s not loaded (%s: %s); tracing again", k[:12],
+                            type(e).__name__, str(e)[:200])
+        t0 = time.perf_counter()
+        options = self.options
+        try:
+            fn = aot_compile(lambda gm, ex: SerializedStep.from_dynamo(gm, ex, options), (self.module, *args))
+            data = AOTCompiledFunction.serialize(fn)
+            data = getattr(data, "serialized_data", data)   # torch 2.13: a result object; older: bytes
+        except Exception as e:   # noqa: BLE001 - a graph break, a guard or object torch cannot save
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            log.info("fusec: no precompiled step (%s: %s); dynamo traces the model in every process",
+                     type(e).__name__, first[:200])
+            return None
+        stored = cache.store(k, {"format": FORMAT, "key": k, "kind": KIND, "data": data})
+        log.info("stage %-13s traced %s in %.2f s%s", "precompiled", k[:12], time.perf_counter() - t0,
+                       f", stored ({stored / 1024:.1f} KiB)" if stored else "")
+        fn.disable_guard_check()
+        return fn

@@ -1,0 +1,182 @@
+"""fusec.generate's precompiled decode step (fusec/frontend/precompiled.py): traced once, loaded by
+a second process without dynamo's trace, traced again for new shapes or a damaged entry, and the
+plain torch.compile path when the precompile fails; tokens equal HF generate()'s every time."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import fusec
+import hf_tiny
+from fusec.fallbacks import FallbackWatch
+
+ROOT = Path(__file__).resolve().parent.parent
+OPTS = {"num_sms": 8, "check_hazards": False}
+
+#: one process of the two-process test: a tiny Llama with the seed it is given (other weights
+#: than the process before), fusec.generate against HF generate(), what the log said
+CHILD = textwrap.dedent("""
+    import json, logging, sys, torch
+    import fusec, hf_tiny
+    from fusec.fallbacks import FallbackWatch
+    lines = []
+    class Keep(logging.Handler):
+        def emit(self, r): lines.append(r.getMessage())
+    logging.getLogger("fusec").addHandler(Keep()); logging.getLogger("fusec").setLevel(logging.INFO)
+    seed, device, n = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+    model = hf_tiny.llama(seed=seed).to(device)   # fp32: greedy tokens equal HF's on the GPU too
+    prompt = torch.randint(1, 128, (1, 5), generator=torch.Generator().manual_seed(seed)).to(device)
+    with FallbackWatch() as w:
+        out = fusec.generate(model, prompt, n, eos_token_id=[], options={"num_sms": 8, "check_hazards": False})
+    ref = model.generate(prompt, max_new_tokens=n, do_sample=False, cache_implementation="static",
+                         pad_token_id=0, eos_token_id=None)
+    print(json.dumps({"equal": torch.equal(out, ref), "fallbacks": w.fallbacks, "log": lines}))
+""")
+
+
+def _child(tmp_path: Path, seed: int, device: str, n: int) -> dict:
+    env = {**os.environ, "FUSEC_CACHE": "1", "FUSEC_CACHE_DIR": str(tmp_path / "cache"),
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    p = subprocess.run([sys.executable, str(script), str(seed), device, str(n)], env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def _said(res: dict, what: str) -> bool:
+    return any(line.startswith("stage precompiled") and what in line for line in res["log"])
+
+
+def _two_processes(tmp_path: Path, device: str, n: int) -> list[dict]:
+    first = _child(tmp_path, 3, device, n)
+    assert first["equal"] and not first["fallbacks"], first
+    assert _said(first, "traced") and not _said(first, "loaded"), first["log"]
+    second = _child(tmp_path, 4, device, n)
+    assert second["equal"] and not second["fallbacks"], second
+    assert _said(second, "loaded") and not _said(second, "traced"), second["log"]
+    # fusec's own warm start behind it: the IR from the artifact cache, no AOT trace
+    assert any("warm start" in line for line in second["log"]), second["log"]
+    return [first, second]
+
+
+def test_second_process_loads_the_precompiled_step(tmp_path):
+    """A second process (other random weights) loads the step the first traced (dynamo's trace
+    skipped), fusec compiles it from its artifact cache, and its tokens equal HF generate()'s."""
+    _two_processes(tmp_path, "cpu", 8)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_second_process_loads_the_precompiled_step_gpu(tmp_path):
+    """The same on the GPU: the megakernel of a loaded step against HF generate() (fp32), 40
+    tokens: 2 plain steps, then chunks of 16 replayed from a CUDA graph of the loaded step."""
+    for res in _two_processes(tmp_path, "cuda", 40):
+        assert any("replayed from a CUDA graph" in line for line in res["log"]), res["log"]
+
+
+def _hf(model, prompt, n):
+    return model.generate(prompt, max_new_tokens=n, do_sample=False, cache_implementation="static",
+                          pad_token_id=0, eos_token_id=None)
+
+
+@pytest.fixture
+def cache_on(tmp_path, monkeypatch):
+    monkeypatch.setenv("FUSEC_CACHE", "1")
+    monkeypatch.setenv("FUSEC_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "artifacts"
+
+
+def _records(caplog, what: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records if what in r.getMessage()]
+
+
+def test_new_shapes_and_a_damaged_entry_trace_again(cache_on, caplog):
+    """A second cache length traces a second entry (the first one's guards do not hold); an
+    entry overwritten with garbage is reported, traced again and rewritten; tokens stay HF's."""
+    caplog.set_level(logging.INFO, logger="fusec")
+    model = hf_tiny.llama(seed=5)
+    short = torch.randint(1, 128, (1, 5), generator=torch.Generator().manual_seed(1))
+    long = torch.randint(1, 128, (1, 62), generator=torch.Generator().manual_seed(2))
+    with FallbackWatch() as w:
+        assert torch.equal(fusec.generate(model, short, 4, eos_token_id=[], options=OPTS), _hf(model, short, 4))
+        assert torch.equal(fusec.generate(model, long, 4, eos_token_id=[], options=OPTS), _hf(model, long, 4))
+    assert not w.fallbacks, w.fallbacks
+    entries = sorted(cache_on.glob("*.precompiled.art"))
+    assert len(entries) == 2 and len(_records(caplog, "stage precompiled   traced")) == 2
+    for e in entries:
+        e.write_bytes(b"not an entry")
+    model.__dict__.pop("_fusec_generate_steps")   # as a new process would: nothing kept on the model
+    caplog.clear()
+    with FallbackWatch() as w:
+        assert torch.equal(fusec.generate(model, short, 4, eos_token_id=[], options=OPTS), _hf(model, short, 4))
+    assert not w.fallbacks, w.fallbacks
+    assert _records(caplog, "ignoring unreadable entry") and _records(caplog, "stage precompiled   traced")
+
+
+def test_precompile_failure_uses_torch_compile(cache_on, caplog, monkeypatch):
+    """When torch cannot save the step (here: every guard kept, so an object-identity guard
+    cannot be serialized) one line says so, and the step is plain torch.compile with fusec."""
+    from fusec.frontend import precompiled
+    monkeypatch.setattr(precompiled, "serializable_guards", lambda entries: [True] * len(entries))
+    caplog.set_level(logging.INFO, logger="fusec")
+    model = hf_tiny.llama(seed=6)
+    prompt = torch.randint(1, 128, (1, 5), generator=torch.Generator().manual_seed(3))
+    torch._dynamo.reset()
+    with FallbackWatch() as w:
+        out = fusec.generate(model, prompt, 4, eos_token_id=[], options=OPTS)
+    torch._dynamo.reset()
+    assert not w.fallbacks, w.fallbacks
+    assert torch.equal(out, _hf(model, prompt, 4))
+    said = _records(caplog, "no precompiled step")
+    assert len(said) == 1 and "cannot be serialized" in said[0], said
+    assert not list(cache_on.glob("*.precompiled.art"))
+
+
+def test_code_digest_sees_patches_hooks_and_registries(monkeypatch):
+    """The key's code digest changes with a hook, a patched class forward, a rebound module
+    function or a registered attention function (dynamo's guards on them cannot be saved), and
+    not with other weights; it is the same in another process (no addresses in it)."""
+    import transformers.models.llama.modeling_llama as ml
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from fusec.frontend.code_fingerprint import model_code_digest
+    model = hf_tiny.llama(seed=1)
+    base = model_code_digest(model)
+    assert model_code_digest(hf_tiny.llama(seed=2)) == base
+    h = model.model.layers[0].mlp.register_forward_hook(lambda mod, i, o: o * 3.0)
+    hooked = model_code_digest(model)
+    h.remove()
+    h = model.model.layers[0].mlp.register_forward_hook(lambda mod, i, o: o * 2.0)
+    assert len({hooked, model_code_digest(model), base}) == 3   # the hook's constant counts
+    h.remove()
+    assert model_code_digest(model) == base
+    with monkeypatch.context() as m:
+        m.setattr(ml.LlamaMLP, "forward", lambda self, x: self.down_proj(self.gate_proj(x)))
+        assert model_code_digest(model) != base
+    with monkeypatch.context() as m:
+        m.setattr(ml, "apply_rotary_pos_emb", lambda q, k, cos, sin, *a, **kw: (q, k))
+        assert model_code_digest(model) != base
+    before = AttentionInterface._global_mapping["sdpa"]
+    try:
+        AttentionInterface.register("sdpa", lambda *a, **k: sdpa_attention_forward(*a, **k))
+        assert model_code_digest(model) != base
+    finally:
+        AttentionInterface.register("sdpa", before)
+    assert model_code_digest(model) == base
+    code = ("import hf_tiny; from fusec.frontend.code_fingerprint import model_code_digest; "
+            "print(model_code_digest(hf_tiny.llama(seed=1)))")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.strip().splitlines()[-1] == base
