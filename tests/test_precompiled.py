@@ -180,3 +180,24 @@ def test_code_digest_sees_patches_hooks_and_registries(monkeypatch):
     p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout.strip().splitlines()[-1] == base
+
+
+def test_precompiled_step_lowers_as_torch_compile(cache_on, steps, monkeypatch):
+    """The precompiled path hands fusec the graph plain torch.compile does: the same input roles
+    (RoPE's ``inv_freq`` buffer a weight, so its tables fold and RoPE fuses into the QKV kind;
+    under aot_compile dynamo records no input sources, found in review) and the same schedule."""
+    import fusec.generate  # noqa: F401 - the submodule (the package attribute is the function)
+    gen = sys.modules["fusec.generate"]
+    prompt = torch.randint(1, 128, (1, 5), generator=torch.Generator().manual_seed(8))
+    fusec.generate(hf_tiny.llama(seed=7), prompt, 2, eos_token_id=[], options=OPTS)
+    monkeypatch.setattr(gen, "PRECOMPILE", False)
+    torch._dynamo.reset()
+    fusec.generate(hf_tiny.llama(seed=7), prompt, 2, eos_token_id=[], options=OPTS)
+    torch._dynamo.reset()
+    pre, plain = steps[0], steps[-1]
+    assert pre is not plain
+    assert [pre.graph.tensors[n].role for n in pre.graph.inputs] == \
+        [plain.graph.tensors[n].role for n in plain.graph.inputs]
+    kinds = pre.schedule.graph.count_kinds()
+    assert kinds == plain.schedule.graph.count_kinds() and "rms_qkv_rope" in kinds, kinds
+    assert len(pre.schedule.instrs) == len(plain.schedule.instrs)

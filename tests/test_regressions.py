@@ -181,3 +181,35 @@ def test_second_cache_length_is_fused_like_the_first(steps):
     assert len(steps) == 2
     first, second = (s.schedule.graph.count_kinds() for s in steps)
     assert second == first and first["rms_qkv_rope"] == 2 and "aten.cos.default" not in second, (first, second)
+
+
+def test_compiled_in_weight_written_in_place_rebuilds_the_step(caplog):
+    """Gemma's norm weights are compiled into the step as ``1 + w``; written in place after the
+    first compile (``load_state_dict``, an optimizer step), the next call sees the new version
+    counter and digest, says so and builds the step again: tokens follow HF's new ones, not the
+    stale kernel's (found in review, 2026-12-02)."""
+    import logging
+
+    import fusec
+    caplog.set_level(logging.INFO, logger="fusec")
+    model = hf_tiny.gemma(seed=1)
+    prompt = torch.randint(1, 100, (1, 5), generator=torch.Generator().manual_seed(4))
+
+    def hf():
+        return model.generate(prompt, max_new_tokens=6, do_sample=False, cache_implementation="static",
+                              pad_token_id=0, eos_token_id=None)
+    old = hf()
+    torch._dynamo.reset()
+    with FallbackWatch() as w:
+        assert torch.equal(fusec.generate(model, prompt, 6, eos_token_id=[], options={"num_sms": 8}), old)
+        with torch.no_grad():
+            gen = torch.Generator().manual_seed(5)
+            for name, weight in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    weight.copy_(torch.randn(weight.shape, generator=gen) * 3)
+        new = hf()
+        assert not torch.equal(new, old)   # else a stale step would pass too
+        assert torch.equal(fusec.generate(model, prompt, 6, eos_token_id=[], options={"num_sms": 8}), new)
+    torch._dynamo.reset()
+    assert not w.fallbacks, w.fallbacks
+    assert any("changed in place since the step was built" in r.getMessage() for r in caplog.records)

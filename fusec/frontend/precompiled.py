@@ -90,9 +90,19 @@ class SerializedStep(_Serializable):
     @classmethod
     def from_dynamo(cls, gm: torch.fx.GraphModule, example_inputs: list[Any],
                     options: dict[str, Any]) -> "SerializedStep":
-        """The backend: wrap dynamo's ``gm`` (nothing is compiled until the first call)."""
+        """The backend: wrap dynamo's ``gm`` (nothing is compiled until the first call).
+
+        Under ``aot_compile`` dynamo's placeholders carry no ``grapharg`` record, so a weight is
+        known by its placeholder's name, which spells its source: ``l_module_..._parameters_...``
+        or ``..._buffers_...`` (reached from :func:`_run`'s ``module``; a buffer such as RoPE's
+        ``inv_freq`` must stay a weight for its tables to fold), or by being an ``nn.Parameter``."""
         from fusec.frontend.capture import model_tensors
-        return cls(graph_bytes(gm), model_tensors(gm, example_inputs), options)
+        flags = model_tensors(gm, example_inputs)
+        names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+        if len(flags) == len(names):
+            flags = [f or (n.startswith("l_module_") and ("_parameters_" in n or "_buffers_" in n))
+                     for f, n in zip(flags, names)]
+        return cls(graph_bytes(gm), flags, options)
 
     @classmethod
     def serialize_compile_artifacts(cls, fn: "SerializedStep") -> bytes:

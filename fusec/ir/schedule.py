@@ -75,6 +75,9 @@ class Schedule:
     instrs: list[Instr]
     queues: list[list[int]]
     graph: Graph
+    #: input name -> digest (``artifacts.tensor_digest``) of each small weight whose value the
+    #: passes compiled in (``inv_freq``, Gemma's ``1 + w``), as lowered; set by ``artifacts.lowered``
+    compiled_in: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def counter_waits(self) -> list[list[tuple[int, int]]]:
         """The kernel's waits per instruction id: (op index = counter id, tiles of that op) per

@@ -426,6 +426,7 @@ def lowered(g: Graph, flat_args: list[Any], opts: Options, dump: Dumper, *,
                          "weights whose values are compiled in); lowering again", key[:12], bad[0], more)
             elif art is not None:
                 sched, plan = art["schedule"], art["plan"]
+                sched.compiled_in = dict(art["values"])
                 log.info("stage %-13s hit %s: %d instructions, %s, %d compiled-in weight%s equal  (%.2f s)",
                          "artifacts", key[:12], len(sched.instrs),
                          "kernel source" if plan is not None else "no kernel source",
@@ -440,10 +441,10 @@ def lowered(g: Graph, flat_args: list[Any], opts: Options, dump: Dumper, *,
     with gc_paused():   # the passes' and the rendering's many small objects (gc_paused)
         sched = lower(g, flat_args, opts, dump, value_reads=reads)
         plan = render(sched) if codegen else None
+    index = {n: i for i, n in enumerate(g.inputs)}
+    sched.compiled_in = {n: tensor_digest(flat_args[index[n]]) for n in sorted(reads)}
     if cache is not None and key is not None:
-        index = {n: i for i, n in enumerate(g.inputs)}
-        values = {n: tensor_digest(flat_args[index[n]]) for n in sorted(reads)}
-        _store(cache, key, sched, plan, values)
+        _store(cache, key, sched, plan, sched.compiled_in)
     return sched, plan
 
 

@@ -43,14 +43,18 @@ class CompiledStep:
         self.calls = 0
         self.profile_written = False
         self._cuda_step = None
+        self._watched: list[tuple[int, int, str]] = []   # (input index, version, name)
 
     def __call__(self, *args: Any) -> list[torch.Tensor]:
         if self.fallen_back:
             return self.aten_gm(*args)
+        if self.engine is not None and self._watched and self._compiled_in_changed(args):
+            self.engine = None
         if self.engine is None:
             try:
                 t0 = time.perf_counter()
                 self.engine = self._build(list(args))
+                self._watched = self._watch(args)
                 log.info("stage %-13s the step is ready: its first call built it in %.2f s (the stages "
                          "above; dynamo and AOT autograd, when they ran, before them: see the capture line)", "compiled",
                          time.perf_counter() - t0)
@@ -70,6 +74,34 @@ class CompiledStep:
             except (OSError, ValueError) as e:   # a profile must never break the step
                 log.warning("fusec: timeline not written: %s", e)
         return out
+
+    def _watch(self, args: tuple) -> list[tuple[int, int, str]]:
+        """The inputs whose values the step compiled in, with their version counters now."""
+        names = self.schedule.compiled_in if self.schedule is not None else {}
+        index = {n: i for i, n in enumerate(self.graph.inputs)}
+        return [(index[n], args[index[n]]._version, n) for n in names
+                if n in index and isinstance(args[index[n]], torch.Tensor)]
+
+    def _compiled_in_changed(self, args: tuple) -> bool:
+        """Whether a weight whose value the step compiled in (``Schedule.compiled_in``) was
+        written in place since the step was built (``load_state_dict``, an optimizer step): its
+        version counter moved and its digest differs. Then one log line, and the caller builds
+        the step again. Checked at every call from Python; a CUDA graph's replays do not call."""
+        from fusec.runtime.artifacts import tensor_digest
+        for k, (i, version, name) in enumerate(self._watched):
+            x = args[i]
+            if x._version == version:
+                continue
+            if tensor_digest(x) == self.schedule.compiled_in[name]:
+                self._watched[k] = (i, x._version, name)
+                continue
+            if self.target == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise FusecError(f"weight {name} was changed in place after the step was built, and its value "
+                                 "is compiled into the step: run one step outside the CUDA graph capture first")
+            log.info("fusec: weight %s changed in place since the step was built, and its value is compiled in; "
+                     "building the step again", name)
+            return True
+        return False
 
     def _write_timeline(self) -> None:
         """Write this step's per-SM timeline: trace.json (Perfetto), timeline.json, timeline.png."""
