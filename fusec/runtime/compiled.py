@@ -56,8 +56,8 @@ class CompiledStep:
                 self.engine = self._build(list(args))
                 self._watched = self._watch(args)
                 log.info("stage %-13s the step is ready: its first call built it in %.2f s (the stages "
-                         "above; dynamo and AOT autograd, when they ran, before them: see the capture line)", "compiled",
-                         time.perf_counter() - t0)
+                         "above; dynamo and AOT autograd, when they ran, before them: see the capture line)",
+                         "compiled", time.perf_counter() - t0)
                 note_compiled()
             except FusecError as e:
                 warn_fallback("fusec: running this graph eagerly: %s", e)
