@@ -166,8 +166,9 @@ MODEL_TENSOR = "fusec_model_tensor"
 
 def model_tensors(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> list[bool]:
     """Per graph input of a dynamo graph: True for the model's parameters and buffers (dynamo's
-    source ``L['self']...._parameters[...]`` / ``._buffers[...]``, or an ``nn.Parameter``, or
-    what :func:`mark_model_tensors` recorded), False for what the caller passes (token ids,
+    source ``L['self']...._parameters[...]`` / ``._buffers[...]``; without dynamo's record of it,
+    as under ``aot_compile``, the placeholder name made from it, ``l_self_..._parameters_...``;
+    or an ``nn.Parameter``, or what :func:`mark_model_tensors` recorded), False for what the caller passes (token ids,
     masks, ``inputs_embeds``, cache tensors). Empty if the placeholders and the inputs do not
     line up."""
     nodes = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -179,8 +180,12 @@ def model_tensors(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> list[b
             out.append(n.meta[MODEL_TENSOR])
             continue
         ga = n.meta.get("grapharg")
-        src = ga.source.name if ga is not None and getattr(ga, "source", None) is not None else ""
-        out.append(isinstance(x, torch.nn.Parameter) or "._parameters[" in src or "._buffers[" in src)
+        if ga is not None and getattr(ga, "source", None) is not None:
+            src = ga.source.name
+            owned = "._parameters[" in src or "._buffers[" in src
+        else:   # no record (dynamo's aot_compile): the placeholder's name spells the source
+            owned = "_parameters_" in n.name or "_buffers_" in n.name
+        out.append(isinstance(x, torch.nn.Parameter) or owned)
     return out
 
 

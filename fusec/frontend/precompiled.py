@@ -74,44 +74,28 @@ class SerializedStep(_Serializable):
 
     The graph module is kept as bytes (:func:`graph_bytes`): the first process compiles the same
     round-tripped graph as a later one, so both reach the same warm-start key. Which inputs are
-    the model's weights is read from dynamo's sources while they are there and kept with it
-    (``model_tensors``)."""
+    the model's weights ``capture.model_tensors`` reads from the placeholders' names, which
+    spell dynamo's sources (``l_module_..._buffers_inv_freq_``) and survive serialization."""
 
-    def __init__(self, gm_bytes: bytes, model_tensors: list[bool], options: dict[str, Any]):
-        from fusec.frontend.capture import MODEL_TENSOR
-        self.gm_bytes, self.model_tensors, self.options = gm_bytes, list(model_tensors), dict(options)
+    def __init__(self, gm_bytes: bytes, options: dict[str, Any]):
+        self.gm_bytes, self.options = gm_bytes, dict(options)
         self.gm = graph_from_bytes(gm_bytes)
-        placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
-        if len(placeholders) == len(self.model_tensors):
-            for n, flag in zip(placeholders, self.model_tensors):
-                n.meta[MODEL_TENSOR] = flag
         self.step: Callable | None = None
 
     @classmethod
     def from_dynamo(cls, gm: torch.fx.GraphModule, example_inputs: list[Any],
                     options: dict[str, Any]) -> "SerializedStep":
-        """The backend: wrap dynamo's ``gm`` (nothing is compiled until the first call).
-
-        Under ``aot_compile`` dynamo's placeholders carry no ``grapharg`` record, so a weight is
-        known by its placeholder's name, which spells its source: ``l_module_..._parameters_...``
-        or ``..._buffers_...`` (reached from :func:`_run`'s ``module``; a buffer such as RoPE's
-        ``inv_freq`` must stay a weight for its tables to fold), or by being an ``nn.Parameter``."""
-        from fusec.frontend.capture import model_tensors
-        flags = model_tensors(gm, example_inputs)
-        names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-        if len(flags) == len(names):
-            flags = [f or (n.startswith("l_module_") and ("_parameters_" in n or "_buffers_" in n))
-                     for f, n in zip(flags, names)]
-        return cls(graph_bytes(gm), flags, options)
+        """The backend: wrap dynamo's ``gm`` (nothing is compiled until the first call)."""
+        return cls(graph_bytes(gm), options)
 
     @classmethod
     def serialize_compile_artifacts(cls, fn: "SerializedStep") -> bytes:
-        return pickle.dumps({"gm": fn.gm_bytes, "model_tensors": fn.model_tensors, "options": fn.options})
+        return pickle.dumps({"gm": fn.gm_bytes, "options": fn.options})
 
     @classmethod
     def deserialize_compile_artifacts(cls, data: bytes) -> "SerializedStep":
         d = pickle.loads(data)
-        return cls(d["gm"], d["model_tensors"], d["options"])
+        return cls(d["gm"], d["options"])
 
     def __call__(self, *args: Any) -> Any:
         if self.step is None:
@@ -185,9 +169,11 @@ def key(module: torch.nn.Module, model: torch.nn.Module, args: tuple, options: d
     (:func:`fusec.runtime.artifacts.toolchain`, transformers' version), the model's class and
     configuration (``config.to_json_string``), the code its forward may run and its hooks
     (:func:`fusec.frontend.code_fingerprint.model_code_digest`: dynamo's guards on them cannot
-    be saved), the step module's class and its plain settings, each input's description (tensor shapes, dtypes, device types; a cache object's class and
-    its tensors' shapes), the parameters' dtypes and devices, fusec's options and the global
+    be saved), the step module's class and its plain settings, each input's description (tensor
+    shapes, dtypes, device types; a cache object's class and its tensors' shapes), the
+    parameters' dtypes and devices, fusec's options and the global
     modes dynamo's tracing depends on. Not the weights' values."""
+    from fusec.frontend.code_fingerprint import model_code_digest
     from fusec.frontend.warm import global_modes
     from fusec.runtime.artifacts import toolchain
     try:
@@ -195,7 +181,6 @@ def key(module: torch.nn.Module, model: torch.nn.Module, args: tuple, options: d
         tf_version = transformers.__version__
     except ImportError:   # pragma: no cover - transformers is a requirement
         tf_version = None
-    from fusec.frontend.code_fingerprint import model_code_digest
     cfg = getattr(model, "config", None)
     settings = {k: repr(v) for k, v in vars(module).items() if not k.startswith("_")}
     params = sorted({(str(p.dtype), p.device.type) for p in model.parameters()})
