@@ -98,6 +98,37 @@ PUBLISHED: dict[str, tuple[str, str, str, dict[str, Any]]] = {
         vocab_size=49155, rms_norm_eps=1e-5, rope_theta=5000000.0, max_position_embeddings=131072,
         embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.015625,
         logits_scaling=8.0, tie_word_embeddings=True, pad_token_id=0, bos_token_id=0, eos_token_id=0)),
+    # sliding-window cache layers (a Python position counter, fusec.frontend.host_scalars)
+    "mistral_sw": ("Mistral-7B-v0.1", "MistralConfig", "MistralForCausalLM", dict(
+        hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+        vocab_size=32000, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=32768,
+        sliding_window=4096, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)),
+    "gemma2": ("Gemma-2-2B", "Gemma2Config", "Gemma2ForCausalLM", dict(
+        hidden_size=2304, intermediate_size=9216, num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+        vocab_size=256000, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=8192,
+        sliding_window=4096, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+        query_pre_attn_scalar=256, hidden_activation="gelu_pytorch_tanh", pad_token_id=0, bos_token_id=2,
+        eos_token_id=1)),
+    "gemma3": ("Gemma-3-1B", "Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        hidden_size=1152, intermediate_size=6912, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+        vocab_size=262144, rms_norm_eps=1e-6, max_position_embeddings=32768, sliding_window=512,
+        query_pre_attn_scalar=256, hidden_activation="gelu_pytorch_tanh", pad_token_id=0, bos_token_id=2,
+        eos_token_id=1)),
+    "falcon": ("Falcon-7B", "FalconConfig", "FalconForCausalLM", dict(
+        hidden_size=4544, num_attention_heads=71, multi_query=True, parallel_attn=True,
+        new_decoder_architecture=False, bias=False, vocab_size=65024, layer_norm_epsilon=1e-5,
+        bos_token_id=11, eos_token_id=11)),
+    "gpt2": ("GPT-2", "GPT2Config", "GPT2LMHeadModel", dict(
+        n_embd=768, n_head=12, vocab_size=50257, n_positions=1024, bos_token_id=50256, eos_token_id=50256)),
+    "phi2": ("Phi-2", "PhiConfig", "PhiForCausalLM", dict(
+        hidden_size=2560, intermediate_size=10240, num_attention_heads=32, num_key_value_heads=32,
+        vocab_size=51200, partial_rotary_factor=0.4, rope_theta=10000.0, layer_norm_eps=1e-5,
+        max_position_embeddings=2048, hidden_act="gelu_new", tie_word_embeddings=False, bos_token_id=50256,
+        eos_token_id=50256)),
+    "starcoder2": ("StarCoder2-3B", "Starcoder2Config", "Starcoder2ForCausalLM", dict(
+        hidden_size=3072, intermediate_size=12288, num_attention_heads=24, num_key_value_heads=2,
+        vocab_size=49152, rope_theta=999999.4420358813, norm_epsilon=1e-5, max_position_embeddings=16384,
+        sliding_window=4096, use_bias=True, hidden_act="gelu_pytorch_tanh", bos_token_id=0, eos_token_id=0)),
 }
 
 

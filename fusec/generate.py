@@ -214,20 +214,29 @@ class _StepCache(dict):
         return (_StepCache, ())
 
 
+def host_counted(cache: Any) -> bool:
+    """Whether ``cache`` has layers that count positions in a Python ``int`` (HF's
+    ``StaticSlidingWindowLayer``: Mistral with a sliding window, Gemma-2, Gemma-3). Their decode
+    step takes that integer each call (fusec.frontend.host_scalars), so it can be neither replayed
+    from a CUDA graph (the count would stay at its captured value) nor precompiled (dynamo guards
+    on the value)."""
+    return any(getattr(layer, "is_sliding", False) for layer in getattr(cache, "layers", ()))
+
+
 def _compiled_step(model: torch.nn.Module, sample: bool, temperature: float, top_k: int | None,
-                   select_in_graph: bool, options: dict[str, Any]) -> Any:
+                   select_in_graph: bool, options: dict[str, Any], precompile: bool = True) -> Any:
     """``_DecodeStep(...)`` compiled with fusec, kept on the model per selection settings and
-    options so that a second call reuses it: precompiled (:data:`PRECOMPILE`) or plain
-    ``torch.compile(..., backend="fusec", options=options)``."""
+    options so that a second call reuses it: precompiled (:data:`PRECOMPILE` and
+    ``precompile``) or plain ``torch.compile(..., backend="fusec", options=options)``."""
     key = (sample, float(temperature) if sample else None, top_k if sample else None, select_in_graph,
-           repr(sorted(options.items())))
+           repr(sorted(options.items())), precompile)
     steps = model.__dict__.get("_fusec_generate_steps")
     if steps is None:
         steps = _StepCache()
         object.__setattr__(model, "_fusec_generate_steps", steps)   # not a submodule: no state_dict entry
     if key not in steps:
         wrapper = _DecodeStep(model, sample, temperature, top_k, select_in_graph)
-        steps[key] = PrecompiledStep(wrapper, model, options) if PRECOMPILE else \
+        steps[key] = PrecompiledStep(wrapper, model, options) if PRECOMPILE and precompile else \
             torch.compile(wrapper, backend="fusec", options=options)
     return steps[key]
 
@@ -403,7 +412,12 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: in
         dec = None
         while pos < max_new_tokens and end is None:
             if dec is None:
-                step = _compiled_step(model, sample, temperature, top_k, select_in_graph, opts)
+                counted = host_counted(cache)
+                if counted:
+                    log.info("fusec.generate: the cache's sliding-window layers count positions in Python; "
+                             "each step is launched on its own (no CUDA graph, no precompiled step)")
+                step = _compiled_step(model, sample, temperature, top_k, select_in_graph, opts,
+                                      precompile=not counted)
                 dec = _Decoder(step, tokens, cache, sample, select_in_graph, temperature, top_k, top_p,
                                logits.shape[-1], generator, out)
                 n = min(WARMUP if cuda else CHUNK, max_new_tokens - pos)
@@ -412,7 +426,7 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: in
                 if w.fallbacks:
                     warn_fallback("fusec.generate: the decode step did not compile with fusec (%s); "
                                   "generating with the fallback (correct, slower)", w.fallbacks[0])
-                if cuda and max_new_tokens - pos - n >= CHUNK:
+                if cuda and not counted and max_new_tokens - pos - n >= CHUNK:
                     dec.capture()
             else:
                 n = min(CHUNK, max_new_tokens - pos)

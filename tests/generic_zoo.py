@@ -29,7 +29,8 @@ class Zoo(torch.nn.Module):
               x.clamp(-0.5, 0.5), x.clamp(min=y), x.clamp_min(0.1), x.clamp_max(-0.1), (y.abs() + 1).reciprocal(),
               torch.erf(x), F.gelu(x), F.gelu(x, approximate="tanh"), (y.abs() + 0.5).log(), x.expm1(),
               y.abs().log1p(), torch.remainder(x, 0.3), torch.remainder(iv, -3), torch.floor_divide(iv, 4),
-              torch.sign(x), torch.sign(iv)]
+              torch.sign(x), torch.sign(iv), F.relu(x), F.relu(iv), F.relu(x) ** 2, F.leaky_relu(x),
+              F.leaky_relu(x, 0.2)]
         # reductions
         r += [x.mean(-1), x.mean((0, 2), keepdim=True), x.sum(), iv.sum(1), bm.sum(), x.amax(1), x.amin((0, 1)),
               bm.any(-1), bm.any(), x.max(1).values, x.max(1).indices, x.min(-1)[0], x.min(-1)[1], x.argmax(),

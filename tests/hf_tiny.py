@@ -98,3 +98,66 @@ def granite(seed=0):
     from transformers import GraniteConfig, GraniteForCausalLM
     return _small(GraniteConfig, GraniteForCausalLM, seed, embedding_multiplier=2.0, residual_multiplier=0.5,
                   attention_multiplier=0.2, logits_scaling=4.0)
+
+
+def _nonzero_norms(m, seed=0):
+    """Gemma's norm weights (used as 1 + w, zero at init) drawn from [-0.25, 0.25), so that a
+    mistake in where they apply shows."""
+    gen = torch.Generator().manual_seed(seed + 7)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if "norm" in name:
+                p.copy_(torch.rand(p.shape, generator=gen) * 0.5 - 0.25)
+    return m
+
+
+def mistral_sw(window=128, seed=0):
+    """A tiny ``MistralForCausalLM`` with a ``sliding_window`` (Mistral-7B-v0.1's config has one):
+    HF's StaticCache gives it sliding-window layers, which count positions in a Python int
+    (fusec.frontend.host_scalars). ``window`` at least the cache length: the window never
+    fills; smaller: it fills and HF rolls it."""
+    from transformers import MistralConfig, MistralForCausalLM
+    return _small(MistralConfig, MistralForCausalLM, seed, head_dim=16, sliding_window=window)
+
+
+def gemma2(seed=0):
+    """A tiny ``Gemma2ForCausalLM``: alternating sliding and full layers, four norms per layer,
+    attention and final-logit softcap, GeGLU."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+    return _nonzero_norms(_small(Gemma2Config, Gemma2ForCausalLM, seed, head_dim=16, sliding_window=128), seed)
+
+
+def gemma3(seed=0):
+    """A tiny ``Gemma3ForCausalLM`` (text): sliding and full layers, q/k norms, four norms per layer."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    return _nonzero_norms(_small(Gemma3TextConfig, Gemma3ForCausalLM, seed, head_dim=16, sliding_window=128),
+                          seed)
+
+
+def falcon(seed=0):
+    """A tiny ``FalconForCausalLM`` (new decoder architecture: GQA, parallel attention and MLP)."""
+    from transformers import FalconConfig, FalconForCausalLM
+    torch.manual_seed(seed)
+    cfg = FalconConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       new_decoder_architecture=True, num_kv_heads=2, attn_implementation="sdpa")
+    return FalconForCausalLM(cfg).eval().requires_grad_(False)
+
+
+def gpt2(seed=0):
+    """A tiny ``GPT2LMHeadModel`` (learned positions, Conv1D projections, LayerNorm, gelu_new)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(seed)
+    cfg = GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=256, attn_implementation="sdpa")
+    return GPT2LMHeadModel(cfg).eval().requires_grad_(False)
+
+
+def phi2(seed=0):
+    """A tiny ``PhiForCausalLM`` (Phi-1/1.5/2: partial rotary, parallel block, biases)."""
+    from transformers import PhiConfig, PhiForCausalLM
+    return _small(PhiConfig, PhiForCausalLM, seed, partial_rotary_factor=0.5)
+
+
+def starcoder2(seed=0):
+    """A tiny ``Starcoder2ForCausalLM`` (LayerNorm with bias, GQA, biased projections)."""
+    from transformers import Starcoder2Config, Starcoder2ForCausalLM
+    return _small(Starcoder2Config, Starcoder2ForCausalLM, seed, sliding_window=None)

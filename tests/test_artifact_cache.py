@@ -432,3 +432,23 @@ def test_cli_reuses_the_simulator_entry_and_its_kernel(cache_on, tmp_path, capsy
     assert ", cached)" in errs[2].split("stage jit")[1].splitlines()[0]
     assert kernels[0] == kernels[1]
     assert len(list(_steps(cache_on))) == 1
+
+
+def test_graph_made_constant_is_stored_from_the_backend(cache_on, caplog):
+    """Falcon's graph makes a tensor constant (its rotary): the backend stores the entry while AOT
+    autograd's fake mode is on, so the constant is read outside that mode; the entry is stored and
+    a second compile of the same step hits it."""
+    model = hf_tiny.falcon()
+    cache = hf_tiny.static_cache(model, 32)
+    tok = torch.tensor([[5]])
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[1, 2, 3]]), past_key_values=cache, use_cache=True)
+        with caplog.at_level(logging.INFO, logger="fusec"):
+            for _ in range(2):
+                torch._dynamo.reset()
+                torch.compile(model, backend="fusec", options={"num_sms": 8})(
+                    input_ids=tok, past_key_values=cache, use_cache=True)
+    torch._dynamo.reset()
+    text = [r.getMessage() for r in caplog.records]
+    assert not [t for t in text if "not stored" in t], text
+    assert [t for t in text if "warm start" in t or ("artifacts" in t and " hit " in t)], text

@@ -24,7 +24,8 @@ from fusec.cuda.jit import compile_cuda
 from fusec.passes import schedule, tile
 
 needs_cxx = pytest.mark.skipif(compiler() is None, reason="needs a host C++ compiler")
-FAMILIES = ["llama", "qwen3", "qwen2_bias", "gemma", "phi3_fused", "gpt_neox", "olmo2", "granite"]
+FAMILIES = ["llama", "qwen3", "qwen2_bias", "gemma", "phi3_fused", "gpt_neox", "olmo2", "granite",
+            "mistral_sw", "gemma2", "gemma3", "falcon", "gpt2", "phi2", "starcoder2"]
 
 
 def test_every_accepted_op_and_semantic_kind_has_a_cuda_form():

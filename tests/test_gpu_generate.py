@@ -17,10 +17,13 @@ def _bf16_model():
     return hf_tiny.llama(hidden=256, inter=512, heads=8, kv_heads=2, head_dim=32, vocab=512).cuda().bfloat16()
 
 
-def test_greedy_fp32_equals_hf_eager():
+@pytest.mark.parametrize("factory", [hf_tiny.llama, hf_tiny.mistral_sw])
+def test_greedy_fp32_equals_hf_eager(factory):
     """fp32 tiny Llama: 32 greedy tokens (prefill, warm-up, one CUDA-graph chunk, plain rest)
-    equal HF eager generate()'s with a static cache; no fallback."""
-    model = hf_tiny.llama().cuda()
+    equal HF eager generate()'s with a static cache; no fallback. The same for a tiny Mistral
+    with a sliding window (its cache layers count positions in a Python int, computed on the
+    host each step: steps launched one by one, no CUDA-graph replay)."""
+    model = factory().cuda()
     model.generation_config.pad_token_id = 0
     prompt = torch.randint(1, 128, (1, 7), generator=torch.Generator().manual_seed(4)).cuda()
     ref = model.generate(prompt, max_new_tokens=32, do_sample=False, cache_implementation="static",
@@ -97,3 +100,4 @@ def test_capture_failure_falls_back_to_plain_launches(monkeypatch, caplog):
     assert sum("capturing 16 decode steps in a CUDA graph failed" in m for m in w.warnings) == 1, w.warnings
     assert any("steps launched one by one" in r.getMessage() for r in caplog.records)
     assert torch.equal(out, ref)
+

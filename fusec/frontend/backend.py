@@ -16,6 +16,7 @@ import torch
 
 from fusec.frontend import warm
 from fusec.frontend.capture import aten_capture, check_decode_step, dynamo_seconds, mark_model_tensors
+from fusec.frontend.host_scalars import HostSplit, split_host_scalars
 from fusec.runtime.compiled import CompiledStep
 from fusec.config import Options
 from fusec.errors import FallbackRequired, FusecError
@@ -52,6 +53,22 @@ def fusec_backend(gm: torch.fx.GraphModule, example_inputs: list[Any],
         FusecError: only for invalid options; everything else falls back.
     """
     opts = Options.from_dict({**(options or {}), **kwargs})
+    split = _host_split(gm)
+    if split is not None:
+        # a Python counter the model keeps (HF's sliding-window cache layers): the host computes
+        # it per call, one kernel serves every value
+        names = [p.name for p in gm.graph.nodes if p.op == "placeholder"]
+        log.info("fusec: %d Python integer input(s) computed on the host each call (%s), %d of their values "
+                 "passed to the kernel as tensors: one kernel for all their values", len(split.host_inputs),
+                 ", ".join(names[i] for i in split.host_inputs)[:200],
+                 sum(t is not None for t in split.derived_tensors))
+        return split.wrap(_tensor_graph(split.tensor_gm, split.example_inputs(example_inputs), opts))
+    return _tensor_graph(gm, example_inputs, opts)
+
+
+def _tensor_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], opts: Options) -> Callable:
+    """The backend for a graph without host scalars: specialized per concrete sizes when
+    dynamo made some symbolic, else compiled once."""
     if _symbolic(example_inputs):
         # dynamo's automatic dynamic shapes (a second cache length, a second model): fusec
         # compiles for concrete shapes, so it specializes on the values each call brings
@@ -107,6 +124,16 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list[Any], opts: Options)
         warn_fallback("fusec: capturing the graph to ATen failed (%s: %s); using %s", type(e).__name__,
                       first[:200], opts.fallback)
         return fallback(gm, example_inputs, opts.fallback)
+
+
+def _host_split(gm: torch.fx.GraphModule) -> HostSplit | None:
+    """:func:`split_host_scalars` of ``gm``; None when it has no host scalars or cannot be split
+    (then the integers are specialized on, as before)."""
+    try:
+        return split_host_scalars(gm)
+    except Exception as e:   # noqa: BLE001 - an unusual graph: the specializing path handles its ints
+        log.info("fusec: no host-scalar split (%s: %s)", type(e).__name__, str(e)[:200])
+        return None
 
 
 def _warm_key(gm: torch.fx.GraphModule, example_inputs: list[Any], opts: Options) -> str | None:

@@ -5,6 +5,7 @@ import operator
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from fusec.frontend.capture import MODEL_TENSORS, node_source
 from fusec.errors import UnsupportedOpError
@@ -56,8 +57,11 @@ def graph_from_aten(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Grap
             idx += 1
         elif n.op == "get_attr":
             val = getattr(gm, n.target)
-            g.add_tensor(TensorInfo(n.name, tuple(val.shape), val.dtype, Role.CONSTANT,
-                                    value=val.detach().clone()))
+            # a tensor the graph made from Python data (HF's sliding-window roll index, Falcon's
+            # rotary): a real tensor, copied outside the fake mode AOT autograd may have active
+            with unset_fake_temporarily():
+                value = val.detach().clone()
+            g.add_tensor(TensorInfo(n.name, tuple(val.shape), val.dtype, Role.CONSTANT, value=value))
             env[n.name] = n.name
         elif n.op == "call_function":
             if n.target is operator.getitem:

@@ -24,7 +24,8 @@ _ELEMENTWISE = {
     "logical_or", "bitwise_not", "_to_copy", "full_like", "scalar_tensor", "arange", "full",
     "abs", "maximum", "minimum", "clamp", "reciprocal", "copy_", "erf", "gelu", "log", "expm1",
     "log1p", "zeros_like", "ones_like", "copy", "fill", "remainder", "floor_divide", "sign",
-    "bitwise_and", "bitwise_or", "bitwise_xor", "logical_xor", "clamp_min", "clamp_max",
+    "bitwise_and", "bitwise_or", "bitwise_xor", "logical_xor", "clamp_min", "clamp_max", "relu",
+    "leaky_relu",
 }
 _REDUCE = {"mean", "sum", "amax", "amin", "any", "_softmax", "max", "argmax", "var_mean", "prod",
            "native_layer_norm", "min", "argmin", "_log_softmax", "topk"}

@@ -64,6 +64,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from fusec.config import Options
 from fusec.ir import Graph, Ref
@@ -88,8 +89,9 @@ class Uncacheable(Exception):
 
 def _cpu_bytes(t: torch.Tensor) -> tuple[torch.Tensor, Any]:
     """``t`` on the CPU, contiguous, and its bytes as a uint8 numpy array (None when empty)."""
-    t = t.detach().to("cpu").contiguous()
-    return t, (t.reshape(-1).view(torch.uint8).numpy() if t.numel() else None)
+    with unset_fake_temporarily():   # a graph's constant, while AOT autograd's fake mode is on
+        t = t.detach().to("cpu").contiguous()
+        return t, (t.reshape(-1).view(torch.uint8).numpy() if t.numel() else None)
 
 
 def tensor_digest(t: torch.Tensor) -> str:

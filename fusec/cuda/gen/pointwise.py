@@ -284,6 +284,24 @@ def _gelu(ctx: Ctx) -> None:
     elementwise(ctx, [operand(ctx, ctx.args["self"], "float")], "float", lambda a: f"{fn}({a})")
 
 
+@emitter("aten.relu", "aten.leaky_relu")
+def _relu(ctx: Ctx) -> None:
+    """``aten.relu`` (OPT's MLP, ReLU-squared MLPs) and ``aten.leaky_relu`` (``negative_slope``,
+    default 0.01): a NaN passes through, as in PyTorch (``x < 0`` is false for it)."""
+    ct = out_ct(ctx)
+    if ct == "bool":
+        raise ctx.fail(f"{ctx.op.kind} of a bool tensor")
+    zero = "0.f" if ct == "float" else "0"
+    if ctx.op.kind.startswith("aten.relu"):
+        form = lambda a: f"({a} < {zero} ? {zero} : {a})"  # noqa: E731
+    else:
+        if ct != "float":
+            raise ctx.fail("leaky_relu of an integer tensor")
+        slope = literal(float(ctx.args.get("negative_slope", 0.01)), "float")
+        form = lambda a: f"({a} < 0.f ? {a} * {slope} : {a})"  # noqa: E731
+    elementwise(ctx, [operand(ctx, ctx.args["self"], ct)], ct, form)
+
+
 @emitter("aten.neg", "aten.abs", "aten.sign")
 def _neg_abs_sign(ctx: Ctx) -> None:
     ct = out_ct(ctx)

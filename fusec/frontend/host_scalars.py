@@ -1,0 +1,171 @@
+"""Host scalars: Python integers a decode step counts with, split off dynamo's graph.
+
+Some models keep a Python ``int`` that the step updates. HF's sliding-window cache layer
+(``StaticSlidingWindowLayer``: Mistral with ``sliding_window``, Gemma-2, Gemma-3, StarCoder2) adds
+the step's token count to ``cumulative_length_int``, branches on it (whether the window is full)
+and, without ``cache_position``, takes the step's position from it. After the second step dynamo
+makes that attribute a ``SymInt`` input and the graph returns ``s + 1`` for it to store back.
+:func:`split_host_scalars` takes the scalar arithmetic out of the graph: the host computes it
+from each call's integers (a few Python additions); a value that a tensor op only adds,
+subtracts or multiplies (the position ``arange + s``) reaches the kernel as a 0-dim device tensor
+filled each call, any other (a size) as a ``SymInt`` the backend specializes on
+(``backend.SpecializingStep``). The megakernel is compiled once for every value of the counter.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import operator
+from typing import Any, Callable
+
+import torch
+
+_SCALARS = (torch.SymInt, torch.SymBool, torch.SymFloat, int, float, bool)
+
+
+def _is_scalar(n: torch.fx.Node) -> bool:
+    return isinstance(n.meta.get("example_value", n.meta.get("val")), _SCALARS)
+
+
+@dataclasses.dataclass
+class HostSplit:
+    """``gm`` split into the tensor graph and the host scalars.
+
+    Attributes:
+        host_inputs: positions (in ``gm``'s placeholders) of the integer inputs the tensor graph
+            does not take.
+        host_outputs: positions (in ``gm``'s output tuple) of the scalar outputs the host computes.
+        tensor_gm: ``gm`` without them; its placeholders are ``gm``'s others, in order, then one
+            per host value that a tensor op reads (the derived inputs, examples in
+            ``derived_examples``: a 0-dim int64 tensor, or a ``SymInt`` the backend specializes
+            on, such as HF's sliding-window mask offset, 0 until the window fills).
+        host_fn: takes all of ``gm``'s arguments, returns the host outputs' values, then the
+            derived inputs' values.
+        n_outputs, n_inputs: the lengths of ``gm``'s output tuple and placeholders.
+    """
+
+    host_inputs: list[int]
+    host_outputs: list[int]
+    tensor_gm: torch.fx.GraphModule
+    host_fn: Callable[..., tuple]
+    n_outputs: int
+    n_inputs: int
+    derived_examples: list[Any]
+    #: per derived input: a 0-dim device tensor the wrapper fills with the value each call (the
+    #: value is only an operand of tensor arithmetic: a position), or None (a SymInt input that
+    #: the backend specializes on: a size, an index)
+    derived_tensors: list[torch.Tensor | None] = dataclasses.field(default_factory=list)
+
+    def example_inputs(self, example_inputs: list[Any]) -> list[Any]:
+        """The tensor graph's example inputs from ``gm``'s."""
+        skip = set(self.host_inputs)
+        return [x for i, x in enumerate(example_inputs) if i not in skip] + list(self.derived_examples)
+
+    def wrap(self, inner: Callable[..., Any]) -> Callable[..., tuple]:
+        """A callable over all of ``gm``'s arguments: ``inner`` (compiled from ``tensor_gm``) on
+        the tensor graph's arguments, the host outputs computed here, merged in ``gm``'s order."""
+        keep = [i for i in range(self.n_inputs) if i not in set(self.host_inputs)]
+        host_at = set(self.host_outputs)
+        n_host = len(self.host_outputs)
+
+        def derived(j: int, v: Any) -> Any:
+            t = self.derived_tensors[j]
+            return v if t is None else t.fill_(v)
+
+        def run(*args: Any) -> tuple:
+            values = self.host_fn(*args)
+            tensors = iter(inner(*[args[i] for i in keep],
+                                 *[derived(j, v) for j, v in enumerate(values[n_host:])]))
+            scalars = iter(values[:n_host])
+            return tuple(next(scalars) if i in host_at else next(tensors) for i in range(self.n_outputs))
+
+        return run
+
+
+def split_host_scalars(gm: torch.fx.GraphModule) -> HostSplit | None:
+    """Split the host scalars off dynamo's graph ``gm``, or None when it has none.
+
+    Expects: dynamo's graph (nodes carry ``example_value``), returning a tuple or list.
+    A host scalar is a scalar-valued placeholder (``SymInt`` ...) or scalar arithmetic over host
+    scalars and constants (``operator.add``, ``max`` ...). Those a tensor op reads become inputs
+    of the tensor graph (computed by the host per call); the others leave it.
+    Guarantees: the tensor graph computes the same tensor outputs from the other arguments and
+    the derived ones; the split callable (:meth:`HostSplit.wrap`) returns what ``gm`` returns.
+    """
+    nodes = list(gm.graph.nodes)
+    out = next(n for n in nodes if n.op == "output")
+    outs = out.args[0]
+    if not isinstance(outs, (tuple, list)):
+        return None
+    host: set[str] = set()
+    for n in nodes:
+        if n.op == "placeholder" and _is_scalar(n):
+            host.add(n.name)
+        elif n.op == "call_function" and _is_scalar(n) and n.all_input_nodes \
+                and all(a.name in host for a in n.all_input_nodes):
+            host.add(n.name)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    host_inputs = [i for i, n in enumerate(placeholders) if n.name in host]
+    host_outputs = [i for i, o in enumerate(outs) if isinstance(o, torch.fx.Node) and o.name in host]
+    if not host_inputs:
+        return None
+    # host values a tensor op reads: inputs of the tensor graph
+    derived = [n for n in nodes if n.name in host
+               and any(u.op != "output" and u.name not in host for u in n.users)]
+
+    hg = torch.fx.Graph()
+    env: dict[str, torch.fx.Node] = {}
+    for n in nodes:
+        if n.op == "placeholder":
+            env[n.name] = hg.placeholder(n.name)
+        elif n.name in host:
+            env[n.name] = hg.node_copy(n, lambda a: env[a.name])
+    hg.output(tuple([env[outs[i].name] for i in host_outputs] + [env[n.name] for n in derived]))
+    host_fn = torch.fx.GraphModule(torch.nn.Module(), hg)
+
+    tg = copy.deepcopy(gm.graph)
+    by_name = {n.name: n for n in tg.nodes}
+    t_out = by_name[out.name]
+    t_out.args = (type(outs)(o for i, o in enumerate(t_out.args[0]) if i not in set(host_outputs)),)
+    last = [n for n in tg.nodes if n.op == "placeholder"][-1]
+    examples: list[Any] = []
+    buffers: list[torch.Tensor | None] = []
+    for n in derived:
+        buf = _value_operand_buffer(n, host)
+        with tg.inserting_after(last):
+            ph = tg.placeholder(f"host_{n.name}")
+        example = buf if buf is not None else n.meta.get("example_value", n.meta.get("val"))
+        ph.meta["example_value"] = example
+        examples.append(example)
+        buffers.append(buf)
+        by_name[n.name].replace_all_uses_with(ph)
+        last = ph
+    for n in reversed(list(tg.nodes)):
+        if n.name in host and not n.users:
+            tg.erase_node(n)
+    tensor_gm = torch.fx.GraphModule(gm, tg)
+    return HostSplit(host_inputs, host_outputs, tensor_gm, host_fn, len(outs), len(placeholders),
+                     examples, buffers)
+
+
+#: tensor arithmetic whose scalar operand may as well be a 0-dim tensor (same values and dtype:
+#: a 0-dim tensor takes part in type promotion as a Python scalar does)
+_ARITH = {operator.add, operator.sub, operator.mul, torch.add, torch.sub, torch.mul}
+
+
+def _value_operand_buffer(n: torch.fx.Node, host: set[str]) -> torch.Tensor | None:
+    """A 0-dim int64 tensor to carry host value ``n`` into the tensor graph when every tensor op
+    that reads it only adds, subtracts or multiplies it (a position ``arange + past_seen``), on
+    those ops' device; None otherwise (it may set a size: the backend specializes on it)."""
+    if not isinstance(n.meta.get("example_value", n.meta.get("val")), (torch.SymInt, int)):
+        return None
+    device = None
+    for u in n.users:
+        if u.op == "output" or u.name in host:
+            continue
+        val = u.meta.get("example_value")
+        if u.op != "call_function" or u.target not in _ARITH or not isinstance(val, torch.Tensor) \
+                or n in u.kwargs.values() or val.dtype != torch.int64:
+            return None
+        device = val.device
+    return None if device is None else torch.zeros((), dtype=torch.int64, device=device)

@@ -1,0 +1,86 @@
+"""Families new in the fourteenth session on the CPU simulator, against eager (fp32, 1e-4, no
+fallback): the sliding-window ones (Mistral with ``sliding_window``, Gemma-2, Gemma-3), whose
+HF cache layers count positions in a Python int that fusec computes on the host
+(``fusec.frontend.host_scalars``), and Falcon, GPT-2, Phi-2 and StarCoder2."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_tiny
+from fusec.fallbacks import FallbackWatch
+from test_families import _decode_against_eager
+
+FAMILIES = {"mistral_sw": hf_tiny.mistral_sw, "gemma2": hf_tiny.gemma2, "gemma3": hf_tiny.gemma3,
+            "falcon": hf_tiny.falcon, "gpt2": hf_tiny.gpt2, "phi2": hf_tiny.phi2, "starcoder2": hf_tiny.starcoder2}
+
+
+def _steps_against_eager(model, prompt_len: int, n: int, seed: int):
+    """``n`` decode steps of ``model`` compiled with fusec and of eager ``model``, each on its own
+    StaticCache (32 rows) after the same random prompt. Returns (the two caches, the fallback
+    lines, each step's relative logits error)."""
+    from transformers import StaticCache
+    gen = torch.Generator().manual_seed(seed)
+    caches = [StaticCache(config=model.config, max_cache_len=32) for _ in range(2)]
+    errs = []
+    with torch.no_grad():
+        p = torch.randint(0, 128, (1, prompt_len), generator=gen)
+        for c in caches:
+            model(input_ids=p, past_key_values=c, use_cache=True)
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="fusec", options={"num_sms": 8})
+        with FallbackWatch() as w:
+            for _ in range(n):
+                tok = torch.randint(0, 128, (1, 1), generator=gen)
+                a = compiled(input_ids=tok, past_key_values=caches[0], use_cache=True).logits
+                b = model(input_ids=tok, past_key_values=caches[1], use_cache=True).logits
+                errs.append(((a - b).norm() / b.norm()).item())
+    torch._dynamo.reset()
+    return caches, w.fallbacks, errs
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_family_matches_eager_with_one_kernel(name, steps):
+    """8 decode steps against eager with no fallback, and not a kernel per step: the first step
+    compiles for the counter's first value; a sliding-window family compiles once more when
+    dynamo makes the counter an input, then every step reuses that kernel."""
+    _decode_against_eager(FAMILIES[name](), n=8)
+    assert 1 <= len(steps) <= (2 if name in ("mistral_sw", "gemma2", "gemma3") else 1), len(steps)
+
+
+def test_host_counter_outputs_are_written_back(steps):
+    """The Python counter the graph returns is stored back by dynamo: after the steps it equals
+    eager's, layer by layer, and the step's tensor counter and K cache agree."""
+    caches, fallbacks, errs = _steps_against_eager(hf_tiny.mistral_sw(), 3, 5, seed=3)
+    assert not fallbacks, fallbacks
+    assert max(errs) < 1e-4, errs
+    for a, b in zip(caches[0].layers, caches[1].layers):
+        assert a.cumulative_length_int == b.cumulative_length_int == 8
+        assert int(a.cumulative_length) == int(b.cumulative_length)
+        assert (a.keys - b.keys).abs().max() < 1e-5
+
+
+def test_window_that_fills_falls_back_with_one_line_and_stays_correct(steps):
+    """A window smaller than the cache fills after 4 steps; HF then rolls it (``roll``: an index by
+    ``fmod``, which fusec does not place): that graph falls back with a line naming the op and
+    the source line, and every step still equals eager."""
+    _, fallbacks, errs = _steps_against_eager(hf_tiny.mistral_sw(window=8), 4, 8, seed=4)
+    assert max(errs) < 1e-4, errs
+    assert fallbacks and all("fmod" in f and "roll" in f for f in fallbacks), fallbacks
+    assert steps, "the steps before the window filled ran in fusec"
+
+
+def test_generate_on_a_sliding_window_model_equals_hf_greedy():
+    """fusec.generate on Mistral with a sliding window (longer than the cache it makes): the same
+    tokens as HF's greedy generate(), no fallback (steps launched one by one: the Python counter
+    cannot be replayed from a CUDA graph)."""
+    import fusec
+    model = hf_tiny.mistral_sw(window=128)
+    prompt = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(9))
+    with FallbackWatch() as w:
+        out = fusec.generate(model, prompt, 12, eos_token_id=[], options={"num_sms": 8})
+    ref = model.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0,
+                         attention_mask=torch.ones_like(prompt))
+    torch._dynamo.reset()
+    assert not w.fallbacks, w.fallbacks
+    assert torch.equal(out, ref), (out, ref)
