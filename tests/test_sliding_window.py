@@ -62,11 +62,14 @@ def test_host_counter_outputs_are_written_back(steps):
 
 def test_window_that_fills_falls_back_with_one_line_and_stays_correct(steps):
     """A window smaller than the cache fills after 4 steps; HF then rolls it (``roll``: an index by
-    ``fmod``, which fusec does not place): that graph falls back with a line naming the op and
-    the source line, and every step still equals eager."""
+    ``fmod``, which fusec does not place): that graph falls back with a line naming the op, the
+    source line and what to change (and one saying its positions pass the cache), and every
+    step still equals eager."""
     _, fallbacks, errs = _steps_against_eager(hf_tiny.mistral_sw(window=8), 4, 8, seed=4)
     assert max(errs) < 1e-4, errs
-    assert fallbacks and all("fmod" in f and "roll" in f for f in fallbacks), fallbacks
+    rolled = [f for f in fallbacks if "fmod" in f and "roll" in f and "no longer than the model's sliding_window" in f]
+    outside = [f for f in fallbacks if "outside the KV cache" in f]   # the rolled graph's positions
+    assert rolled and len(rolled) + len(outside) == len(fallbacks), fallbacks
     assert steps, "the steps before the window filled ran in fusec"
 
 
@@ -84,3 +87,57 @@ def test_generate_on_a_sliding_window_model_equals_hf_greedy():
     torch._dynamo.reset()
     assert not w.fallbacks, w.fallbacks
     assert torch.equal(out, ref), (out, ref)
+
+
+class _CounterCache:
+    """A KV cache with a Python position counter, as HF's sliding-window layer keeps one."""
+
+    def __init__(self, length=32):
+        self.k, self.v, self.count = torch.zeros(1, 4, length, 16), torch.zeros(1, 4, length, 16), 3
+
+
+class _CounterModel(torch.nn.Module):
+    """One attention layer over a :class:`_CounterCache` at position ``count``, plus ``extra(count)``
+    added to the output as a float ramp: what a host value feeds."""
+
+    def __init__(self, extra):
+        super().__init__()
+        torch.manual_seed(0)
+        self.q, self.kv, self.o = torch.nn.Linear(64, 64), torch.nn.Linear(64, 128), torch.nn.Linear(64, 64)
+        self.extra = extra
+
+    def forward(self, x, c):
+        q = self.q(x).view(1, 1, 4, 16).transpose(1, 2)
+        k, v = self.kv(x).view(1, 1, 8, 16).transpose(1, 2).chunk(2, dim=1)
+        s = c.count
+        pos = torch.arange(1) + s
+        c.k.index_copy_(2, pos, k)
+        c.v.index_copy_(2, pos, v)
+        mask = (torch.arange(c.k.shape[2]) <= pos).view(1, -1)
+        att = torch.nn.functional.scaled_dot_product_attention(q, c.k, c.v, attn_mask=mask)
+        c.count = s + 1
+        return self.o(att.transpose(1, 2).reshape(1, 1, 64)) + self.extra(s)
+
+
+@pytest.mark.parametrize("extra", [
+    lambda s: (torch.arange(64) + 2 * s).float(),      # a position the host computes, past the cache at 16
+    lambda s: (torch.arange(64) // (s + 1)).float(),   # the counter as a divisor: not split, specialized
+], ids=["twice", "divisor"])
+def test_counter_uses_stay_correct(extra):
+    """20 steps against eager: a host-computed position outside the cache's [0, L) runs that step
+    eagerly (one line), a counter used otherwise than as an added position falls back per value
+    (eagerly: inductor gave wrong values there); every step equals eager."""
+    model = _CounterModel(extra).eval()
+    ce, cc = _CounterCache(), _CounterCache()
+    gen = torch.Generator().manual_seed(1)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fusec", options={"num_sms": 8})
+    with FallbackWatch() as w, torch.no_grad():
+        for _ in range(20):
+            x = torch.randn(1, 1, 64, generator=gen)
+            b = model(x, ce)
+            a = compiled(x, cc)
+            assert ((a - b).norm() / b.norm()).item() < 1e-4
+    torch._dynamo.reset()
+    assert cc.count == ce.count == 23
+    assert w.fallbacks, "both run some steps outside fusec"

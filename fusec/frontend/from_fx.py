@@ -80,12 +80,21 @@ def graph_from_aten(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Grap
     return g
 
 
+#: (a piece of the model line, what to tell the user) for unsupported ops whose cause is known
+_HINTS = (
+    ("self.keys.roll(", " (HF's sliding-window cache is full and rolls its window each step: this "
+                        "step runs in the fallback; a StaticCache no longer than the model's "
+                        "sliding_window keeps every step in fusec)"),
+)
+
+
 def _add_call(g: Graph, n: torch.fx.Node, env: dict[str, Any]) -> None:
     target = n.target
     kind = str(target)
     source = node_source(n)
     if aten_category(target) is None:
-        raise UnsupportedOpError(f"unsupported op {kind} (node {n.name}) at {source or 'unknown source'}")
+        hint = next((h for where, h in _HINTS if where in (source or "")), "")
+        raise UnsupportedOpError(f"unsupported op {kind} (node {n.name}) at {source or 'unknown source'}{hint}")
     inputs: dict[str, str] = {}
 
     def conv(a: Any) -> Any:

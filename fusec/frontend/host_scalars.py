@@ -6,10 +6,13 @@ the step's token count to ``cumulative_length_int``, branches on it (whether the
 and, without ``cache_position``, takes the step's position from it. After the second step dynamo
 makes that attribute a ``SymInt`` input and the graph returns ``s + 1`` for it to store back.
 :func:`split_host_scalars` takes the scalar arithmetic out of the graph: the host computes it
-from each call's integers (a few Python additions); a value that a tensor op only adds,
-subtracts or multiplies (the position ``arange + s``) reaches the kernel as a 0-dim device tensor
-filled each call, any other (a size) as a ``SymInt`` the backend specializes on
-(``backend.SpecializingStep``). The megakernel is compiled once for every value of the counter.
+from each call's integers (a few Python additions); a value that int64 tensor ops only add,
+subtract or multiply (the position ``arange + s``) reaches the kernel as a 0-dim device tensor
+filled each call. The kernel takes such a value for a position (its tables cover ``[0, L)``, L the
+KV-cache length), so the host checks each call's value against that range and runs an
+out-of-range call eagerly (one log line). A graph with any other use of a host value (a size, a
+comparison, a float) is not split: the backend handles it as before (it specializes on the
+value, or falls back). The megakernel is compiled once for every value of the counter.
 """
 from __future__ import annotations
 
@@ -19,6 +22,8 @@ import operator
 from typing import Any, Callable
 
 import torch
+
+from fusec.fallbacks import warn as warn_fallback
 
 _SCALARS = (torch.SymInt, torch.SymBool, torch.SymFloat, int, float, bool)
 
@@ -36,9 +41,10 @@ class HostSplit:
             does not take.
         host_outputs: positions (in ``gm``'s output tuple) of the scalar outputs the host computes.
         tensor_gm: ``gm`` without them; its placeholders are ``gm``'s others, in order, then one
-            per host value that a tensor op reads (the derived inputs, examples in
-            ``derived_examples``: a 0-dim int64 tensor, or a ``SymInt`` the backend specializes
-            on, such as HF's sliding-window mask offset, 0 until the window fills).
+            per host value that a tensor op reads (the derived inputs: 0-dim int64 tensors, in
+            ``derived_tensors``, which the wrapper fills each call).
+        bound: the KV-cache length L; a call whose derived values are not all in ``[0, L)`` runs
+            ``tensor_gm`` eagerly instead of the compiled step.
         host_fn: takes all of ``gm``'s arguments, returns the host outputs' values, then the
             derived inputs' values.
         n_outputs, n_inputs: the lengths of ``gm``'s output tuple and placeholders.
@@ -50,16 +56,13 @@ class HostSplit:
     host_fn: Callable[..., tuple]
     n_outputs: int
     n_inputs: int
-    derived_examples: list[Any]
-    #: per derived input: a 0-dim device tensor the wrapper fills with the value each call (the
-    #: value is only an operand of tensor arithmetic: a position), or None (a SymInt input that
-    #: the backend specializes on: a size, an index)
-    derived_tensors: list[torch.Tensor | None] = dataclasses.field(default_factory=list)
+    derived_tensors: list[torch.Tensor]
+    bound: int
 
     def example_inputs(self, example_inputs: list[Any]) -> list[Any]:
         """The tensor graph's example inputs from ``gm``'s."""
         skip = set(self.host_inputs)
-        return [x for i, x in enumerate(example_inputs) if i not in skip] + list(self.derived_examples)
+        return [x for i, x in enumerate(example_inputs) if i not in skip] + list(self.derived_tensors)
 
     def wrap(self, inner: Callable[..., Any]) -> Callable[..., tuple]:
         """A callable over all of ``gm``'s arguments: ``inner`` (compiled from ``tensor_gm``) on
@@ -68,14 +71,19 @@ class HostSplit:
         host_at = set(self.host_outputs)
         n_host = len(self.host_outputs)
 
-        def derived(j: int, v: Any) -> Any:
-            t = self.derived_tensors[j]
-            return v if t is None else t.fill_(v)
+        warned = []
 
         def run(*args: Any) -> tuple:
             values = self.host_fn(*args)
-            tensors = iter(inner(*[args[i] for i in keep],
-                                 *[derived(j, v) for j, v in enumerate(values[n_host:])]))
+            derived = values[n_host:]
+            step = inner
+            if not all(0 <= int(v) < self.bound for v in derived):
+                step = self.tensor_gm.forward   # the kernel's position tables cover [0, bound) only
+                if not warned:
+                    warned.append(True)
+                    warn_fallback("fusec: a position computed on the host (%s) is outside the KV cache's "
+                                  "[0, %d); such steps run eagerly", [int(v) for v in derived], self.bound)
+            tensors = iter(step(*[args[i] for i in keep], *[t.fill_(v) for t, v in zip(self.derived_tensors, derived)]))
             scalars = iter(values[:n_host])
             return tuple(next(scalars) if i in host_at else next(tensors) for i in range(self.n_outputs))
 
@@ -109,9 +117,14 @@ def split_host_scalars(gm: torch.fx.GraphModule) -> HostSplit | None:
     host_outputs = [i for i, o in enumerate(outs) if isinstance(o, torch.fx.Node) and o.name in host]
     if not host_inputs:
         return None
-    # host values a tensor op reads: inputs of the tensor graph
+    # host values a tensor op reads: inputs of the tensor graph, as positions bounded by the KV
+    # cache's length; any other use leaves the graph to the backend's other paths
     derived = [n for n in nodes if n.name in host
                and any(u.op != "output" and u.name not in host for u in n.users)]
+    bound = _kv_length(placeholders)
+    buffers = [_value_operand_buffer(n, host) for n in derived]
+    if derived and (bound is None or any(b is None for b in buffers)):
+        return None
 
     hg = torch.fx.Graph()
     env: dict[str, torch.fx.Node] = {}
@@ -128,16 +141,10 @@ def split_host_scalars(gm: torch.fx.GraphModule) -> HostSplit | None:
     t_out = by_name[out.name]
     t_out.args = (type(outs)(o for i, o in enumerate(t_out.args[0]) if i not in set(host_outputs)),)
     last = [n for n in tg.nodes if n.op == "placeholder"][-1]
-    examples: list[Any] = []
-    buffers: list[torch.Tensor | None] = []
-    for n in derived:
-        buf = _value_operand_buffer(n, host)
+    for n, buf in zip(derived, buffers):
         with tg.inserting_after(last):
             ph = tg.placeholder(f"host_{n.name}")
-        example = buf if buf is not None else n.meta.get("example_value", n.meta.get("val"))
-        ph.meta["example_value"] = example
-        examples.append(example)
-        buffers.append(buf)
+        ph.meta["example_value"] = buf
         by_name[n.name].replace_all_uses_with(ph)
         last = ph
     for n in reversed(list(tg.nodes)):
@@ -145,7 +152,15 @@ def split_host_scalars(gm: torch.fx.GraphModule) -> HostSplit | None:
             tg.erase_node(n)
     tensor_gm = torch.fx.GraphModule(gm, tg)
     return HostSplit(host_inputs, host_outputs, tensor_gm, host_fn, len(outs), len(placeholders),
-                     examples, buffers)
+                     buffers, bound or 0)
+
+
+def _kv_length(placeholders: list[torch.fx.Node]) -> int | None:
+    """The KV-cache length (dim 2 of the 4-D floating inputs, as ``fusec.ir.position``), or None."""
+    lengths = [v.shape[2] for v in (n.meta.get("example_value") for n in placeholders)
+               if isinstance(v, torch.Tensor) and v.dim() == 4 and v.is_floating_point()
+               and isinstance(v.shape[2], int)]
+    return max(lengths) if lengths else None
 
 
 #: tensor arithmetic whose scalar operand may as well be a 0-dim tensor (same values and dtype:
