@@ -216,7 +216,7 @@ class _StepCache(dict):
 
 def host_counted(cache: Any) -> bool:
     """Whether ``cache`` has layers that count positions in a Python ``int`` (HF's
-    ``StaticSlidingWindowLayer``: Mistral with a sliding window, Gemma-2, Gemma-3). Their decode
+    ``StaticSlidingWindowLayer``: Mistral with a sliding window, Gemma-2, Gemma-3, StarCoder2). Their decode
     step takes that integer each call (fusec.frontend.host_scalars), so it can be neither replayed
     from a CUDA graph (the count would stay at its captured value) nor precompiled (dynamo guards
     on the value)."""

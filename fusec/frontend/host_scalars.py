@@ -48,6 +48,7 @@ class HostSplit:
         host_fn: takes all of ``gm``'s arguments, returns the host outputs' values, then the
             derived inputs' values.
         n_outputs, n_inputs: the lengths of ``gm``'s output tuple and placeholders.
+        derived_tensors: the 0-dim int64 device tensors of the derived inputs, in order.
     """
 
     host_inputs: list[int]
@@ -71,7 +72,7 @@ class HostSplit:
         host_at = set(self.host_outputs)
         n_host = len(self.host_outputs)
 
-        warned = []
+        warned: list[bool] = []
 
         def run(*args: Any) -> tuple:
             values = self.host_fn(*args)
@@ -83,7 +84,8 @@ class HostSplit:
                     warned.append(True)
                     warn_fallback("fusec: a position computed on the host (%s) is outside the KV cache's "
                                   "[0, %d); such steps run eagerly", [int(v) for v in derived], self.bound)
-            tensors = iter(step(*[args[i] for i in keep], *[t.fill_(v) for t, v in zip(self.derived_tensors, derived)]))
+            positions = [t.fill_(v) for t, v in zip(self.derived_tensors, derived)]
+            tensors = iter(step(*[args[i] for i in keep], *positions))
             scalars = iter(values[:n_host])
             return tuple(next(scalars) if i in host_at else next(tensors) for i in range(self.n_outputs))
 
@@ -171,7 +173,7 @@ _ARITH = {operator.add, operator.sub, operator.mul, torch.add, torch.sub, torch.
 def _value_operand_buffer(n: torch.fx.Node, host: set[str]) -> torch.Tensor | None:
     """A 0-dim int64 tensor to carry host value ``n`` into the tensor graph when every tensor op
     that reads it only adds, subtracts or multiplies it (a position ``arange + past_seen``), on
-    those ops' device; None otherwise (it may set a size: the backend specializes on it)."""
+    those ops' device; None otherwise (a size, a comparison, a float: the graph is not split)."""
     if not isinstance(n.meta.get("example_value", n.meta.get("val")), (torch.SymInt, int)):
         return None
     device = None
