@@ -435,7 +435,7 @@ def test_cli_reuses_the_simulator_entry_and_its_kernel(cache_on, tmp_path, capsy
 
 
 def test_graph_made_constant_is_stored_from_the_backend(cache_on, caplog):
-    """Falcon's graph makes a tensor constant (its rotary): the backend stores the entry while AOT
+    """Falcon's ATen graph holds a tensor constant: the backend stores the entry while AOT
     autograd's fake mode is on, so the constant is read outside that mode; the entry is stored and
     a second compile of the same step hits it."""
     model = hf_tiny.falcon()

@@ -57,8 +57,8 @@ def graph_from_aten(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Grap
             idx += 1
         elif n.op == "get_attr":
             val = getattr(gm, n.target)
-            # a tensor the graph made from Python data (HF's sliding-window roll index, Falcon's
-            # rotary): a real tensor, copied outside the fake mode AOT autograd may have active
+            # a tensor constant of the ATen graph (HF's sliding-window roll index, one in Falcon's
+            # step): a real tensor, copied outside the fake mode AOT autograd may have active
             with unset_fake_temporarily():
                 value = val.detach().clone()
             g.add_tensor(TensorInfo(n.name, tuple(val.shape), val.dtype, Role.CONSTANT, value=value))
