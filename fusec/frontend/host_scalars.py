@@ -28,8 +28,13 @@ from fusec.fallbacks import warn as warn_fallback
 _SCALARS = (torch.SymInt, torch.SymBool, torch.SymFloat, int, float, bool)
 
 
+def _example(n: torch.fx.Node) -> Any:
+    """The value dynamo (``example_value``) or AOT (``val``) recorded for ``n``."""
+    return n.meta.get("example_value", n.meta.get("val"))
+
+
 def _is_scalar(n: torch.fx.Node) -> bool:
-    return isinstance(n.meta.get("example_value", n.meta.get("val")), _SCALARS)
+    return isinstance(_example(n), _SCALARS)
 
 
 @dataclasses.dataclass
@@ -68,7 +73,8 @@ class HostSplit:
     def wrap(self, inner: Callable[..., Any]) -> Callable[..., tuple]:
         """A callable over all of ``gm``'s arguments: ``inner`` (compiled from ``tensor_gm``) on
         the tensor graph's arguments, the host outputs computed here, merged in ``gm``'s order."""
-        keep = [i for i in range(self.n_inputs) if i not in set(self.host_inputs)]
+        skip = set(self.host_inputs)
+        keep = [i for i in range(self.n_inputs) if i not in skip]
         host_at = set(self.host_outputs)
         n_host = len(self.host_outputs)
 
@@ -141,7 +147,8 @@ def split_host_scalars(gm: torch.fx.GraphModule) -> HostSplit | None:
     tg = copy.deepcopy(gm.graph)
     by_name = {n.name: n for n in tg.nodes}
     t_out = by_name[out.name]
-    t_out.args = (type(outs)(o for i, o in enumerate(t_out.args[0]) if i not in set(host_outputs)),)
+    to_host = set(host_outputs)
+    t_out.args = (type(outs)(o for i, o in enumerate(t_out.args[0]) if i not in to_host),)
     last = [n for n in tg.nodes if n.op == "placeholder"][-1]
     for n, buf in zip(derived, buffers):
         with tg.inserting_after(last):
@@ -174,7 +181,7 @@ def _value_operand_buffer(n: torch.fx.Node, host: set[str]) -> torch.Tensor | No
     """A 0-dim int64 tensor to carry host value ``n`` into the tensor graph when every tensor op
     that reads it only adds, subtracts or multiplies it (a position ``arange + past_seen``), on
     those ops' device; None otherwise (a size, a comparison, a float: the graph is not split)."""
-    if not isinstance(n.meta.get("example_value", n.meta.get("val")), (torch.SymInt, int)):
+    if not isinstance(_example(n), (torch.SymInt, int)):
         return None
     device = None
     for u in n.users:
