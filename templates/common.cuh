@@ -320,11 +320,38 @@ __device__ __forceinline__ void stage_vec(const TX* __restrict__ x, TX* xs) {
 // ns[i] = rnd<TN>(w[i] * rnd<TX>(x[i] * rsqrt(mean(x^2) + eps))); with WF32 (Gemma, w = 1 + weight)
 // the weight multiplies in fp32 before the one rounding: ns[i] = rnd<TN>(x[i] * rsqrt(...) * w[i]).
 // Each thread's x and w elements are loaded once, together (one memory round trip), and kept
-// in registers when there are at most 8 per thread; the sums run in the same order either way.
+// in registers: with FUSEC_NORM_VEC (default 1), when the H / (16 B) chunks fit the CTA and w has
+// x's dtype, one 16-byte chunk of each per thread; else up to 8 strided elements per thread.
+// Beyond 8, a loop that loads x again to normalize (the same sums as the strided path).
 template <typename TX, typename TW, typename TN, int H, bool WF32 = false>
 __device__ __forceinline__ void rms_prologue(const TX* x, const TW* w, float eps, TN* ns, float* red) {
   constexpr int PER = (H + FUSEC_THREADS - 1) / FUSEC_THREADS;
-  if constexpr (PER <= 8) {
+  constexpr int E = 16 / sizeof(TX);
+  if constexpr (FUSEC_NORM_VEC && H % E == 0 && H / E <= FUSEC_THREADS && sizeof(TW) == sizeof(TX)) {
+    // FUSEC_NORM_VEC: one 16-byte chunk of x and of w per thread (as stage_vec loads x), kept
+    // packed in registers until the normalization
+    const bool on = threadIdx.x < H / E;
+    uint4 xr = make_uint4(0u, 0u, 0u, 0u), wr = xr;
+    if (on) {
+      xr = __ldcg(reinterpret_cast<const uint4*>(x) + threadIdx.x);
+      wr = __ldg(reinterpret_cast<const uint4*>(w) + threadIdx.x);
+    }
+    float ss = 0.f;
+#pragma unroll
+    for (int j = 0; j < E; ++j) {
+      const float v = to_f(reinterpret_cast<const TX*>(&xr)[j]);
+      ss += v * v;
+    }
+    FUSEC_MARK_AFTER(5, ss);   // thread 0's x loaded
+    const float r = rsqrtf(block_sum(ss, red) / H + eps);
+    if (on) {
+#pragma unroll
+      for (int j = 0; j < E; ++j) {
+        const float xv = to_f(reinterpret_cast<const TX*>(&xr)[j]), wv = to_f(reinterpret_cast<const TW*>(&wr)[j]);
+        ns[threadIdx.x * E + j] = from_f<TN>(WF32 ? xv * r * wv : wv * rnd<TX>(xv * r));
+      }
+    }
+  } else if constexpr (PER <= 8) {
     float xv[PER], wv[PER];
 #pragma unroll
     for (int k = 0; k < PER; ++k) {

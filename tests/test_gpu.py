@@ -91,7 +91,9 @@ def test_mid_size_matvec_paths_match_eager(hidden, inter):
                                      # the split-KV scores by lanes, with the value rows in the K batch or not
                                      {"FUSEC_ATTN_LANES": 0}, {"FUSEC_ATTN_LANES": 2, "FUSEC_ATTN_SINGLE": 0},
                                      # the value pass's butterfly sums instead of the reduce-scatter
-                                     {"FUSEC_ATTN_V_SCATTER": 0}])
+                                     {"FUSEC_ATTN_V_SCATTER": 0},
+                                     # the RMSNorm prologue by elements, not 16-byte chunks
+                                     {"FUSEC_NORM_VEC": 0}])
 def test_kernel_knobs_match_eager(defines):
     """A non-default setting of each kernel knob (fusec.cuda.knobs) against eager, in bf16, on
     shapes where the batched matvec and the vector attention paths run; 5e-2 is a gross-error
@@ -393,3 +395,43 @@ def test_llama_1b_1000_steps_track_eager(llama_1b):
         for a, b, r in ((l1.keys, l2.keys, l3.keys), (l1.values, l2.values, l3.values)):
             new = slice(start, end)
             assert step_util.rel(a[:, :, new], r[:, :, new]) <= 1.5 * step_util.rel(b[:, :, new], r[:, :, new]) + 1e-3
+
+
+def test_token_views_run_the_megakernel():
+    """Token ids a user slices out of a longer tensor (``seq[:, -1:]`` of the growing sequence:
+    every other step its address is not 16-byte aligned), on the first call and on later ones,
+    then captured in torch.cuda.graph from an unaligned view of a static tensor: default
+    options, fusec's logits match eager's (fp32, 1e-4) at every step with no fallback; the
+    kernel reads each call's token (the staging copy is stream-ordered and captured)."""
+    model, cache = step_util.tiny_on_gpu(hf_tiny.llama, torch.float32)
+    ref = copy.deepcopy(cache)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fusec")
+    gen = torch.Generator().manual_seed(21)
+    seq = torch.randint(0, 128, (1, 6), generator=gen).cuda()     # the last id is 40 bytes in
+    unaligned = 0
+    with torch.no_grad(), FallbackWatch() as w:
+        for step in range(6):
+            tok = seq[:, -1:]
+            unaligned += tok.data_ptr() % 16 != 0
+            a = compiled(input_ids=tok, past_key_values=cache, use_cache=True).logits.clone()
+            b = model(input_ids=tok, past_key_values=ref, use_cache=True).logits
+            assert 0 < step_util.rel(a, b) < 1e-4, step
+            nxt = torch.randint(0, 128, (1, 1), generator=gen).cuda()
+            seq = torch.cat([seq, nxt], dim=1)
+        static = torch.zeros(1, 3, dtype=torch.long, device="cuda")
+        view = static[:, 1:2]                                      # 8 bytes in
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            logits = compiled(input_ids=view, past_key_values=cache, use_cache=True).logits
+        for step in range(4):
+            tok = torch.randint(0, 128, (1, 1), generator=gen).cuda()
+            static[:, 1:2].copy_(tok)
+            graph.replay()
+            a = logits.clone()
+            b = model(input_ids=tok, past_key_values=ref, use_cache=True).logits
+            assert 0 < step_util.rel(a, b) < 1e-4, step
+    assert unaligned == 3
+    assert not w.fallbacks, f"the kernel did not run: {w.fallbacks}"
+    torch._dynamo.reset()

@@ -14,7 +14,8 @@ import variants  # noqa: E402
 from fusec.config import Options  # noqa: E402
 
 
-@pytest.mark.parametrize("name", ["latency-knobs.json", "latency-combos.json", "attn-lanes.json", "attn-scatter.json"])
+@pytest.mark.parametrize("name", ["latency-knobs.json", "latency-combos.json", "attn-lanes.json", "attn-scatter.json",
+                                  "norm-vec.json"])
 def test_variants_file_parses_and_names_only_known_knobs(name):
     """benchmarks/latency-*.json (``variants.py --variants @FILE``) are lists of uniquely named
     variants whose defines are all kernel knobs, so a device call does not fail on a typo."""

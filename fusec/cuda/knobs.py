@@ -27,6 +27,11 @@ TABLE: tuple[Knob, ...] = (
     Knob("FUSEC_PREFETCH", 0,
          "1: L2 bulk prefetch of this and the next instruction's weights before the counter waits "
          "(0.10-0.15 ms slower, §9)"),
+    Knob("FUSEC_NORM_VEC", 1,
+         "1: an RMSNorm prologue (common.cuh rms_prologue) loads x and its weight in 16-byte "
+         "chunks, one of each per thread, when H / (16 B) chunks fit the CTA and both share a "
+         "dtype; 0: PER elements per thread (1B -0.004 / -0.005 ms at 127 / 2047, Qwen3-0.6B "
+         "within 0.003, §19)"),
     Knob("FUSEC_INLINE_OTHER_KINDS", 0,
          "1 inlines the kinds other than the per-layer matvecs into their cases (as before "
          "2026-12-01; NVRTC then takes 8-10x longer, and the step was 0.031-0.052 ms slower, §13)"),
@@ -106,4 +111,5 @@ LATENCY_KNOBS_OFF: dict[str, int] = {"FUSEC_ATTN_SINGLE": 0, "FUSEC_MERGE_ONE_PA
 # head norm by shuffles and value rows in batches (warpsum-vbatch), the norm weight asked for
 # before the waits (norm-early); and (no change, §17; commits cc3de9f, c42c6c6) the abort flag loaded
 # next to the counter in a poll (FUSEC_POLL_ONE_TRIP) and rms_qkv_rope's own loads in flight
-# (FUSEC_QKV_LOADS_IN_FLIGHT): docs/performance.md, "What was tried".
+# (FUSEC_QKV_LOADS_IN_FLIGHT); a level's or a layer's weights asked of L2 ahead after each release
+# (FUSEC_L2_AHEAD, l2-ahead): docs/performance.md, "What was tried".

@@ -19,7 +19,9 @@ host<->device copy.
   re-check (shape, dtype, device, contiguity, 16-byte alignment) only the ones that changed; a
   changed pointer is written into the kernel's device pointer table ``bufs`` by one or two
   4-byte ``cuMemsetD32Async`` on the launch stream (the value travels in the call: no staging
-  buffer, stream-ordered, capturable).
+  buffer, stream-ordered, capturable). A read-only input (token ids) passed as a non-contiguous
+  or unaligned view is copied into an aligned buffer of the step's own, on the launch stream,
+  at every call that passes such a view.
 - CUDA graphs: a call made while torch's current stream is capturing (``torch.cuda.graph``)
   launches the kernel with a device pointer table of its own, written at capture time with the
   pointers of the tensors passed then (outside the graph: a copy on a side stream, waited for,
@@ -236,9 +238,20 @@ class CudaStep:
         for k, name in enumerate(plan.buffers):
             if name in self.owned:
                 self.ptrs[k] = self.owned[name].data_ptr()
+        # read-only inputs (token ids, masks) get an aligned buffer of their own, allocated now
+        # (outside any capture); a call that passes one as a non-contiguous or unaligned view
+        # copies it there (stream-ordered) instead of failing the guard
+        written = {t for op in g.ops for s_, t in op.outputs.items() if s_ in op.mutates}
+        self._staging = {name: torch.empty(g.tensors[name].shape, dtype=g.tensors[name].dtype, device=dev)
+                         for name in self.input_pos
+                         if g.tensors[name].role == Role.INPUT and name not in written}
+        self._staged: set[str] = set()   # inputs whose last eager call went through their staging buffer
+        self._told_staging = False
         for name, i in self.input_pos.items():
-            self._guard(name, flat_args[i])
-            self.seen[i] = self.ptrs[self.slot[name]] = flat_args[i].data_ptr()
+            self.ptrs[self.slot[name]], staged = self._input_ptr(name, flat_args[i])
+            self.seen[i] = flat_args[i].data_ptr()
+            if staged:
+                self._staged.add(name)
         self.bufs = torch.tensor(self.ptrs, dtype=torch.int64, device=dev)   # never reallocated
         self._bufs_addr = self.bufs.data_ptr()
         # captured launches: device pointer tables, one per distinct set of pointers (filled
@@ -300,14 +313,38 @@ class CudaStep:
         for name, i in self.input_pos.items():
             a = args[i]
             p = a.data_ptr() if isinstance(a, torch.Tensor) else None
-            if p is not None and p == self.seen[i]:
+            if p is not None and p == self.seen[i] and name not in self._staged:
                 continue
-            self._guard(name, a)
-            log.debug("input %s moved: %#x -> %#x", name, self.seen[i], p)
+            ptr, staged = self._input_ptr(name, a)
+            (self._staged.add if staged else self._staged.discard)(name)
+            if p != self.seen[i]:
+                log.debug("input %s moved: %#x -> %#x", name, self.seen[i] or 0, p)
             self.seen[i] = p
-            self._write_ptr(self.slot[name], p, stream)
+            if ptr != self.ptrs[self.slot[name]]:
+                self._write_ptr(self.slot[name], ptr, stream)
 
-    def _guard(self, name: str, a: Any) -> None:
+    def _input_ptr(self, name: str, a: Any) -> tuple[int, bool]:
+        """The device address the kernel reads input ``name`` from at this call, and whether it
+        is the staging buffer's: ``a``'s own address, or, for a read-only input passed as a
+        non-contiguous or non-16-byte-aligned view (a token id sliced out of a longer tensor,
+        ``ids[:, -1:]``), that of the input's staging buffer, into which ``a`` is copied on
+        torch's current stream (capturable; one small copy per call). Raises
+        :class:`FusecError` (:meth:`_guard`) for a wrong device, dtype or shape, and for a
+        misaligned input that the kernel writes."""
+        buf = self._staging.get(name)
+        if buf is None or not isinstance(a, torch.Tensor) or (a.is_contiguous() and a.data_ptr() % 16 == 0):
+            self._guard(name, a)
+            return a.data_ptr(), False
+        self._guard(name, a, layout=False)
+        if not self._told_staging:
+            self._told_staging = True
+            log.info("input %s is a view (strides %s, address %% 16 = %d): copied to an aligned buffer "
+                     "at each call (pass a contiguous tensor to save that copy)",
+                     name, a.stride(), a.data_ptr() % 16)
+        buf.copy_(a)
+        return buf.data_ptr(), True
+
+    def _guard(self, name: str, a: Any, layout: bool = True) -> None:
         info = self.g.tensors[name]
         where = f"input {name} ({info.role.value})"
         if not isinstance(a, torch.Tensor):
@@ -317,9 +354,9 @@ class CudaStep:
         if a.dtype != info.dtype or tuple(a.shape) != tuple(info.shape):
             raise FusecError(f"{where}: {a.dtype}{list(a.shape)}, the kernel was built for "
                              f"{info.dtype}{list(info.shape)}")
-        if not a.is_contiguous():
+        if layout and not a.is_contiguous():
             raise FusecError(f"{where}: not contiguous (strides {a.stride()})")
-        if a.data_ptr() % 16:
+        if layout and a.data_ptr() % 16:
             raise FusecError(f"{where}: data pointer not 16-byte aligned")
 
     def _launch(self, params: Any, stream: Any) -> None:
@@ -336,8 +373,7 @@ class CudaStep:
         drv = _driver()
         ptrs = list(self.ptrs)
         for name, i in self.input_pos.items():
-            self._guard(name, args[i])
-            ptrs[self.slot[name]] = args[i].data_ptr()
+            ptrs[self.slot[name]] = self._input_ptr(name, args[i])[0]
         key = tuple(ptrs)
         dev = self._frozen.get(key)
         if dev is None:
