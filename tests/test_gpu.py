@@ -400,7 +400,8 @@ def test_llama_1b_1000_steps_track_eager(llama_1b):
 def test_token_views_run_the_megakernel():
     """Token ids a user slices out of a longer tensor (``seq[:, -1:]`` of the growing sequence:
     every other step its address is not 16-byte aligned), on the first call and on later ones,
-    then captured in torch.cuda.graph from an unaligned view of a static tensor: default
+    then one unaligned view whose ids change in place between calls, then captured in
+    torch.cuda.graph from an unaligned view of a static tensor: default
     options, fusec's logits match eager's (fp32, 1e-4) at every step with no fallback; the
     kernel reads each call's token (the staging copy is stream-ordered and captured)."""
     model, cache = step_util.tiny_on_gpu(hf_tiny.llama, torch.float32)
@@ -419,6 +420,14 @@ def test_token_views_run_the_megakernel():
             assert 0 < step_util.rel(a, b) < 1e-4, step
             nxt = torch.randint(0, 128, (1, 1), generator=gen).cuda()
             seq = torch.cat([seq, nxt], dim=1)
+        held = torch.zeros(1, 3, dtype=torch.long, device="cuda")
+        same = held[:, 1:2]                                        # one unaligned address, new ids
+        for step in range(3):
+            tok = torch.randint(0, 128, (1, 1), generator=gen).cuda()
+            held[:, 1:2].copy_(tok)
+            a = compiled(input_ids=same, past_key_values=cache, use_cache=True).logits.clone()
+            b = model(input_ids=tok, past_key_values=ref, use_cache=True).logits
+            assert 0 < step_util.rel(a, b) < 1e-4, step
         static = torch.zeros(1, 3, dtype=torch.long, device="cuda")
         view = static[:, 1:2]                                      # 8 bytes in
         torch.cuda.synchronize()

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from fusec.runtime import cuda_step as runtime
-from fusec.errors import IndexFaultError, WatchdogError
+from fusec.errors import FusecError, IndexFaultError, WatchdogError
 from fusec.runtime.cuda_step import (ST_ANY, ST_BOUND, ST_CODE, ST_FAULT, ST_HEAD, ST_VALUE, ST_WATCHDOG, CudaStep,
                            status_error)
 
@@ -200,8 +200,10 @@ def fake(monkeypatch):
 BUFS_ADDR = 0x7F00_0000_0000
 
 
-def _step(n_sms=4, check_watchdog=True, graph_launch=False):
-    """A CudaStep with two inputs (slots 1 and 2 of 3) on the CPU, its memory on the host."""
+def _step(n_sms=4, check_watchdog=True, graph_launch=False, staging_a=False):
+    """A CudaStep with two inputs (slots 1 and 2 of 3) on the CPU, its memory on the host;
+    ``staging_a``: input ``a`` is read-only and has a staging buffer, as ``__init__`` gives
+    token ids."""
     step = CudaStep.__new__(CudaStep)
     info = SimpleNamespace(dtype=torch.float32, shape=(4,), role=SimpleNamespace(value="input"))
     step.g = SimpleNamespace(tensors={"a": info, "b": info}, inputs=["a", "b"], ops=[])
@@ -230,6 +232,8 @@ def _step(n_sms=4, check_watchdog=True, graph_launch=False):
     step._owned = SimpleNamespace(graphs=[], dev=[0xD000], host=[], streams=["side"])
     step._graph, step._graph_tried = None, False
     step._outs = []
+    step._staging = {"a": torch.empty(4)} if staging_a else {}
+    step._staged, step._told_staging = set(), False
     a, b = torch.zeros(4), torch.zeros(4)
     step._update_inputs([a, b], ("stream", 7))   # the first call's table
     return step, a, b
@@ -357,3 +361,73 @@ def test_graph_launch_falls_back_to_direct_launches_with_one_line(fake, caplog):
         step(a, b)
     assert len([r for r in caplog.records if "CUDA graph" in r.getMessage()]) == 1
     assert [c[0] for c in fake.calls][-1] == "launch" and step._graph is None
+
+
+def _unaligned(vals):
+    """A view 4 bytes into its storage (not 16-byte aligned)."""
+    base = torch.zeros(len(vals) + 1)
+    base[1:] = torch.tensor(vals, dtype=torch.float32)
+    return base[1:]
+
+
+def test_unaligned_view_of_a_read_only_input_is_copied_at_every_call(fake):
+    """A read-only input passed as an unaligned view: the kernel reads the staging buffer, which
+    holds the view's values at each call, even when the same view comes back with new values
+    (no pointer write then); an aligned tensor points the table back at itself, and a view
+    after it at the buffer again."""
+    step, a, b = _step(staging_a=True)
+    buf = step._staging["a"]
+    v = _unaligned([1, 2, 3, 4])
+    fake.calls.clear()
+    step(v, b)
+    lo, hi = _split(buf.data_ptr())
+    assert fake.calls[:-1] == [("memset", BUFS_ADDR + 8, lo, 1)] + ([("memset", BUFS_ADDR + 12, hi, 1)]
+                                                                    if hi != _split(a.data_ptr())[1] else [])
+    assert step.ptrs[1] == buf.data_ptr() and torch.equal(buf, v)
+    v.copy_(torch.tensor([5., 6, 7, 8]))
+    fake.calls.clear()
+    step(v, b)
+    assert torch.equal(buf, v) and fake.calls == [("launch", ("stream", 7), BUFS_ADDR)]
+    step(a, b)
+    assert step.ptrs[1] == a.data_ptr() and "a" not in step._staged
+    fake.calls.clear()
+    step(a, b)
+    assert fake.calls == [("launch", ("stream", 7), BUFS_ADDR)]
+    step(v, b)
+    assert step.ptrs[1] == buf.data_ptr()
+
+
+def test_strided_view_at_the_last_address_is_not_read_as_contiguous(fake):
+    """A non-contiguous view at the address of the last call's contiguous tensor: a read-only
+    input is staged (its elements, not the storage's first ones); any other input raises."""
+    step, a, b = _step(staging_a=True)
+    base = torch.arange(8.)
+    step(base[:4], b)
+    v = base[::2]
+    assert v.data_ptr() == base.data_ptr()
+    step(v, b)
+    assert step.ptrs[1] == step._staging["a"].data_ptr() and torch.equal(step._staging["a"], v)
+    step(a, base[:4])
+    with pytest.raises(FusecError, match="input b .*not contiguous"):
+        step(a, base[::2])
+
+
+def test_staged_view_in_a_capture_and_under_graph_launch(fake):
+    """During a capture the frozen table holds the staging buffer (the eager table is left
+    alone); with graph_launch the copy is queued before the graph's launch on the same stream."""
+    step, a, b = _step(staging_a=True)
+    v = _unaligned([1, 2, 3, 4])
+    fake.capturing = 1
+    step(v, b)
+    assert list((ctypes.c_uint64 * 3).from_address(step._stage))[1] == step._staging["a"].data_ptr()
+    assert step.ptrs[1] == a.data_ptr() and "a" not in step._staged
+    fake.capturing = 0
+    step, a, b = _step(graph_launch=True, staging_a=True)
+    buf = step._staging["a"]
+    copy = buf.copy_
+    buf.copy_ = lambda x: (fake.calls.append(("copy",)), copy(x))[1]
+    step(v, b)
+    fake.calls.clear()
+    v.copy_(torch.tensor([3., 3, 3, 3]))
+    step(v, b)
+    assert fake.calls == [("copy",), ("graph_launch", "exec")] and torch.equal(buf, v)

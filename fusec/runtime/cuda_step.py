@@ -26,8 +26,9 @@ host<->device copy.
   launches the kernel with a device pointer table of its own, written at capture time with the
   pointers of the tensors passed then (outside the graph: a copy on a side stream, waited for,
   in relaxed capture mode) and never written again (captured launches with the same pointers
-  share it). The graph holds the kernel node alone; it bakes the tensors seen at capture time
-  (replay with the same tensors, updated in place), and its replays never disturb the eager
+  share it). The graph holds the kernel node (after the copy of an input staged as above); it
+  bakes the tensors seen at capture time (replay with the same tensors, updated in place), and
+  its replays never disturb the eager
   calls' table. It must not outlive this CudaStep (which owns that table). The status is not
   checked during a capture (its error path synchronizes).
 - ``graph_launch`` (option ``mode`` "reduce-overhead" / "max-autotune"): the step records a
@@ -313,8 +314,8 @@ class CudaStep:
         for name, i in self.input_pos.items():
             a = args[i]
             p = a.data_ptr() if isinstance(a, torch.Tensor) else None
-            if p is not None and p == self.seen[i] and name not in self._staged:
-                continue
+            if p is not None and p == self.seen[i] and name not in self._staged and a.is_contiguous():
+                continue   # (a strided view at the last call's address is checked, or staged, below)
             ptr, staged = self._input_ptr(name, a)
             (self._staged.add if staged else self._staged.discard)(name)
             if p != self.seen[i]:
@@ -368,8 +369,9 @@ class CudaStep:
         """The launch inside a capture, with a device pointer table that holds this call's
         pointers and is never written again (shared by the captured launches with the same
         pointers). A new one is written now, outside the graph (a copy on the side stream,
-        waited for, in relaxed capture mode): the graph holds the kernel node alone and bakes
-        the tensors seen at capture time."""
+        waited for, in relaxed capture mode): the graph holds the kernel node (after the copy
+        of an input passed as an unaligned view, :meth:`_input_ptr`) and bakes the tensors seen
+        at capture time."""
         drv = _driver()
         ptrs = list(self.ptrs)
         for name, i in self.input_pos.items():
