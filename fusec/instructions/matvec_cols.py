@@ -1,0 +1,164 @@
+"""matvec_cols: ``out = x @ W (+ b)`` with the weight stored [in, out]: HF's ``Conv1D`` (GPT-2).
+
+Source: ``torch.addmm(b, x, W)`` / ``torch.mm(x, W)`` at batch 1 with a weight ``W`` [K, N]
+(``transformers.pytorch_utils.Conv1D``: ``addmm(bias, x.view(-1, nx), weight)``), which the
+``linear`` pattern (a transposed weight) does not see, and the residual add that may follow it
+(``aten.add``, GPT-2's attention and MLP outputs). Numerics follow PyTorch: the fp32 dot plus
+the bias, rounded once to the output dtype (``addmm``), then the residual added and rounded
+again; or, where the product feeds GPT-2's ``NewGELUActivation`` (``0.5 * y * (1 + tanh(
+sqrt(2 / pi) * (y + 0.044715 * y ** 3)))``, eight ATen ops), that chain applied with each op's
+rounding. Shapes: x [K] (leading dims of size 1), W [K, N], b [N], residual [N], out [N].
+Tiles are column groups of ``NCH`` 16-byte chunks, at most :data:`TARGET_GROUPS` of them,
+spread over every SM (the generic form runs the whole product on one SM); a tile reads its
+columns' segment of every row (template ``matvec_cols.cu.j2``, whose loop over groups then runs
+once).
+"""
+from __future__ import annotations
+
+import torch
+
+from fusec.ir.env import Env
+from fusec.ir import Graph, Op
+from fusec.ir.pattern import lit, op, var
+from fusec.instructions.base import Instruction, Region, Tile, register, split_range
+from fusec.instructions.call import P0, P1, SMEM, Call, Flag, Int, Ptr, Type
+from fusec.instructions.matvec_rows import elt
+from fusec.instructions.rule import Rule
+
+#: column groups per matrix the chunk width aims at (about one per SM)
+TARGET_GROUPS = 128
+
+
+def _weight(g: Graph, t: str) -> bool:
+    return Instruction.is_weight(g, t) and len(g.tensors[t].shape) == 2
+
+
+def _shape_ok(g: Graph, m: dict) -> bool:
+    """Batch 1, ``beta = alpha = 1``, rows of whole 16-byte chunks: x has K elements, W is
+    [K, N], the bias and the output N elements, N * (W's element bytes) a multiple of 16."""
+    K, N = g.tensors[m["w"]].shape
+    kw = m["_anchor"].attrs.get("kwargs", {})
+    out = m["_anchor"].outputs["out"]
+    return (kw.get("beta", 1) == 1 and kw.get("alpha", 1) == 1 and g.tensors[m["x"]].numel == K
+            and g.tensors[out].numel == N and ("b" not in m or g.tensors[m["b"]].numel == N)
+            and (N * elt(g, m["w"])) % 16 == 0 and g.tensors[out].dtype.is_floating_point)
+
+
+def chunks_per_group(g: Graph, w: str) -> int:
+    """NCH: 16-byte chunks per row segment a group of a tile reads (a power of two up to 32),
+    the smallest that makes at most :data:`TARGET_GROUPS` groups of the N columns."""
+    K, N = g.tensors[w].shape
+    e = 16 // elt(g, w)
+    nch = 1
+    while nch < 32 and -(-N // (nch * e)) > TARGET_GROUPS:
+        nch *= 2
+    return nch
+
+
+def _residual_ok(g: Graph, m: dict) -> bool:
+    """The add: two tensor operands, alpha 1, residual, product and sum of one size and dtype;
+    the product as :func:`_shape_ok` wants it."""
+    add = m["_anchor"]
+    mm = next(o for o in m["_ops"] if o.kind == "aten.addmm.default")
+    out = add.outputs["out"]
+    n, dt = g.tensors[out].numel, g.tensors[out].dtype
+    return ("in0" in add.inputs and "in1" in add.inputs and add.attrs["kwargs"].get("alpha", 1) == 1
+            and g.tensors[m["residual"]].numel == n and g.tensors[m["y"]].numel == n
+            and g.tensors[m["y"]].dtype == dt and _shape_ok(g, {**m, "_anchor": mm}))
+
+
+_Y = op("aten.addmm.default", var("b"), var("x"), var("w", _weight), bind="y")
+#: HF's NewGELUActivation (GPT-2's "gelu_new") over the product, as dynamo traces it
+GELU_NEW = op("aten.mul.Tensor", op("aten.mul.Tensor", _Y, 0.5), op("aten.add.Tensor", op("aten.tanh.default", op(
+    "aten.mul.Tensor", op("aten.add.Tensor", _Y, op("aten.mul.Tensor", op("aten.pow.Tensor_Scalar", _Y, 3.0), 0.044715),
+                          commutative=True), lit("k"))), 1.0), commutative=True)
+GELU_NEW_K = 0.7978845608028654   # sqrt(2 / pi)
+
+
+def _gelu_new_ok(g: Graph, m: dict) -> bool:
+    """The chain's constant is sqrt(2 / pi), its adds have alpha 1, every op of it gives the
+    output's dtype (each rounds as PyTorch's op does), and the product is as :func:`_shape_ok`
+    wants it."""
+    out = m["_anchor"].outputs["out"]
+    dt = g.tensors[out].dtype
+    mm = next(o for o in m["_ops"] if o.kind == "aten.addmm.default")
+    chain = [o for o in m["_ops"] if o is not mm]
+    return (isinstance(m["k"], float) and abs(m["k"] - GELU_NEW_K) < 1e-12
+            and all(o.attrs.get("kwargs", {}).get("alpha", 1) == 1 for o in chain)
+            and all(g.tensors[t].dtype == dt for o in [mm, *chain] for t in o.fresh_outputs())
+            and g.tensors[m["y"]].numel == g.tensors[out].numel and _shape_ok(g, {**m, "_anchor": mm}))
+
+
+@register
+class MatvecCols(Instruction):
+    name = "matvec_cols"
+    rules = (Rule(GELU_NEW, inputs={"x": "x", "w": "w", "b": "b"}, outputs={"out": "_anchor.out"},
+                  attrs=lambda g, m: {"act": "gelu_new"}, check=_gelu_new_ok, priority=43),
+             Rule(op("aten.add.Tensor", var("residual"),
+                     op("aten.addmm.default", var("b"), var("x"), var("w", _weight), bind="y"), commutative=True),
+                  inputs={"x": "x", "w": "w", "b": "b", "residual": "residual"}, outputs={"out": "_anchor.out"},
+                  check=_residual_ok, priority=44),
+             Rule(op("aten.addmm.default", var("b"), var("x"), var("w", _weight)),
+                  inputs={"x": "x", "w": "w", "b": "b"}, outputs={"out": "_anchor.out"}, check=_shape_ok,
+                  priority=72, keep_name=True),
+             Rule(op("aten.mm.default", var("x"), var("w", _weight)),
+                  inputs={"x": "x", "w": "w"}, outputs={"out": "_anchor.out"}, check=_shape_ok,
+                  priority=74, keep_name=True))
+
+    @classmethod
+    def tiles(cls, op: Op, g: Graph, want: int) -> list[Tile]:
+        w, x, out = op.inputs["w"], op.inputs["x"], op.outputs["out"]
+        K, N = g.tensors[w].shape
+        group = chunks_per_group(g, w) * (16 // elt(g, w))
+        tiles = []
+        # one column group per tile (at most TARGET_GROUPS): on fewer SMs an SM takes several tiles
+        for i, (c0, c1) in enumerate(split_range(N, -(-N // group), group)):
+            reads = [Region.whole(g, w), Region.whole(g, x)]
+            abytes = g.tensors[x].nbytes + (c1 - c0) * elt(g, out)
+            for s in ("b", "residual"):
+                if s in op.inputs:
+                    reads.append(Region.of(g, op.inputs[s], c0, c1))
+                    abytes += (c1 - c0) * elt(g, op.inputs[s])
+            tiles.append(Tile(op.name, i, {"cols": [c0, c1]}, reads, [Region.of(g, out, c0, c1)],
+                              K * (c1 - c0) * elt(g, w), abytes))
+        return tiles
+
+    @classmethod
+    def encode(cls, op: Op, tile: Tile) -> list[int]:
+        return list(tile.params["cols"])
+
+    call = Call("matvec_cols", targs=(Type("tx", "x"), Type("tw", "w"), Type("tb", "b", "w"),
+                                      Type("tr", "residual", "out"), Type("to", "out"),
+                                      Int("K", lambda op, g: g.tensors[op.inputs["w"]].shape[0]),
+                                      Int("N", lambda op, g: g.tensors[op.inputs["w"]].shape[1]),
+                                      Int("NCH", lambda op, g: chunks_per_group(g, op.inputs["w"])),
+                                      Flag("bias", has="b"), Flag("add_res", has="residual"),
+                                      Int("ACT", lambda op, g: 1 if op.attrs.get("act") == "gelu_new" else 0)),
+                args=(Ptr("x"), Ptr("w"), Ptr("b"), Ptr("res", "residual"), Ptr("out"), P0, P1, SMEM))
+
+    @classmethod
+    def smem_floats(cls, op: Op, g: Graph) -> int:
+        """The staged x (rounded up to 16 bytes), then one group's sums per warp (at most 32)."""
+        w = op.inputs["w"]
+        K = g.tensors[w].shape[0]
+        return (K * elt(g, op.inputs["x"]) + 15) // 16 * 4 + 32 * chunks_per_group(g, w) * (16 // elt(g, w))
+
+    @classmethod
+    def run_tile(cls, op: Op, tile: Tile, env: Env) -> None:
+        c0, c1 = tile.params["cols"]
+        x = env.read(op.inputs["x"]).reshape(-1).float()
+        y = x @ env.read(op.inputs["w"])[:, c0:c1].float()
+        dt = env.g.tensors[op.outputs["out"]].dtype
+        if "b" in op.inputs:
+            y = y + env.read(op.inputs["b"]).reshape(-1)[c0:c1].float()
+        if "residual" in op.inputs:
+            y = env.read(op.inputs["residual"]).reshape(-1)[c0:c1].float() + y.to(dt).float()
+        if op.attrs.get("act") == "gelu_new":
+            y = gelu_new(y.to(dt))
+        env.flat(op.outputs["out"])[c0:c1] = y.to(dt)
+
+
+def gelu_new(y: torch.Tensor) -> torch.Tensor:
+    """HF's NewGELUActivation on ``y`` op by op in ``y``'s dtype (each op rounds, as the traced
+    chain does)."""
+    return 0.5 * y * (1.0 + torch.tanh(GELU_NEW_K * (y + 0.044715 * torch.pow(y, 3.0))))
