@@ -63,7 +63,7 @@ def _residual_ok(g: Graph, m: dict) -> bool:
     out = add.outputs["out"]
     n, dt = g.tensors[out].numel, g.tensors[out].dtype
     return ("in0" in add.inputs and "in1" in add.inputs and add.attrs["kwargs"].get("alpha", 1) == 1
-            and g.tensors[m["residual"]].numel == n and g.tensors[m["y"]].numel == n
+            and g.root(m["residual"]) != g.root(m["y"]) and g.tensors[m["residual"]].numel == n and g.tensors[m["y"]].numel == n
             and g.tensors[m["y"]].dtype == dt and _shape_ok(g, {**m, "_anchor": mm}))
 
 
@@ -160,5 +160,7 @@ class MatvecCols(Instruction):
 
 def gelu_new(y: torch.Tensor) -> torch.Tensor:
     """HF's NewGELUActivation on ``y`` op by op in ``y``'s dtype (each op rounds, as the traced
-    chain does)."""
-    return 0.5 * y * (1.0 + torch.tanh(GELU_NEW_K * (y + 0.044715 * torch.pow(y, 3.0))))
+    chain does; ``pow(y, 3)`` as PyTorch's CUDA kernel computes it in a 16-bit dtype, ``y * y * y``
+    rounded after each product)."""
+    cube = y * y * y
+    return 0.5 * y * (1.0 + torch.tanh(GELU_NEW_K * (y + 0.044715 * cube)))

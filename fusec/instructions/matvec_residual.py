@@ -16,12 +16,13 @@ from fusec.instructions.rule import Rule
 
 
 def _same_size(g: Graph, m: dict) -> bool:
-    """Two tensor operands, alpha 1, and residual, linear output and sum of one size (no
-    broadcasting)."""
+    """Two tensor operands, alpha 1, the residual not the linear's own output, and residual,
+    linear output and sum of one size (no broadcasting)."""
     add = m["_anchor"]
     n = g.tensors[add.outputs["out"]].numel
     return "in0" in add.inputs and "in1" in add.inputs and add.attrs["kwargs"].get("alpha", 1) == 1 \
-        and g.tensors[m["residual"]].numel == n and g.tensors[m["y"]].numel == n
+        and g.root(m["residual"]) != g.root(m["y"]) and g.tensors[m["residual"]].numel == n \
+        and g.tensors[m["y"]].numel == n
 
 
 @register

@@ -179,8 +179,8 @@ class Matcher:
             if all(self._m(p.args[i], args[j], trial) for i, j in enumerate(order)) and \
                     all(self._m(pv, kwargs.get(k), trial) for k, pv in p.kwargs.items()):
                 trial["_ops"].append(prod)
-                if p.bind:
-                    trial[p.bind] = v
+                if p.bind and not self._bind(trial, p.bind, v):
+                    continue   # a name bound twice must be the same tensor (GELU_NEW's y)
                 b.clear(); b.update(trial)
                 return True
         return False
