@@ -88,3 +88,36 @@ def test_batched_call_falls_back_with_a_line_naming_the_batch(caplog):
     torch._dynamo.reset()
     msgs = [r.message for r in caplog.records if "not a single-token decode step" in r.message]
     assert len(msgs) == 2 and "(batch 2)" in msgs[0] and "(a batch size that varies)" in msgs[1], msgs
+
+
+@pytest.mark.parametrize("cache", [True, False])
+def test_token_views_of_a_growing_sequence_compile_twice_and_run_fusec(steps, cache, tmp_path, monkeypatch):
+    """A plain loop that passes ``ids[:, -1:]`` of the growing sequence (a view whose stride
+    changes every step): dynamo compiles once for the first stride and once with the stride
+    dynamic, and every step after runs fusec (fp32, its logits differ from eager's by rounding
+    only, never exactly: eager would mean dynamo gave up after its recompile limit); with no
+    fallback line; with fusec's artifact cache on and cold (a user's first run; AOT then runs)
+    and off. (A guard on the symbolic stride, added when fusec compared AOT's inputs with
+    dynamo's, used to make dynamo recompile at every step until it gave up.)"""
+    from transformers import StaticCache
+    if cache:
+        monkeypatch.setenv("FUSEC_CACHE", "1")
+        monkeypatch.setenv("FUSEC_CACHE_DIR", str(tmp_path / "cache"))
+    from fusec.fallbacks import FallbackWatch
+    model = hf_tiny.llama()
+    gen = torch.Generator().manual_seed(17)
+    caches = [StaticCache(config=model.config, max_cache_len=32) for _ in range(2)]
+    ids = torch.randint(0, 128, (1, 4), generator=gen)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fusec", options={"num_sms": 8})
+    with torch.no_grad(), FallbackWatch() as w:
+        for c in caches:
+            model(input_ids=ids, past_key_values=c, use_cache=True)
+        for step in range(11):
+            a = compiled(input_ids=ids[:, -1:], past_key_values=caches[0], use_cache=True).logits
+            b = model(input_ids=ids[:, -1:], past_key_values=caches[1], use_cache=True).logits
+            assert 0 < ((a - b).norm() / b.norm()).item() < 1e-4, step
+            ids = torch.cat([ids, torch.randint(0, 128, (1, 1), generator=gen)], dim=1)
+    torch._dynamo.reset()
+    assert not w.fallbacks, w.fallbacks
+    assert len(steps) == 2, len(steps)
