@@ -1,10 +1,10 @@
 """The ``matvec_cols`` kind: ``x @ W (+ b)`` with the weight stored [in, out] (HF's ``Conv1D``,
 GPT-2's ``addmm(bias, x, weight)``), tiled over the columns on every SM.
 
-CPU: the rule takes ``addmm`` / ``mm`` of a 2-D weight and nothing else; the simulator
-against eager (GPT-2, and products whose columns end mid-group or mid-tile); the kernels
-render and compile with NVRTC for sm_90a. GPU (``gpu`` marker): the same products and GPT-2
-against eager, bf16, default options and a few SMs (several groups per tile)."""
+CPU: the rules take ``addmm`` / ``mm`` of a 2-D weight (with the residual add or gelu_new after
+it) and not their look-alikes; the simulator against eager (GPT-2, and products whose last tile
+ends mid-group); the kernels render and compile with NVRTC for sm_90a. GPU (``gpu`` marker): the
+same products and GPT-2 against eager, bf16, default options and 5 SMs (several tiles per SM)."""
 from __future__ import annotations
 
 import math
@@ -124,8 +124,8 @@ def test_chunks_per_group(n, elt, nch):
 
 def test_gpt2_conv1d_is_matvec_cols_and_matches_eager(steps):
     """GPT-2's four Conv1D projections per layer are matvec_cols (no generic addmm left; the
-    two after which the residual is added take the add, the MLP's first its gelu_new), and 8 decode steps match eager (fp32,
-    simulator) with one kernel and no fallback."""
+    two after which the residual is added take the add, the MLP's first its gelu_new), and 8
+    decode steps match eager (fp32, simulator) with one kernel and no fallback."""
     _decode_against_eager(hf_tiny.gpt2())
     (step,) = steps
     ops = step.schedule.graph.ops

@@ -56,14 +56,15 @@ def chunks_per_group(g: Graph, w: str) -> int:
 
 
 def _residual_ok(g: Graph, m: dict) -> bool:
-    """The add: two tensor operands, alpha 1, residual, product and sum of one size and dtype;
-    the product as :func:`_shape_ok` wants it."""
+    """The add: two tensor operands, alpha 1, a residual other than the product itself, residual,
+    product and sum of one size and dtype; the product as :func:`_shape_ok` wants it."""
     add = m["_anchor"]
     mm = next(o for o in m["_ops"] if o.kind == "aten.addmm.default")
     out = add.outputs["out"]
     n, dt = g.tensors[out].numel, g.tensors[out].dtype
     return ("in0" in add.inputs and "in1" in add.inputs and add.attrs["kwargs"].get("alpha", 1) == 1
-            and g.root(m["residual"]) != g.root(m["y"]) and g.tensors[m["residual"]].numel == n and g.tensors[m["y"]].numel == n
+            and g.root(m["residual"]) != g.root(m["y"])   # not y + y: the op would read its own output
+            and g.tensors[m["residual"]].numel == n and g.tensors[m["y"]].numel == n
             and g.tensors[m["y"]].dtype == dt and _shape_ok(g, {**m, "_anchor": mm}))
 
 

@@ -28,9 +28,8 @@ host<->device copy.
   in relaxed capture mode) and never written again (captured launches with the same pointers
   share it). The graph holds the kernel node (after the copy of an input staged as above); it
   bakes the tensors seen at capture time (replay with the same tensors, updated in place), and
-  its replays never disturb the eager
-  calls' table. It must not outlive this CudaStep (which owns that table). The status is not
-  checked during a capture (its error path synchronizes).
+  its replays never disturb the eager calls' table. It must not outlive this CudaStep (which
+  owns that table). The status is not checked during a capture (its error path synchronizes).
 - ``graph_launch`` (option ``mode`` "reduce-overhead" / "max-autotune"): the step records a
   CUDA graph of its own single launch at its first call outside a capture and replays it with
   ``cuGraphLaunch``. Its kernel node's parameters point to device arrays allocated once here
