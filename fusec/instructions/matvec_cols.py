@@ -10,8 +10,7 @@ sqrt(2 / pi) * (y + 0.044715 * y ** 3)))``, eight ATen ops), that chain applied 
 rounding. Shapes: x [K] (leading dims of size 1), W [K, N], b [N], residual [N], out [N].
 Tiles are column groups of ``NCH`` 16-byte chunks, at most :data:`TARGET_GROUPS` of them,
 spread over every SM (the generic form runs the whole product on one SM); a tile reads its
-columns' segment of every row (template ``matvec_cols.cu.j2``, whose loop over groups then runs
-once).
+columns' segment of every row (template ``matvec_cols.cu.j2``: one group per tile).
 """
 from __future__ import annotations
 

@@ -245,13 +245,10 @@ class CudaStep:
         self._staging = {name: torch.empty(g.tensors[name].shape, dtype=g.tensors[name].dtype, device=dev)
                          for name in self.input_pos
                          if g.tensors[name].role == Role.INPUT and name not in written}
-        self._staged: set[str] = set()   # inputs whose last eager call went through their staging buffer
         self._told_staging = False
         for name, i in self.input_pos.items():
-            self.ptrs[self.slot[name]], staged = self._input_ptr(name, flat_args[i])
+            self.ptrs[self.slot[name]] = self._input_ptr(name, flat_args[i])
             self.seen[i] = flat_args[i].data_ptr()
-            if staged:
-                self._staged.add(name)
         self.bufs = torch.tensor(self.ptrs, dtype=torch.int64, device=dev)   # never reallocated
         self._bufs_addr = self.bufs.data_ptr()
         # captured launches: device pointer tables, one per distinct set of pointers (filled
@@ -313,19 +310,20 @@ class CudaStep:
         for name, i in self.input_pos.items():
             a = args[i]
             p = a.data_ptr() if isinstance(a, torch.Tensor) else None
-            if p is not None and p == self.seen[i] and name not in self._staged and a.is_contiguous():
+            buf = self._staging.get(name)
+            staged = buf is not None and self.ptrs[self.slot[name]] == buf.data_ptr()   # copied at every call
+            if p is not None and p == self.seen[i] and not staged and a.is_contiguous():
                 continue   # (a strided view at the last call's address is checked, or staged, below)
-            ptr, staged = self._input_ptr(name, a)
-            (self._staged.add if staged else self._staged.discard)(name)
+            ptr = self._input_ptr(name, a)
             if p != self.seen[i]:
                 log.debug("input %s moved: %#x -> %#x", name, self.seen[i] or 0, p)
             self.seen[i] = p
             if ptr != self.ptrs[self.slot[name]]:
                 self._write_ptr(self.slot[name], ptr, stream)
 
-    def _input_ptr(self, name: str, a: Any) -> tuple[int, bool]:
-        """The device address the kernel reads input ``name`` from at this call, and whether it
-        is the staging buffer's: ``a``'s own address, or, for a read-only input passed as a
+    def _input_ptr(self, name: str, a: Any) -> int:
+        """The device address the kernel reads input ``name`` from at this call: ``a``'s own
+        address, or, for a read-only input passed as a
         non-contiguous or non-16-byte-aligned view (a token id sliced out of a longer tensor,
         ``ids[:, -1:]``), that of the input's staging buffer, into which ``a`` is copied on
         torch's current stream (capturable; one small copy per call). Raises
@@ -334,7 +332,7 @@ class CudaStep:
         buf = self._staging.get(name)
         if buf is None or not isinstance(a, torch.Tensor) or (a.is_contiguous() and a.data_ptr() % 16 == 0):
             self._guard(name, a)
-            return a.data_ptr(), False
+            return a.data_ptr()
         self._guard(name, a, layout=False)
         if not self._told_staging:
             self._told_staging = True
@@ -342,7 +340,7 @@ class CudaStep:
                      "at each call (pass a contiguous tensor to save that copy)",
                      name, a.stride(), a.data_ptr() % 16)
         buf.copy_(a)
-        return buf.data_ptr(), True
+        return buf.data_ptr()
 
     def _guard(self, name: str, a: Any, layout: bool = True) -> None:
         info = self.g.tensors[name]
@@ -374,7 +372,7 @@ class CudaStep:
         drv = _driver()
         ptrs = list(self.ptrs)
         for name, i in self.input_pos.items():
-            ptrs[self.slot[name]] = self._input_ptr(name, args[i])[0]
+            ptrs[self.slot[name]] = self._input_ptr(name, args[i])
         key = tuple(ptrs)
         dev = self._frozen.get(key)
         if dev is None:
