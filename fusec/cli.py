@@ -130,6 +130,14 @@ def _positive_int(text: str) -> int:
     return value
 
 
+class _Prefixed(logging.Formatter):
+    """``fusec: <message>``, without a second prefix on messages that already start with one."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        msg = super().format(record)
+        return msg if msg.startswith("fusec: ") else "fusec: " + msg
+
+
 @contextlib.contextmanager
 def _cli_logging(verbose: bool) -> Iterator[None]:
     """Send the ``fusec`` loggers to stderr as ``fusec: <message>`` (INFO, or DEBUG with -v).
@@ -138,7 +146,7 @@ def _cli_logging(verbose: bool) -> Iterator[None]:
     leaves no handler bound to a stream that may since have been closed.
     """
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("fusec: %(message)s"))
+    handler.setFormatter(_Prefixed())
     saved = (log.level, log.propagate)
     log.addHandler(handler)
     log.setLevel(logging.DEBUG if verbose else logging.INFO)

@@ -337,3 +337,15 @@ def test_flag_mistakes_name_the_subcommand(tmp_path, capsys, monkeypatch):
     code, err = _run(capsys, "compile", str(model_py), "-o", str(tmp_path / "out"))
     assert code == 2 and "FUSEC_ATTENTION_MERGE" in err and "Traceback" not in err
     assert not marker.exists(), "build() ran before the environment was checked"
+
+
+def test_log_lines_carry_one_prefix():
+    """The CLI's stderr lines start with one ``fusec: ``, also for messages that begin with it."""
+    import logging
+
+    from fusec.cli import _Prefixed
+
+    def line(msg):
+        return _Prefixed().format(logging.LogRecord("fusec", logging.INFO, __file__, 1, msg, (), None))
+    assert line("fusec: running this graph eagerly: x") == "fusec: running this graph eagerly: x"
+    assert line("compiled 3 ops") == "fusec: compiled 3 ops"
