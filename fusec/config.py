@@ -34,6 +34,10 @@ _BOOLS = {"0": False, "false": False, "no": False, "off": False,
 #: ``torch.compile``'s ``mode`` (HF ``CompileConfig`` passes "reduce-overhead" by default) and
 #: what it means to fusec: whether the step's launch is replayed from a CUDA graph fusec records
 #: itself (fewer microseconds of Python and driver work per step) or launched directly.
+#: the capacity of a length-polymorphic step when ``max_cache_len`` is not set (rows of the
+#: position tables: 8 MiB of RoPE cos/sin for Llama-3.2-1B's head_dim 64 in bf16)
+DEFAULT_MAX_CACHE_LEN = 32768
+
 MODES = {None: False, "default": False, "reduce-overhead": True, "max-autotune": True,
          "max-autotune-no-cudagraphs": False}
 
@@ -96,6 +100,11 @@ class Options:
             process compiling the same graph skips the passes and the rendering.
         cache_max_mb: size cap of the artifact cache folder in MiB (least recently used
             entries are removed first).
+        max_cache_len: the longest KV cache (rows) one compiled step serves when its graph's cache
+            length is symbolic (dynamo's dynamic shapes, ``fusec.generate``): the position tables
+            (RoPE cos/sin) are built for positions ``[0, max_cache_len)``. None: the larger of
+            :data:`DEFAULT_MAX_CACHE_LEN` and the first call's cache length rounded up to a power
+            of two. A call with a longer cache builds the step again for twice the length.
     """
 
     target: str | None = None
@@ -116,6 +125,7 @@ class Options:
     mode: str | None = None
     cache: bool = True
     cache_max_mb: int = 4096
+    max_cache_len: int | None = None
 
     @property
     def graph_launch(self) -> bool:
@@ -152,7 +162,7 @@ class Options:
         bad = sorted(set(d) - names)
         if bad:
             raise FusecError(f"unknown fusec option(s) {bad}; known: {sorted(names)}")
-        for key in ("num_sms", "max_fusions", "seed", "profile_step", "cache_max_mb"):
+        for key in ("num_sms", "max_fusions", "seed", "profile_step", "cache_max_mb", "max_cache_len"):
             if d.get(key) is not None and (not isinstance(d[key], int) or isinstance(d[key], bool)):
                 raise FusecError(f"option {key}={d[key]!r} must be an int")
         o = cls(**d)
@@ -168,6 +178,8 @@ class Options:
             raise FusecError(f"option cache={o.cache!r} must be a bool")
         if o.cache_max_mb < 0:
             raise FusecError(f"option cache_max_mb={o.cache_max_mb} must be >= 0")
+        if o.max_cache_len is not None and not 1 <= o.max_cache_len <= 1 << 24:
+            raise FusecError(f"option max_cache_len={o.max_cache_len} must be in [1, {1 << 24}]")
         if o.num_sms is not None and o.num_sms < 1:
             raise FusecError(f"option num_sms={o.num_sms} must be >= 1")
         if o.profile_dir is not None and (d.get("profile") is not False):

@@ -61,6 +61,10 @@ class TensorInfo:
         input_index: position in the flat graph inputs, or None.
         alias_of: name of the tensor whose bytes this one reinterprets (contiguous reshape).
         value: the value of a CONSTANT tensor (a torch.Tensor on the CPU).
+        sym: dims whose size is a run-time length, dim index -> the length's symbol (dynamo's
+            name, e.g. ``"s38"``): the KV cache's rows and a mask over them in a
+            length-polymorphic graph (:attr:`Graph.lengths`). ``shape`` holds the symbol's
+            capacity there; a call passes any size from 1 up to it.
     """
 
     name: str
@@ -70,6 +74,7 @@ class TensorInfo:
     input_index: int | None = None
     alias_of: str | None = None
     value: torch.Tensor | None = None
+    sym: dict[int, str] = dataclasses.field(default_factory=dict)
 
     @property
     def numel(self) -> int:
@@ -82,7 +87,8 @@ class TensorInfo:
     def describe(self) -> str:
         dt = str(self.dtype).replace("torch.", "")
         extra = f" ={self.alias_of}" if self.alias_of else ""
-        return f"{dt}[{','.join(map(str, self.shape))}] {self.role.value}{extra}"
+        dims = ",".join(f"{self.sym[i]}<={d}" if i in self.sym else str(d) for i, d in enumerate(self.shape))
+        return f"{dt}[{dims}] {self.role.value}{extra}"
 
 
 @dataclasses.dataclass
@@ -143,6 +149,12 @@ class Graph:
 
     ``inputs`` lists tensor names in the order of the flat runtime arguments;
     ``outputs`` lists the tensors returned, in order.
+
+    ``skip_args``: positions of the flat runtime arguments that are not inputs of the step (the
+    integer sizes a symbolic graph takes, ``Sym(s38)``); the caller drops them before calling.
+    ``lengths``: the run-time lengths of a length-polymorphic graph, symbol -> capacity (the
+    size every ``TensorInfo.sym`` dim of that symbol has in the graph); empty for a graph of
+    static shapes. See docs/ir.md, "Run-time lengths".
     """
 
     def __init__(self) -> None:
@@ -150,6 +162,8 @@ class Graph:
         self.ops: list[Op] = []
         self.inputs: list[str] = []
         self.outputs: list[str] = []
+        self.skip_args: list[int] = []
+        self.lengths: dict[str, int] = {}
         self._names: set[str] = set()
 
     # -- construction -------------------------------------------------------------------
@@ -286,6 +300,9 @@ class Graph:
     def dump(self) -> str:
         """Readable text: inputs, ops one per line with types of their outputs, outputs."""
         lines = ["# inputs"]
+        if self.lengths:
+            lines.insert(0, "# run-time lengths (symbol <= capacity): " +
+                         ", ".join(f"{k}<={v}" for k, v in self.lengths.items()))
         for n in self.inputs:
             lines.append(f"  {n}: {self.tensors[n].describe()}")
         consts = [t for t in self.tensors.values() if t.role == Role.CONSTANT]
@@ -303,10 +320,12 @@ class Graph:
 
     def copy(self) -> "Graph":
         g = Graph()
-        g.tensors = {k: dataclasses.replace(v) for k, v in self.tensors.items()}
+        g.tensors = {k: dataclasses.replace(v, sym=dict(v.sym)) for k, v in self.tensors.items()}
         g.ops = [dataclasses.replace(o, inputs=dict(o.inputs), outputs=dict(o.outputs),
                                      attrs=dict(o.attrs)) for o in self.ops]
         g.inputs = list(self.inputs)
         g.outputs = list(self.outputs)
+        g.skip_args = list(self.skip_args)
+        g.lengths = dict(self.lengths)
         g._names = set(self._names)
         return g

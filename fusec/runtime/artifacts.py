@@ -131,11 +131,12 @@ def _canon(v: Any) -> str:
 
 def graph_text(g: Graph) -> str:
     """The whole structure of ``g`` as text (the key's graph part; see the module docstring)."""
-    lines = [f"inputs {g.inputs}", f"outputs {g.outputs}"]
+    lines = [f"inputs {g.inputs}", f"outputs {g.outputs}", f"skip {g.skip_args}",
+             f"lengths {sorted(g.lengths.items())}"]
     for t in g.tensors.values():
         value = tensor_digest(t.value) if t.value is not None else "-"
         lines.append(f"T {t.name} {list(t.shape)} {t.dtype} {t.role.value} {t.input_index} "
-                     f"{t.alias_of} {value}")
+                     f"{t.alias_of} {value} {sorted(t.sym.items())}")
     for op in g.ops:
         lines.append(f"O {op.name} {op.kind} {_canon(op.inputs)} {_canon(op.outputs)} "
                      f"{list(op.mutates)} {op.layer} {op.source!r} {_canon(op.attrs)}")
