@@ -33,14 +33,26 @@ class Embedding(Instruction):
                                     Int("V", lambda op, g: g.tensors[op.inputs["table"]].shape[0])),
                 args=(Ptr("table"), Ptr("ids"), Ptr("out")))
 
+    @staticmethod
+    def token(op: Op, env: Env) -> int:
+        """The token id, checked as eager's ``aten.embedding`` checks it: in ``[0, V)`` (a
+        negative id is no row from the end), else :class:`fusec.errors.IndexFaultError`
+        (code 1, as the kernel's ``index_ok`` records it)."""
+        tok = int(env.read(op.inputs["ids"]).reshape(-1)[0])
+        vocab = env.g.tensors[op.inputs["table"]].shape[0]
+        if not 0 <= tok < vocab:
+            from fusec.instructions.generic import index_fault
+            raise index_fault(op, "token id (embedding row)", tok, vocab, 1)
+        return tok
+
     @classmethod
     def runtime_regions(cls, op, tile, env):
         h = env.g.tensors[op.inputs["table"]].shape[1]
-        tok = int(env.read(op.inputs["ids"]).reshape(-1)[0])
+        tok = cls.token(op, env)
         return ([Region.of(env.g, op.inputs["table"], tok * h, (tok + 1) * h),
                  Region.whole(env.g, op.inputs["ids"])], tile.writes)
 
     @classmethod
     def run_tile(cls, op: Op, tile: Tile, env: Env) -> None:
-        tok = int(env.read(op.inputs["ids"]).reshape(-1)[0])
+        tok = cls.token(op, env)
         env.flat(op.outputs["out"])[:] = env.read(op.inputs["table"])[tok]

@@ -218,7 +218,8 @@ def _index_select(ctx: Ctx) -> None:
     x = ctx.arg_tensor("self")
     dim = ctx.args["dim"] % max(len(ctx.shape(x)), 1)
     idx = ctx.arg_tensor("index")
-    gather_rows(ctx, Indexing(ctx, x, [None] * dim + [idx]), ctx.out)
+    # no negative index: eager raises for one (index_select does not count from the end)
+    gather_rows(ctx, Indexing(ctx, x, [None] * dim + [idx], wrap=False), ctx.out)
 
 
 @emitter("aten.embedding")
@@ -231,7 +232,9 @@ def _embedding(ctx: Ctx) -> None:
 
 @emitter("aten.gather")
 def _gather(ctx: Ctx) -> None:
-    """gather(x, dim, index): out[c] = x[c with c[dim] = index[c]] (out has index's shape)."""
+    """gather(x, dim, index): out[c] = x[c with c[dim] = index[c]] (out has index's shape); an
+    index outside ``[0, x.shape[dim])`` (a negative one too, as eager raises) is an index fault
+    (code 2) and gives 0."""
     x, idx, out = ctx.arg_tensor("self"), ctx.arg_tensor("index"), ctx.out
     xs = list(ctx.shape(x))
     dim = ctx.args["dim"] % max(len(xs), 1)
@@ -239,7 +242,7 @@ def _gather(ctx: Ctx) -> None:
     ix = ctx.index_type()
     ctx.emit(ctx.loop(ctx.numel(out), "i", ix))
     rc = ctx.coords(ctx.shape(out), "i", ix)
-    ctx.emit(f"i64 v = {ctx.load_as(idx, 'i', 'i64')};", f"if (v < 0) v += {xs[dim]};",
+    ctx.emit(f"i64 v = {ctx.load_as(idx, 'i', 'i64')};",
              f"const bool ok = index_ok(v, {xs[dim]}, {CODE_INDEX});")
     terms = [c for d, c in enumerate(rc) if d != dim]
     sts = [xst[d] for d in range(len(xs)) if d != dim]
