@@ -12,8 +12,11 @@ cache, as ``cache=False``), ``FUSEC_CACHE_MAX_MB`` (as ``cache_max_mb``).
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
+import tempfile
+from pathlib import Path
 from typing import Any
 
 from fusec.errors import FusecError
@@ -42,6 +45,85 @@ MODES = {None: False, "default": False, "reduce-overhead": True, "max-autotune":
          "max-autotune-no-cudagraphs": False}
 
 
+#: the largest ``num_sms``: the kernel is one cooperative launch of ``num_sms`` CTAs that must all
+#: be resident at once, at most the GPU's SMs x the CTAs one SM holds (2048 threads / 512 per CTA
+#: = 4 at most: 528 on an H200); 1024 is above that on any GPU, and the schedule, the simulator's
+#: state and the compile time grow with it (``num_sms=10**8`` took 229 s and 17.8 GB on a tiny model)
+MAX_NUM_SMS = 1024
+#: the longest ``max_cache_len`` (rows): position tables of 2**24 rows are gigabytes already
+MAX_CACHE_LEN = 1 << 24
+#: the largest ``watchdog_s``: the kernel counts it in 64-bit nanoseconds
+MAX_WATCHDOG_S = 1e9
+
+
+def _int(lo: int | None = None, hi: int | None = None, none: bool = False):
+    """(check, description) of an int option in ``[lo, hi]`` (a bool is no int here)."""
+    def ok(v: Any) -> bool:
+        if v is None:
+            return none
+        return (isinstance(v, int) and not isinstance(v, bool) and (lo is None or v >= lo)
+                and (hi is None or v <= hi))
+    rng = f" in [{lo}, {hi}]" if lo is not None and hi is not None else f" >= {lo}" if lo is not None else ""
+    return ok, f"an int{rng}" + (" or None" if none else "")
+
+
+def _positive(hi: float | None = None):
+    """(check, description) of a float option: a finite number above 0 (an int is accepted)."""
+    def ok(v: Any) -> bool:
+        return (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+                and (hi is None or v <= hi))
+    return ok, "a finite number > 0" + (f" and <= {hi:g}" if hi is not None else "")
+
+
+def _bool():
+    return (lambda v: isinstance(v, bool)), "True or False (a bool)"
+
+
+def _choice(choices, none: bool = False):
+    def ok(v: Any) -> bool:
+        return (v is None and none) or (isinstance(v, str) and v in choices)
+    return ok, f"one of {list(choices)}" + (" or None" if none else "")
+
+
+def _path():
+    return (lambda v: v is None or isinstance(v, (str, os.PathLike))), "a folder path (str) or None"
+
+
+#: option -> (check of its value, what it must be: the error message's end)
+_RULES = {
+    "target": _choice(TARGETS, none=True),
+    "num_sms": _int(1, MAX_NUM_SMS, none=True),
+    "dump_dir": _path(),
+    "fallback": _choice(FALLBACKS),
+    "seed": _int(),
+    "check_hazards": _bool(),
+    "max_fusions": _int(0, none=True),
+    "bandwidth": _positive(),
+    "watchdog_s": _positive(MAX_WATCHDOG_S),
+    "check_watchdog": _bool(),
+    "profile": _bool(),
+    "profile_dir": _path(),
+    "profile_step": _int(1),
+    "attention_merge": _choice(ATTENTION_MERGES),
+    "mode": _choice([m for m in MODES if m is not None], none=True),
+    "cache": _bool(),
+    "cache_max_mb": _int(0),
+    "max_cache_len": _int(1, MAX_CACHE_LEN, none=True),
+}
+
+
+def _unwritable(folder: str | os.PathLike) -> str | None:
+    """None when ``folder`` is, or can be made, a folder that takes a new file (it is created
+    here); else the OS error, as ``Type: message``."""
+    try:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
 def _env_int(name: str, minimum: int) -> int:
     """The environment variable ``name`` as an integer of at least ``minimum``.
 
@@ -66,7 +148,10 @@ class Options:
         target: "sim" (CPU simulator) or "cuda"; None follows the model's tensors.
         num_sms: SMs (CTAs) to schedule for; None: the GPU's SM count for a CUDA step compiled through
             ``torch.compile`` (the model's device), else 132 (an H200).
-        dump_dir: folder for stage artifacts (captured graph, IR per pass, schedule.json).
+        dump_dir: folder for stage artifacts (captured graph, IR per pass, schedule.json). It is
+            created when the options are read, and one that cannot take a file (a path under a
+            file, a read-only folder) is a FusecError then, naming it and the OS error: fusec
+            neither falls back nor compiles without the dump.
         fallback: backend for graphs fusec cannot place: "inductor" (where it works) or "eager".
         seed: seed of the simulator's interleaving.
         check_hazards: run the simulator's hazard check every step.
@@ -162,30 +247,20 @@ class Options:
         bad = sorted(set(d) - names)
         if bad:
             raise FusecError(f"unknown fusec option(s) {bad}; known: {sorted(names)}")
-        for key in ("num_sms", "max_fusions", "seed", "profile_step", "cache_max_mb", "max_cache_len"):
-            if d.get(key) is not None and (not isinstance(d[key], int) or isinstance(d[key], bool)):
-                raise FusecError(f"option {key}={d[key]!r} must be an int")
         o = cls(**d)
-        if o.target is not None and o.target not in TARGETS:
-            raise FusecError(f"option target={o.target!r} must be one of {TARGETS}")
-        if o.fallback not in FALLBACKS:
-            raise FusecError(f"option fallback={o.fallback!r}{via('fallback')} must be one of {FALLBACKS}")
-        if o.attention_merge not in ATTENTION_MERGES:
-            raise FusecError(f"option attention_merge={o.attention_merge!r}{via('attention_merge')} must be one of {ATTENTION_MERGES}")
-        if o.mode not in MODES:
-            raise FusecError(f"option mode={o.mode!r} must be one of {list(MODES)}")
-        if not isinstance(o.cache, bool):
-            raise FusecError(f"option cache={o.cache!r} must be a bool")
-        if o.cache_max_mb < 0:
-            raise FusecError(f"option cache_max_mb={o.cache_max_mb} must be >= 0")
-        if o.max_cache_len is not None and not 1 <= o.max_cache_len <= 1 << 24:
-            raise FusecError(f"option max_cache_len={o.max_cache_len} must be in [1, {1 << 24}]")
-        if o.num_sms is not None and o.num_sms < 1:
-            raise FusecError(f"option num_sms={o.num_sms} must be >= 1")
+        for key, (ok, must) in _RULES.items():
+            value = getattr(o, key)
+            if not ok(value):
+                raise FusecError(f"option {key}={value!r}{via(key)} must be {must}")
+        for key in ("bandwidth", "watchdog_s"):
+            setattr(o, key, float(getattr(o, key)))
+        if o.dump_dir:
+            why = _unwritable(o.dump_dir)
+            if why:
+                raise FusecError(f"option dump_dir={o.dump_dir!r}{via('dump_dir')} is not a folder fusec can "
+                                 f"write into ({why}); give a writable folder or leave dump_dir unset")
         if o.profile_dir is not None and (d.get("profile") is not False):
             o.profile = True
-        if o.profile_step < 1:
-            raise FusecError(f"option profile_step={o.profile_step} must be >= 1")
         if not isinstance(o.defines, dict):
             raise FusecError(f"option defines={o.defines!r} must be a dict of NAME -> value")
         values = {}

@@ -38,7 +38,8 @@ class Dumper:
     content or a function making it, called only when dumping (a 1B schedule's JSON takes
     0.3 s to build). The first graph a process compiles dumps into ``dump_dir`` itself, each
     later one (another size, a prefill graph) into ``dump_dir/graph2``, ``graph3`` ..., so that
-    none overwrites another."""
+    none overwrites another. A folder or file it cannot write is a FusecError naming ``dump_dir``
+    and the OS error (the options check the folder first: :class:`fusec.config.Options`)."""
 
     _graphs: dict[Path, int] = {}   # dump folder -> graphs dumped there by this process
 
@@ -51,16 +52,31 @@ class Dumper:
             if k > 1:
                 self.dir = self.dir / f"graph{k}"
                 log.info("fusec: dumping this graph's stages into %s", self.dir)
-            self.dir.mkdir(parents=True, exist_ok=True)
+            try:
+                self.dir.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise self._error(self.dir, e) from None
+
+    @staticmethod
+    def _error(path: Path, e: OSError) -> Exception:
+        from fusec.errors import FusecError
+        return FusecError(f"dump_dir: cannot write {str(path)!r} ({type(e).__name__}: {e}); give a "
+                          f"writable folder or leave dump_dir (FUSEC_DUMP) unset")
+
+    def _write(self, path: Path, text: str) -> None:
+        try:
+            path.write_text(text)
+        except OSError as e:
+            raise self._error(path, e) from None
 
     def text(self, name: str, text: str | Callable[[], str]) -> None:
         if self.dir:
-            (self.dir / f"{self.n:02d}_{name}").write_text(text() if callable(text) else text)
+            self._write(self.dir / f"{self.n:02d}_{name}", text() if callable(text) else text)
             self.n += 1
 
     def json(self, name: str, obj: Any) -> None:
         if self.dir:
-            (self.dir / name).write_text(json.dumps(obj() if callable(obj) else obj, indent=1))
+            self._write(self.dir / name, json.dumps(obj() if callable(obj) else obj, indent=1))
 
 
 def build_ir(aten_gm: torch.fx.GraphModule, example_inputs: list[Any], dump: Dumper) -> Graph:

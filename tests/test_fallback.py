@@ -131,7 +131,7 @@ def test_profile_and_defines_options(monkeypatch):
     with pytest.raises(FusecError, match="FUSEC_DEFINES"):
         Options.from_dict({})
     monkeypatch.delenv("FUSEC_DEFINES")
-    with pytest.raises(FusecError, match="profile_step=0 must be >= 1"):
+    with pytest.raises(FusecError, match="profile_step=0 must be an int >= 1"):
         Options.from_dict({"profile_step": 0})
     with pytest.raises(FusecError, match="defines"):
         Options.from_dict({"defines": ["A=1"]})
