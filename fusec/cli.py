@@ -159,15 +159,40 @@ def _cli_logging(verbose: bool) -> Iterator[None]:
         log.propagate = saved[1]
 
 
-def _where(e: BaseException, p: Path) -> str:
-    """``Type: message (at file:line)`` for the deepest frame of ``e`` inside model file ``p``."""
+def _at(e: BaseException, p: Path) -> str:
+    """`` (at file:line)`` for the deepest frame of ``e`` inside model file ``p``, or ""."""
     import traceback
     line = None
     for fr in traceback.extract_tb(e.__traceback__):
         if Path(fr.filename).resolve() == p.resolve():
             line = fr.lineno
-    at = f" (at {p.name}:{line})" if line else ""
-    return f"{type(e).__name__}: {e}{at}"
+    return f" (at {p.name}:{line})" if line else ""
+
+
+def _where(e: BaseException, p: Path) -> str:
+    """``Type: message (at file:line)`` for the deepest frame of ``e`` inside model file ``p``."""
+    return f"{type(e).__name__}: {e}{_at(e, p)}"
+
+
+def _check_out_dir(out_dir: Path) -> None:
+    """Fail now, before the model is built and compiled, if ``out_dir`` cannot become the output
+    folder: it is a file, a path under a file, or its nearest existing folder is read-only.
+
+    Raises:
+        FusecError: naming the folder and what is wrong.
+    """
+    where = f"output folder {str(out_dir)!r} (-o)"
+    if out_dir.exists() and not out_dir.is_dir():
+        raise FusecError(f"{where} is an existing file; give a folder (it is created if missing)")
+    parent = out_dir
+    while not parent.exists():
+        if parent.parent == parent:
+            break
+        parent = parent.parent
+    if parent.exists() and not parent.is_dir():
+        raise FusecError(f"{where}: {str(parent)!r} is a file, so the folder cannot be created there")
+    if parent.is_dir() and not os.access(parent, os.W_OK | os.X_OK):
+        raise FusecError(f"{where}: {str(parent)!r} is not writable")
 
 
 def load_model_file(path: str | os.PathLike, device: str | None = None) -> tuple[Any, tuple, dict]:
@@ -201,6 +226,10 @@ def load_model_file(path: str | os.PathLike, device: str | None = None) -> tuple
             ns = runpy.run_path(str(p), run_name="__fusec_model__")
         except SyntaxError as e:
             raise ModelFileError(f"{path}:{e.lineno}: syntax error: {e.msg}") from None
+        except SystemExit as e:   # sys.exit() in the file: an error, never the CLI's exit status
+            raise ModelFileError(f"{path}: the file called sys.exit({e.code!r}) while it ran"
+                                 f"{_at(e, p)}; a model file defines build() and must not exit "
+                                 f"(put a script's main code under `if __name__ == '__main__':`)") from None
         except Exception as e:
             raise ModelFileError(f"{path}: running the file failed: {_where(e, p)}") from e
         build = ns.get("build")
@@ -217,6 +246,9 @@ def load_model_file(path: str | os.PathLike, device: str | None = None) -> tuple
         t0 = time.perf_counter()
         try:
             result = build() if device is None else build(device=device)
+        except SystemExit as e:
+            raise ModelFileError(f"{path}: build() called sys.exit({e.code!r}){_at(e, p)}; it must "
+                                 f"return (model, args) or (model, args, kwargs)") from None
         except Exception as e:
             raise ModelFileError(f"{path}: build() failed: {_where(e, p)}") from e
         log.debug("build() took %.1f s", time.perf_counter() - t0)
@@ -268,8 +300,10 @@ def _check_build_result(path: str | os.PathLike, result: Any) -> tuple[Any, tupl
 def cmd_compile(ns: argparse.Namespace) -> int:
     """Run ``fusec compile``: load the model file, compile, write artifacts, print the summary."""
     from fusec.config import Options
-    Options.from_dict({})   # a bad FUSEC_* environment value fails here, before build() runs
+    # a bad FUSEC_* environment value, --num-sms or output folder fails here, before build() runs
+    Options.from_dict({"num_sms": ns.num_sms} if ns.num_sms else {})
     out_dir = Path(ns.out_dir) if ns.out_dir else Path("build") / Path(ns.model_py).stem
+    _check_out_dir(out_dir)
     log.info("loading %s", ns.model_py)
     t0 = time.perf_counter()
     model, args, kwargs = load_model_file(ns.model_py)

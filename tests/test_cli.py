@@ -349,3 +349,45 @@ def test_log_lines_carry_one_prefix():
         return _Prefixed().format(logging.LogRecord("fusec", logging.INFO, __file__, 1, msg, (), None))
     assert line("fusec: running this graph eagerly: x") == "fusec: running this graph eagerly: x"
     assert line("compiled 3 ops") == "fusec: compiled 3 ops"
+
+
+@pytest.mark.parametrize("where", ["import", "build"])
+def test_model_file_calling_sys_exit_is_an_error(tmp_path, capsys, where):
+    """sys.exit(0) in the model file (at import, or in build()) made `fusec compile` exit 0 and
+    write nothing; now it is an error naming the file."""
+    f = tmp_path / "exits.py"
+    body = "import sys\nsys.exit(0)\n" if where == "import" else "import sys\n\ndef build():\n    sys.exit(0)\n"
+    f.write_text(body)
+    out = tmp_path / "out"
+    code, err = _run(capsys, "compile", str(f), "-o", str(out))
+    assert code == 2
+    assert "exits.py" in err and "sys.exit(0)" in err and "exits.py:" in err   # file and line
+    assert "Traceback" not in err and not out.exists()
+
+
+def _marker_model(tmp_path) -> tuple[Path, Path]:
+    """A model file whose build() leaves a marker file (then fails): whether build() ran."""
+    marker = tmp_path / "build_ran"
+    f = tmp_path / "marks.py"
+    f.write_text(f"def build():\n    open({str(marker)!r}, 'w').close()\n    return 'no model'\n")
+    return f, marker
+
+
+@pytest.mark.parametrize("how", ["file", "under_file"])
+def test_out_dir_that_cannot_be_a_folder_fails_before_build(tmp_path, capsys, how):
+    """-o at an existing file was reported only after the whole compile."""
+    f, marker = _marker_model(tmp_path)
+    existing = tmp_path / "existing.txt"
+    existing.write_text("keep me")
+    out = existing if how == "file" else existing / "sub"
+    code, err = _run(capsys, "compile", str(f), "-o", str(out))
+    assert code == 2 and "output folder" in err and str(out) in err
+    assert ("is an existing file" if how == "file" else "is a file") in err
+    assert not marker.exists() and existing.read_text() == "keep me"
+
+
+def test_num_sms_out_of_range_fails_before_build(tmp_path, capsys):
+    f, marker = _marker_model(tmp_path)
+    code, err = _run(capsys, "compile", str(f), "--num-sms", "100000000", "-o", str(tmp_path / "o"))
+    assert code == 2 and "num_sms=100000000 must be an int in [1, 1024]" in err
+    assert not marker.exists()
