@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: venv demo test bench bench-families clean
+.PHONY: venv demo test wheel-check bench bench-families clean
 
 venv: $(VENV)/.stamp
 
@@ -19,6 +19,11 @@ demo: venv
 
 test: venv
 	$(BIN)/python -m pytest -q
+
+# the installed package, not the checkout: build the wheel, install it outside the tree (no
+# dependencies: .venv's) and compile examples/tiny_llama.py with --emit-cuda from another folder
+wheel-check: venv
+	PYTHON=$(BIN)/python tools/wheel_check.sh
 
 # GPU machine only: it runs from the tree with the .venv's python where there is one, else with
 # $(PYTHON) (the GPU machine has no .venv: nothing can be installed there). MODEL picks the example
