@@ -7,6 +7,11 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 PY="${PYTHON:-$ROOT/.venv/bin/python}"
+case "$PY" in   # absolute: the check runs from another folder
+    /*) ;;
+    */*) PY="$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")" ;;
+    *) PY="$(command -v "$PY")" ;;
+esac
 TMP="$(mktemp -d "${TMPDIR:-/tmp}/fusec-wheel-check.XXXXXX")"
 trap 'rm -rf "$TMP"' EXIT
 mkdir -p "$TMP/src" "$TMP/run"
