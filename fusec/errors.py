@@ -27,6 +27,12 @@ class UnsupportedOpError(FallbackRequired):
     """The graph holds an ATen op that no instruction kind or generic kind can execute."""
 
 
+class NotLengthPolymorphic(FusecError):
+    """A graph with a symbolic KV-cache length uses that length other than as the cache's rows
+    (a size of another tensor, a value in arithmetic): one compiled step cannot serve every
+    length, and the step is compiled per length instead. The message names the op or tensor."""
+
+
 class CaptureError(FusecError):
     """Capturing the model (dynamo / AOT autograd) failed or produced an unusable graph."""
 

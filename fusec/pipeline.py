@@ -2,7 +2,7 @@
 
 ``build_ir`` (capture -> IR) runs when dynamo hands over a graph; ``lower`` runs the passes
 with the real input values at the first call: normalize -> fold_constants -> recognize ->
-fold_position -> fuse -> tile -> schedule. The IR checker runs after every pass and names the pass that
+check_lengths -> fold_position -> fuse -> tile -> schedule. The IR checker runs after every pass and names the pass that
 broke an invariant. With ``dump_dir`` set (or ``FUSEC_DUMP``), every stage writes its
 artifact there: ``00_aten.txt``, ``01_ir.txt``, ``02_normalize.txt`` ... ``schedule.json``.
 """
@@ -29,8 +29,9 @@ log = logging.getLogger("fusec")
 
 
 def _passes():
-    from fusec.passes import fold_constants, fold_position, fuse, normalize, recognize, schedule, tile
-    return normalize, fold_constants, recognize, fold_position, fuse, tile, schedule
+    from fusec.passes import (check_lengths, fold_constants, fold_position, fuse, normalize, recognize,
+                              schedule, tile)
+    return normalize, fold_constants, recognize, check_lengths, fold_position, fuse, tile, schedule
 
 
 class Dumper:
@@ -79,14 +80,18 @@ class Dumper:
             self._write(self.dir / name, json.dumps(obj() if callable(obj) else obj, indent=1))
 
 
-def build_ir(aten_gm: torch.fx.GraphModule, example_inputs: list[Any], dump: Dumper) -> Graph:
-    """Stage ``build_ir``: the ATen graph as IR (raises UnsupportedOpError for unplaceable ops)."""
+def build_ir(aten_gm: torch.fx.GraphModule, example_inputs: list[Any], dump: Dumper,
+             capacity_for: Callable[[int], int] | None = None) -> Graph:
+    """Stage ``build_ir``: the ATen graph as IR (raises UnsupportedOpError for unplaceable ops;
+    a graph with a symbolic cache length is built at ``capacity_for(rows)``: see
+    :func:`fusec.frontend.from_fx.graph_from_aten`)."""
     t0 = time.perf_counter()
     dump.text("aten.txt", lambda: aten_gm.print_readable(print_output=False))
-    g = graph_from_aten(aten_gm, example_inputs)
+    g = graph_from_aten(aten_gm, example_inputs, capacity_for)
     g.check("capture")
     dump.text("ir.txt", g.dump)
-    log.info("stage %-13s %4d ops, %d inputs  (%.2f s)", "build_ir", len(g.ops), len(g.inputs),
+    log.info("stage %-13s %4d ops, %d inputs%s  (%.2f s)", "build_ir", len(g.ops), len(g.inputs),
+             "".join(f", cache length {k} run-time, up to {v}" for k, v in g.lengths.items()),
              time.perf_counter() - t0)
     return g
 
@@ -147,7 +152,7 @@ def lower(g: Graph, flat_args: list[Any], opts: Options, dump: Dumper,
         value_reads: if given, receives the names of the weights whose values the passes read
             (:class:`ValueReads`).
     """
-    normalize, fold_constants, recognize, fold_position, fuse, tile, schedule = _passes()
+    normalize, fold_constants, recognize, check_lengths, fold_position, fuse, tile, schedule = _passes()
     g = g.copy()
     num_sms = opts.num_sms or 132
     # small weights (inv_freq ...) on the CPU: position tables and masks are evaluated there
@@ -157,6 +162,7 @@ def lower(g: Graph, flat_args: list[Any], opts: Options, dump: Dumper,
         ("normalize", normalize.run),
         ("fold_constants", lambda g: fold_constants.run(g, weights)),
         ("recognize", lambda g: recognize.run(g, weights)),
+        ("check_lengths", check_lengths.run),
         ("fold_position", lambda g: fold_position.run(g, weights)),
         ("fuse", lambda g: fuse.run(g, num_sms, opts.max_fusions, opts.attention_merge)),
     ]

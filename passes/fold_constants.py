@@ -5,8 +5,12 @@ Expects: a normalized graph and the values of its small weights (at most
 Guarantees: every ATen arithmetic, cast or creation op (not a view, a matmul or a mutation)
 whose reads are all constants or small weights, and whose outputs have at most
 ``MAX_ELEMENTS`` elements each, is gone; its outputs are CONSTANT tensors holding the values
-PyTorch computes (Gemma's ``1 + weight`` of its RMSNorm, an ``arange`` that builds positions). Values are unchanged. The constants are
-taken at compile time: weights changed later are not seen (as with any compiled graph).
+PyTorch computes (Gemma's ``1 + weight`` of its RMSNorm, an ``arange`` that builds positions).
+A known 0-d float operand of ``add``/``sub``/``mul``/``div`` (a Python float that dynamo passes as
+a 0-d tensor under ``dynamic=True``: an RMSNorm's ``variance_epsilon``) becomes a literal of its
+value in the op's result dtype, as the model's source writes it (so that ``recognize``'s patterns
+match). Values are unchanged. The constants are taken at compile time (the compiled step checks
+the small weights it read at every call: ``CompiledStep``).
 """
 from __future__ import annotations
 
@@ -61,5 +65,42 @@ def run(g: Graph, weights: dict[str, torch.Tensor] | None = None) -> Graph:
                 known.add(r)
         folded += 1
     g.ops = kept
-    log.debug("folded %d constant ops", folded)
+    scalars = sum(_scalar_operand(g, op, known, env, weights) for op in g.ops)
+    log.debug("folded %d constant ops, %d scalar operands", folded, scalars)
     return dce.run(g)
+
+
+#: ops whose ``Tensor`` overload takes a Python number for ``other`` with the same result: the
+#: 0-d operand is converted to the result dtype before the op in both cases
+_SCALAR_OK = {"aten.add.Tensor", "aten.sub.Tensor", "aten.mul.Tensor", "aten.div.Tensor"}
+_COMMUTES = {"aten.add.Tensor", "aten.mul.Tensor"}
+
+
+def _scalar_operand(g: Graph, op, known: set[str], env: Env, weights: dict[str, torch.Tensor]) -> int:
+    """Replace a known 0-d float tensor operand of ``op`` by a literal (module docstring); 1 if
+    it did."""
+    from fusec.ir import Ref
+    if op.kind not in _SCALAR_OK or op.attrs.get("kwargs") or len(op.attrs.get("args", ())) != 2:
+        return 0
+    args = list(op.attrs["args"])
+
+    def scalar(a) -> bool:
+        if not isinstance(a, Ref):
+            return False
+        t = op.inputs[a.slot]
+        info = g.tensors[g.root(t)]
+        return g.root(t) in known and info.dtype.is_floating_point and g.tensors[t].shape == () \
+            and (info.value is not None or g.root(t) in weights)
+
+    if scalar(args[0]) and not scalar(args[1]) and op.kind in _COMMUTES:
+        args.reverse()
+    if not scalar(args[1]) or scalar(args[0]) or not isinstance(args[0], Ref):
+        return 0
+    slot = args[1].slot
+    r = g.root(op.inputs[slot])
+    value = g.tensors[r].value if g.tensors[r].value is not None else weights[r]
+    out = g.tensors[op.outputs["out"]].dtype
+    args[1] = float(value.reshape(()).to(out).double())
+    op.attrs["args"] = tuple(args)
+    del op.inputs[slot]
+    return 1

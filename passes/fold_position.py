@@ -90,8 +90,7 @@ def run(g: Graph, weights: dict[str, torch.Tensor] | None = None) -> Graph:
         sig = _signature(g, ts, c, weights or {})
         if sig not in done:   # every layer's counter drives the same subgraph: evaluate it once
             vals = position.evaluate_many(g, ts, c, range(length), weights or {})
-            done[sig] = [torch.stack([v.reshape(g.tensors[t].shape) for v in vals[t]]).contiguous()
-                         for t in ts]
+            done[sig] = [vals[t].reshape(length, *g.tensors[t].shape).contiguous() for t in ts]
         for t, table in zip(ts, done[sig]):
             values[t] = table
     for t, table in values.items():

@@ -17,9 +17,10 @@ import torch
 from fusec.frontend import warm
 from fusec.frontend.capture import aten_capture, check_decode_step, dynamo_seconds, mark_model_tensors
 from fusec.frontend.host_scalars import HostSplit, split_host_scalars
+from fusec.frontend import symbolic
 from fusec.runtime.compiled import CompiledStep
 from fusec.config import Options
-from fusec.errors import FallbackRequired, FusecError
+from fusec.errors import FallbackRequired, FusecError, NotLengthPolymorphic
 from fusec.fallbacks import warn as warn_fallback
 from fusec.pipeline import Dumper, build_ir
 
@@ -66,30 +67,137 @@ def fusec_backend(gm: torch.fx.GraphModule, example_inputs: list[Any],
 
 
 def _tensor_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], opts: Options) -> Callable:
-    """The backend for a graph without host scalars: specialized per concrete sizes when
-    dynamo made some symbolic, else compiled once."""
-    if _symbolic(example_inputs):
-        # dynamo's automatic dynamic shapes (a second cache length, a second model): fusec
-        # compiles for concrete shapes, so it specializes on the values each call brings
+    """The backend for a graph without host scalars: one step for every cache length when
+    dynamo made the length symbolic (:class:`SymbolicStep`), else compiled once."""
+    if symbolic.is_symbolic(gm) or _symbolic(example_inputs):
+        # dynamo's dynamic shapes (a second cache length, dynamic=True, mark_dynamic)
         try:
             check_decode_step(gm)
         except FallbackRequired as e:   # one line for the graph, not one per shape
             warn_fallback("fusec: %s; using %s", e, opts.fallback)
             return fallback(gm, example_inputs, opts.fallback)
         mark_model_tensors(gm, example_inputs)   # before dynamo drops its sources
-        return SpecializingStep(gm, opts)
+        symbolic.mark_symbolic(gm)
+        return SymbolicStep(gm, example_inputs, opts)
     return _compile(gm, example_inputs, opts)
+
+
+def _step_target(example_inputs: list[Any], opts: Options) -> tuple[str, Options]:
+    """The target of a step over ``example_inputs`` and the options with ``num_sms`` set for it.
+
+    Raises:
+        FallbackRequired: target 'cuda' without a CUDA device.
+    """
+    target = _target(example_inputs, opts)
+    if target == "cuda" and not torch.cuda.is_available():
+        raise FallbackRequired("target 'cuda' but no CUDA device is available")
+    if target == "cuda" and opts.num_sms is None:   # one CTA per SM of the model's GPU
+        opts = dataclasses.replace(opts, num_sms=_device_sms(example_inputs))
+    return target, opts
+
+
+class SymbolicStep:
+    """The step of a graph with symbolic sizes: one compiled step for every cache length.
+
+    At the first call, AOT autograd traces dynamo's graph over fake inputs whose cache length is
+    symbolic (:mod:`fusec.frontend.symbolic`), and the IR is built at the length's capacity
+    (option ``max_cache_len``); the pass ``check_lengths`` verifies that the step depends on the
+    length only through the caches, and the kernel (or the simulator) reads each call's cache
+    rows at run time. Later calls with any cache length run the same step; a cache longer than
+    the capacity builds it again for twice the length. A graph that uses its length otherwise
+    (:class:`NotLengthPolymorphic`: one log line saying where) is compiled per length instead
+    (:class:`SpecializingStep`). No fallback happens for symbolic sizes.
+    """
+
+    def __init__(self, gm: torch.fx.GraphModule, example_inputs: list[Any], opts: Options):
+        self.gm, self.opts = gm, opts
+        self.step: Callable | None = None
+        self.per_length: SpecializingStep | None = None
+        if _in_dynamo():   # capture now, in dynamo's tracing context (it may restart its analysis)
+            self._capture(list(example_inputs), live=True)
+
+    def _capture(self, args: list[Any], live: bool) -> None:
+        try:
+            self.step = _compile_symbolic(self.gm, args, self.opts, live)
+        except NotLengthPolymorphic as e:
+            self._per_length(e)
+
+    def _per_length(self, why: Exception) -> None:
+        log.info("fusec: no single step for every cache length (%s); compiling one per length", why)
+        self.per_length = SpecializingStep(self.gm, self.opts)
+
+    def __call__(self, *args: Any) -> Any:
+        if self.per_length is None and self.step is None:
+            self._capture(list(args), live=False)   # a graph loaded from the artifact cache
+        if self.per_length is None:
+            try:
+                return self.step(*args)
+            except NotLengthPolymorphic as e:   # found by the passes at the first call
+                self._per_length(e)
+        return self.per_length(*args)
+
+
+def _in_dynamo() -> bool:
+    """Whether dynamo is compiling a frame now (its tracing context has a shape environment)."""
+    from torch._guards import TracingContext
+    ctx = TracingContext.try_get()
+    return ctx is not None and getattr(ctx.fake_mode, "shape_env", None) is not None
+
+
+def _compile_symbolic(gm: torch.fx.GraphModule, args: list[Any], opts: Options, live: bool) -> Callable:
+    """``gm`` captured with its symbolic sizes kept (:class:`SymbolicStep`), or the fallback.
+
+    ``live``: called from dynamo with its example inputs (AOT uses dynamo's fake tensors and
+    symbols, and a float dynamo must specialize restarts dynamo's analysis); else ``args`` are a
+    call's real inputs and the symbolic sizes are made again (:func:`symbolic.fake_inputs`).
+
+    Raises:
+        NotLengthPolymorphic: a symbolic size that is not a cache length (from ``build_ir``).
+    """
+    import contextlib
+
+    from torch._guards import TracingContext, tracing
+    try:
+        target, opts = _step_target(args, opts)
+        dump = Dumper(opts.dump_dir)
+        if live:
+            context, fakes = contextlib.nullcontext(), args
+        else:
+            mode, fakes = symbolic.fake_inputs(gm, args)
+            context = tracing(TracingContext(mode))
+
+        def capacity_for(rows: int) -> int:
+            return symbolic.capacity(opts.max_cache_len, rows)
+
+        def compiler(aten_gm: torch.fx.GraphModule, ex: list[Any]) -> Callable:
+            g = build_ir(aten_gm, ex, dump, capacity_for)
+
+            def rebuild(rows: int):   # a longer cache than the capacity: the IR for twice its rows
+                return build_ir(aten_gm, ex, dump, lambda r: symbolic.capacity(None, max(r, 2 * rows - 1)))
+            return CompiledStep(aten_gm, g, opts, dump, target, rebuild=rebuild)
+
+        with context:
+            return aten_capture(gm, fakes, compiler)
+    except FallbackRequired as e:
+        warn_fallback("fusec: %s; using %s", e, opts.fallback)
+        return fallback(gm, args, opts.fallback)
+    except FusecError:
+        raise
+    except Exception as e:   # AOT autograd could not trace the graph: never a crash
+        from torch._dynamo.exc import RestartAnalysis
+        if live and isinstance(e, RestartAnalysis):
+            raise   # dynamo traces again (a float it must specialize) and calls the backend again
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        warn_fallback("fusec: capturing the graph to ATen failed (%s: %s); using %s", type(e).__name__,
+                      first[:200], opts.fallback)
+        return fallback(gm, args, opts.fallback)
 
 
 def _compile(gm: torch.fx.GraphModule, example_inputs: list[Any], opts: Options) -> Callable:
     """Capture and compile ``gm`` for ``example_inputs`` (static shapes), or fall back."""
     try:
         check_decode_step(gm)
-        target = _target(example_inputs, opts)
-        if target == "cuda" and not torch.cuda.is_available():
-            raise FallbackRequired("target 'cuda' but no CUDA device is available")
-        if target == "cuda" and opts.num_sms is None:   # one CTA per SM of the model's GPU
-            opts = dataclasses.replace(opts, num_sms=_device_sms(example_inputs))
+        target, opts = _step_target(example_inputs, opts)
         dump = Dumper(opts.dump_dir)
         key = _warm_key(gm, example_inputs, opts)
         if key is not None:

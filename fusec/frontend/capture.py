@@ -165,7 +165,9 @@ MODEL_TENSOR = "fusec_model_tensor"
 
 
 def model_tensors(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> list[bool]:
-    """Per graph input of a dynamo graph: True for the model's parameters and buffers (dynamo's
+    """Per graph input of a dynamo graph: True for the model's parameters and buffers and the
+    Python floats dynamo passes as 0-d tensors under ``dynamic=True`` (an RMSNorm's
+    ``variance_epsilon``: fusec compiles their values in and checks them at every call) (dynamo's
     source ``L['self']...._parameters[...]`` / ``._buffers[...]``; without dynamo's record of it,
     as under ``aot_compile``, the placeholder name made from it, ``l_self_..._parameters_...``;
     or an ``nn.Parameter``, or what :func:`mark_model_tensors` recorded), False for what the caller passes (token ids,
@@ -180,7 +182,9 @@ def model_tensors(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> list[b
             out.append(n.meta[MODEL_TENSOR])
             continue
         ga = n.meta.get("grapharg")
-        if ga is not None and getattr(ga, "source", None) is not None:
+        if ga is not None and getattr(ga, "pass_arg_as_tensor", False):
+            owned = True   # a Python float dynamo passes as a 0-d tensor (dynamic=True): a model constant
+        elif ga is not None and getattr(ga, "source", None) is not None:
             src = ga.source.name
             owned = "._parameters[" in src or "._buffers[" in src
         else:   # no record (dynamo's aot_compile): the placeholder's name spells the source

@@ -1,14 +1,15 @@
 """Build the IR (:mod:`fusec.ir`) from a core-ATen FX graph produced by AOT autograd."""
 from __future__ import annotations
 
+import dataclasses
 import operator
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from fusec.frontend.capture import MODEL_TENSORS, node_source
-from fusec.errors import UnsupportedOpError
+from fusec.errors import NotLengthPolymorphic, UnsupportedOpError
 from fusec.instructions.generic import aten_category
 from fusec.ir import Graph, Op, Ref, Role, TensorInfo
 
@@ -17,7 +18,72 @@ def _meta(node: torch.fx.Node) -> Any:
     return node.meta.get("val", node.meta.get("example_value"))
 
 
-def graph_from_aten(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Graph:
+@dataclasses.dataclass(frozen=True)
+class _Sym:
+    """An integer (or bool, float) an ATen node computes from sizes, evaluated: not an op."""
+
+    value: Any
+    symbolic: bool = False   # depends on a length (not a constant that dynamo specialized)
+
+
+def _expr(x: Any) -> Any:
+    """The sympy expression of a symbolic value with its shape environment's specializations
+    applied (a symbol a guard pinned to a constant becomes that constant)."""
+    import sympy
+    return sympy.sympify(x.node.shape_env.replace(x.node.expr))
+
+
+def _depends(x: Any) -> bool:
+    """Whether a size value depends on a symbol (after dynamo's specializations)."""
+    return isinstance(x, (torch.SymInt, torch.SymBool, torch.SymFloat)) and bool(_expr(x).free_symbols)
+
+
+class _Sizes:
+    """Sizes of a symbolic ATen graph evaluated at the cache length's capacity.
+
+    The length symbols are the free symbols of the KV caches' rows (dim 2 of the 4-D float
+    inputs the graph writes); ``capacity_for(rows)`` gives the capacity for the call's rows (the
+    largest hint). Any other free symbol raises :class:`NotLengthPolymorphic`."""
+
+    def __init__(self, caches: list[Any], capacity_for: Callable[[int], int] | None):
+        self.subs: dict[Any, int] = {}
+        syms = set()
+        for v in caches:
+            d = v.shape[2]
+            if _depends(d):
+                syms |= _expr(d).free_symbols
+        if syms and capacity_for is None:
+            raise NotLengthPolymorphic("the graph's sizes are symbolic, and no capacity was given")
+        if syms:
+            hints = [int(v.shape[2].node.hint) for v in caches if isinstance(v.shape[2], torch.SymInt)]
+            cap = capacity_for(max(hints))
+            self.subs = {s: cap for s in syms}
+        self.names = {s: str(s) for s in syms}
+
+    def value(self, x: Any, what: str) -> Any:
+        """``x`` (an int or a Sym value) with the length at its capacity."""
+        if not isinstance(x, (torch.SymInt, torch.SymBool, torch.SymFloat)):
+            return x
+        import sympy
+        expr = sympy.sympify(_expr(x).xreplace(self.subs))
+        if expr.free_symbols:
+            raise NotLengthPolymorphic(f"{what} depends on the symbolic size {x.node.expr}, which is not a "
+                                       "KV cache's length")
+        return bool(expr) if isinstance(x, torch.SymBool) else float(expr) if isinstance(x, torch.SymFloat) \
+            else int(expr)
+
+    def shape(self, v: torch.Tensor, what: str) -> tuple[tuple[int, ...], dict[int, str]]:
+        """A tensor's shape at the capacity, and its dims that are a length (dim -> symbol)."""
+        dims, sym = [], {}
+        for i, d in enumerate(v.shape):
+            dims.append(self.value(d, what))
+            if _depends(d):
+                sym[i] = str(_expr(d))
+        return tuple(dims), sym
+
+
+def graph_from_aten(gm: torch.fx.GraphModule, example_inputs: list[Any],
+                    capacity_for: Callable[[int], int] | None = None) -> Graph:
     """Translate an ATen FX graph into a :class:`Graph`.
 
     Roles: inputs written by ``copy_`` are KV_CACHE (4-D float) or STATE (others); float
@@ -27,8 +93,16 @@ def graph_from_aten(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Grap
     ``attention_mask``, ``inputs_embeds``: read at run time, never folded); ``get_attr``
     tensors are CONSTANT. Every ``call_function`` becomes an ``aten.*`` op with an argument template.
 
+    A graph with symbolic sizes (AOT autograd over :func:`fusec.frontend.symbolic.fake_inputs`)
+    is built at the KV-cache length's capacity (``capacity_for(rows)``, rows the traced length):
+    its integer placeholders are not inputs of the step (``Graph.skip_args``), integer nodes are
+    evaluated into the arguments of the ops that use them (which get ``attrs["symbolic"]``),
+    tensors whose size is the length get ``TensorInfo.sym`` and ``Graph.lengths`` holds the
+    capacity (the pass ``check_lengths`` verifies the rest of the step does not depend on it).
+
     Raises:
         UnsupportedOpError: an op that no instruction kind can place (names op and source line).
+        NotLengthPolymorphic: a symbolic size that is not a KV cache's length.
     """
     g = Graph()
     nodes = list(gm.graph.nodes)
@@ -37,12 +111,20 @@ def graph_from_aten(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Grap
         if n.op == "call_function" and n.target is torch.ops.aten.copy_.default:
             if isinstance(n.args[0], torch.fx.Node) and n.args[0].op == "placeholder":
                 mutated.add(n.args[0].name)
+    caches = [_meta(n) for n in nodes if n.op == "placeholder" and n.name in mutated
+              and isinstance(_meta(n), torch.Tensor) and _meta(n).dim() == 4 and _meta(n).is_floating_point()]
+    sizes = _Sizes(caches, capacity_for)
     owned = gm.meta.get(MODEL_TENSORS)
-    env: dict[str, str] = {}  # fx node name -> tensor name (or tuple element names)
+    env: dict[str, Any] = {}  # fx node name -> tensor name (or tuple element names, or a _Sym)
     idx = 0
     for n in nodes:
         if n.op == "placeholder":
             v = _meta(n)
+            if isinstance(v, (torch.SymInt, int)) and not isinstance(v, bool):
+                g.skip_args.append(idx)   # a size the graph takes as an argument: evaluated here
+                env[n.name] = _Sym(sizes.value(v, f"graph input {n.name}"), _depends(v))
+                idx += 1
+                continue
             if not isinstance(v, torch.Tensor):
                 raise UnsupportedOpError(f"graph input {n.name} is not a tensor ({type(v).__name__})")
             if n.name in mutated:
@@ -51,7 +133,8 @@ def graph_from_aten(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Grap
                 role = Role.WEIGHT
             else:
                 role = Role.INPUT
-            g.add_tensor(TensorInfo(n.name, tuple(v.shape), v.dtype, role, input_index=idx))
+            shape, sym = sizes.shape(v, f"graph input {n.name}")
+            g.add_tensor(TensorInfo(n.name, shape, v.dtype, role, input_index=len(g.inputs), sym=sym))
             g.inputs.append(n.name)
             env[n.name] = n.name
             idx += 1
@@ -67,7 +150,13 @@ def graph_from_aten(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Grap
             if n.target is operator.getitem:
                 env[n.name] = env[n.args[0].name][n.args[1]]
                 continue
-            _add_call(g, n, env)
+            val = _meta(n)
+            if val is None or isinstance(val, (torch.SymInt, torch.SymBool, torch.SymFloat, int, float, bool)):
+                # size arithmetic (sym_size, operator.mul, ...) or a run-time assert on sizes: no op;
+                # its value goes into the arguments of the ops that use it
+                env[n.name] = _Sym(sizes.value(val, f"node {n.name} ({n.target})"), _depends(val))
+                continue
+            _add_call(g, n, env, sizes)
         elif n.op == "output":
             outs = n.args[0]
             for o in (outs if isinstance(outs, (list, tuple)) else [outs]):
@@ -77,6 +166,7 @@ def graph_from_aten(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Grap
     for t in g.outputs:
         if g.tensors[t].role == Role.INTERMEDIATE:
             g.tensors[t].role = Role.OUTPUT
+    g.lengths = {name: sizes.subs[s] for s, name in sizes.names.items()}
     return g
 
 
@@ -88,7 +178,7 @@ _HINTS = (
 )
 
 
-def _add_call(g: Graph, n: torch.fx.Node, env: dict[str, Any]) -> None:
+def _add_call(g: Graph, n: torch.fx.Node, env: dict[str, Any], sizes: _Sizes) -> None:
     target = n.target
     kind = str(target)
     source = node_source(n)
@@ -96,12 +186,21 @@ def _add_call(g: Graph, n: torch.fx.Node, env: dict[str, Any]) -> None:
         hint = next((h for where, h in _HINTS if where in (source or "")), "")
         raise UnsupportedOpError(f"unsupported op {kind} (node {n.name}) at {source or 'unknown source'}{hint}")
     inputs: dict[str, str] = {}
+    symbolic = []
 
     def conv(a: Any) -> Any:
         if isinstance(a, torch.fx.Node):
+            if isinstance(env[a.name], _Sym):   # a size computed in the graph: its value here
+                if env[a.name].symbolic:
+                    symbolic.append(a.name)
+                return env[a.name].value
             slot = f"in{len(inputs)}"
             inputs[slot] = env[a.name]
             return Ref(slot)
+        if isinstance(a, (torch.SymInt, torch.SymBool, torch.SymFloat)):
+            if _depends(a):
+                symbolic.append(str(a))
+            return sizes.value(a, f"an argument of {kind} (node {n.name})")
         if isinstance(a, (list, tuple)):
             return type(a)(conv(x) for x in a)
         return a
@@ -117,19 +216,22 @@ def _add_call(g: Graph, n: torch.fx.Node, env: dict[str, Any]) -> None:
         mutates = ("mut0",)
         env[n.name] = dst
     elif isinstance(val, torch.Tensor):
-        g.add_tensor(TensorInfo(n.name, tuple(val.shape), val.dtype))
+        shape, sym = sizes.shape(val, f"the output of {kind} (node {n.name})")
+        g.add_tensor(TensorInfo(n.name, shape, val.dtype, sym=sym))
         outputs["out"] = n.name
         env[n.name] = n.name
     elif isinstance(val, (list, tuple)):
         names = []
         for i, v in enumerate(val):
             nm = f"{n.name}_{i}"
-            g.add_tensor(TensorInfo(nm, tuple(v.shape), v.dtype))
+            shape, sym = sizes.shape(v, f"the output of {kind} (node {n.name})")
+            g.add_tensor(TensorInfo(nm, shape, v.dtype, sym=sym))
             outputs[f"out{i}"] = nm
             names.append(nm)
         env[n.name] = names
     else:
         raise UnsupportedOpError(f"op {kind} at {source} returns {type(val).__name__}, not tensors")
-    g.ops.append(Op(n.name, kind, inputs, outputs,
-                    attrs={"target": target, "args": args, "kwargs": kwargs},
-                    mutates=mutates, source=source))
+    attrs = {"target": target, "args": args, "kwargs": kwargs}
+    if symbolic:   # a size argument that depends on the length (check_lengths refuses it if it stays)
+        attrs["symbolic"] = True
+    g.ops.append(Op(n.name, kind, inputs, outputs, attrs=attrs, mutates=mutates, source=source))

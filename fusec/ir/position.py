@@ -107,12 +107,13 @@ def evaluate(g: Graph, target: str, counter: str, positions: range, weights: dic
     Args:
         weights: values of the WEIGHT inputs the subgraph reads (name -> tensor).
     """
-    return evaluate_many(g, [target], counter, positions, weights)[target]
+    return list(evaluate_many(g, [target], counter, positions, weights)[target].unbind(0))
 
 
 def evaluate_many(g: Graph, targets: list[str], counter: str, positions: range,
-                  weights: dict[str, torch.Tensor]) -> dict[str, list[torch.Tensor]]:
-    """Like :func:`evaluate` for several targets that depend on the same counter, sharing work.
+                  weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Like :func:`evaluate` for several targets that depend on the same counter, sharing work:
+    each target's values stacked, ``[len(positions), *value shape]``.
 
     The subgraph runs once over every position at once (``torch.func.vmap`` over the counter's
     value: a RoPE table of 4096 positions is ~20 batched ops instead of ~80,000 small ones); the
@@ -153,12 +154,12 @@ def evaluate_many(g: Graph, targets: list[str], counter: str, positions: range,
     per_position = sum(g.tensors[t].nbytes for t in targets)
     batched = _vmapped(at, info, positions, one, per_position) if len(positions) > 3 else None
     if batched is not None:
-        return {t: list(b.unbind(0)) for t, b in zip(targets, batched)}
+        return {t: b for t, b in zip(targets, batched)}
     out: dict[str, list[torch.Tensor]] = {t: [] for t in targets}
     for p in positions:
         for t, v in zip(targets, one(p)):
             out[t].append(v)
-    return out
+    return {t: torch.stack(v) for t, v in out.items()}
 
 
 #: bytes of targets per ``vmap`` chunk: bounds the batched intermediates (a causal mask over a

@@ -8,7 +8,7 @@ from typing import Any, Callable
 import torch
 
 from fusec.config import Options
-from fusec.errors import FusecError
+from fusec.errors import FusecError, NotLengthPolymorphic
 from fusec.fallbacks import note_compiled, warn as warn_fallback
 from fusec.ir import Graph
 from fusec.pipeline import Dumper
@@ -29,11 +29,20 @@ class CompiledStep:
     say), the step runs ``aten_gm`` eagerly from then on, with one log line: the captured ATen
     graph, or on a warm start (:mod:`fusec.frontend.warm`: dynamo's inputs are the flat inputs)
     dynamo's own graph.
+
+    A graph with run-time lengths (``Graph.lengths``: a symbolic cache length) runs for caches
+    of any length up to its capacity; a call with a longer cache builds the step again from
+    ``rebuild(rows)`` (the IR for a larger capacity), with one log line. Its integer arguments
+    (``Graph.skip_args``: the length, as dynamo passes it) are dropped before the step.
     """
 
-    def __init__(self, aten_gm: Callable[..., Any], g: Graph, opts: Options, dump: Dumper, target: str):
+    def __init__(self, aten_gm: Callable[..., Any], g: Graph, opts: Options, dump: Dumper, target: str,
+                 rebuild: Callable[[int], Graph] | None = None):
         self.aten_gm = aten_gm
         self.graph = g
+        self.rebuild = rebuild
+        self._skip = frozenset(g.skip_args)
+        self._rows_at = self._length_inputs(g)
         self.opts = opts
         self.dump = dump
         self.target = target
@@ -45,24 +54,60 @@ class CompiledStep:
         self._cuda_step = None
         self._watched: list[tuple[int, int, str]] = []   # (input index, version, name)
 
+    @staticmethod
+    def _length_inputs(g: Graph) -> list[tuple[int, int]]:
+        """(input index, dim) of one input per run-time length symbol (the capacity check)."""
+        seen, out = set(), []
+        for i, n in enumerate(g.inputs):
+            for d, sym in g.tensors[n].sym.items():
+                if sym not in seen:
+                    seen.add(sym)
+                    out.append((i, d))
+        return out
+
+    def _grow(self, args: tuple) -> None:
+        """Build the step again for a larger capacity when a cache is longer than the current one."""
+        rows = max((args[i].shape[d] for i, d in self._rows_at if isinstance(args[i], torch.Tensor)), default=0)
+        cap = min(self.graph.lengths.values())
+        if rows <= cap:
+            return
+        if self.rebuild is None:
+            raise FusecError(f"a KV cache of {rows} rows is longer than the {cap} this step was built for")
+        g = self.rebuild(rows)
+        log.info("fusec: a KV cache of %d rows is longer than the step's capacity %d: building it again for %d "
+                 "(option max_cache_len sets the capacity)", rows, cap, min(g.lengths.values()))
+        self.graph, self.engine, self.schedule, self._watched = g, None, None, []
+        self._rows_at = self._length_inputs(g)
+
     def __call__(self, *args: Any) -> list[torch.Tensor]:
         if self.fallen_back:
             return self.aten_gm(*args)
+        full = args
+        if self._skip:   # the integer sizes dynamo passes for a symbolic length: not step inputs
+            args = tuple(a for i, a in enumerate(args) if i not in self._skip)
+        if self._rows_at:
+            self._grow(args)
         if self.engine is not None and self._watched and self._compiled_in_changed(args):
             self.engine = None
         if self.engine is None:
             try:
                 t0 = time.perf_counter()
-                self.engine = self._build(list(args))
+                # AOT autograd runs a step's first call under a Python dispatch mode of its own (a
+                # check of custom ops' aliasing), which costs every torch op of the passes ~0.1 ms
+                from torch.utils._python_dispatch import _disable_current_modes
+                with _disable_current_modes():
+                    self.engine = self._build(list(args))
                 self._watched = self._watch(args)
                 log.info("stage %-13s the step is ready: its first call built it in %.2f s (the stages "
                          "above; dynamo and AOT autograd, when they ran, before them: see the capture line)",
                          "compiled", time.perf_counter() - t0)
                 note_compiled()
+            except NotLengthPolymorphic:
+                raise   # the caller compiles the graph per length instead
             except FusecError as e:
                 warn_fallback("fusec: running this graph eagerly: %s", e)
                 self.fallen_back = True
-                return self.aten_gm(*args)
+                return self.aten_gm(*full)
         with torch.no_grad():
             out = self.engine(list(args))
         self.calls += 1
@@ -75,30 +120,39 @@ class CompiledStep:
                 log.warning("fusec: timeline not written: %s", e)
         return out
 
-    def _watch(self, args: tuple) -> list[tuple[int, int, str]]:
-        """The inputs whose values the step compiled in, with their version counters now."""
+    def _watch(self, args: tuple) -> list[tuple[int, int, int, str]]:
+        """The inputs whose values the step compiled in, with their version counters and data
+        pointers now."""
         names = self.schedule.compiled_in if self.schedule is not None else {}
         index = {n: i for i, n in enumerate(self.graph.inputs)}
-        return [(index[n], args[index[n]]._version, n) for n in names
+        return [(index[n], args[index[n]]._version, args[index[n]].data_ptr(), n) for n in names
                 if n in index and isinstance(args[index[n]], torch.Tensor)]
 
+    #: a compiled-in input on the CPU with at most this many elements has its value compared at
+    #: every call (a Python float that dynamo passes as a new 0-d tensor each call: its version
+    #: and address say nothing)
+    SMALL_CPU = 64
+
     def _compiled_in_changed(self, args: tuple) -> bool:
-        """Whether a weight whose value the step compiled in (``Schedule.compiled_in``) was
-        written in place since the step was built (``load_state_dict``, an optimizer step): its
-        version counter moved and its digest differs. Then one log line, and the caller builds
-        the step again. Checked at every call from Python; a CUDA graph's replays do not call."""
+        """Whether a weight whose value the step compiled in (``Schedule.compiled_in``) changed
+        since the step was built: written in place (``load_state_dict``, an optimizer step: its
+        version counter moved), another tensor passed in its place (its address moved: a
+        parameter rebound through ``.data``), or, for a small CPU tensor, any other value; and
+        its digest differs. Then one log line, and the caller builds the step again. Checked at
+        every call from Python; a CUDA graph's replays do not call."""
         from fusec.runtime.artifacts import tensor_digest
-        for k, (i, version, name) in enumerate(self._watched):
+        for k, (i, version, ptr, name) in enumerate(self._watched):
             x = args[i]
-            if x._version == version:
+            small = x.device.type == "cpu" and x.numel() <= self.SMALL_CPU
+            if x._version == version and x.data_ptr() == ptr and not small:
                 continue
             if tensor_digest(x) == self.schedule.compiled_in[name]:
-                self._watched[k] = (i, x._version, name)
+                self._watched[k] = (i, x._version, x.data_ptr(), name)
                 continue
             if self.target == "cuda" and torch.cuda.is_current_stream_capturing():
-                raise FusecError(f"weight {name} was changed in place after the step was built, and its value "
+                raise FusecError(f"weight {name} was changed after the step was built, and its value "
                                  "is compiled into the step: run one step outside the CUDA graph capture first")
-            log.info("fusec: weight %s changed in place since the step was built, and its value is compiled in; "
+            log.info("fusec: weight %s changed since the step was built, and its value is compiled in; "
                      "building the step again", name)
             return True
         return False

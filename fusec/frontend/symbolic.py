@@ -1,0 +1,109 @@
+"""Symbolic capture: one compiled step for every KV-cache length.
+
+Dynamo makes the cache length symbolic when it sees a second length (its automatic dynamic
+shapes), from the first call with ``dynamic=True``, or where the caller marks it
+(``torch._dynamo.mark_dynamic``, as :func:`fusec.generate` does). Such a graph's placeholders
+carry fake tensors with symbolic sizes (``s38``) and integer placeholders (``Sym(s38)``).
+
+:func:`symbolic_dims` reads which sizes are symbolic; :func:`fake_inputs` makes fake tensors of
+a call's inputs with those sizes symbolic again (one ``ShapeEnv``, duck sizing: sizes with equal
+values share a symbol, as dynamo's do), and AOT autograd traces the graph over them
+(:func:`fusec.frontend.capture.aten_capture`): the ATen graph keeps the length as a symbol.
+``fusec.frontend.from_fx.graph_from_aten`` then builds the IR at the length's *capacity*
+(:func:`capacity`): every size and every integer argument that depends on the length is
+evaluated with the length set to the capacity, and the KV caches' rows (and a mask over them)
+are marked ``TensorInfo.sym``. The pass ``check_lengths`` verifies that nothing else of the
+step depends on the length; the kernel and the simulator read the rows of each call's caches at
+run time (docs/pipeline.md, "Run-time lengths").
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from fusec.config import DEFAULT_MAX_CACHE_LEN
+
+log = logging.getLogger("fusec")
+
+#: a placeholder's symbolic sizes: ``"int"`` (an integer placeholder), or the dims of a tensor
+SymSpec = str | tuple[int, ...] | None
+
+
+def _symbolic(d: Any) -> bool:
+    """Whether a size is symbolic after dynamo's tracing (a symbol it did not specialize)."""
+    return isinstance(d, torch.SymInt) and d.node.maybe_as_int() is None
+
+
+def symbolic_dims(gm: torch.fx.GraphModule) -> list[SymSpec]:
+    """Per placeholder of dynamo's graph: None (static), ``"int"`` (a symbolic integer input) or
+    the tuple of a tensor's symbolic dims, read from the placeholders' ``example_value``."""
+    out: list[SymSpec] = []
+    for n in gm.graph.nodes:
+        if n.op != "placeholder":
+            continue
+        if SYMBOLIC_META in n.meta:   # recorded by mark_symbolic (a serialized graph)
+            out.append(n.meta[SYMBOLIC_META])
+            continue
+        v = n.meta.get("example_value")
+        if isinstance(v, torch.SymInt):
+            out.append("int" if _symbolic(v) else None)
+        elif isinstance(v, torch.Tensor):
+            dims = tuple(i for i, d in enumerate(v.shape) if _symbolic(d))
+            out.append(dims or None)
+        else:
+            out.append(None)
+    return out
+
+
+#: key of a placeholder's ``meta``: :func:`symbolic_dims`'s answer, kept where dynamo's fake
+#: values are dropped (a graph serialized by ``fusec.frontend.precompiled``)
+SYMBOLIC_META = "fusec_symbolic"
+
+
+def mark_symbolic(gm: torch.fx.GraphModule) -> None:
+    """Record :func:`symbolic_dims` on the placeholders (``meta[SYMBOLIC_META]``)."""
+    nodes = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for n, spec in zip(nodes, symbolic_dims(gm)):
+        n.meta[SYMBOLIC_META] = spec
+
+
+def is_symbolic(gm: torch.fx.GraphModule) -> bool:
+    """Whether any input of dynamo's graph has a symbolic size."""
+    return any(s is not None for s in symbolic_dims(gm))
+
+
+def fake_inputs(gm: torch.fx.GraphModule, args: list[Any]) -> tuple[Any, list[Any]]:
+    """``(fake_mode, fakes)``: fake versions of a call's inputs ``args`` with the sizes that are
+    symbolic in ``gm`` symbolic again (duck sizing: equal values share one symbol)."""
+    from torch._dynamo.source import LocalSource
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    shape_env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=shape_env)
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    fakes: list[Any] = []
+    for name, spec, a in zip(names, symbolic_dims(gm), args):
+        src = LocalSource(name)
+        if isinstance(a, torch.Tensor):
+            dims = spec if isinstance(spec, tuple) else ()
+            ctx = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DUCK if i in dims else DimDynamic.STATIC
+                                                          for i in range(a.dim())])
+            fakes.append(mode.from_tensor(a, symbolic_context=ctx, source=src))
+        elif spec == "int" and isinstance(a, int) and not isinstance(a, bool):
+            sym = shape_env.create_symbol(a, src, dynamic_dim=DimDynamic.DUCK)
+            fakes.append(shape_env.create_symintnode(sym, hint=a, source=src))
+        else:
+            fakes.append(a)
+    return mode, fakes
+
+
+def capacity(max_cache_len: int | None, rows: int) -> int:
+    """The cache length a length-polymorphic step is built for: ``max_cache_len`` when set (at
+    least ``rows``), else the larger of :data:`~fusec.config.DEFAULT_MAX_CACHE_LEN` and ``rows``
+    rounded up to a power of two."""
+    if max_cache_len is not None and max_cache_len >= rows:
+        return int(max_cache_len)
+    return max(DEFAULT_MAX_CACHE_LEN, 1 << max(0, int(rows) - 1).bit_length())
