@@ -3,6 +3,11 @@
 Every root buffer lives once in :class:`Env`; aliases are reshaped views of their root.
 Fresh output buffers are allocated poisoned (NaN for floats, a sentinel for integers) so a
 region that no instruction writes shows up in the results.
+
+Run-time lengths (a length-polymorphic graph, :attr:`fusec.ir.Graph.lengths`): the size of each
+symbol is learnt from the inputs (the KV caches and masks a call passes, any size up to the
+capacity); :meth:`Env.shape` is a tensor's shape with its symbolic dims at those sizes, and an
+alias is read in that shape. Fresh buffers never have symbolic dims.
 """
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ from typing import Any
 
 import torch
 
+from fusec.errors import FusecError
 from fusec.ir import Graph, Role
 
 POISON_INT = -(2 ** 31) + 7
@@ -33,8 +39,17 @@ class Env:
         self.tickets: dict[Any, int] = {}
         self.ticket_log: list[tuple[Any, int | None]] = []
         self.current: int | None = None
+        #: run-time size of each length symbol (from the inputs; the capacity when no input has it)
+        self.lengths: dict[str, int] = {}
+        seen: dict[str, str] = {}   # symbol -> the input its size came from
         for name, a in zip(g.inputs, flat_args):
             self.bufs[name] = a
+            for dim, sym in g.tensors[name].sym.items():
+                n = int(a.shape[dim])
+                if sym in self.lengths and self.lengths[sym] != n:
+                    raise FusecError(f"run-time length {sym}: input {seen[sym]} has {self.lengths[sym]} rows, "
+                                     f"input {name} has {n} (dim {dim}); every tensor of one length must agree")
+                self.lengths[sym], seen[sym] = n, name
         for t in g.tensors.values():
             if t.role == Role.CONSTANT and t.alias_of is None:
                 self.bufs[t.name] = t.value
@@ -53,13 +68,33 @@ class Env:
         """The ticket ``key``'s value without taking it."""
         return self.tickets.get(key, 0)
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """``name``'s shape at run time: its IR shape with each symbolic dim
+        (:attr:`fusec.ir.TensorInfo.sym`) at its symbol's run-time size."""
+        if not self.lengths:
+            return tuple(self.g.tensors[name].shape)
+        return tuple(self.length(name, d) for d in range(len(self.g.tensors[name].shape)))
+
+    def length(self, name: str, dim: int) -> int:
+        """The run-time size of dim ``dim`` of ``name`` (its IR size unless the dim is symbolic)."""
+        info = self.g.tensors[name]
+        syms = info.sym
+        if not syms and info.alias_of is not None:   # an alias in its root's shape has the root's dims
+            root = self.g.tensors[self.g.root(name)]
+            syms = root.sym if tuple(root.shape) == tuple(info.shape) else {}
+        sym = syms.get(dim)
+        if sym is None:
+            return int(info.shape[dim])
+        return self.lengths.get(sym, self.g.lengths.get(sym, int(info.shape[dim])))
+
     def read(self, name: str) -> torch.Tensor:
-        """The tensor ``name`` in its own shape (a view of its root when it is an alias)."""
+        """The tensor ``name`` in its own shape (a view of its root when it is an alias; symbolic
+        dims at their run-time sizes, :meth:`shape`)."""
         root = self.g.root(name)
         buf = self.bufs[root]
         if root == name:
             return buf
-        return buf.reshape(self.g.tensors[name].shape)
+        return buf.reshape(self.shape(name))
 
     def flat(self, name: str) -> torch.Tensor:
         """A writable flat view of ``name``'s root buffer, allocated poisoned if missing."""
