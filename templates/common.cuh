@@ -8,6 +8,9 @@ typedef long long i64;
 #ifndef INFINITY
 #define INFINITY __int_as_float(0x7f800000)
 #endif
+// A run-time length (the KV cache's rows in a length-polymorphic kernel) from its slot of the
+// pointer table, which holds the integer instead of a pointer (fusec.cuda.codegen.Buffers.length)
+#define FUSEC_LEN(b) ((int)(long long)(b))
 
 __device__ __forceinline__ float to_f(float x) { return x; }
 __device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }

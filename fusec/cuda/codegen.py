@@ -7,6 +7,11 @@ one ``case`` of the dispatch switch: the call its kind's class declares (``call`
 shapes (compile-time constants) and pointer expressions the class computes in ``cuda_args``;
 the kind's template (``templates/<kind>.cu.j2``) defines the device function. The opcode of an
 instruction is its op's index: nothing is numbered by hand.
+
+Run-time lengths (a length-polymorphic graph: the KV cache's rows, a mask over them): the one
+size that is not a compile-time constant. :meth:`Buffers.length` gives its C expression, a read
+of a slot of the pointer table that the runtime sets at each call (``FUSEC_LEN(bufs[N])``), so
+one kernel serves every cache length up to the capacity.
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ import jinja2
 import torch
 
 from fusec import template_dir
+from fusec.cuda.gen.core import LEN_PREFIX   # "#len:": a length slot's name in KernelPlan.buffers
 from fusec.cuda.knobs import KNOBS   # the kernel's tuning knobs and defaults (what each does: there)
 from fusec.errors import FallbackRequired
 from fusec.instructions import kind_of
@@ -85,6 +91,33 @@ class Buffers:
         const = "const " if info.role in (Role.WEIGHT, Role.CONSTANT, Role.INPUT) else ""
         return f"(({const}{self.ctype(t)}*)bufs[{self.id(t)}])"
 
+    def length(self, t: str, dim: int) -> str:
+        """C expression (an ``int``) of the run-time size of dim ``dim`` of tensor ``t``: the
+        literal size when the dim has no symbol; else ``FUSEC_LEN(bufs[N])``, a read of the
+        pointer table's slot ``"#len:" + symbol`` (:data:`LEN_PREFIX`), which the runtime fills
+        with the symbol's size at each call. One slot per symbol, listed in ``names`` (so in
+        :attr:`KernelPlan.buffers`) like a buffer."""
+        sym = self.symbol(t, dim)
+        if sym is None:
+            return str(int(self.g.tensors[t].shape[dim]))
+        return f"FUSEC_LEN(bufs[{self.slot(LEN_PREFIX + sym)}])"
+
+    def symbol(self, t: str, dim: int) -> str | None:
+        """The length symbol of dim ``dim`` of ``t``, None for a static dim."""
+        info = self.g.tensors[t]
+        sym = info.sym
+        if not sym:   # an alias of a symbolic root with the root's shape has the root's dims
+            root = self.g.tensors[self.g.root(t)]
+            sym = root.sym if tuple(root.shape) == tuple(info.shape) else {}
+        return sym.get(dim)
+
+    def slot(self, name: str) -> int:
+        """Index in ``bufs[]`` of the pseudo-buffer ``name`` (a length slot)."""
+        if name not in self._ids:
+            self._ids[name] = len(self.names)
+            self.names.append(name)
+        return self._ids[name]
+
 
 @dataclasses.dataclass
 class KernelPlan:
@@ -92,7 +125,8 @@ class KernelPlan:
 
     Attributes:
         source: CUDA C++ of the kernel ``fusec_step``.
-        buffers: root tensor names in ``bufs[]`` order.
+        buffers: root tensor names in ``bufs[]`` order; a name starting with :data:`LEN_PREFIX` is a
+            length slot (the run-time size of that symbol, not a pointer).
         words: instruction words, ``WORD`` int32 each, grouped by SM in queue order.
         queue_off: ``num_sms + 1`` offsets (in instructions) of each SM's queue in ``words``.
         waits: concatenated wait lists, two int32 per wait: the counter (the producer op's

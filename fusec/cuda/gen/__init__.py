@@ -23,7 +23,7 @@ import re
 from typing import Any, Callable
 
 from fusec.ir import Graph, Op
-from fusec.cuda.gen.core import Ctx, Unsupported
+from fusec.cuda.gen.core import LEN_PREFIX, Ctx, Unsupported
 
 log = logging.getLogger("fusec.cuda.gen")
 
@@ -70,7 +70,8 @@ def generate(op: Op, g: Graph, bufs: Any) -> dict[str, Any]:
         ``{"fn": "gen", "name", "source", "call", "helpers", "params", "roots", "ctypes"}``:
         ``source`` defines the function ``name`` (shared by every op with the same body), ``call``
         is the C statement (without ``;``) of the op's dispatch case; ``params``, ``roots`` and
-        ``ctypes`` are the pointer expression, root buffer and C type of each parameter.
+        ``ctypes`` are the pointer expression, root buffer and C type of each parameter (a
+        run-time length's parameter: ``int``, its root ``"#len:" + symbol``, passed by value).
 
     Raises:
         NotImplementedError: no emitter for the op's kind (codegen turns it into
@@ -84,7 +85,8 @@ def generate(op: Op, g: Graph, bufs: Any) -> dict[str, Any]:
                                   f"{' [' + op.source + ']' if op.source else ''}")
     ctx = Ctx(op, g, bufs)
     fn(ctx)
-    params = ", ".join(f"{ct}* {name}" for name, ct, _ in ctx.params)
+    params = ", ".join(f"{ct} {name}" if r.startswith(LEN_PREFIX) else f"{ct}* {name}"
+                       for (name, ct, _), r in zip(ctx.params, ctx.roots))
     shapes = "; ".join(f"{ctx.dtype(t)}{list(ctx.shape(t))}".replace("torch.", "")
                        for t in list(op.inputs.values()) + list(op.outputs.values()))
     body = ctx.body()

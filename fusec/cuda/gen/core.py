@@ -17,6 +17,11 @@ import torch
 from fusec.errors import FallbackRequired
 from fusec.ir import Graph, Op, Ref, Role
 
+#: ``LEN_PREFIX + symbol`` names a run-time length's slot of the pointer table
+#: (:meth:`fusec.cuda.codegen.Buffers.length`; in ``KernelPlan.buffers``, not a buffer) and the root
+#: of a generated function's length parameter (:meth:`Ctx.length`)
+LEN_PREFIX = "#len:"
+
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 INTS = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
@@ -193,6 +198,23 @@ class Ctx:
             self.roots.append(root)
             self._param_of[root] = name
         return self._param_of[root]
+
+    def length(self, t: str, dim: int) -> str:
+        """C expression (an ``int``) of the run-time size of dim ``dim`` of ``t``: the literal size
+        of a static dim; for a run-time length (the KV cache's rows in a length-polymorphic
+        graph) an ``int`` parameter of the function, which the call passes from the pointer
+        table's length slot (:meth:`fusec.cuda.codegen.Buffers.length`): one per symbol, its
+        root ``"#len:" + symbol``."""
+        sym = self.bufs.symbol(t, dim)
+        if sym is None:
+            return str(self.shape(t)[dim])
+        key = LEN_PREFIX + sym
+        if key not in self._param_of:
+            name = f"p{len(self.params)}"
+            self.params.append((name, "int", self.bufs.length(t, dim)))
+            self.roots.append(key)
+            self._param_of[key] = name
+        return self._param_of[key]
 
     def readonly(self, t: str) -> bool:
         return self.g.tensors[self.g.root(t)].role in (Role.WEIGHT, Role.CONSTANT, Role.INPUT)

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from fusec import template_dir
+from fusec.cuda.gen.core import LEN_PREFIX
 from fusec.ir.env import Env
 from fusec.ir import Graph, Op
 
@@ -106,7 +107,8 @@ def build(gens: list[dict], workdir: str | Path | None = None) -> ctypes.CDLL:
         if gen["name"] not in seen:
             seen.add(gen["name"])
             parts.append(gen["source"])
-        args = ", ".join(f"({ct}*)p[{j}]" for j, ct in enumerate(gen["ctypes"]))
+        args = ", ".join(f"(int)(long long)p[{j}]" if r.startswith(LEN_PREFIX) else f"({ct}*)p[{j}]"
+                         for j, (ct, r) in enumerate(zip(gen["ctypes"], gen["roots"])))
         parts.append(f'extern "C" void gx_run_{k}(void** p) {{ {gen["name"]}({args}); }}')
     d = Path(workdir or tempfile.mkdtemp(prefix="fusec_host_"))
     src, lib = d / "ops.cpp", d / "ops.so"
@@ -167,15 +169,21 @@ def check_graph(g: Graph, flat_args: list, select=None, workdir=None) -> list[Op
     lib = build(gens, workdir)
     out = []
     for k, (op, gen, before, after) in enumerate(jobs):
-        tensors = []
-        for r in gen["roots"]:
+        tensors, lengths = [], {}
+        for j, r in enumerate(gen["roots"]):
+            if r.startswith(LEN_PREFIX):   # a run-time length, passed by value
+                sym = r[len(LEN_PREFIX):]
+                lengths[j] = env.lengths.get(sym, g.lengths.get(sym, 0))
+                tensors.append(None)
+                continue
             info = g.tensors[r]
             t = before[r]
             if t is None:   # a fresh output: poisoned, so that an unwritten element shows
                 fill = float("nan") if info.dtype.is_floating_point else -7
                 t = torch.full((info.numel,), fill if info.dtype != torch.bool else True, dtype=info.dtype)
             tensors.append(t.clone().contiguous())
-        arr = (ctypes.c_void_p * max(1, len(tensors)))(*[t.data_ptr() for t in tensors])
+        arr = (ctypes.c_void_p * max(1, len(tensors)))(*[lengths[j] if t is None else t.data_ptr()
+                                                         for j, t in enumerate(tensors)])
         getattr(lib, f"gx_run_{k}")(arr)
         err, detail = 0.0, ""
         for r, ref in after.items():

@@ -87,12 +87,14 @@ def _gelu_mul(ctx: Ctx) -> None:
 
 @emitter("kv_write")
 def _kv_write(ctx: Ctx) -> None:
-    """cache[:, :, pos] = val (in place); an out-of-range pos is fault code 4, no write."""
+    """cache[:, :, pos] = val (in place); an out-of-range pos is fault code 4, no write. The
+    cache's rows L may be a run-time length (:meth:`Ctx.length`)."""
     cache, pos, val = ctx.op.outputs["cache"], ctx.op.inputs["pos"], ctx.op.inputs["val"]
-    B, H, L, D = ctx.shape(cache)
+    B, H, _, D = ctx.shape(cache)
     if ctx.numel(val) != B * H * D:
         raise ctx.fail(f"kv_write of {ctx.shape(val)} into {ctx.shape(cache)}")
     ix = ctx.index_type()
+    L = ctx.length(cache, 2)
     ctx.emit(f"const i64 p = {ctx.load_as(pos, '0', 'i64')};",
              f"if (!index_ok(p, {L}, {CODE_KV_POS})) return;",
              ctx.loop(B * H * D, "i", ix),
@@ -147,13 +149,14 @@ def _attend_rows(ctx: Ctx, *, rows: int, D: int, Dv: int, q_off: str, k_row: str
 def _attention(ctx: Ctx) -> None:
     """Decode attention over cache rows 0..pos (GQA), or over every row with a mask (mask_kind 1:
     bool, 2: additive; the mask decides), one warp per query head; an out-of-range pos is fault
-    code 5."""
+    code 5. The cache's rows L may be a run-time length (:meth:`Ctx.length`)."""
     op = ctx.op
     q, k, v, pos = op.inputs["q"], op.inputs["k"], op.inputs["v"], op.inputs["pos"]
     kshape = ctx.shape(k)
     if len(kshape) != 4 or kshape[0] != 1:
         raise ctx.fail(f"attention over a cache of shape {kshape}")
-    _, hkv, L, D = kshape
+    _, hkv, _, D = kshape
+    L = ctx.length(k, 2)
     hq = ctx.numel(q) // D
     if hq % hkv or ctx.numel(q) != hq * D or ctx.numel(ctx.out) != hq * D:
         raise ctx.fail(f"attention of q {ctx.shape(q)} over {kshape}")
@@ -167,8 +170,9 @@ def _attention(ctx: Ctx) -> None:
         mexpr = ctx.load_as(mask, "t", "bool")
     elif kind == 2:
         mexpr = ctx.load_as(mask, "t", "float")
+    Lv = ctx.length(v, 2)
     _attend_rows(ctx, rows=hq, D=D, Dv=D, q_off=f"h * {D}", k_row=f"(kh * {L} + t) * {D}",
-                 v_row=f"(kh * {L} + t) * {D}", n_keys="n", scale=op.attrs["scale"], out_off=f"h * {D}",
+                 v_row=f"(kh * {Lv} + t) * {D}", n_keys="n", scale=op.attrs["scale"], out_off=f"h * {D}",
                  q=q, k=k, v=v, mask_expr=mexpr, mask_kind=kind, setup=[f"const int kh = h / {hq // hkv};"])
 
 
