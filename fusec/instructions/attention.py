@@ -2,11 +2,20 @@
 
 ``attention_partial``: one tile per (KV head g, split c). The valid rows ``[0, pos]`` are
 split evenly over the ``n_chunks`` tiles of a KV head at run time: tile c takes rows
-``[c*(pos+1)//n_chunks, (c+1)*(pos+1)//n_chunks)`` (:func:`split_rows`), at most ``chunk`` of
-them, so every tile has work once ``pos + 1 >= n_chunks`` whatever the position. For each
-query head of g's group it computes the running max ``m``, the sum of exponentials ``l`` and
-the unnormalized output ``o = sum exp(s-m) v`` (fp32), and writes them to the partial
-buffers. An empty split writes m = -inf, l = 0, o = 0.
+``[c*(pos+1)//n_chunks, (c+1)*(pos+1)//n_chunks)`` (:func:`split_rows`), so every tile has work
+once ``pos + 1 >= n_chunks`` whatever the position. For each query head of g's group it
+computes the running max ``m``, the sum of exponentials ``l`` and the unnormalized output
+``o = sum exp(s-m) v`` (fp32), and writes them to the partial buffers. An empty split writes
+m = -inf, l = 0, o = 0. The scores of ``chunk`` rows (a block, at most 256) fit shared memory; a
+split of more rows (a long cache: the capacity's splits pass ``chunk``) runs over its blocks one
+by one with the online-softmax rescaling of flash-decoding (:meth:`AttentionPartial._partial`):
+per head the running ``m`` and ``l`` and, at each later block, ``o`` and ``l`` so far scaled by
+``exp(m_old - m_new)`` before the block's terms are added.
+
+Run-time lengths: the cache's rows L (and a mask's) may be a run-time length
+(:attr:`fusec.ir.TensorInfo.sym`); the splits (``n_chunks``) and the block (``chunk``) are fixed
+at compile time from the capacity, the rows of a split at run time, and the template takes L as
+an argument (:meth:`fusec.cuda.codegen.Buffers.length`).
 
 ``attention_reduce``: one tile per range of query heads merges the chunks with the
 log-sum-exp rule: ``M = max m_c``, ``out = sum e^(m_c-M) o_c / sum e^(m_c-M) l_c``.
@@ -68,9 +77,17 @@ def _merges(op: Op) -> bool:
     return "out" in op.outputs
 
 
+#: the most rows of scores a split-KV tile keeps in shared memory (one block); a split of more
+#: rows runs over several blocks
+MAX_BLOCK = 256
+#: the rows the cost model counts at most for a cache (a long capacity would distort scheduling)
+COST_ROWS = 4096
+
+
 def split_attention(c: Ctx, m: dict) -> list[Op]:
-    """``attention`` -> ``attention_partial`` (about ``min(ceil(L/16), num_sms // Hkv)`` splits of
-    a multiple of 16 rows) whose last tile per KV head merges (``attention_merge="last_tile"``),
+    """``attention`` -> ``attention_partial`` (about ``min(ceil(L/16), num_sms // Hkv)`` splits,
+    blocks of a multiple of 16 rows, at most :data:`MAX_BLOCK`; L the cache's rows, its capacity
+    for a run-time length) whose last tile per KV head merges (``attention_merge="last_tile"``),
     or ``attention_partial`` + ``attention_reduce`` (``"reduce"``)."""
     g, att = c.g, m["_anchor"]
     kc = g.tensors[g.root(att.inputs["k"])]
@@ -78,7 +95,10 @@ def split_attention(c: Ctx, m: dict) -> list[Op]:
     nq = g.tensors[att.inputs["q"]].numel // d
     n_chunks = max(1, min(math.ceil(L / 16), c.options["num_sms"] // nkv))
     chunk = math.ceil(math.ceil(L / n_chunks) / 16) * 16
-    n_chunks = math.ceil(L / chunk)
+    if chunk <= MAX_BLOCK:   # a split is one block: as few splits as hold L
+        n_chunks = math.ceil(L / chunk)
+    else:                    # splits of several blocks
+        chunk = MAX_BLOCK
     o_part = g.new_tensor(f"{att.name}_o_part", (nq, n_chunks, d), torch.float32)
     ml_part = g.new_tensor(f"{att.name}_ml_part", (nq, n_chunks, 2), torch.float32)
     attrs = {"scale": att.attrs["scale"], "n_q": nq, "n_kv": nkv, "head_dim": d,
@@ -106,9 +126,24 @@ class AttentionPartial(Instruction):
 
     @classmethod
     def _dims(cls, op: Op, g: Graph):
+        """(n_q, n_kv, head_dim, chunk, n_chunks, L): L the cache's rows in the graph (the
+        capacity of a run-time length; :meth:`_rows` at run time)."""
         a = op.attrs
         return a["n_q"], a["n_kv"], a["head_dim"], a["chunk"], a["n_chunks"], \
             g.tensors[op.inputs["kcache"]].shape[2]
+
+    @staticmethod
+    def _rows(op: Op, env: Env) -> int:
+        """The cache's rows at run time."""
+        return env.length(op.inputs["kcache"], 2)
+
+    @classmethod
+    def multi_block(cls, op: Op, g: Graph) -> bool:
+        """Whether a split may hold more rows than one block (``chunk``): then the template
+        loops over blocks (MB), and keeps each head's running m, l and rescale factor in shared
+        memory."""
+        nq, nkv, d, chunk, nc, L = cls._dims(op, g)
+        return -(-L // nc) > chunk
 
     @classmethod
     def tiles(cls, op: Op, g: Graph, want: int) -> list[Tile]:
@@ -125,7 +160,8 @@ class AttentionPartial(Instruction):
                 for cache in ("kcache", "vcache"):
                     reads.append(Region.of(g, op.inputs[cache], gi * L * d, (gi + 1) * L * d))
                 writes = cls._part_writes(op, g, gi, c, rep, d, nc)
-                kv = 2 * -(-L // nc) * d * elt(g, op.inputs["kcache"])   # at the longest position
+                # at the longest position (at most COST_ROWS: a long capacity is not the usual length)
+                kv = 2 * -(-min(L, COST_ROWS) // nc) * d * elt(g, op.inputs["kcache"])
                 merge = 0
                 if "out" in op.outputs:   # any tile of the group may be the one that merges it
                     reads += cls._group_parts(op, g, gi, rep, d, nc)
@@ -144,15 +180,23 @@ class AttentionPartial(Instruction):
                 targs=(Type("tq", "q"), Type("tc", "kcache"), Type("to", "out", when=_merges),
                        *(Int(k, lambda op, g, a=a: op.attrs[a]) for k, a in
                          (("NQ", "n_q"), ("NKV", "n_kv"), ("D", "head_dim"))),
-                       Int("L", lambda op, g: g.tensors[op.inputs["kcache"]].shape[2]),
                        Int("CH", lambda op, g: op.attrs["chunk"]), Int("NC", lambda op, g: op.attrs["n_chunks"]),
+                       Expr("MB", lambda op, g, bufs: "true" if AttentionPartial.multi_block(op, g) else "false"),
                        Int("MK", lambda op, g: op.attrs.get("mask_kind", 0), default=0),
                        Type("tm", "mask", when=lambda op: "mask" in op.inputs)),
                 args=(Ptr("q"), Ptr("kcache"), Ptr("vcache"), Ptr("pos"), Ptr("o_part"), Ptr("ml_part"),
                       Ptr("out", when=_merges),
                       Expr("tickets", lambda op, g, bufs: bufs.counters(op.name, op.attrs["n_kv"]), when=_merges),
+                      # the cache's rows: a literal, or the run-time length's slot
+                      Expr("L", lambda op, g, bufs: bufs.length(op.inputs["kcache"], 2)),
                       Float("scale", "scale"), P0, P1, SMEM, Ptr("mask", default="nullptr")),
                 numbering=("q", "kcache", "vcache", "pos", "o_part", "ml_part", "mask", "out"))
+
+    @classmethod
+    def cuda_args(cls, op: Op, g: Graph, bufs) -> dict:
+        if bufs.symbol(op.inputs["kcache"], 2) != bufs.symbol(op.inputs["vcache"], 2):
+            raise NotImplementedError("attention_partial: K and V caches of different run-time lengths")
+        return super().cuda_args(op, g, bufs)
 
     @classmethod
     def smem_floats(cls, op: Op, g: Graph) -> int:
@@ -160,9 +204,11 @@ class AttentionPartial(Instruction):
         rep = nq // nkv
         esize = g.tensors[op.inputs["kcache"]].dtype.itemsize
         vec = d % (16 // esize) == 0 and 32 % (d // (16 // esize)) == 0
-        # q [rep, d], scores [rep, chunk]; the vector value path adds per-warp partial outputs
+        # q [rep, d], scores [rep, chunk]; over several blocks each head's running m, l and
+        # rescale factor [3, rep]; the vector value path adds per-warp partial outputs
         # [warps, min(rep, 4), d] (heads go in groups of at most 4)
-        return rep * (d + chunk) + ((CTA_THREADS // 32) * min(rep, 4) * d if vec else 0)
+        return rep * (d + chunk) + (3 * rep if cls.multi_block(op, g) else 0) + \
+            ((CTA_THREADS // 32) * min(rep, 4) * d if vec else 0)
 
     @staticmethod
     def _group_parts(op, g, gi, rep, d, nc):
@@ -188,12 +234,13 @@ class AttentionPartial(Instruction):
         """The last cache row the tile group reads: the step's position, or L - 1 when a mask
         decides (the mask, not the position, says which rows count)."""
         if "mask" in op.inputs:
-            return env.g.tensors[op.inputs["kcache"]].shape[2] - 1
+            return cls._rows(op, env) - 1
         return int(env.read(op.inputs["pos"]).reshape(-1)[0])
 
     @classmethod
     def runtime_regions(cls, op, tile, env):
-        nq, nkv, d, chunk, nc, L = cls._dims(op, env.g)
+        nq, nkv, d, chunk, nc, _ = cls._dims(op, env.g)
+        L = cls._rows(op, env)
         rep, gi = nq // nkv, tile.params["kv_head"]
         pos = cls._pos(op, env)
         r0, r1 = split_rows(tile.params["chunk"], pos, nc)
@@ -237,7 +284,9 @@ class AttentionPartial(Instruction):
 
     @classmethod
     def _partial(cls, op: Op, tile: Tile, env: Env) -> None:
-        nq, nkv, d, chunk, nc, L = cls._dims(op, env.g)
+        """The tile's split: its rows in blocks of ``chunk`` with the online-softmax rescaling,
+        as the template (one block: m, l and o of its rows)."""
+        nq, nkv, d, chunk, nc, _ = cls._dims(op, env.g)
         rep = nq // nkv
         gi, c = tile.params["kv_head"], tile.params["chunk"]
         pos = cls._pos(op, env)
@@ -251,15 +300,28 @@ class AttentionPartial(Instruction):
             ml[hs, c, 0] = float("-inf")
             ml[hs, c, 1] = 0.0
             return
-        k = env.read(op.inputs["kcache"])[0, gi, r0:r1].float()
-        v = env.read(op.inputs["vcache"])[0, gi, r0:r1].float()
-        mask = env.read(op.inputs["mask"]).reshape(-1)[r0:r1] if "mask" in op.inputs else None
-        s = apply_mask((q @ k.T) * op.attrs["scale"], mask, op.attrs.get("mask_kind", 0))
-        m = s.max(-1).values
-        p = torch.exp(s - m[:, None]).nan_to_num(0.0)   # a chunk masked whole: m = -inf, p = 0
-        o[hs, c] = p @ v
+        kc, vc = env.read(op.inputs["kcache"]), env.read(op.inputs["vcache"])
+        mask_all = env.read(op.inputs["mask"]).reshape(-1) if "mask" in op.inputs else None
+        for b0 in range(r0, r1, chunk):
+            b1 = min(b0 + chunk, r1)
+            k, v = kc[0, gi, b0:b1].float(), vc[0, gi, b0:b1].float()
+            mask = mask_all[b0:b1] if mask_all is not None else None
+            s = apply_mask((q @ k.T) * op.attrs["scale"], mask, op.attrs.get("mask_kind", 0))
+            mb = s.max(-1).values
+            if b0 == r0:   # the first block (the only one of a split of at most chunk rows)
+                m = mb
+                p = torch.exp(s - m[:, None]).nan_to_num(0.0)   # a block masked whole: m = -inf, p = 0
+                acc, l = p @ v, p.sum(-1)
+                continue
+            m_new = torch.maximum(m, mb)
+            p = torch.exp(s - m_new[:, None]).nan_to_num(0.0)
+            a = torch.exp(m - m_new).nan_to_num(0.0)          # the earlier blocks, rescaled (m = -inf: 0)
+            acc = acc * a[:, None] + p @ v
+            l = l * a + p.sum(-1)
+            m = m_new
+        o[hs, c] = acc
         ml[hs, c, 0] = m
-        ml[hs, c, 1] = p.sum(-1)
+        ml[hs, c, 1] = l
 
 
 @register

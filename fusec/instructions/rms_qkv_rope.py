@@ -17,7 +17,9 @@ Shapes: x [H]; norm_w [H]; wq [Hq*D, H]; wk, wv [Hkv*D, H]; optional biases bq [
 [Hkv*D] (Qwen2: ``addmm``, the bias added to the fp32 dot before the projection's rounding);
 cos_table, sin_table [L, .., D]; kcache, vcache [1, Hkv, L, D]; q [Hq*D]. Numerics: fp32 math,
 rounded to the model dtype where PyTorch rounds (after the norm, after each projection, after
-RoPE).
+RoPE). The caches' rows L may be a run-time length (:attr:`fusec.ir.TensorInfo.sym`): the
+template takes it as an argument (:meth:`fusec.cuda.codegen.Buffers.length`) for the row's
+address and its check; the tables keep the capacity's rows.
 """
 from __future__ import annotations
 
@@ -122,6 +124,8 @@ class RmsQkvRope(Instruction):
 
     @classmethod
     def _layout(cls, op: Op, g: Graph):
+        """(n_q, n_kv, head_dim, L): L the caches' rows in the graph (the capacity of a run-time
+        length; ``env.length`` at run time)."""
         a = op.attrs
         return a["n_q"], a["n_kv"], a["head_dim"], g.tensors[op.outputs["kcache"]].shape[2]
 
@@ -193,10 +197,12 @@ class RmsQkvRope(Instruction):
         return tiles
 
     @classmethod
-    def _head_out(cls, op: Op, g: Graph, h: int, pos: int | None = None) -> Region:
+    def _head_out(cls, op: Op, g: Graph, h: int, pos: int | None = None, L: int | None = None) -> Region:
         """Where q/k/v head ``h`` goes: its q rows, or its KV head's cache row at position ``pos``
-        (None: every position, as planned, since the row depends on the run-time position)."""
-        nq, nkv, d, L = cls._layout(op, g)
+        (None: every position, as planned, since the row depends on the run-time position) of a
+        cache of ``L`` rows (None: the graph's)."""
+        nq, nkv, d, L_g = cls._layout(op, g)
+        L = L_g if L is None else L
         _, out, row = cls._head(op, h, nq, nkv)
         if out == "q":
             return Region.of(g, op.outputs["q"], row * d, (row + 1) * d)
@@ -212,14 +218,15 @@ class RmsQkvRope(Instruction):
                 targs=(*rms_types("wq", "q"), Type("tt", "cos_table"), Type("tc", "kcache"),
                        Type("thn", "q_norm_w", "norm_w"), HIDDEN, Int("NQ", lambda op, g: op.attrs["n_q"]),
                        Int("NKV", lambda op, g: op.attrs["n_kv"]), Int("D", lambda op, g: op.attrs["head_dim"]),
-                       Int("L", lambda op, g: g.tensors[op.outputs["kcache"]].shape[2]),
                        Int("RP", lambda op, g: g.tensors[op.inputs["cos_table"]].shape[0]),
                        Flag("headnorm", has="q_norm_w"),
                        # BIAS and TB are passed for the bias and the fp32-weight-norm variants
                        Flag("bias", has="bq", when=_bias_or_wf32), Type("tb", "bq", "wq", when=_bias_or_wf32), WF32),
                 args=(Ptr("x"), Ptr("norm_w"), Float("eps", "eps"), Ptr("wq"), Ptr("wk"), Ptr("wv"),
                       Ptr("cos_table"), Ptr("sin_table"), Ptr("rope_pos"), Ptr("kv_pos"), Ptr("q"), Ptr("kcache"),
-                      Ptr("vcache"), Ptr("q_norm_w"), Ptr("k_norm_w"), Float("qk_eps", "qk_eps", 0.0), P0, P1, P2,
+                      Ptr("vcache"), Ptr("q_norm_w"), Ptr("k_norm_w"), Float("qk_eps", "qk_eps", 0.0),
+                      # the caches' rows: a literal, or the run-time length's slot
+                      Expr("L", lambda op, g, bufs: bufs.length(op.outputs["kcache"], 2)), P0, P1, P2,
                       SMEM, RED, Ptr("qk_part", default="nullptr"),
                       Expr("tickets", lambda op, g, bufs: bufs.counters(op.name, op.attrs["n_q"] + op.attrs["n_kv"])
                            if "qk_part" in op.outputs else "nullptr", default="nullptr"),
@@ -231,6 +238,8 @@ class RmsQkvRope(Instruction):
     def cuda_args(cls, op: Op, g: Graph, bufs) -> dict:
         if g.tensors[g.root(op.outputs["kcache"])].shape[0] != 1:
             raise NotImplementedError("rms_qkv_rope: KV cache batch must be 1")
+        if bufs.symbol(op.outputs["kcache"], 2) != bufs.symbol(op.outputs["vcache"], 2):
+            raise NotImplementedError("rms_qkv_rope: K and V caches of different run-time lengths")
         return super().cuda_args(op, g, bufs)
 
     @classmethod
@@ -268,11 +277,13 @@ class RmsQkvRope(Instruction):
             return [], []
         d = op.attrs["head_dim"]
         pos = int(env.read(op.inputs["kv_pos"]).reshape(-1)[0])
-        return [Region.of(env.g, op.outputs["qk_part"], h * d, (h + 1) * d)], [cls._head_out(op, env.g, h, pos)]
+        return ([Region.of(env.g, op.outputs["qk_part"], h * d, (h + 1) * d)],
+                [cls._head_out(op, env.g, h, pos, env.length(op.outputs["kcache"], 2))])
 
     @classmethod
     def runtime_regions(cls, op, tile, env):
-        nq, nkv, d, L = cls._layout(op, env.g)
+        nq, nkv, d, _ = cls._layout(op, env.g)
+        L = env.length(op.outputs["kcache"], 2)
         half = d // 2
         pos = int(env.read(op.inputs["kv_pos"]).reshape(-1)[0])
         h = cls._split(op, tile)
@@ -293,7 +304,7 @@ class RmsQkvRope(Instruction):
 
     @classmethod
     def run_tile(cls, op: Op, tile: Tile, env: Env) -> None:
-        nq, nkv, d, L = cls._layout(op, env.g)
+        nq, nkv, d, _ = cls._layout(op, env.g)
         half = d // 2
         a = op.attrs
         dt = a["dtype"]
