@@ -205,9 +205,9 @@ def _step(n_sms=4, check_watchdog=True, graph_launch=False, staging_a=False):
     ``staging_a``: input ``a`` is read-only and has a staging buffer, as ``__init__`` gives
     token ids."""
     step = CudaStep.__new__(CudaStep)
-    info = SimpleNamespace(dtype=torch.float32, shape=(4,), role=SimpleNamespace(value="input"))
-    step.g = SimpleNamespace(tensors={"a": info, "b": info}, inputs=["a", "b"], ops=[])
-    step.plan = SimpleNamespace(num_sms=n_sms, threads=128, smem_bytes=0, profile=False)
+    info = SimpleNamespace(dtype=torch.float32, shape=(4,), role=SimpleNamespace(value="input"), sym={})
+    step.g = SimpleNamespace(tensors={"a": info, "b": info}, inputs=["a", "b"], ops=[], lengths={})
+    step.plan = SimpleNamespace(num_sms=n_sms, threads=128, smem_bytes=0, profile=False, buffers=["w", "a", "b"])
     step.device = torch.device("cpu")
     step.check_watchdog, step.graph_launch = check_watchdog, graph_launch
     step.func = "func"
@@ -234,6 +234,7 @@ def _step(n_sms=4, check_watchdog=True, graph_launch=False, staging_a=False):
     step._outs = []
     step._staging = {"a": torch.empty(4)} if staging_a else {}
     step._told_staging = False
+    step._init_lengths()
     a, b = torch.zeros(4), torch.zeros(4)
     step._update_inputs([a, b], ("stream", 7))   # the first call's table
     return step, a, b
@@ -431,3 +432,132 @@ def test_staged_view_in_a_capture_and_under_graph_launch(fake):
     v.copy_(torch.tensor([3., 3, 3, 3]))
     step(v, b)
     assert fake.calls == [("copy",), ("graph_launch", "exec")] and torch.equal(buf, v)
+
+
+# ---- run-time lengths (a length-polymorphic kernel) on the fake driver ----
+
+CAP = 8   # the capacity of the symbol s0
+
+
+def _poly_step():
+    """A CudaStep whose inputs are ``a`` (static) and two KV caches ``k``, ``v`` [1, 2, s0, 4]
+    (s0 <= CAP), with a length slot for s0 (slot 4 of 5), built from a first call at 5 rows."""
+    step = CudaStep.__new__(CudaStep)
+    role = SimpleNamespace(value="kv_cache")
+    cache = SimpleNamespace(dtype=torch.float32, shape=(1, 2, CAP, 4), role=role, sym={2: "s0"})
+    plain = SimpleNamespace(dtype=torch.float32, shape=(4,), role=SimpleNamespace(value="input"), sym={})
+    step.g = SimpleNamespace(tensors={"a": plain, "k": cache, "v": cache}, inputs=["a", "k", "v"], ops=[],
+                             lengths={"s0": CAP})
+    step.plan = SimpleNamespace(num_sms=4, threads=128, smem_bytes=0, profile=False,
+                                buffers=["w", "a", "k", "v", "#len:s0"])
+    step.device = torch.device("cpu")
+    step.check_watchdog, step.graph_launch = True, False
+    step.func = "func"
+    step.input_pos, step.slot = {"a": 0, "k": 1, "v": 2}, {"w": 0, "a": 1, "k": 2, "v": 3, "#len:s0": 4}
+    step.ptrs, step.seen = [0x1000, 0, 0, 0, 0], [None, None, None]
+    step._bufs_addr, step._table_bytes = BUFS_ADDR, 5 * 8
+    step.counters, step.epochs, step.status = torch.ones(5), torch.ones(4), torch.ones(6, dtype=torch.int64)
+    step.fault = step.status[:4]
+    step._status_bytes = 8 * ST_HEAD + 32 * 4
+    step._mem = ctypes.create_string_buffer(step._status_bytes)
+    step._status_host = ctypes.addressof(step._mem)
+    step._head = (ctypes.c_int64 * ST_HEAD).from_address(step._status_host)
+    step._recs = (ctypes.c_int32 * 32).from_address(step._status_host + 8 * ST_HEAD)
+    step._vals = [ctypes.c_void_p(k + 1) for k in range(5)] + [ctypes.c_void_p(BUFS_ADDR), ctypes.c_void_p(9),
+                                                               ctypes.c_ulonglong(10)]
+    step._params = CudaStep._param_array(step._vals)
+    step._stage_mem = ctypes.create_string_buffer(5 * 8)
+    step._stage = ctypes.addressof(step._stage_mem)
+    step._tables = [0xD100, 0xD000]
+    step._frozen = {}
+    step._side = "side"
+    step._owned = SimpleNamespace(graphs=[], dev=[0xD000], host=[], streams=["side"])
+    step._graph, step._graph_tried = None, False
+    step._outs = []
+    step._staging = {}
+    step._told_staging = False
+    step._init_lengths()
+    return step
+
+
+def _caches(rows, kbase=None, vbase=None):
+    """K and V caches of ``rows`` rows, views of the front of ``kbase`` / ``vbase`` (storage for
+    the capacity: the same address whatever the length, as the caching allocator may give)."""
+    kbase = torch.zeros(2 * CAP * 4) if kbase is None else kbase
+    vbase = torch.zeros(2 * CAP * 4) if vbase is None else vbase
+    return kbase[:2 * rows * 4].view(1, 2, rows, 4), vbase[:2 * rows * 4].view(1, 2, rows, 4)
+
+
+def test_length_slot_follows_a_same_address_cache_of_another_length(fake):
+    """The length slot holds the call's cache length; a cache of another length at the SAME
+    address (no pointer write) rewrites the slot (one stream-ordered 4-byte memset, before the
+    launch); an unchanged length writes nothing."""
+    step = _poly_step()
+    kb, vb = torch.zeros(2 * CAP * 4), torch.zeros(2 * CAP * 4)
+    a = torch.zeros(4)
+    k, v = _caches(5, kb, vb)
+    step._update_inputs([a, k, v], ("stream", 7))   # the first call's table (as __init__ makes it)
+    assert step.ptrs[4] == 5 and step.ptrs[2] == k.data_ptr() and step.ptrs[3] == v.data_ptr()
+    fake.calls.clear()
+    step(a, k, v)
+    assert fake.calls == [("launch", ("stream", 7), BUFS_ADDR)]   # nothing changed: nothing written
+    k3, v3 = _caches(3, kb, vb)
+    assert k3.data_ptr() == k.data_ptr() and v3.data_ptr() == v.data_ptr()
+    fake.calls.clear()
+    step(a, k3, v3)
+    assert fake.calls == [("memset", BUFS_ADDR + 8 * 4, 3, 1), ("launch", ("stream", 7), BUFS_ADDR)]
+    assert step.ptrs[4] == 3
+    k8, v8 = _caches(CAP)                              # moved and longer: pointers and the length
+    fake.calls.clear()
+    step(a, k8, v8)
+    assert ("memset", BUFS_ADDR + 8 * 4, CAP, 1) in fake.calls and fake.calls[-1][0] == "launch"
+    assert step.ptrs[2:] == [k8.data_ptr(), v8.data_ptr(), CAP]
+
+
+def test_lengths_out_of_range_or_disagreeing_raise_and_are_checked_again(fake):
+    """A length outside [1, capacity] or two caches of one symbol with different lengths raise a
+    FusecError naming the inputs; the next call (same addresses) is checked again, not skipped."""
+    step = _poly_step()
+    kb, vb = torch.zeros(2 * (CAP + 1) * 4), torch.zeros(2 * (CAP + 1) * 4)
+    a = torch.zeros(4)
+    k, v = _caches(5, kb, vb)
+    step(a, k, v)
+    with pytest.raises(FusecError, match=r"input k .*\[1, 2, 9, 4\].*s0 in \[1, 8\]"):
+        step(a, kb.view(1, 2, CAP + 1, 4), v)
+    with pytest.raises(FusecError, match=r"input k .*\[1, 2, 0, 4\]"):
+        step(a, kb[:0].view(1, 2, 0, 4), v)
+    k4, _ = _caches(4, kb, vb)
+    fake.calls.clear()
+    with pytest.raises(FusecError, match=r"run-time length s0: input k has 4 rows.*input v has 5"):
+        step(a, k4, v)
+    assert not [c for c in fake.calls if c[0] == "launch"]
+    with pytest.raises(FusecError, match="run-time length s0"):
+        step(a, k4, v)                                  # the same call again: still refused
+    k4, v4 = _caches(4, kb, vb)
+    step(a, k4, v4)
+    assert step.ptrs[4] == 4 and fake.calls[-1][0] == "launch"
+
+
+def test_captured_launch_freezes_the_lengths_of_its_call(fake):
+    """A launch during a capture reads a table frozen with that call's pointers AND lengths: the
+    same caches at another length get another table; the eager table keeps its length."""
+    step = _poly_step()
+    kb, vb = torch.zeros(2 * CAP * 4), torch.zeros(2 * CAP * 4)
+    a = torch.zeros(4)
+    k, v = _caches(5, kb, vb)
+    step(a, k, v)
+    fake.capturing = 1
+    k6, v6 = _caches(6, kb, vb)
+    fake.calls.clear()
+    step(a, k6, v6)
+    assert fake.calls[-1] == ("launch", ("stream", 7), 0xD000)
+    assert list((ctypes.c_uint64 * 5).from_address(step._stage))[2:] == [k.data_ptr(), v.data_ptr(), 6]
+    assert step.ptrs[4] == 5                           # the eager table is untouched
+    fake.calls.clear()
+    step(a, k6, v6)
+    assert fake.calls == [("launch", ("stream", 7), 0xD000)]
+    k7, v7 = _caches(7, kb, vb)
+    step(a, k7, v7)                                    # same pointers, another length: another table
+    assert fake.calls[-1] == ("launch", ("stream", 7), 0xD100)
+    assert list((ctypes.c_uint64 * 5).from_address(step._stage))[4] == 7
+    fake.capturing = 0

@@ -22,12 +22,19 @@ host<->device copy.
   buffer, stream-ordered, capturable). A read-only input (token ids) passed as a non-contiguous
   or unaligned view is copied into an aligned buffer of the step's own, on the launch stream,
   at every call that passes such a view.
+- Run-time lengths (a length-polymorphic kernel, :attr:`fusec.ir.Graph.lengths`): the pointer
+  table's length slots (``"#len:" + symbol`` in ``plan.buffers``) hold each symbol's size at the
+  call (the KV caches' rows, any size in ``[1, capacity]``; every input of one symbol must
+  agree). An input with symbolic dims has its sizes compared at every call even when its pointer
+  did not change (the caching allocator may give a cache of another length the old address); a
+  changed length is written like a pointer (a stream-ordered memset).
 - CUDA graphs: a call made while torch's current stream is capturing (``torch.cuda.graph``)
   launches the kernel with a device pointer table of its own, written at capture time with the
   pointers of the tensors passed then (outside the graph: a copy on a side stream, waited for,
   in relaxed capture mode) and never written again (captured launches with the same pointers
   share it). The graph holds the kernel node (after the copy of an input staged as above); it
-  bakes the tensors seen at capture time (replay with the same tensors, updated in place), and
+  bakes the tensors seen at capture time (replay with the same tensors, updated in place, and the
+  same lengths: the table holds the capture's), and
   its replays never disturb the eager calls' table. It must not outlive this CudaStep (which
   owns that table). The status is not checked during a capture (its error path synchronizes).
 - ``graph_launch`` (option ``mode`` "reduce-overhead" / "max-autotune"): the step records a
@@ -48,7 +55,7 @@ from typing import Any
 
 import torch
 
-from fusec.cuda.codegen import PROF_MARKS, WORD, KernelPlan
+from fusec.cuda.codegen import LEN_PREFIX, PROF_MARKS, WORD, KernelPlan
 from fusec.errors import CudaError, FusecError, IndexFaultError, KernelRecordError, WatchdogError
 from fusec.ir import Graph, Role
 from fusec.cuda.jit import CompiledKernel
@@ -223,9 +230,9 @@ class CudaStep:
         self.slot = {name: k for k, name in enumerate(plan.buffers)}
         self.owned: dict[str, torch.Tensor] = {}
         for name in plan.buffers:
-            info = g.tensors[name]
-            if name in self.input_pos:
+            if name in self.input_pos or name.startswith(LEN_PREFIX):   # (a length slot: no tensor)
                 continue
+            info = g.tensors[name]
             if info.role == Role.CONSTANT:
                 self.owned[name] = info.value.to(dev).contiguous()
             else:
@@ -246,9 +253,14 @@ class CudaStep:
                          for name in self.input_pos
                          if g.tensors[name].role == Role.INPUT and name not in written}
         self._told_staging = False
+        self._init_lengths()
         for name, i in self.input_pos.items():
             self.ptrs[self.slot[name]] = self._input_ptr(name, flat_args[i])
             self.seen[i] = flat_args[i].data_ptr()
+        for k, n in self._lengths(flat_args).items():
+            self.ptrs[k] = n
+        for i in self._sizes:
+            self._sizes[i] = flat_args[i].shape
         self.bufs = torch.tensor(self.ptrs, dtype=torch.int64, device=dev)   # never reallocated
         self._bufs_addr = self.bufs.data_ptr()
         # captured launches: device pointer tables, one per distinct set of pointers (filled
@@ -278,7 +290,8 @@ class CudaStep:
         # per output: its own buffer viewed in the output's shape, or (input index, shape)
         self._outs: list[torch.Tensor | tuple[int, tuple[int, ...]]] = []
         for t in g.outputs:
-            r, shape = g.root(t), tuple(g.tensors[t].shape)
+            info = g.tensors[t]   # (an input's alias of a run-time length: that dim from the input)
+            r, shape = g.root(t), tuple(-1 if d in info.sym else n for d, n in enumerate(info.shape))
             self._outs.append(self.owned[r].view(shape) if r in self.owned else (g.inputs.index(r), shape))
 
     @staticmethod
@@ -306,20 +319,64 @@ class CudaStep:
             if v != (old >> (32 * half)) & 0xFFFFFFFF:
                 _ck(drv.cuMemsetD32Async(addr + 4 * half, v, 1, stream), "cuMemsetD32Async(pointer table)")
 
+    def _init_lengths(self) -> None:
+        """The run-time lengths' bookkeeping: the length slots (symbol -> index in ``bufs``) and
+        the inputs with symbolic dims (input index -> name, its (dim, symbol) pairs), whose
+        sizes ``_sizes`` holds as of the last call (None: not yet seen)."""
+        self._len_slot = {name[len(LEN_PREFIX):]: k for k, name in enumerate(self.plan.buffers)
+                          if name.startswith(LEN_PREFIX)}
+        self._sym_in: dict[int, tuple[str, tuple[tuple[int, str], ...]]] = {
+            i: (name, tuple(sorted(self.g.tensors[name].sym.items())))
+            for name, i in self.input_pos.items() if self.g.tensors[name].sym}
+        self._sizes: dict[int, Any] = {i: None for i in self._sym_in}
+
+    def _lengths(self, args: Sequence[Any]) -> dict[int, int]:
+        """Length slot -> the run-time length of its symbol in this call's ``args`` (the size at
+        the symbolic dims of the inputs, which must agree; an input's shape is checked by
+        :meth:`_guard`). Raises :class:`FusecError` naming two inputs that disagree."""
+        got: dict[str, tuple[int, str]] = {}
+        for i, (name, dims) in self._sym_in.items():
+            shape = args[i].shape
+            for dim, sym in dims:
+                n = int(shape[dim])
+                if sym not in got:
+                    got[sym] = (n, name)
+                elif got[sym][0] != n:
+                    raise FusecError(f"run-time length {sym}: input {got[sym][1]} has {got[sym][0]} rows (at its "
+                                     f"dim of {sym}), input {name} has {n}; the KV caches (and a mask over them) "
+                                     f"of one call must have one length")
+        return {k: got[sym][0] if sym in got else self.g.lengths[sym] for sym, k in self._len_slot.items()}
+
     def _update_inputs(self, args: Sequence[Any], stream: Any) -> None:
+        resized = False
         for name, i in self.input_pos.items():
             a = args[i]
             p = a.data_ptr() if isinstance(a, torch.Tensor) else None
             buf = self._staging.get(name)
             staged = buf is not None and self.ptrs[self.slot[name]] == buf.data_ptr()   # copied at every call
-            if p is not None and p == self.seen[i] and not staged and a.is_contiguous():
+            sym = i in self._sym_in
+            if sym and p is not None and a.shape != self._sizes[i]:
+                resized = True   # another length, maybe at the same address (the caching allocator)
+            elif p is not None and p == self.seen[i] and not staged and a.is_contiguous():
                 continue   # (a strided view at the last call's address is checked, or staged, below)
             ptr = self._input_ptr(name, a)
             if p != self.seen[i]:
                 log.debug("input %s moved: %#x -> %#x", name, self.seen[i] or 0, p)
             self.seen[i] = p
+            if sym:
+                self._sizes[i] = a.shape
             if ptr != self.ptrs[self.slot[name]]:
                 self._write_ptr(self.slot[name], ptr, stream)
+        if resized:
+            try:
+                lengths = self._lengths(args)
+            except FusecError:
+                for i in self._sizes:   # compared again at the next call
+                    self._sizes[i] = None
+                raise
+            for k, n in lengths.items():
+                if n != self.ptrs[k]:
+                    self._write_ptr(k, n, stream)
 
     def _input_ptr(self, name: str, a: Any) -> int:
         """The device address the kernel reads input ``name`` from at this call: ``a``'s own
@@ -339,7 +396,8 @@ class CudaStep:
             log.info("input %s is a view (strides %s, address %% 16 = %d): copied to an aligned buffer "
                      "at each call (pass a contiguous tensor to save that copy)",
                      name, a.stride(), a.data_ptr() % 16)
-        buf.copy_(a)
+        # (an input of a run-time length fills the front of its buffer, sized for the capacity)
+        (buf if buf.shape == a.shape else buf.view(-1)[:a.numel()].view(a.shape)).copy_(a)
         return buf.data_ptr()
 
     def _guard(self, name: str, a: Any, layout: bool = True) -> None:
@@ -349,13 +407,23 @@ class CudaStep:
             raise FusecError(f"{where}: expected a tensor, got {type(a).__name__}")
         if a.device != self.device:
             raise FusecError(f"{where}: on {a.device}, the kernel was built for {self.device}")
-        if a.dtype != info.dtype or tuple(a.shape) != tuple(info.shape):
+        if a.dtype != info.dtype or not self._shape_ok(info, a.shape):
+            dims = [f"{info.sym[d]} in [1, {self.g.lengths.get(info.sym[d], n)}]" if d in info.sym else n
+                    for d, n in enumerate(info.shape)]
             raise FusecError(f"{where}: {a.dtype}{list(a.shape)}, the kernel was built for "
-                             f"{info.dtype}{list(info.shape)}")
+                             f"{info.dtype}[{', '.join(map(str, dims))}]")
         if layout and not a.is_contiguous():
             raise FusecError(f"{where}: not contiguous (strides {a.stride()})")
         if layout and a.data_ptr() % 16:
             raise FusecError(f"{where}: data pointer not 16-byte aligned")
+
+    def _shape_ok(self, info: Any, shape: Sequence[int]) -> bool:
+        """``shape`` is ``info``'s IR shape, but for a symbolic dim any size in [1, capacity]."""
+        if not info.sym:
+            return tuple(shape) == tuple(info.shape)
+        return len(shape) == len(info.shape) and all(
+            1 <= n <= self.g.lengths.get(info.sym[d], m) if d in info.sym else n == m
+            for d, (n, m) in enumerate(zip(shape, info.shape)))
 
     def _launch(self, params: Any, stream: Any) -> None:
         _ck(_driver().cuLaunchCooperativeKernel(self.func, self.plan.num_sms, 1, 1, self.plan.threads, 1, 1,
@@ -373,6 +441,8 @@ class CudaStep:
         ptrs = list(self.ptrs)
         for name, i in self.input_pos.items():
             ptrs[self.slot[name]] = self._input_ptr(name, args[i])
+        for k, n in self._lengths(args).items():   # this call's lengths, frozen with its pointers
+            ptrs[k] = n
         key = tuple(ptrs)
         dev = self._frozen.get(key)
         if dev is None:
