@@ -38,8 +38,8 @@ log = logging.getLogger("fusec")
 CHUNK = 16
 #: plain decode steps before the CUDA graph is captured (the first one compiles)
 WARMUP = 2
-#: the static KV cache's length is prompt + max_new_tokens rounded up to a multiple of this,
-#: so that calls with nearby lengths share one compiled kernel
+#: the static KV cache's length is prompt + max_new_tokens rounded up to a multiple of this
+#: (the cache's length is symbolic in the compiled step: one step serves every length)
 CACHE_ALIGN = 64
 #: sampling: select the token inside the compiled step (temperature, top-k, Gumbel-max argmax
 #: as generic megakernel instructions) instead of as torch ops after it. Off: on an H200 with a
@@ -413,6 +413,9 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: in
         while pos < max_new_tokens and end is None:
             if dec is None:
                 counted = host_counted(cache)
+                if not counted:
+                    from fusec.frontend.static_cache import length_symbolic
+                    length_symbolic(cache)
                 if counted:
                     log.info("fusec.generate: the cache's sliding-window layers count positions in Python; "
                              "each step is launched on its own (no CUDA graph, no precompiled step)")

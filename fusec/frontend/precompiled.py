@@ -32,11 +32,13 @@ settings) are checked before every call; a miss traces again for the new inputs.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import pickle
 import time
+from collections.abc import Iterator
 from typing import Any, Callable
 
 import torch
@@ -122,20 +124,32 @@ def graph_bytes(gm: torch.fx.GraphModule) -> bytes:
     import torch.utils._pytree as pytree
     from torch.fx._graph_pickler import GraphPickler, Options as PicklerOptions
 
+    from fusec.frontend.symbolic import mark_symbolic
+    from fusec.frontend.capture import MODEL_TENSOR
+
     def lite(v: Any) -> Any:
-        if isinstance(v, torch.Tensor):
-            return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
+        if isinstance(v, torch.Tensor):   # symbolic sizes at their hints (mark_symbolic keeps which)
+            return torch.empty_strided([_hint(d) for d in v.shape], [_hint(d) for d in v.stride()],
+                                       dtype=v.dtype, device="meta")
+        if isinstance(v, torch.SymInt):
+            return _hint(v)
         return v if isinstance(v, (bool, int, float, str, type(None))) else None
 
+    mark_symbolic(gm)
     g = copy.deepcopy(gm.graph)
     for n in g.nodes:
-        meta = {k: n.meta[k] for k in ("stack_trace",) if k in n.meta}
+        meta = {k: n.meta[k] for k in ("stack_trace", "fusec_symbolic", MODEL_TENSOR) if k in n.meta}
         if "example_value" in n.meta:
             meta["example_value"] = pytree.tree_map(lite, n.meta["example_value"])
         n.meta = meta
     out = torch.fx.GraphModule(gm, g)
     out.meta = {}
     return GraphPickler.dumps(out, PicklerOptions(ops_filter=None))
+
+
+def _hint(d: Any) -> int:
+    """A size as an int: a symbolic one at its hint (the traced value)."""
+    return int(d.node.hint) if isinstance(d, torch.SymInt) else int(d)
 
 
 def graph_from_bytes(data: bytes) -> torch.fx.GraphModule:
@@ -151,9 +165,11 @@ def _run(module: torch.nn.Module, *args: Any) -> Any:
 
 
 def _describe(x: Any) -> Any:
-    """A JSON-able description of one step input for the key (shapes, not values)."""
+    """A JSON-able description of one step input for the key (shapes, not values; a dim marked
+    dynamic, ``torch._dynamo.mark_dynamic``, as -1: the traced step serves every size there)."""
     if isinstance(x, torch.Tensor):
-        return ["tensor", list(x.shape), str(x.dtype), x.device.type]
+        dynamic = getattr(x, "_dynamo_dynamic_indices", set()) | getattr(x, "_dynamo_weak_dynamic_indices", set())
+        return ["tensor", [-1 if i in dynamic else d for i, d in enumerate(x.shape)], str(x.dtype), x.device.type]
     if x is None or isinstance(x, (bool, int, float, str)):
         return x
     tensors = [v for v in vars(x).values() if isinstance(v, torch.Tensor)] if hasattr(x, "__dict__") else []
@@ -202,17 +218,67 @@ def aot_compile(backend: Callable, args: tuple) -> Any:
 
     Raises: whatever dynamo raises (a graph break, a guard it cannot serialize)."""
     import inspect
-    # dynamic=False: static shapes even after a first trace with other ones (dynamo's
-    # automatic dynamic would make them symbolic; fusec compiles for concrete sizes)
-    compiled = torch.compile(_run, fullgraph=True, dynamic=False, backend=backend,
+    # dynamic=None: static shapes but where the inputs mark a dim dynamic (fusec.generate marks
+    # the cache's rows: one trace and one fusec step for every cache length)
+    compiled = torch.compile(_run, fullgraph=True, dynamic=None, backend=backend,
                              options={"guard_filter_fn": serializable_guards})
     if hasattr(compiled, "aot_compile"):
         return compiled.aot_compile((args, {}))
     from torch._dynamo.aot_compile import aot_compile_fullgraph
     from torch._dynamo.hooks import Hooks
-    kw = {"dynamic": False} if "dynamic" in inspect.signature(aot_compile_fullgraph).parameters else {}
+    kw = {"dynamic": None} if "dynamic" in inspect.signature(aot_compile_fullgraph).parameters else {}
     return aot_compile_fullgraph(_run, (args, {}), hooks=Hooks(guard_filter_fn=serializable_guards),
                                  backend=backend, **kw)
+
+
+_MARKS = ("_dynamo_dynamic_indices", "_dynamo_weak_dynamic_indices", "_has_dynamo_dim_marking")
+
+
+@contextlib.contextmanager
+def _unmarked(args: tuple, on: bool) -> Iterator[None]:
+    """With ``on``: the step inputs' tensors (and a cache object's layers' tensors) without
+    dynamo's dim markings for the duration (restored after). torch (2.11-2.13) serializes a
+    traced step's guards as if no input had been marked (``maybe_mark_dynamic``), so a loaded
+    step's guards fail on a marked tensor ('present on runtime tensor but was absent at compile
+    time') while its shape guards are the symbolic ones of the trace."""
+    if not on:
+        yield
+        return
+    saved = []
+    for t in _tensors(args):
+        kept = {a: getattr(t, a) for a in _MARKS if hasattr(t, a)}
+        if kept:
+            saved.append((t, kept))
+            for a in kept:
+                delattr(t, a)
+    try:
+        yield
+    finally:
+        for t, kept in saved:
+            for a, v in kept.items():
+                setattr(t, a, v)
+
+
+def _tensors(args: tuple) -> list[torch.Tensor]:
+    """The tensors of step inputs: tensors, and those an object or its ``layers`` hold."""
+    out = []
+    for x in args:
+        if isinstance(x, torch.Tensor):
+            out.append(x)
+            continue
+        for obj in (x, *(getattr(x, "layers", None) or ())):
+            if hasattr(obj, "__dict__"):
+                out += [v for v in vars(obj).values() if isinstance(v, torch.Tensor)]
+    return out
+
+
+def _guard_failure(fn: Any, *args: Any) -> str:
+    """The first failing guard of a loaded precompiled function, as dynamo words it ('' if unknown)."""
+    try:
+        f_locals = fn.prepare_f_locals(*args)
+        return str(fn._artifacts.guard_manager.check_verbose(f_locals).verbose_code_parts[:1])[:300]
+    except Exception:   # noqa: BLE001 - private API: the reason is only for the log
+        return "reason unknown"
 
 
 class PrecompiledStep:
@@ -232,23 +298,26 @@ class PrecompiledStep:
     def __init__(self, module: torch.nn.Module, model: torch.nn.Module, options: dict[str, Any]):
         self.module, self.model, self.options = module, model, dict(options)
         self.entries: list[Any] = []        # loaded AOT functions, most recent first
+        self.loaded: set[int] = set()       # ids of those deserialized from the artifact cache
         self.compiled: Callable | None = None   # plain torch.compile, once the precompile failed
 
     def __call__(self, *args: Any) -> Any:
         if self.compiled is not None:
             return self.compiled(*args)
         for i, fn in enumerate(self.entries):
-            if fn.guard_check(self.module, *args):
-                if i:
-                    self.entries.insert(0, self.entries.pop(i))
-                return fn(self.module, *args)
+            with _unmarked(args, id(fn) in self.loaded):
+                if fn.guard_check(self.module, *args):
+                    if i:
+                        self.entries.insert(0, self.entries.pop(i))
+                    return fn(self.module, *args)
         fn = self._bind(args)
         if fn is None:
             self.compiled = torch.compile(self.module, backend="fusec", options=self.options)
             return self.compiled(*args)
         self.entries.insert(0, fn)
         del self.entries[MAX_ENTRIES:]
-        return fn(self.module, *args)
+        with _unmarked(args, id(fn) in self.loaded):
+            return fn(self.module, *args)
 
     def _bind(self, args: tuple) -> Any:
         """A precompiled function whose guards hold for ``args`` (its guard check then off:
@@ -272,12 +341,15 @@ class PrecompiledStep:
             try:
                 fn = AOTCompiledFunction.deserialize(art["data"])
                 fn.disable_guard_check()
-                if fn.guard_check(self.module, *args):
+                with _unmarked(args, True):
+                    held = fn.guard_check(self.module, *args)
+                if held:
+                    self.loaded.add(id(fn))
                     log.info("stage %-13s loaded %s (%.1f KiB): dynamo's trace skipped, %.2f s", "precompiled",
                              k[:12], len(art["data"]) / 1024, time.perf_counter() - t0)
                     return fn
-                log.info("fusec: precompiled step %s: its guards do not hold for these inputs; tracing again",
-                         k[:12])
+                log.info("fusec: precompiled step %s: its guards do not hold for these inputs (%s); tracing again",
+                         k[:12], _guard_failure(fn, self.module, *args))
             except Exception as e:   # noqa: BLE001 - a damaged or foreign entry: trace and rewrite it
                 log.warning("fusec: precompiled step %s not loaded (%s: %s); tracing again", k[:12],
                             type(e).__name__, str(e)[:200])

@@ -1,0 +1,42 @@
+"""A Hugging Face ``StaticCache`` whose length dynamo sees as symbolic (``fusec.generate``).
+
+HF's ``StaticLayer`` tells the attention mask its length as the Python int ``max_cache_len``,
+on which dynamo guards: every cache length would be a new trace and a new graph. The layers of
+a cache passed to :func:`length_symbolic` report their K tensor's rows instead
+(:class:`StaticLayerRows`), and those rows are marked dynamic: dynamo traces one graph with a
+symbolic length, and fusec compiles one step for every length
+(:class:`fusec.frontend.backend.SymbolicStep`).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers.cache_utils import StaticLayer
+
+
+class StaticLayerRows(StaticLayer):
+    """HF's ``StaticLayer`` whose attention-mask length is its cache tensor's rows
+    (``keys.shape[-2]``: symbolic when marked dynamic) rather than the int ``max_cache_len``.
+    Same values: the rows are ``max_cache_len`` once the layer is initialized."""
+
+    def get_mask_sizes(self, query_length: int) -> tuple[Any, int]:
+        return self.keys.shape[-2], 0
+
+
+def length_symbolic(cache: Any) -> bool:
+    """Make the (initialized) static ``cache``'s length symbolic for dynamo: its full-attention
+    layers become :class:`StaticLayerRows` and their K and V rows are marked dynamic
+    (``torch._dynamo.maybe_mark_dynamic``). Sliding-window layers are left as they are (their
+    length is the window, and they count positions on the host). Returns whether every layer
+    was changed."""
+    layers = getattr(cache, "layers", ())
+    done = 0
+    for layer in layers:
+        if type(layer) not in (StaticLayer, StaticLayerRows) or not isinstance(getattr(layer, "keys", None), torch.Tensor):
+            continue
+        layer.__class__ = StaticLayerRows
+        torch._dynamo.maybe_mark_dynamic(layer.keys, 2)
+        torch._dynamo.maybe_mark_dynamic(layer.values, 2)
+        done += 1
+    return bool(layers) and done == len(layers)
