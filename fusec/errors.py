@@ -33,6 +33,16 @@ class NotLengthPolymorphic(FusecError):
     length, and the step is compiled per length instead. The message names the op or tensor."""
 
 
+class CapacityExceeded(FusecError):
+    """A call's KV cache is longer than the capacity its length-polymorphic step was built for,
+    and the step cannot rebuild itself (it came from a warm start): the caller captures the graph
+    again for ``rows`` (:class:`fusec.frontend.backend.SymbolicStep`)."""
+
+    def __init__(self, message: str, rows: int):
+        super().__init__(message)
+        self.rows = rows
+
+
 class CaptureError(FusecError):
     """Capturing the model (dynamo / AOT autograd) failed or produced an unusable graph."""
 

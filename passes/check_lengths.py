@@ -9,7 +9,8 @@ writes a tensor with a run-time size only as a KV cache (``kv_write``'s ``cache`
 ``attention``'s ``k`` and ``v``) or as the attention's mask over the cache rows (``mask``); no
 op takes a size that depends on the length as an argument (``attrs["symbolic"]``); no graph
 output has a run-time size; and each run-time size is one symbol of ``Graph.lengths`` at a KV
-cache's rows (dim 2) or a mask's last dim. So one compiled step computes, for caches of any
+cache's rows (dim 2) or a mask's last dim, the K and V caches and the mask of one attention
+sharing one symbol (SDPA requires their lengths equal). So one compiled step computes, for caches of any
 length up to the capacity, what the graph computes for that length: the kernel and the
 simulator read the rows of each call's caches at run time.
 
@@ -31,9 +32,34 @@ def _where(op) -> str:
     return f"{op.name} ({op.kind}{', ' + op.source if op.source else ''})"
 
 
+def _unify(g: Graph) -> None:
+    """One symbol for the K and V caches and the mask of each attention: SDPA needs equal lengths
+    there (dynamo may name them apart: ``s4`` for the keys, ``s40`` for the values)."""
+    rename: dict[str, str] = {}
+
+    def find(x: str) -> str:
+        while x in rename:
+            x = rename[x]
+        return x
+    for op in g.ops:
+        if op.kind != "attention":
+            continue
+        syms = [find(s) for slot in ("k", "v", "mask") if slot in op.inputs
+                for s in g.tensors[g.root(op.inputs[slot])].sym.values()]
+        for s in syms[1:]:
+            if s != syms[0]:
+                rename[s] = syms[0]
+    if not rename:
+        return
+    for t in g.tensors.values():
+        t.sym = {d: find(s) for d, s in t.sym.items()}
+    g.lengths = {find(s): cap for s, cap in g.lengths.items()}
+
+
 def run(g: Graph) -> Graph:
     if not g.lengths:
         return g
+    _unify(g)
     for op in g.ops:
         if op.attrs.get("symbolic"):
             raise NotLengthPolymorphic(f"op {_where(op)} takes a size computed from the cache length")

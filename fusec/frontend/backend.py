@@ -20,7 +20,7 @@ from fusec.frontend.host_scalars import HostSplit, split_host_scalars
 from fusec.frontend import symbolic
 from fusec.runtime.compiled import CompiledStep
 from fusec.config import Options
-from fusec.errors import FallbackRequired, FusecError, NotLengthPolymorphic
+from fusec.errors import CapacityExceeded, FallbackRequired, FusecError, NotLengthPolymorphic
 from fusec.fallbacks import warn as warn_fallback
 from fusec.pipeline import Dumper, build_ir
 
@@ -134,6 +134,11 @@ class SymbolicStep:
                 return self.step(*args)
             except NotLengthPolymorphic as e:   # found by the passes at the first call
                 self._per_length(e)
+            except CapacityExceeded as e:   # a warm-started step meets a longer cache than it was built for
+                log.info("fusec: %s: capturing the graph again for a larger capacity", e)
+                self.opts = dataclasses.replace(self.opts, max_cache_len=symbolic.capacity(None, 2 * e.rows - 1))
+                self._capture(list(args), live=False)
+                return self(*args)
         return self.per_length(*args)
 
 
@@ -160,17 +165,34 @@ def _compile_symbolic(gm: torch.fx.GraphModule, args: list[Any], opts: Options, 
     try:
         target, opts = _step_target(args, opts)
         dump = Dumper(opts.dump_dir)
+        spec = symbolic.symbolic_dims(gm)
+        key = _warm_key(gm, args, opts, spec)
+        if key is not None:
+            found = warm.recall(key, opts)
+            if found is not None:
+                g, bump = found
+                log.info("stage %-13s warm start: the IR of dynamo graph %s from the artifact cache (cache length "
+                         "run-time, up to %s), AOT skipped", "capture", key[:12],
+                         "/".join(map(str, g.lengths.values())) or "-")
+                return warm.WarmStep(CompiledStep(gm.forward, g, opts, dump, target), bump)
+        placeholders = [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]
         if live:
-            context, fakes = contextlib.nullcontext(), args
+            context, fakes, dynamo_vals = contextlib.nullcontext(), args, placeholders
         else:
             mode, fakes = symbolic.fake_inputs(gm, args)
-            context = tracing(TracingContext(mode))
+            context, dynamo_vals = tracing(TracingContext(mode)), fakes
 
         def capacity_for(rows: int) -> int:
             return symbolic.capacity(opts.max_cache_len, rows)
 
         def compiler(aten_gm: torch.fx.GraphModule, ex: list[Any]) -> Callable:
             g = build_ir(aten_gm, ex, dump, capacity_for)
+            if key is not None:
+                why = warm.aot_identity_problem(gm, dynamo_vals, aten_gm, ex)
+                if why is None:
+                    warm.remember(key, g, warm.mutated_inputs(dynamo_vals), opts)
+                else:
+                    log.info("fusec: no warm start for this graph (AOT autograd must run each time: %s)", why)
 
             def rebuild(rows: int):   # a longer cache than the capacity: the IR for twice its rows
                 return build_ir(aten_gm, ex, dump, lambda r: symbolic.capacity(None, max(r, 2 * rows - 1)))
@@ -243,12 +265,16 @@ def _host_split(gm: torch.fx.GraphModule) -> HostSplit | None:
         return None
 
 
-def _warm_key(gm: torch.fx.GraphModule, example_inputs: list[Any], opts: Options) -> str | None:
-    """The warm-start key of ``gm`` (:mod:`fusec.frontend.warm`), or None: cache off, a dump
+def _warm_key(gm: torch.fx.GraphModule, example_inputs: list[Any], opts: Options,
+              spec: list[Any] | None = None) -> str | None:
+    """The warm-start key of ``gm`` (:mod:`fusec.frontend.warm`; ``spec``: its symbolic sizes,
+    left out of the key, with the ``max_cache_len`` option in it), or None: cache off, a dump
     (every stage runs), or a graph with no stable key."""
     if not opts.cache or opts.dump_dir:
         return None
     try:
+        if spec is not None:
+            return warm.dynamo_key(gm, example_inputs, spec, extra={"max_cache_len": opts.max_cache_len})
         return warm.dynamo_key(gm, example_inputs)
     except Exception as e:   # noqa: BLE001 - a key that cannot be made: the full capture runs
         log.info("fusec: no warm start for this graph (%s: %s)", type(e).__name__, str(e)[:200])

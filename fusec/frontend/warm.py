@@ -44,17 +44,31 @@ from fusec.ir import Graph
 KIND = "dynamo_ir"
 
 
-def dynamo_key(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> str | None:
+def dynamo_key(gm: torch.fx.GraphModule, example_inputs: list[Any],
+               symbolic: list[Any] | None = None, extra: Any = None) -> str | None:
     """The warm-start key of ``gm`` called with ``example_inputs``, or None: autocast on, an
-    input that is not a static-shaped tensor (a SymInt, a symbolic size), or a graph module that
-    holds parameters or buffers itself (AOT lifts them: no warm start)."""
+    input that is not a static-shaped tensor (a SymInt, a symbolic size) unless ``symbolic``
+    says which sizes are symbolic (:func:`fusec.frontend.symbolic.symbolic_dims`: those dims, a
+    contiguous tensor's strides and the integer inputs are left out of the key, so that one key
+    serves every cache length), or a graph module that holds parameters or buffers itself (AOT
+    lifts them: no warm start). ``extra``: more JSON-able parts (options that change the IR)."""
     from fusec.runtime.artifacts import tensor_digest, toolchain
     if any_autocast():
         # AOT runs such a graph with autocast off, and inside its forward compiler autocast
         # already reads off: no warm start under autocast at all
         return None
-    inputs = []
-    for x in example_inputs:
+    inputs: list[Any] = []
+    specs = symbolic if symbolic is not None else [None] * len(example_inputs)
+    for x, spec in zip(example_inputs, specs):
+        if spec == "int":
+            inputs.append(["symint"])
+            continue
+        if spec and isinstance(x, torch.Tensor):   # a tensor with symbolic sizes
+            if not x.is_contiguous():
+                return None
+            inputs.append([type(x).__name__, [-1 if i in spec else int(d) for i, d in enumerate(x.shape)],
+                           "contiguous", str(x.dtype), x.device.type, bool(x.requires_grad)])
+            continue
         if not isinstance(x, torch.Tensor) or any(not isinstance(d, int) for d in (*x.shape, *x.stride())):
             return None
         inputs.append([type(x).__name__, list(x.shape), list(x.stride()), str(x.dtype), x.device.type,
@@ -64,7 +78,7 @@ def dynamo_key(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> str | Non
     consts = sorted((n.target, tensor_digest(getattr(gm, n.target))) for n in gm.graph.nodes
                     if n.op == "get_attr" and isinstance(getattr(gm, n.target, None), torch.Tensor))
     parts = {**toolchain(), "kind": KIND, "code": gm.code, "inputs": inputs, "consts": consts,
-             "modes": global_modes()}
+             "modes": global_modes(), "extra": extra}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 
@@ -104,6 +118,9 @@ def aot_identity_problem(gm: torch.fx.GraphModule, example_inputs: list[Any],
     if len(flat) != len(example_inputs):
         return f"AOT passes {len(flat)} inputs for dynamo's {len(example_inputs)} (lifted or deduplicated)"
     for i, (a, b) in enumerate(zip(flat, example_inputs)):
+        if isinstance(a, (int, torch.SymInt)) and isinstance(b, (int, torch.SymInt)) \
+                and not isinstance(a, bool) and not isinstance(b, bool):
+            continue   # a symbolic size passed as an integer (the step drops it: Graph.skip_args)
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
             return f"input {i} is not a tensor"
         if not (_known_equal(a.shape, b.shape) and a.dtype == b.dtype and _known_equal(a.stride(), b.stride())):

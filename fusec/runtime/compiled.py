@@ -8,7 +8,7 @@ from typing import Any, Callable
 import torch
 
 from fusec.config import Options
-from fusec.errors import FusecError, NotLengthPolymorphic
+from fusec.errors import CapacityExceeded, FusecError, NotLengthPolymorphic
 from fusec.fallbacks import note_compiled, warn as warn_fallback
 from fusec.ir import Graph
 from fusec.pipeline import Dumper
@@ -72,7 +72,8 @@ class CompiledStep:
         if rows <= cap:
             return
         if self.rebuild is None:
-            raise FusecError(f"a KV cache of {rows} rows is longer than the {cap} this step was built for")
+            raise CapacityExceeded(f"a KV cache of {rows} rows is longer than the {cap} this step was built for",
+                                   rows)
         g = self.rebuild(rows)
         log.info("fusec: a KV cache of %d rows is longer than the step's capacity %d: building it again for %d "
                  "(option max_cache_len sets the capacity)", rows, cap, min(g.lengths.values()))
