@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: venv demo test wheel-check bench bench-families clean
+.PHONY: venv demo test wheel-check bench bench-chat bench-families clean
 
 venv: $(VENV)/.stamp
 
@@ -32,6 +32,12 @@ MODEL ?= examples/llama_3_2_1b.py
 RUN_PY = $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
 bench:
 	PYTHONPATH=. $(RUN_PY) benchmarks/decode.py --example $(MODEL) --out build/bench-$(basename $(notdir $(MODEL))).json
+	PYTHONPATH=. $(RUN_PY) benchmarks/chat.py --example $(MODEL) --out build/chat-$(basename $(notdir $(MODEL))).json
+
+# the chat row alone (also the second part of bench): ten generate calls with new prompt lengths
+# per user path, in a cold then a warm process
+bench-chat:
+	PYTHONPATH=. $(RUN_PY) benchmarks/chat.py --example $(MODEL) --out build/chat-$(basename $(notdir $(MODEL))).json
 
 # fusec vs HF eager per decoder family (published widths, 2 layers); GPU machine only, as bench
 bench-families:

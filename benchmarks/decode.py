@@ -9,7 +9,11 @@ at the given KV positions (default 127, 2047, 4095):
   (``benchmarks/gptfast_llama.py``, sharing the HF model's weights and cache), under
   ``torch.compile`` (inductor), in our CUDA graph;
 - ``fusec``: the HF model under ``torch.compile(backend=fusec)``, in our CUDA graph (a fallback
-  to another backend, or a profiling build, fails the engine).
+  to another backend, or a profiling build, fails the engine): the step dynamo traces for the
+  cache's one length (the kernel's cache length a literal);
+- ``fusec-poly``: the same over a cache whose length is symbolic (``length_symbolic``, as
+  ``fusec.generate`` makes it): the one kernel that serves every cache length up to its
+  capacity, reading the length at run time.
 
 Per position: fresh random KV-cache contents (never zeros) and token; the step's output from
 its CUDA graph is compared with the HF eager model's logits on the same cache contents; then
@@ -69,8 +73,8 @@ log = logging.getLogger("bench")
 #: this script: the compile-time rows run it again as ``--compile-probe ENGINE`` in new processes
 PROBE_SCRIPT = Path(__file__).resolve()
 
-ENGINES = ("eager-graph", "inductor", "handwritten", "fusec")
-COMPILED = ("inductor", "handwritten", "fusec")
+ENGINES = ("eager-graph", "inductor", "handwritten", "fusec", "fusec-poly")
+COMPILED = ("inductor", "handwritten", "fusec", "fusec-poly")
 DEFAULT_POSITIONS = (127, 2047, 4095)
 QUICK_POSITIONS = (2047,)
 DEFAULT_STEPS, QUICK_STEPS = 200, 50
@@ -311,8 +315,11 @@ def make_engine(name: str, bench: Bench) -> Engine:
         return Engine(name, lambda: hf_step(model), cache, tok, vocab)
     if name == "inductor":
         return Engine(name, lambda: hf_step(torch.compile(model)), cache, tok, vocab)
-    if name == "fusec":
+    if name in ("fusec", "fusec-poly"):
         from fusec.frontend.backend import fusec_backend    # works without the entry point installed
+        if name == "fusec-poly":
+            from fusec.frontend.static_cache import length_symbolic
+            length_symbolic(cache)
         from fusec.config import Options
         options = dict(args.fusec_options)   # the defaults a user gets (no host sync since the status went host-mapped)
         resolved = Options.from_dict(options)          # with the FUSEC_* environment
@@ -422,7 +429,7 @@ def run_engine(eng: Engine, bench: Bench, record: dict[str, Any]) -> None:
         if eng.compiled:
             record["compile_in_process_s"] = first
             log.info("%s: compile in this process %.1f s", eng.name, first)
-        if eng.name == "fusec":
+        if eng.name.startswith("fusec"):
             record["fusec_warnings"] = list(eng.watch.warnings)
             if eng.watch.fallbacks:
                 raise RuntimeError(f"fusec fell back to another backend: {eng.watch.fallbacks[0]}")

@@ -20,7 +20,7 @@ def summarize(results: dict[str, Any]) -> None:
                                           if "median_ms" in ind.get(pos, {}) else None)
                 v["floor_share"] = floor / v["median_ms"]
         peers = {n: r["positions"][pos]["median_ms"] for n, r in engines.items()
-                 if n != "fusec" and "median_ms" in r["positions"].get(pos, {})}
+                 if not n.startswith("fusec") and "median_ms" in r["positions"].get(pos, {})}
         s: dict[str, Any] = {"fastest_peer": None, "fastest_peer_ms": None, "fusec_ms": None,
                              "fusec_speedup_vs_fastest_peer": None}
         if peers:
