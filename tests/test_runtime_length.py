@@ -209,6 +209,22 @@ def test_env_learns_lengths_and_refuses_disagreeing_inputs():
         Env(g, [torch.zeros(8), k, torch.zeros(1, 1, 12, 4), torch.tensor(3)])
 
 
+def test_capacity_does_not_move_the_schedule():
+    """The cost model counts at most 4096 rows of a cache or a position table (a table_lookup
+    reads one row): a step of capacity 32768 is placed as the static step of a 4096-row cache
+    (a table_lookup costed at its capacity-sized table moved 711 of the 1449 instructions of a
+    2-layer step at Llama-3.2-1B's widths, and cost the 1B's step 58 us on the H200)."""
+    from fusec.api import compile_model
+    model = hf_tiny.llama(heads=4, kv_heads=2)
+    cache = _prefilled(model, 4096, torch.randint(0, 128, (1, 3)))
+    static = compile_model(model, (), {"input_ids": torch.zeros(1, 1, dtype=torch.long), "past_key_values": cache,
+                                       "use_cache": True}, {"num_sms": 8}).schedule
+    poly, *_ = polymorphic_step(model, 32768, num_sms=8)
+    assert [(i.op, i.sm, i.waits) for i in static.instrs] == [(i.op, i.sm, i.waits) for i in poly.instrs]
+    assert [(i.tile.weight_bytes, i.tile.act_bytes) for i in static.instrs] == \
+        [(i.tile.weight_bytes, i.tile.act_bytes) for i in poly.instrs]
+
+
 # ---- the kernel source ----
 
 def _poly_source(cap: int, num_sms: int = 4, **defines):

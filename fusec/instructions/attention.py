@@ -48,7 +48,7 @@ from fusec.ir.env import Env
 from fusec.ir import Graph, Op
 from fusec.ir.semantics import apply_mask
 from fusec.ir.pattern import sem
-from fusec.instructions.base import CTA_THREADS, Instruction, Region, Tile, register, split_range
+from fusec.instructions.base import COST_ROWS, CTA_THREADS, Instruction, Region, Tile, register, split_range
 from fusec.instructions.call import P0, P1, SMEM, Call, Expr, Float, Int, Ptr, Type
 from fusec.instructions.matvec_rows import elt
 from fusec.instructions.rule import Ctx, Rule
@@ -80,8 +80,6 @@ def _merges(op: Op) -> bool:
 #: the most rows of scores a split-KV tile keeps in shared memory (one block); a split of more
 #: rows runs over several blocks
 MAX_BLOCK = 256
-#: the rows the cost model counts at most for a cache (a long capacity would distort scheduling)
-COST_ROWS = 4096
 
 
 def split_attention(c: Ctx, m: dict) -> list[Op]:

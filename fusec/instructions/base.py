@@ -21,6 +21,10 @@ KINDS: dict[str, type["Instruction"]] = {}
 
 #: Threads per CTA of the megakernel (16 warps); templates may size shared memory by it.
 CTA_THREADS = 512
+#: The cost model counts at most this many rows of a KV cache or of a position table: a
+#: length-polymorphic step's capacity (32768 rows) is not its usual length, and its tables'
+#: size would distort the schedule (a ``table_lookup`` reads one row at run time).
+COST_ROWS = 4096
 
 
 def register(cls: type["Instruction"]) -> type["Instruction"]:

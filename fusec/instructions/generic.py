@@ -16,7 +16,7 @@ import torch
 from fusec.errors import IndexFaultError
 from fusec.ir.env import Env
 from fusec.ir import Graph, Op, Ref
-from fusec.instructions.base import Instruction, Region, Tile, register
+from fusec.instructions.base import COST_ROWS, Instruction, Region, Tile, register
 
 _A = torch.ops.aten
 _ELEMENTWISE = {
@@ -147,8 +147,15 @@ class Generic(Instruction):
     def tiles(cls, op: Op, g: Graph, want: int) -> list[Tile]:
         reads = [Region.whole(g, t) for t in dict.fromkeys(op.reads())]
         writes = [Region.whole(g, t) for t in op.writes()]
-        wbytes = sum(g.tensors[g.root(r.tensor)].nbytes for r in reads if cls.is_weight(g, r.tensor))
-        abytes = sum(g.tensors[g.root(r.tensor)].nbytes for r in reads + writes) - wbytes
+
+        def nbytes(t: str) -> int:
+            n = g.tensors[g.root(t)].nbytes
+            if op.kind == "table_lookup" and t == g.root(op.inputs["table"]):   # one row is read: count
+                rows = max(1, g.tensors[t].shape[0])                           # at most COST_ROWS of them
+                n = n * min(rows, COST_ROWS) // rows
+            return n
+        wbytes = sum(nbytes(r.tensor) for r in reads if cls.is_weight(g, r.tensor))
+        abytes = sum(nbytes(r.tensor) for r in reads + writes) - wbytes
         return [Tile(op.name, 0, {}, reads, writes, wbytes, abytes)]
 
     @classmethod
