@@ -209,9 +209,10 @@ def test_gemma_norm_weights_compiled_in_are_checked(cache_on, caplog):
 
 
 def test_recorded_values_are_the_weights_the_passes_read(cache_on):
-    """Llama: only inv_freq (its norm weights are read by the kernel at run time); Gemma: inv_freq
-    and the norm weights of its (1 + w) constants."""
-    for factory, small in ((hf_tiny.llama, {"inv_freq"}), (hf_tiny.gemma, {"inv_freq", "norm"})):
+    """Llama: only inv_freq (its norm weights are read by the kernel at run time); Gemma: inv_freq,
+    the norm weights of its (1 + w) constants and the 0-d embedding scale (a literal of the
+    multiplication, fold_constants)."""
+    for factory, small in ((hf_tiny.llama, {"inv_freq"}), (hf_tiny.gemma, {"inv_freq", "norm", "embed_scale"})):
         model = factory(seed=0)
         _, g, flat = _captured(model)
         opts = Options.from_dict({"num_sms": 8})

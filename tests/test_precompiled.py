@@ -100,22 +100,31 @@ def _records(caplog, what: str) -> list[str]:
     return [r.getMessage() for r in caplog.records if what in r.getMessage()]
 
 
-def test_new_shapes_and_a_damaged_entry_trace_again(cache_on, caplog):
-    """A second cache length traces a second entry (the first one's guards do not hold); an
-    entry overwritten with garbage is reported, traced again and rewritten; tokens stay HF's."""
+def test_one_entry_serves_every_length_and_a_damaged_entry_traces_again(cache_on, caplog):
+    """Two prompt lengths (caches of 64 and 128 rows) share one precompiled entry: its trace's
+    cache length is symbolic. A new process (nothing kept on the model) at a third length loads it
+    without tracing. An entry overwritten with garbage is reported, traced again and rewritten.
+    Tokens stay HF's throughout."""
     caplog.set_level(logging.INFO, logger="fusec")
     model = hf_tiny.llama(seed=5)
     short = torch.randint(1, 128, (1, 5), generator=torch.Generator().manual_seed(1))
     long = torch.randint(1, 128, (1, 62), generator=torch.Generator().manual_seed(2))
+    mid = torch.randint(1, 128, (1, 140), generator=torch.Generator().manual_seed(3))
     with FallbackWatch() as w:
         assert torch.equal(fusec.generate(model, short, 4, eos_token_id=[], options=OPTS), _hf(model, short, 4))
         assert torch.equal(fusec.generate(model, long, 4, eos_token_id=[], options=OPTS), _hf(model, long, 4))
     assert not w.fallbacks, w.fallbacks
     entries = sorted(cache_on.glob("*.precompiled.art"))
-    assert len(entries) == 2 and len(_records(caplog, "stage precompiled   traced")) == 2
+    assert len(entries) == 1 and len(_records(caplog, "stage precompiled   traced")) == 1
+    model.__dict__.pop("_fusec_generate_steps")   # as a new process would: nothing kept on the model
+    caplog.clear()
+    with FallbackWatch() as w:
+        assert torch.equal(fusec.generate(model, mid, 4, eos_token_id=[], options=OPTS), _hf(model, mid, 4))
+    assert not w.fallbacks, w.fallbacks
+    assert _records(caplog, "stage precompiled   loaded") and not _records(caplog, "stage precompiled   traced")
     for e in entries:
         e.write_bytes(b"not an entry")
-    model.__dict__.pop("_fusec_generate_steps")   # as a new process would: nothing kept on the model
+    model.__dict__.pop("_fusec_generate_steps")
     caplog.clear()
     with FallbackWatch() as w:
         assert torch.equal(fusec.generate(model, short, 4, eos_token_id=[], options=OPTS), _hf(model, short, 4))
