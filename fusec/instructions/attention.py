@@ -233,7 +233,11 @@ class AttentionPartial(Instruction):
         decides (the mask, not the position, says which rows count)."""
         if "mask" in op.inputs:
             return cls._rows(op, env) - 1
-        return int(env.read(op.inputs["pos"]).reshape(-1)[0])
+        pos, rows = int(env.read(op.inputs["pos"]).reshape(-1)[0]), cls._rows(op, env)
+        if not 0 <= pos < rows:   # the kernel's fault code 5: no access, the step is invalid
+            from fusec.instructions.generic import index_fault
+            raise index_fault(op, "attention position", pos, rows, 5)
+        return pos
 
     @classmethod
     def runtime_regions(cls, op, tile, env):

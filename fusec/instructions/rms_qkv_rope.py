@@ -308,11 +308,17 @@ class RmsQkvRope(Instruction):
         half = d // 2
         a = op.attrs
         dt = a["dtype"]
-        n = rms_prologue(op, env)
+        from fusec.instructions.generic import index_fault
         rp = int(env.read(op.inputs["rope_pos"]).reshape(-1)[0])
+        kv_pos = int(env.read(op.inputs["kv_pos"]).reshape(-1)[0])
+        rows, L = env.read(op.inputs["cos_table"]).shape[0], env.length(op.outputs["kcache"], 2)
+        if not 0 <= rp < rows:   # the kernel's fault codes 3 and 4: no access, the step is invalid
+            raise index_fault(op, "RoPE position", rp, rows, 3)
+        if not 0 <= kv_pos < L:
+            raise index_fault(op, "KV-cache write position", kv_pos, L, 4)
+        n = rms_prologue(op, env)
         cos = env.read(op.inputs["cos_table"])[rp].reshape(-1).float()
         sin = env.read(op.inputs["sin_table"])[rp].reshape(-1).float()
-        kv_pos = int(env.read(op.inputs["kv_pos"]).reshape(-1)[0])
         split = cls._split(op, tile)
         for h, p0, p1 in cls._spans(op, env.g, *tile.params["units"]):
             w, out, row = cls._head(op, h, nq, nkv)

@@ -116,10 +116,19 @@ def _gelu_mul(op: Op, env: Env) -> None:
     env.set(op.outputs["out"], (a * env.read(op.inputs["up"]).float()).to(info.dtype).reshape(info.shape))
 
 
+def _in_range(op: Op, what: str, value: int, bound: int, code: int) -> int:
+    """``value``, or the simulator's IndexFaultError where the kernel records fault ``code``."""
+    if not 0 <= value < bound:
+        from fusec.instructions.generic import index_fault
+        raise index_fault(op, what, value, bound, code)
+    return value
+
+
 @semantic("kv_write")
 def _kv_write(op: Op, env: Env) -> None:
     cache = env.read(op.outputs["cache"])
-    pos = int(env.read(op.inputs["pos"]).reshape(-1)[0])
+    pos = _in_range(op, "KV-cache write position", int(env.read(op.inputs["pos"]).reshape(-1)[0]),
+                    cache.shape[2], 4)
     val = env.read(op.inputs["val"])
     cache[:, :, pos] = val.reshape(cache.shape[0], cache.shape[1], -1).to(cache.dtype)
 
@@ -132,7 +141,8 @@ def _attention(op: Op, env: Env) -> None:
     q = env.read(op.inputs["q"]).reshape(-1, k.shape[-1])
     mask = env.read(op.inputs["mask"]) if "mask" in op.inputs else None
     # a mask decides over every cache row; without one the step attends rows [0, pos]
-    length = k.shape[1] if mask is not None else int(env.read(op.inputs["pos"]).reshape(-1)[0]) + 1
+    length = k.shape[1] if mask is not None else \
+        _in_range(op, "attention position", int(env.read(op.inputs["pos"]).reshape(-1)[0]), k.shape[1], 5) + 1
     o = attend(q, k, v, length, op.attrs["scale"], mask, op.attrs.get("mask_kind", 0))
     env.set(op.outputs["out"], o.to(info.dtype).reshape(info.shape))
 
@@ -140,8 +150,9 @@ def _attention(op: Op, env: Env) -> None:
 @semantic("table_lookup")
 def _table_lookup(op: Op, env: Env) -> None:
     info = env.g.tensors[op.outputs["out"]]
-    pos = int(env.read(op.inputs["pos"]).reshape(-1)[0])
-    env.set(op.outputs["out"], env.read(op.inputs["table"])[pos].reshape(info.shape).clone())
+    table = env.read(op.inputs["table"])
+    pos = _in_range(op, "position (table lookup)", int(env.read(op.inputs["pos"]).reshape(-1)[0]), table.shape[0], 2)
+    env.set(op.outputs["out"], table[pos].reshape(info.shape).clone())
 
 
 def default_scale(head_dim: int) -> float:

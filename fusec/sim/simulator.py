@@ -5,6 +5,9 @@ counter it waits on is at least ``e``; the simulator picks a random SM among tho
 head instruction may start, runs that instruction's Python semantics (numeric mode) and
 increments its counter. If work remains and no SM can start, that is a deadlock, reported
 with the SM, queue index, instruction, counter, value and target of every blocked SM.
+A step that fails (an index fault, a deadlock) restores the regions of the caller's tensors it
+wrote (KV-cache rows, position counters) and sets every counter to the step's end before it
+raises: it leaves nothing behind, and the next step runs.
 After the step, :func:`fusec.sim.hazards.check_hazards` verifies with the exact run-time
 regions that every conflicting pair of accesses was ordered: by queue order, counter waits,
 or an atomic ticket (the accesses an instruction makes after taking a ticket follow the
@@ -83,31 +86,45 @@ class Simulator:
         for sm in range(s.num_sms):
             arm(sm)
         remaining = len(s.instrs)
-        while remaining:
-            if not ready:
-                raise self._deadlock(heads, e)
-            sm = ready.pop(rng.randrange(len(ready)))
-            ins = s.instrs[s.queues[sm][heads[sm]]]
-            op = self.ops[ins.op]
-            order.append(ins.id)
-            if env is not None:
-                cls = kind_of(op)
-                env.current = ins.id
-                regions[ins.id] = cls.runtime_regions(op, ins.tile, env)
-                after = cls.ticket_regions(op, ins.tile, env)
-                if after[0] or after[1]:
-                    post_regions[ins.id] = after
-                cls.run_tile(op, ins.tile, env)
-            self.counters[ins.id] += 1
-            remaining -= 1
-            heads[sm] += 1
-            arm(sm)
-            for other in blockers.pop(ins.id, []):
-                m = missing[other]
-                m.discard(ins.id)
-                if not m:
-                    del missing[other]
-                    ready.append(other)
+        inputs = set(s.graph.inputs)
+        undo: list[tuple[str, int, int, torch.Tensor]] = []   # input regions as they were before a write
+        try:
+            while remaining:
+                if not ready:
+                    raise self._deadlock(heads, e)
+                sm = ready.pop(rng.randrange(len(ready)))
+                ins = s.instrs[s.queues[sm][heads[sm]]]
+                op = self.ops[ins.op]
+                order.append(ins.id)
+                if env is not None:
+                    cls = kind_of(op)
+                    env.current = ins.id
+                    regions[ins.id] = cls.runtime_regions(op, ins.tile, env)
+                    after = cls.ticket_regions(op, ins.tile, env)
+                    if after[0] or after[1]:
+                        post_regions[ins.id] = after
+                    for r in (*regions[ins.id][1], *after[1]):
+                        if r.tensor in inputs:
+                            undo.append((r.tensor, r.start, r.stop, env.flat(r.tensor)[r.start:r.stop].clone()))
+                    cls.run_tile(op, ins.tile, env)
+                self.counters[ins.id] += 1
+                remaining -= 1
+                heads[sm] += 1
+                arm(sm)
+                for other in blockers.pop(ins.id, []):
+                    m = missing[other]
+                    m.discard(ins.id)
+                    if not m:
+                        del missing[other]
+                        ready.append(other)
+        except BaseException:
+            # a failed step (an index fault, a deadlock) leaves nothing behind: the caller's tensors
+            # (KV caches, position counters) as they were, and every counter at this step's end,
+            # so that the next step starts where a finished one would (no DeadlockError after it)
+            for root, a, b, saved in reversed(undo):
+                env.flat(root)[a:b] = saved
+            self.counters = [e] * len(self.counters)
+            raise
         if self.check:
             check_hazards(s, regions, extra=_ticket_edges(env), order=order, post_regions=post_regions)
         if env is None:
