@@ -129,23 +129,25 @@ class CompiledStep:
         return [(index[n], args[index[n]]._version, args[index[n]].data_ptr(), n) for n in names
                 if n in index and isinstance(args[index[n]], torch.Tensor)]
 
-    #: a compiled-in input on the CPU with at most this many elements has its value compared at
-    #: every call (a Python float that dynamo passes as a new 0-d tensor each call: its version
-    #: and address say nothing)
-    SMALL_CPU = 64
 
     def _compiled_in_changed(self, args: tuple) -> bool:
         """Whether a weight whose value the step compiled in (``Schedule.compiled_in``) changed
         since the step was built: written in place (``load_state_dict``, an optimizer step: its
         version counter moved), another tensor passed in its place (its address moved: a
-        parameter rebound through ``.data``), or, for a small CPU tensor, any other value; and
+        parameter rebound through ``.data``), or, for a CPU tensor, any other value; and
         its digest differs. Then one log line, and the caller builds the step again. Checked at
-        every call from Python; a CUDA graph's replays do not call."""
+        every call from Python; a CUDA graph's replays do not call.
+
+        A compiled-in tensor on the CPU has its digest compared at every call (the simulator's
+        step costs far more; a Python float that dynamo passes as a new 0-d tensor each call, a
+        value written through ``.data``, which moves no version counter, are seen). On the GPU
+        the version counter and the address are compared (reading the values would synchronize):
+        a value written through ``.data`` there is not seen; ``load_state_dict`` and in-place
+        ops on the parameter are."""
         from fusec.runtime.artifacts import tensor_digest
         for k, (i, version, ptr, name) in enumerate(self._watched):
             x = args[i]
-            small = x.device.type == "cpu" and x.numel() <= self.SMALL_CPU
-            if x._version == version and x.data_ptr() == ptr and not small:
+            if x._version == version and x.data_ptr() == ptr and x.device.type != "cpu":
                 continue
             if tensor_digest(x) == self.schedule.compiled_in[name]:
                 self._watched[k] = (i, x._version, x.data_ptr(), name)

@@ -1,0 +1,59 @@
+"""Values compiled into a step are not served stale (issue 30, item 4): RoPE's ``inv_freq``
+(folded into the position tables) and Gemma's norm weights (folded as ``1 + w``) changed after
+the first compile, through ``.data`` (no version counter moves) or by rebinding ``.data`` to
+another tensor, make the step build again: its logits follow eager's new ones."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import hf_tiny
+from fusec.fallbacks import FallbackWatch
+
+
+def _rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+def _inv_freq(model):
+    return model.model.rotary_emb.inv_freq
+
+
+def _norms(model):
+    return [p for n, p in model.named_parameters() if n.endswith("norm.weight")]
+
+
+@pytest.mark.parametrize("how", ["data_copy", "data_rebind"])
+@pytest.mark.parametrize("factory,weights", [(hf_tiny.llama, lambda m: [_inv_freq(m)]),
+                                             (hf_tiny.gemma, _norms)], ids=["llama-inv_freq", "gemma-norms"])
+def test_a_compiled_in_value_changed_through_data_rebuilds_the_step(factory, weights, how, caplog):
+    model = factory()
+    gen = torch.Generator().manual_seed(9)
+    caches = [hf_tiny.static_cache(model, 32) for _ in range(2)]
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fusec", options={"num_sms": 8})
+    with FallbackWatch() as w, torch.no_grad(), caplog.at_level(logging.INFO, logger="fusec"):
+        prompt = torch.randint(1, model.config.vocab_size, (1, 4), generator=gen)
+        for c in caches:
+            model(input_ids=prompt, past_key_values=c, use_cache=True)
+        tok = torch.randint(1, model.config.vocab_size, (1, 1), generator=gen)
+        a = compiled(input_ids=tok, past_key_values=caches[0], use_cache=True).logits
+        b = model(input_ids=tok, past_key_values=caches[1], use_cache=True).logits
+        assert 0 < _rel(a, b) < 1e-4
+        for p in weights(model):
+            new = p.detach() * 1.5 + 0.1
+            if how == "data_copy":
+                version = p._version
+                p.data.copy_(new)
+                assert p._version == version   # nothing a version check could see
+            else:
+                p.data = new.clone()
+        tok = torch.randint(1, model.config.vocab_size, (1, 1), generator=gen)
+        a = compiled(input_ids=tok, past_key_values=caches[0], use_cache=True).logits
+        b = model(input_ids=tok, past_key_values=caches[1], use_cache=True).logits
+        assert 0 < _rel(a, b) < 1e-4, _rel(a, b)
+    torch._dynamo.reset()
+    assert not w.fallbacks, w.fallbacks
+    assert "changed since the step was built" in caplog.text
