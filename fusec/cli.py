@@ -327,9 +327,8 @@ def cmd_compile(ns: argparse.Namespace) -> int:
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "graph.txt").write_text(result.graph_text())
-        with open(out_dir / "schedule.json", "w") as f:
-            json.dump(result.schedule_json(), f, indent=1)
-            f.write("\n")
+        from fusec import jsonfmt   # compact: one line per instruction, op, buffer and SM queue
+        (out_dir / "schedule.json").write_text(jsonfmt.dumps(result.schedule_json()) + "\n")
         if result.kernel is not None:
             (out_dir / "kernel.cu").write_text(result.cuda_source)
             (out_dir / "kernel.cubin").write_bytes(result.kernel.cubin)

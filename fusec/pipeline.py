@@ -76,8 +76,11 @@ class Dumper:
             self.n += 1
 
     def json(self, name: str, obj: Any) -> None:
+        """``obj`` as compact JSON (:func:`fusec.jsonfmt.dumps`: one line per element of the top
+        levels, as the CLI writes ``schedule.json``)."""
         if self.dir:
-            self._write(self.dir / name, json.dumps(obj() if callable(obj) else obj, indent=1))
+            from fusec import jsonfmt
+            self._write(self.dir / name, jsonfmt.dumps(obj() if callable(obj) else obj) + "\n")
 
 
 def build_ir(aten_gm: torch.fx.GraphModule, example_inputs: list[Any], dump: Dumper,

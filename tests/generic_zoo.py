@@ -1,4 +1,4 @@
-"""An "op zoo" for the generic-op CUDA generator (fusec/cudagen): one module whose captured
+"""An "op zoo" for the generic-op CUDA generator (fusec/cuda/gen): one module whose captured
 graph holds nearly every ATen op fusec accepts (elementwise with broadcasting and scalars,
 casts, creation, reductions, softmax, topk, mm/addmm/bmm, views, cat/split/pad/repeat, advanced
 indexing and scatters, SDPA with masks, an in-place copy_ into an input), on small odd shapes.

@@ -1,4 +1,4 @@
-"""Generated CUDA forms of generic ops (fusec/cudagen), without a GPU.
+"""Generated CUDA forms of generic ops (fusec/cuda/gen), without a GPU.
 
 * every ATen op fusec accepts and every semantic op kind has an emitter;
 * the op zoo (tests/generic_zoo.py) and real decode-step graphs: each op's generated function,

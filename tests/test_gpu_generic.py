@@ -1,4 +1,4 @@
-"""GPU tests (H200) of the generated generic ops (fusec/cudagen): tiny HF models of several
+"""GPU tests (H200) of the generated generic ops (fusec/cuda/gen): tiny HF models of several
 families, fully fused and with nothing fused (``max_fusions=0``: every op a generic
 instruction), 8 decode steps against eager in fp32; and the op zoo's kernel against PyTorch."""
 from __future__ import annotations

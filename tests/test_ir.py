@@ -54,7 +54,7 @@ def test_dump_dir_writes_every_stage(tmp_path, monkeypatch):
     sched = json.loads((tmp_path / "schedule.json").read_text())
     assert sched["num_sms"] == 4 and len(sched["queues"]) == 4
     assert len(sched["instructions"]) == len(res.schedule.instrs)
-    # one counter per op: every tile of op k adds 1 to counter k (docs/execution-model.md)
+    # one counter per op: every tile of op k adds 1 to counter k (docs/generated-cuda.md, "Epoch rule")
     assert sched["counters"] == len(sched["ops"]) == len({i["op"] for i in sched["instructions"]})
     assert "rms_qkv_rope" in res.graph_text()
 
