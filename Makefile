@@ -17,8 +17,10 @@ $(VENV)/.stamp: requirements.txt pyproject.toml setup.py
 demo: venv
 	$(BIN)/fusec compile examples/llama_3_2_1b.py -o build/demo --simulate --emit-cuda --run
 
+# on every core (pytest-xdist), each test file on one worker (a file's tests may build on each
+# other: the README's blocks run in order)
 test: venv
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto --dist loadfile
 
 # the installed package, not the checkout: build the wheel, install it outside the tree (no
 # dependencies: .venv's) and compile examples/tiny_llama.py with --emit-cuda from another folder

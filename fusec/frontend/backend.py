@@ -118,7 +118,7 @@ class SymbolicStep:
 
     def _capture(self, args: list[Any], live: bool) -> None:
         try:
-            self.step = _compile_symbolic(self.gm, args, self.opts, live)
+            self.step = _compile(self.gm, args, self.opts, symbolic_sizes=True, live=live)
         except NotLengthPolymorphic as e:
             self._per_length(e)
 
@@ -149,41 +149,48 @@ def _in_dynamo() -> bool:
     return ctx is not None and getattr(ctx.fake_mode, "shape_env", None) is not None
 
 
-def _compile_symbolic(gm: torch.fx.GraphModule, args: list[Any], opts: Options, live: bool) -> Callable:
-    """``gm`` captured with its symbolic sizes kept (:class:`SymbolicStep`), or the fallback.
+def _compile(gm: torch.fx.GraphModule, args: list[Any], opts: Options, symbolic_sizes: bool = False,
+             live: bool = True) -> Callable:
+    """Capture ``gm`` to ATen and compile it for its target, or fall back (one log line).
 
-    ``live``: called from dynamo with its example inputs (AOT uses dynamo's fake tensors and
-    symbols, and a float dynamo must specialize restarts dynamo's analysis); else ``args`` are a
-    call's real inputs and the symbolic sizes are made again (:func:`symbolic.fake_inputs`).
+    ``symbolic_sizes``: keep the graph's symbolic sizes (:class:`SymbolicStep`): the IR is built
+    at the cache length's capacity, the warm-start key leaves the sizes out, and the step can
+    rebuild itself for a longer cache. ``live``: called from dynamo with its example inputs (AOT
+    uses dynamo's fake tensors and symbols; a float dynamo must specialize restarts its
+    analysis); else ``args`` are a call's real inputs and the symbolic sizes are made again
+    (:func:`symbolic.fake_inputs`). A graph of static sizes is checked to be a decode step first.
 
     Raises:
         NotLengthPolymorphic: a symbolic size that is not a cache length (from ``build_ir``).
+        FusecError: invalid options; every other failure falls back.
     """
     import contextlib
 
     from torch._guards import TracingContext, tracing
     try:
+        if not symbolic_sizes:
+            check_decode_step(gm)
         target, opts = _step_target(args, opts)
         dump = Dumper(opts.dump_dir)
-        spec = symbolic.symbolic_dims(gm)
+        spec = symbolic.symbolic_dims(gm) if symbolic_sizes else None
         key = _warm_key(gm, args, opts, spec)
         if key is not None:
             found = warm.recall(key, opts)
             if found is not None:
                 g, bump = found
-                log.info("stage %-13s warm start: the IR of dynamo graph %s from the artifact cache (cache length "
-                         "run-time, up to %s), AOT skipped", "capture", key[:12],
-                         "/".join(map(str, g.lengths.values())) or "-")
+                dynamo_s = dynamo_seconds()
+                log.info("stage %-13s warm start: the IR of dynamo graph %s from the artifact cache%s, AOT "
+                         "skipped%s", "capture", key[:12],
+                         f" (cache length run-time, up to {'/'.join(map(str, g.lengths.values()))})"
+                         if g.lengths else "", f"; dynamo {dynamo_s:.2f} s" if dynamo_s is not None else "")
                 return warm.WarmStep(CompiledStep(gm.forward, g, opts, dump, target), bump)
-        placeholders = [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]
-        if live:
-            context, fakes, dynamo_vals = contextlib.nullcontext(), args, placeholders
-        else:
+        context, fakes, dynamo_vals = contextlib.nullcontext(), args, args
+        if symbolic_sizes and live:   # AOT compares its inputs with dynamo's symbolic fakes
+            dynamo_vals = [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]
+        elif symbolic_sizes:
             mode, fakes = symbolic.fake_inputs(gm, args)
             context, dynamo_vals = tracing(TracingContext(mode)), fakes
-
-        def capacity_for(rows: int) -> int:
-            return symbolic.capacity(opts.max_cache_len, rows)
+        capacity_for = (lambda rows: symbolic.capacity(opts.max_cache_len, rows)) if symbolic_sizes else None
 
         def compiler(aten_gm: torch.fx.GraphModule, ex: list[Any]) -> Callable:
             g = build_ir(aten_gm, ex, dump, capacity_for)
@@ -196,7 +203,7 @@ def _compile_symbolic(gm: torch.fx.GraphModule, args: list[Any], opts: Options, 
 
             def rebuild(rows: int):   # a longer cache than the capacity: the IR for twice its rows
                 return build_ir(aten_gm, ex, dump, lambda r: symbolic.capacity(None, max(r, 2 * rows - 1)))
-            return CompiledStep(aten_gm, g, opts, dump, target, rebuild=rebuild)
+            return CompiledStep(aten_gm, g, opts, dump, target, rebuild=rebuild if g.lengths else None)
 
         with context:
             return aten_capture(gm, fakes, compiler)
@@ -207,52 +214,12 @@ def _compile_symbolic(gm: torch.fx.GraphModule, args: list[Any], opts: Options, 
         raise
     except Exception as e:   # AOT autograd could not trace the graph: never a crash
         from torch._dynamo.exc import RestartAnalysis
-        if live and isinstance(e, RestartAnalysis):
+        if live and _in_dynamo() and isinstance(e, RestartAnalysis):
             raise   # dynamo traces again (a float it must specialize) and calls the backend again
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         warn_fallback("fusec: capturing the graph to ATen failed (%s: %s); using %s", type(e).__name__,
                       first[:200], opts.fallback)
         return fallback(gm, args, opts.fallback)
-
-
-def _compile(gm: torch.fx.GraphModule, example_inputs: list[Any], opts: Options) -> Callable:
-    """Capture and compile ``gm`` for ``example_inputs`` (static shapes), or fall back."""
-    try:
-        check_decode_step(gm)
-        target, opts = _step_target(example_inputs, opts)
-        dump = Dumper(opts.dump_dir)
-        key = _warm_key(gm, example_inputs, opts)
-        if key is not None:
-            found = warm.recall(key, opts)
-            if found is not None:
-                dynamo_s = dynamo_seconds()
-                log.info("stage %-13s warm start: the IR of dynamo graph %s from the artifact cache, "
-                         "AOT skipped%s", "capture", key[:12],
-                         f"; dynamo {dynamo_s:.2f} s" if dynamo_s is not None else "")
-                g, bump = found
-                return warm.WarmStep(CompiledStep(gm.forward, g, opts, dump, target), bump)
-
-        def compiler(aten_gm: torch.fx.GraphModule, ex: list[Any]) -> Callable:
-            g = build_ir(aten_gm, ex, dump)
-            if key is not None:
-                why = warm.aot_identity_problem(gm, example_inputs, aten_gm, ex)
-                if why is None:
-                    warm.remember(key, g, warm.mutated_inputs(example_inputs), opts)
-                else:
-                    log.info("fusec: no warm start for this graph (AOT autograd must run each time: %s)", why)
-            return CompiledStep(aten_gm, g, opts, dump, target)
-
-        return aten_capture(gm, example_inputs, compiler)
-    except FallbackRequired as e:
-        warn_fallback("fusec: %s; using %s", e, opts.fallback)
-        return fallback(gm, example_inputs, opts.fallback)
-    except FusecError:
-        raise
-    except Exception as e:   # AOT autograd could not trace the graph: never a crash
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        warn_fallback("fusec: capturing the graph to ATen failed (%s: %s); using %s", type(e).__name__,
-                      first[:200], opts.fallback)
-        return fallback(gm, example_inputs, opts.fallback)
 
 
 def _host_split(gm: torch.fx.GraphModule) -> HostSplit | None:
@@ -292,14 +259,14 @@ def _symbolic(example_inputs: list[Any]) -> bool:
 
 
 class SpecializingStep:
-    """The step for a graph with symbolic sizes: compiled once per set of concrete sizes.
+    """The step for a graph with symbolic sizes that one step cannot serve for every value (a
+    size that is not a cache length, a length used as a value: :class:`SymbolicStep` found
+    ``NotLengthPolymorphic``): compiled once per set of concrete sizes.
 
-    Dynamo marks a size dynamic when it sees a second value for it (a second StaticCache
-    length, a second model of the same class in one process) and hands the backend SymInt
-    inputs. A megakernel has compile-time shapes, so each call's concrete tensor shapes,
-    dtypes, devices and integer values form a key; the first call with a new key captures
-    ``gm`` again with those inputs and compiles it (a small per-shape kernel cache, at most
-    ``MAX_ENTRIES`` keys, least recently used out). No fallback happens for symbolic sizes.
+    Each call's concrete tensor shapes, dtypes, devices and integer values form a key; the first
+    call with a new key captures ``gm`` again with those inputs and compiles it (a small
+    per-shape kernel cache, at most ``MAX_ENTRIES`` keys, least recently used out). No fallback
+    happens for symbolic sizes.
     """
 
     MAX_ENTRIES = 8
