@@ -52,7 +52,8 @@ class CompiledStep:
         self.calls = 0
         self.profile_written = False
         self._cuda_step = None
-        self._watched: list[tuple[int, int, str]] = []   # (input index, version, name)
+        # (input index, version, data pointer, name, value of a 0-d CPU tensor or None)
+        self._watched: list[tuple[int, int, int, str, Any]] = []
 
     @staticmethod
     def _length_inputs(g: Graph) -> list[tuple[int, int]]:
@@ -121,14 +122,18 @@ class CompiledStep:
                 log.warning("fusec: timeline not written: %s", e)
         return out
 
-    def _watch(self, args: tuple) -> list[tuple[int, int, int, str]]:
-        """The inputs whose values the step compiled in, with their version counters and data
-        pointers now."""
+    def _watch(self, args: tuple) -> list[tuple[int, int, int, str, Any]]:
+        """The inputs whose values the step compiled in, with their version counters, data
+        pointers and (a 0-d CPU tensor) values now."""
         names = self.schedule.compiled_in if self.schedule is not None else {}
         index = {n: i for i, n in enumerate(self.graph.inputs)}
-        return [(index[n], args[index[n]]._version, args[index[n]].data_ptr(), n) for n in names
-                if n in index and isinstance(args[index[n]], torch.Tensor)]
+        return [(index[n], x._version, x.data_ptr(), n, self._scalar(x)) for n in names
+                if n in index and isinstance(x := args[index[n]], torch.Tensor)]
 
+    @staticmethod
+    def _scalar(x: torch.Tensor) -> Any:
+        """A 0-d CPU tensor's value (compared at every call by value: cheaper than a digest), else None."""
+        return x.item() if x.device.type == "cpu" and x.dim() == 0 else None
 
     def _compiled_in_changed(self, args: tuple) -> bool:
         """Whether a weight whose value the step compiled in (``Schedule.compiled_in``) changed
@@ -145,12 +150,15 @@ class CompiledStep:
         a value written through ``.data`` there is not seen; ``load_state_dict`` and in-place
         ops on the parameter are."""
         from fusec.runtime.artifacts import tensor_digest
-        for k, (i, version, ptr, name) in enumerate(self._watched):
+        for k, (i, version, ptr, name, value) in enumerate(self._watched):
             x = args[i]
-            if x._version == version and x.data_ptr() == ptr and x.device.type != "cpu":
+            if value is not None:   # a Python float dynamo passes as a new 0-d tensor at every call
+                if x.device.type == "cpu" and x.dim() == 0 and x.item() == value:
+                    continue   # (a NaN never equals: its digest decides below)
+            elif x._version == version and x.data_ptr() == ptr and x.device.type != "cpu":
                 continue
             if tensor_digest(x) == self.schedule.compiled_in[name]:
-                self._watched[k] = (i, x._version, x.data_ptr(), name)
+                self._watched[k] = (i, x._version, x.data_ptr(), name, self._scalar(x))
                 continue
             if self.target == "cuda" and torch.cuda.is_current_stream_capturing():
                 raise FusecError(f"weight {name} was changed after the step was built, and its value "
