@@ -14,7 +14,7 @@ values share a symbol, as dynamo's do), and AOT autograd traces the graph over t
 evaluated with the length set to the capacity, and the KV caches' rows (and a mask over them)
 are marked ``TensorInfo.sym``. The pass ``check_lengths`` verifies that nothing else of the
 step depends on the length; the kernel and the simulator read the rows of each call's caches at
-run time (docs/pipeline.md, "Run-time lengths").
+run time (docs/pipeline.md, "symbolic capture"; docs/generated-cuda.md, "Run-time lengths").
 """
 from __future__ import annotations
 
