@@ -207,6 +207,8 @@ def _attention(g: Graph, weights: dict[str, torch.Tensor]) -> int:
         q, k, v, mask, dropout, is_causal, scale, gqa = [
             o.inputs[a.slot] if hasattr(a, "slot") else a for a in o.attrs["args"]]
         kc, vc = _cache_of(g, prods, k), _cache_of(g, prods, v)
+        if kc and vc and not (g.tensors[q].shape[-1] == g.tensors[kc[0]].shape[-1] == g.tensors[vc[0]].shape[-1]):
+            kc = vc = None   # values of another head size than the keys: the attention kinds take one D
         ins: dict[str, str | None] = {}
         mask_kind: int | None = None
         if kc and vc and kc[1] == vc[1] and not dropout and not is_causal and mask is not None:

@@ -166,3 +166,154 @@ def test_a_longer_cache_than_the_capacity_builds_the_step_again(steps, caplog):
     assert "longer than the step's capacity 64" in caplog.text
     (step,) = steps
     assert min(step.graph.lengths.values()) >= 100
+
+
+# --- a breaker's repros (review of issue 29) ---------------------------------------------------
+
+def test_a_sliding_window_family_at_new_cache_lengths_stays_in_fusec(steps):
+    """Mistral with a sliding window (never full here) on StaticCaches of three lengths: dynamo's
+    second trace has the cache length symbolic beside the layers' Python position counters. The
+    host split used to refuse such a graph (the ``Sym(s53)`` inputs taken for host scalars), and
+    every length after the first ran eagerly ("graph output is not a tensor"). The counters are
+    split off again (the sizes stay in the tensor graph) and each step runs in fusec."""
+    gen = torch.Generator().manual_seed(21)
+    model = hf_tiny.mistral_sw(window=128)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fusec", options={"num_sms": 16, "max_cache_len": 256})
+    with FallbackWatch() as w, torch.no_grad():
+        for length in (33, 40, 60):
+            assert _loop(model, compiled, length, 2, gen) < 1e-4, length
+    torch._dynamo.reset()
+    assert not w.fallbacks, w.fallbacks
+    assert steps and not any(s.fallen_back for s in steps)
+
+
+def test_hf_generate_on_a_sliding_window_family_with_dynamic_true_compiles_once(steps):
+    """Gemma-2 (sliding and full layers) under HF generate() with CompileConfig(dynamic=True) and
+    three prompt lengths: one step in all, tokens equal eager's (before: every step fell back)."""
+    model = hf_tiny.gemma2()
+    model.generation_config.pad_token_id = 0
+    gen = torch.Generator().manual_seed(23)
+    torch._dynamo.reset()
+    cc = _cc(dynamic=True, mode=None, options={"num_sms": 16, "max_cache_len": 128})
+    with FallbackWatch() as w:
+        for plen, new in ((5, 6), (40, 5), (20, 9)):
+            prompt = torch.randint(1, 128, (1, plen), generator=gen)
+            ref = model.generate(prompt, max_new_tokens=new, do_sample=False, cache_implementation="static")
+            out = model.generate(prompt, max_new_tokens=new, do_sample=False, cache_implementation="static",
+                                 compile_config=cc)
+            assert torch.equal(out, ref), (plen, new)
+    torch._dynamo.reset()
+    assert not w.fallbacks, w.fallbacks
+    assert len(steps) == 1 and steps[0].graph.lengths, [s.graph.lengths for s in steps]
+
+
+def test_a_step_compiled_per_length_under_dynamic_true_keeps_its_floats(steps):
+    """dynamic=True with a 2-D attention_mask of the cache's length (zeros in it): the mask makes
+    the step one per length, and each per-length capture runs outside dynamo, where the .item()
+    of the floats dynamo passes as 0-d tensors (RMSNorm's eps) raised DataDependentOutputException
+    and the graph fell back to eager. Now each length compiles in fusec and matches eager."""
+    import copy
+    gen = torch.Generator().manual_seed(25)
+    model = hf_tiny.llama()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fusec", dynamic=True, options={"num_sms": 16, "max_cache_len": 256})
+    with FallbackWatch() as w, torch.no_grad():
+        for length in (40, 33):
+            ca = hf_tiny.static_cache(model, length)
+            mask = torch.ones(1, length, dtype=torch.long)
+            mask[0, :2] = 0
+            model(input_ids=torch.randint(0, 128, (1, 8), generator=gen), attention_mask=mask[:, :8],
+                  past_key_values=ca, use_cache=True)
+            cb = copy.deepcopy(ca)
+            for p in (8, 9):
+                tok = torch.randint(0, 128, (1, 1), generator=gen)
+                kw = dict(attention_mask=mask, cache_position=torch.tensor([p]), position_ids=torch.tensor([[p - 2]]))
+                a = compiled(input_ids=tok, past_key_values=ca, use_cache=True, **kw).logits
+                b = model(input_ids=tok, past_key_values=cb, use_cache=True, **kw).logits
+                assert 0 < _rel(a, b) < 1e-4, (length, p)
+    torch._dynamo.reset()
+    assert not w.fallbacks, w.fallbacks
+    assert len(steps) >= 2 and not any(s.fallen_back for s in steps)
+
+
+class _TwoCaches(torch.nn.Module):
+    """Two attentions over two caches whose lengths dynamo keeps apart (A and B)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(6))
+
+    def _att(self, x, pos, kc, vc, q, k, v):
+        kc.index_copy_(2, pos, k(x).view(1, 1, 1, 16))
+        vc.index_copy_(2, pos, v(x).view(1, 1, 1, 16))
+        mask = (torch.arange(kc.shape[2]) <= pos).view(1, 1, 1, -1)
+        return F.scaled_dot_product_attention(q(x).view(1, 1, 1, 16), kc, vc, attn_mask=mask)
+
+    def forward(self, x, pos, k1, v1, k2, v2):
+        a = self._att(x, pos, k1, v1, *self.lin[:3])
+        return self._att(a.view(1, 1, 16), pos, k2, v2, *self.lin[3:])
+
+
+def test_a_recapture_keeps_apart_the_lengths_dynamo_keeps_apart(tmp_path, monkeypatch, steps):
+    """A warm-started step (artifact cache on) meeting a longer cache captures again over fake
+    inputs made from that call. With duck sizing, two lengths that dynamo keeps apart but that
+    are equal at that call (A = B = 100) became one symbol, and the next call with A != B raised
+    FusecError ("every tensor of one length must agree"). The fakes now take dynamo's symbols."""
+    monkeypatch.setenv("FUSEC_CACHE", "1")
+    monkeypatch.setenv("FUSEC_CACHE_DIR", str(tmp_path / "cache"))
+    model = _TwoCaches()
+    gen = torch.Generator().manual_seed(4)
+
+    def run(compiled, lengths):
+        for a_len, b_len in lengths:
+            caches = [torch.randn(1, 1, n, 16, generator=gen) for n in (a_len, a_len, b_len, b_len)]
+            x, pos = torch.randn(1, 1, 16, generator=gen), torch.tensor([min(a_len, b_len) - 1])
+            ref = model(x, pos, *[c.clone() for c in caches])
+            assert _rel(compiled(x, pos, *caches), ref) < 1e-5, (a_len, b_len)
+
+    opts = {"num_sms": 8, "max_cache_len": 64}
+    with FallbackWatch() as w, torch.no_grad():
+        for lengths in (((20, 30),), ((20, 30), (100, 100), (20, 30), (40, 90))):   # cold, then warm
+            torch._dynamo.reset()
+            run(torch.compile(model, backend="fusec", dynamic=True, options=opts), lengths)
+    torch._dynamo.reset()
+    assert not w.fallbacks, w.fallbacks
+    assert len(steps) == 3   # cold, warm start, the recapture at the larger capacity
+    assert len(steps[-1].graph.lengths) == 2 and min(steps[-1].graph.lengths.values()) >= 100
+
+
+def test_values_of_another_head_size_than_the_keys():
+    """K head size 16, V head size 8 (HF's StaticLayer keeps k_head_dim and v_head_dim apart): the
+    fused attention kinds take one head size, so such an attention stays a generic op (the
+    simulator crashed in attention_partial before: "The expanded size of the tensor (16) must
+    match the existing size (8)"); static and symbolic lengths match eager."""
+    class Step(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.q, self.k, self.v = torch.nn.Linear(32, 64), torch.nn.Linear(32, 32), torch.nn.Linear(32, 16)
+            self.o = torch.nn.Linear(32, 32)
+
+        def forward(self, x, pos, kc, vc):
+            kc.index_copy_(2, pos, self.k(x).view(1, 1, 2, 16).transpose(1, 2))
+            vc.index_copy_(2, pos, self.v(x).view(1, 1, 2, 8).transpose(1, 2))
+            mask = (torch.arange(kc.shape[2]) <= pos).view(1, 1, 1, -1)
+            q = self.q(x).view(1, 1, 4, 16).transpose(1, 2)
+            o = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, enable_gqa=True)
+            return self.o(o.transpose(1, 2).reshape(1, 1, 32))
+
+    model = Step()
+    gen = torch.Generator().manual_seed(6)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fusec", options={"num_sms": 8, "max_cache_len": 64})
+    with FallbackWatch() as w, torch.no_grad():
+        for length in (20, 33, 40):
+            caches = [torch.randn(1, 2, length, 16, generator=gen), torch.randn(1, 2, length, 8, generator=gen)]
+            for p in (0, length - 1):
+                x, pos = torch.randn(1, 1, 32, generator=gen), torch.tensor([p])
+                ref = model(x, pos, *[c.clone() for c in caches])
+                assert _rel(compiled(x, pos, *caches), ref) < 1e-5, (length, p)
+    torch._dynamo.reset()
+    assert not w.fallbacks, w.fallbacks

@@ -187,7 +187,11 @@ def _compile(gm: torch.fx.GraphModule, args: list[Any], opts: Options, symbolic_
         context, fakes, dynamo_vals = contextlib.nullcontext(), args, args
         if symbolic_sizes and live:   # AOT compares its inputs with dynamo's symbolic fakes
             dynamo_vals = [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]
-        elif symbolic_sizes:
+        elif symbolic_sizes or not live:
+            # outside dynamo (a graph loaded from the artifact cache, a step compiled per length):
+            # fakes in a shape environment of fusec's own, where the sizes symbolic in ``gm`` are
+            # symbolic again, and the .item() of a float dynamo passes as a 0-d tensor
+            # (dynamic=True) is a symbolic float, not a data-dependent error
             mode, fakes = symbolic.fake_inputs(gm, args)
             context, dynamo_vals = tracing(TracingContext(mode)), fakes
         capacity_for = (lambda rows: symbolic.capacity(opts.max_cache_len, rows)) if symbolic_sizes else None
@@ -313,12 +317,15 @@ def _specialized(gm: torch.fx.GraphModule, args: tuple, opts: Options) -> Callab
             user.args = torch.fx.node.map_arg(user.args, lambda n: value if n is node else n)
             user.kwargs = torch.fx.node.map_arg(user.kwargs, lambda n: value if n is node else n)
         g.erase_node(node)
+    for node in g.nodes:   # the sizes are concrete now: no dims symbolic (symbolic.fake_inputs)
+        if node.op == "placeholder":
+            node.meta[symbolic.SYMBOLIC_META] = None
     keep = [i for i in range(len(args)) if i not in set(ints)]
     # a specialized graph that fusec cannot take runs eagerly: inductor on these per-value
     # graphs returned wrong values (a model computing ``arange // (count + 1)`` from a Python
     # counter: 0.24-0.72 relative error from the sixth value on, found 2026-12-02)
     safe = dataclasses.replace(opts, fallback="eager") if opts.fallback == "inductor" else opts
-    inner = _compile(torch.fx.GraphModule(gm, g), [args[i] for i in keep], safe)
+    inner = _compile(torch.fx.GraphModule(gm, g), [args[i] for i in keep], safe, live=False)
     return lambda *a: inner(*[a[i] for i in keep])
 
 

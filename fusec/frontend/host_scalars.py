@@ -64,6 +64,7 @@ class HostSplit:
     n_inputs: int
     derived_tensors: list[torch.Tensor]
     bound: int
+    bound_args: list[int] = dataclasses.field(default_factory=list)
 
     def example_inputs(self, example_inputs: list[Any]) -> list[Any]:
         """The tensor graph's example inputs from ``gm``'s."""
@@ -84,12 +85,13 @@ class HostSplit:
             values = self.host_fn(*args)
             derived = values[n_host:]
             step = inner
-            if not all(0 <= int(v) < self.bound for v in derived):
+            bound = max([self.bound, *(int(args[i].shape[2]) for i in self.bound_args)])
+            if not all(0 <= int(v) < bound for v in derived):
                 step = self.tensor_gm.forward   # the kernel's position tables cover [0, bound) only
                 if not warned:
                     warned.append(True)
                     warn_fallback("fusec: a position computed on the host (%s) is outside the KV cache's "
-                                  "[0, %d); such steps run eagerly", [int(v) for v in derived], self.bound)
+                                  "[0, %d); such steps run eagerly", [int(v) for v in derived], bound)
             positions = [t.fill_(v) for t, v in zip(self.derived_tensors, derived)]
             tensors = iter(step(*[args[i] for i in keep], *positions))
             scalars = iter(values[:n_host])
@@ -114,12 +116,17 @@ def split_host_scalars(gm: torch.fx.GraphModule) -> HostSplit | None:
     if not isinstance(outs, (tuple, list)):
         return None
     host: set[str] = set()
+    # a symbolic graph's sizes (the ``Sym(s53)`` of a cache length, and arithmetic on them only)
+    # stay in the tensor graph; the host reads them too, where a host scalar is computed with them
+    sizes: set[str] = set()
+    size_symbols = _size_symbols(nodes)
     for n in nodes:
         if n.op == "placeholder" and _is_scalar(n):
-            host.add(n.name)
-        elif n.op == "call_function" and _is_scalar(n) and n.all_input_nodes \
-                and all(a.name in host for a in n.all_input_nodes):
-            host.add(n.name)
+            (sizes if _is_size(n, size_symbols) else host).add(n.name)
+        elif n.op == "call_function" and _is_scalar(n) and n.all_input_nodes:
+            ins = {a.name for a in n.all_input_nodes}
+            if ins <= host | sizes:
+                (host if ins & host else sizes).add(n.name)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     host_inputs = [i for i, n in enumerate(placeholders) if n.name in host]
     host_outputs = [i for i, o in enumerate(outs) if isinstance(o, torch.fx.Node) and o.name in host]
@@ -130,8 +137,9 @@ def split_host_scalars(gm: torch.fx.GraphModule) -> HostSplit | None:
     derived = [n for n in nodes if n.name in host
                and any(u.op != "output" and u.name not in host for u in n.users)]
     bound = _kv_length(placeholders)
+    bound_args = _symbolic_kv_inputs(placeholders)
     buffers = [_value_operand_buffer(n, host) for n in derived]
-    if derived and (bound is None or any(b is None for b in buffers)):
+    if derived and ((bound is None and not bound_args) or any(b is None for b in buffers)):
         return None
 
     hg = torch.fx.Graph()
@@ -139,7 +147,7 @@ def split_host_scalars(gm: torch.fx.GraphModule) -> HostSplit | None:
     for n in nodes:
         if n.op == "placeholder":
             env[n.name] = hg.placeholder(n.name)
-        elif n.name in host:
+        elif n.name in host or n.name in sizes:
             env[n.name] = hg.node_copy(n, lambda a: env[a.name])
     hg.output(tuple([env[outs[i].name] for i in host_outputs] + [env[n.name] for n in derived]))
     host_fn = torch.fx.GraphModule(torch.nn.Module(), hg)
@@ -161,7 +169,43 @@ def split_host_scalars(gm: torch.fx.GraphModule) -> HostSplit | None:
             tg.erase_node(n)
     tensor_gm = torch.fx.GraphModule(gm, tg)
     return HostSplit(host_inputs, host_outputs, tensor_gm, host_fn, len(outs), len(placeholders),
-                     buffers, bound or 0)
+                     buffers, bound or 0, bound_args)
+
+
+def _size_symbols(nodes: list[torch.fx.Node]) -> set[Any]:
+    """The symbols of the tensor placeholders' symbolic sizes (a cache length dynamo made
+    symbolic: ``s53`` of ``f32[1, 2, s53, 16]``)."""
+    out: set[Any] = set()
+    for n in nodes:
+        v = n.meta.get("example_value") if n.op == "placeholder" else None
+        if isinstance(v, torch.Tensor):
+            for d in v.shape:
+                if isinstance(d, torch.SymInt):
+                    out |= d.node.expr.free_symbols
+    return out
+
+
+def _is_size(n: torch.fx.Node, sizes: set[Any]) -> bool:
+    """Whether the scalar placeholder ``n`` stays in the tensor graph: a tensor input's symbolic
+    size (the ``Sym(s53)`` dynamo passes with a symbolic cache length), or an integer dynamo
+    specialized (HF generate()'s ``logits_to_keep`` under ``dynamic=True``: a constant its guards
+    keep). Not a host scalar."""
+    v = _example(n)
+    if (isinstance(v, int) and not isinstance(v, bool)) or (isinstance(v, torch.SymInt)
+                                                            and v.node.maybe_as_int() is not None):
+        return True
+    return isinstance(v, torch.SymInt) and bool(v.node.expr.free_symbols) and v.node.expr.free_symbols <= sizes
+
+
+def _symbolic_kv_inputs(placeholders: list[torch.fx.Node]) -> list[int]:
+    """The placeholders (indices) of the 4-D floating inputs whose dim 2 (the KV-cache length)
+    is symbolic: the bound of a call's host positions is read from their sizes at the call."""
+    out = []
+    for i, n in enumerate(placeholders):
+        v = n.meta.get("example_value")
+        if isinstance(v, torch.Tensor) and v.dim() == 4 and v.is_floating_point() and isinstance(v.shape[2], torch.SymInt):
+            out.append(i)
+    return out
 
 
 def _kv_length(placeholders: list[torch.fx.Node]) -> int | None:

@@ -62,11 +62,49 @@ def symbolic_dims(gm: torch.fx.GraphModule) -> list[SymSpec]:
 SYMBOLIC_META = "fusec_symbolic"
 
 
+#: key of a placeholder's ``meta``: the name of dynamo's symbol at each symbolic size
+#: (:func:`symbol_names`), so that :func:`fake_inputs` gives sizes one symbol exactly where
+#: dynamo's graph does (not where two lengths happen to be equal at the call)
+SYMBOL_NAMES_META = "fusec_symbol_names"
+
+
+def _name(d: Any) -> str:
+    """The name of a symbolic size: its expression with dynamo's known equalities applied."""
+    return str(d.node.shape_env.replace(d.node.expr))
+
+
+def symbol_names(gm: torch.fx.GraphModule) -> list[Any] | None:
+    """Per placeholder, the names of its symbolic sizes (``{dim: name}`` of a tensor, the name
+    of a symbolic integer, None for a static one), read from dynamo's ``example_value`` or
+    recorded by :func:`mark_symbolic`; None when a placeholder with symbolic sizes has neither
+    (a serialized graph)."""
+    out: list[Any] = []
+    for n, spec in zip([n for n in gm.graph.nodes if n.op == "placeholder"], symbolic_dims(gm)):
+        if spec is None:
+            out.append(None)
+        elif SYMBOL_NAMES_META in n.meta:
+            out.append(n.meta[SYMBOL_NAMES_META])
+        else:
+            v = n.meta.get("example_value")
+            if spec == "int" and isinstance(v, torch.SymInt):
+                out.append(_name(v))
+            elif isinstance(spec, tuple) and isinstance(v, torch.Tensor) \
+                    and all(isinstance(v.shape[i], torch.SymInt) for i in spec):
+                out.append({i: _name(v.shape[i]) for i in spec})
+            else:
+                return None
+    return out
+
+
 def mark_symbolic(gm: torch.fx.GraphModule) -> None:
-    """Record :func:`symbolic_dims` on the placeholders (``meta[SYMBOLIC_META]``)."""
+    """Record :func:`symbolic_dims` on the placeholders (``meta[SYMBOLIC_META]``), and the names
+    of dynamo's symbols where it has them (``meta[SYMBOL_NAMES_META]``)."""
     nodes = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    for n, spec in zip(nodes, symbolic_dims(gm)):
+    names = symbol_names(gm)
+    for i, (n, spec) in enumerate(zip(nodes, symbolic_dims(gm))):
         n.meta[SYMBOLIC_META] = spec
+        if names is not None and names[i] is not None:
+            n.meta[SYMBOL_NAMES_META] = names[i]
 
 
 def is_symbolic(gm: torch.fx.GraphModule) -> bool:
@@ -76,7 +114,10 @@ def is_symbolic(gm: torch.fx.GraphModule) -> bool:
 
 def fake_inputs(gm: torch.fx.GraphModule, args: list[Any]) -> tuple[Any, list[Any]]:
     """``(fake_mode, fakes)``: fake versions of a call's inputs ``args`` with the sizes that are
-    symbolic in ``gm`` symbolic again (duck sizing: equal values share one symbol)."""
+    symbolic in ``gm`` symbolic again: sizes share one symbol where they share one in dynamo's
+    graph (:func:`symbol_names`); without dynamo's names (a serialized graph), duck sizing: equal
+    values share one symbol. Two lengths that dynamo keeps apart (two caches of different
+    lengths) stay apart even at a call where they are equal."""
     from torch._dynamo.source import LocalSource
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
@@ -84,19 +125,32 @@ def fake_inputs(gm: torch.fx.GraphModule, args: list[Any]) -> tuple[Any, list[An
     shape_env = ShapeEnv()
     mode = FakeTensorMode(shape_env=shape_env)
     names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    sym_names = symbol_names(gm)
+    kind = DimDynamic.DUCK if sym_names is None else DimDynamic.DYNAMIC
     fakes: list[Any] = []
-    for name, spec, a in zip(names, symbolic_dims(gm), args):
+    groups: dict[str, list[Any]] = {}   # dynamo's symbol -> the sizes made for it
+    for k, (name, spec, a) in enumerate(zip(names, symbolic_dims(gm), args)):
         src = LocalSource(name)
         if isinstance(a, torch.Tensor):
             dims = spec if isinstance(spec, tuple) else ()
-            ctx = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DUCK if i in dims else DimDynamic.STATIC
+            ctx = StatelessSymbolicContext(dynamic_sizes=[kind if i in dims else DimDynamic.STATIC
                                                           for i in range(a.dim())])
-            fakes.append(mode.from_tensor(a, symbolic_context=ctx, source=src))
+            fake = mode.from_tensor(a, symbolic_context=ctx, source=src)
+            fakes.append(fake)
+            if sym_names is not None and sym_names[k] is not None:
+                for i, sym in sym_names[k].items():
+                    groups.setdefault(sym, []).append(fake.shape[int(i)])
         elif spec == "int" and isinstance(a, int) and not isinstance(a, bool):
-            sym = shape_env.create_symbol(a, src, dynamic_dim=DimDynamic.DUCK)
+            sym = shape_env.create_symbol(a, src, dynamic_dim=kind)
             fakes.append(shape_env.create_symintnode(sym, hint=a, source=src))
+            if sym_names is not None and sym_names[k] is not None:
+                groups.setdefault(sym_names[k], []).append(fakes[-1])
         else:
             fakes.append(a)
+    for sizes in groups.values():   # one symbol for the sizes dynamo's graph gives one
+        for d in sizes[1:]:
+            if isinstance(d, torch.SymInt) or isinstance(sizes[0], torch.SymInt):
+                torch._check(d == sizes[0])
     return mode, fakes
 
 
