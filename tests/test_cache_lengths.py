@@ -317,3 +317,24 @@ def test_values_of_another_head_size_than_the_keys():
                 assert _rel(compiled(x, pos, *caches), ref) < 1e-5, (length, p)
     torch._dynamo.reset()
     assert not w.fallbacks, w.fallbacks
+
+
+@pytest.mark.parametrize("family", ["phi2", "gpt2"])
+def test_gelu_new_under_dynamic_true_stays_in_fusec(family, steps):
+    """GPT-2 and Phi-2 (gelu_new: math.sqrt(2.0 / math.pi)) with dynamic=True: dynamo passes the
+    float as a 0-d tensor and divides it with aten.true_divide.Tensor, which fusec did not accept:
+    the whole step fell back to inductor at every length. Phi-2 is now one step for every length;
+    GPT-2 one per length (its mask stays a computed input: the position counter also indexes the
+    learned position embedding)."""
+    gen = torch.Generator().manual_seed(27)
+    model = getattr(hf_tiny, family)()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fusec", dynamic=True, options={"num_sms": 16, "max_cache_len": 128})
+    with FallbackWatch() as w, torch.no_grad():
+        for length in (33, 40):
+            assert _loop(model, compiled, length, 2, gen) < 1e-4, length
+    torch._dynamo.reset()
+    assert not w.fallbacks, w.fallbacks
+    assert steps and not any(s.fallen_back for s in steps)
+    if family == "phi2":
+        assert len(steps) == 1 and steps[0].graph.lengths

@@ -20,7 +20,7 @@ from fusec.instructions.base import COST_ROWS, Instruction, Region, Tile, regist
 
 _A = torch.ops.aten
 _ELEMENTWISE = {
-    "add", "sub", "mul", "div", "neg", "exp", "rsqrt", "sqrt", "pow", "sigmoid", "silu", "tanh",
+    "add", "sub", "mul", "div", "true_divide", "neg", "exp", "rsqrt", "sqrt", "pow", "sigmoid", "silu", "tanh",
     "cos", "sin", "where", "eq", "ne", "le", "lt", "ge", "gt", "logical_not", "logical_and",
     "logical_or", "bitwise_not", "_to_copy", "full_like", "scalar_tensor", "arange", "full",
     "abs", "maximum", "minimum", "clamp", "reciprocal", "copy_", "erf", "gelu", "log", "expm1",

@@ -118,7 +118,7 @@ def _mul(ctx: Ctx) -> None:
     elementwise(ctx, ops, ct, (lambda a, b: f"({a} && {b})") if ct == "bool" else (lambda a, b: f"{a} * {b}"))
 
 
-@emitter("aten.div")
+@emitter("aten.div", "aten.true_divide")   # true_divide: dynamo's float division (dynamic=True)
 def _div(ctx: Ctx) -> None:
     ct = out_ct(ctx)
     mode = ctx.args.get("rounding_mode")
