@@ -6,8 +6,8 @@ shapes), from the first call with ``dynamic=True``, or where the caller marks it
 carry fake tensors with symbolic sizes (``s38``) and integer placeholders (``Sym(s38)``).
 
 :func:`symbolic_dims` reads which sizes are symbolic; :func:`fake_inputs` makes fake tensors of
-a call's inputs with those sizes symbolic again (one ``ShapeEnv``, duck sizing: sizes with equal
-values share a symbol, as dynamo's do), and AOT autograd traces the graph over them
+a call's inputs with those sizes symbolic again (one ``ShapeEnv``; sizes share a symbol where
+dynamo's graph gives them one, :func:`symbol_names`; duck sizing where its names are lost), and AOT autograd traces the graph over them
 (:func:`fusec.frontend.capture.aten_capture`): the ATen graph keeps the length as a symbol.
 ``fusec.frontend.from_fx.graph_from_aten`` then builds the IR at the length's *capacity*
 (:func:`capacity`): every size and every integer argument that depends on the length is
