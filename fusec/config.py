@@ -50,8 +50,9 @@ MODES = {None: False, "default": False, "reduce-overhead": True, "max-autotune":
 #: = 4 at most: 528 on an H200); 1024 is above that on any GPU, and the schedule, the simulator's
 #: state and the compile time grow with it (``num_sms=10**8`` took 229 s and 17.8 GB on a tiny model)
 MAX_NUM_SMS = 1024
-#: the longest ``max_cache_len`` (rows): position tables of 2**24 rows are gigabytes already
-MAX_CACHE_LEN = 1 << 24
+#: the longest ``max_cache_len`` (rows): the causal-mask proof and the position tables at 2**20
+#: rows took 12 s and 5 GB on a tiny model (2**22: 65 s, 17.6 GB)
+MAX_CACHE_LEN = 1 << 20
 #: the largest ``watchdog_s``: the kernel counts it in 64-bit nanoseconds
 MAX_WATCHDOG_S = 1e9
 

@@ -9,7 +9,10 @@ PyTorch computes (Gemma's ``1 + weight`` of its RMSNorm, an ``arange`` that buil
 A known 0-d float operand of ``add``/``sub``/``mul``/``div`` (a Python float that dynamo passes as
 a 0-d tensor under ``dynamic=True``: an RMSNorm's ``variance_epsilon``) becomes a literal of its
 value in the op's result dtype, as the model's source writes it (so that ``recognize``'s patterns
-match). Values are unchanged. The constants are taken at compile time (the compiled step checks
+match). An op that takes the cache length of a length-polymorphic graph as a value (``attrs["symbolic"]``
+beyond a size: ``position.sizes_only``) is not folded: its value at the capacity is not its value
+at every length (``check_lengths`` refuses it later). Values are unchanged. The constants are
+taken at compile time (the compiled step checks
 the small weights it read at every call: ``CompiledStep``).
 """
 from __future__ import annotations
@@ -46,6 +49,7 @@ def run(g: Graph, weights: dict[str, torch.Tensor] | None = None) -> Graph:
     for op in g.ops:
         fresh = op.fresh_outputs()
         if (op.mutates or not _computes(op) or not fresh or
+                (op.attrs.get("symbolic") and not position.sizes_only(op)) or
                 any(g.root(t) not in known for t in op.reads()) or
                 any(g.tensors[t].numel > MAX_ELEMENTS for t in fresh)):
             kept.append(op)

@@ -276,6 +276,8 @@ def _causal_counter(g: Graph, mask: str, dep, ctrs, weights) -> str | None:
     length = position.cache_length(g)
     if c is None or length is None or g.tensors[mask].shape[-1] != length or g.tensors[mask].numel != length:
         return None
+    if g.lengths and any(op.attrs.get("symbolic") and not position.sizes_only(op) for op in position.subgraph_ops(g, mask)):
+        return None   # the mask uses the cache length as a value: no proof at one length covers all
     positions = proof_positions(length)
     vals = position.evaluate(g, mask, c, positions, weights)
     ar = torch.arange(length)

@@ -338,3 +338,40 @@ def test_gelu_new_under_dynamic_true_stays_in_fusec(family, steps):
     assert steps and not any(s.fallen_back for s in steps)
     if family == "phi2":
         assert len(steps) == 1 and steps[0].graph.lengths
+
+
+class _ParityMask(torch.nn.Module):
+    """A decode step whose mask uses the cache length as a value (``ar >= L % 2``): causal at
+    an even capacity, not at an odd length (a reviewer's contrived case)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.q, self.k, self.v = (torch.nn.Linear(16, 16) for _ in range(3))
+
+    def forward(self, x, pos, kc, vc):
+        q = self.q(x).view(1, 1, 1, 16)
+        kc.index_copy_(2, pos, self.k(x).view(1, 1, 1, 16))
+        vc.index_copy_(2, pos, self.v(x).view(1, 1, 1, 16))
+        ar = torch.arange(kc.shape[2])
+        mask = ((ar <= pos) & (ar >= kc.shape[2] % 2)).view(1, 1, 1, -1)
+        return F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask)
+
+
+def test_a_mask_using_the_length_as_a_value_is_not_proven_causal():
+    """recognize proves a mask causal at the capacity only where the length merely sizes it
+    (arange from 0, views): this mask's ``L % 2`` keeps it out, and odd lengths match eager."""
+    model = _ParityMask()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fusec", dynamic=True, options={"num_sms": 8, "max_cache_len": 128})
+    gen = torch.Generator().manual_seed(3)
+    with FallbackWatch() as w, torch.no_grad():
+        for length in (20, 33, 61):
+            caches = [torch.randn(1, 1, length, 16, generator=gen) for _ in range(2)]
+            for p in (1, length - 1):
+                x, pos = torch.randn(1, 1, 16, generator=gen), torch.tensor([p])
+                a = compiled(x, pos, *caches[:2])
+                b = model(x, pos, *[c.clone() for c in caches])
+                assert _rel(a, b) < 1e-5, (length, p, _rel(a, b))
+    torch._dynamo.reset()
+    assert not w.fallbacks, w.fallbacks

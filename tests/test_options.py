@@ -29,7 +29,7 @@ BAD = {
     "mode": ["fast", 1, ["default"], {"a": 1}],
     "cache": ["yes", 1, None],
     "cache_max_mb": [-1, 1.5, "10", None],
-    "max_cache_len": [0, -64, (1 << 24) + 1, 64.0, "64"],
+    "max_cache_len": [0, -64, (1 << 20) + 1, 64.0, "64"],
 }
 #: option -> values that must be accepted, and what they become
 GOOD = {

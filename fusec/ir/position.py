@@ -62,6 +62,27 @@ def cache_length(g: Graph) -> int | None:
     return max(ls) if ls else None
 
 
+#: views that may take the cache length as a size in a mask's subgraph (their elements' values
+#: do not depend on it)
+_VIEWS = ("aten.expand.", "aten.view.", "aten._unsafe_view.", "aten.reshape.")
+
+
+def sizes_only(op) -> bool:
+    """Whether an op that took a size computed from the cache length (``attrs["symbolic"]``)
+    uses it only as a size, so that a mask proven causal at the capacity is causal at every
+    length: a view or expand, or ``arange`` from 0 in steps of 1 (the length its end: each
+    element is its index). Anything else (a slice from ``L - k``, a comparison with ``L``, an
+    arithmetic ``L % 2``) is a value of the length."""
+    if op.kind.startswith(_VIEWS):
+        return True
+    if op.kind.startswith("aten.arange."):
+        args = list(op.attrs.get("args", ()))
+        start = args[0] if op.kind.startswith("aten.arange.start") and args else 0
+        step = args[2] if op.kind == "aten.arange.start_step" and len(args) > 2 else 1
+        return start == 0 and step == 1
+    return False
+
+
 def dependence(g: Graph) -> dict[str, set[str]]:
     """Root tensor -> the set of graph inputs (non-weight) and ``'?'`` it depends on.
 
