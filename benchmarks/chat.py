@@ -61,6 +61,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="JSON file")
+    ap.add_argument("--verbose", action="store_true",
+                    help="print each process's fusec stage lines and per-call lines (where the time goes)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)   # run one path in this process
     return ap.parse_args(argv)
 
@@ -137,12 +139,16 @@ def run_path(path: str, args: argparse.Namespace, folders: dict[str, str], which
     """``path`` in a new process over the cache ``folders``; its result (or its error)."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", path, "--example", args.example,
            "--calls", str(args.calls), "--scale", str(args.scale), "--device", args.device,
-           "--seed", str(args.seed)]
+           "--seed", str(args.seed)] + (["--verbose"] if args.verbose else [])
     env = {**os.environ, **folders, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     log.info("%s (%s process): start", path, which)
     t0 = time.perf_counter()
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     wall = time.perf_counter() - t0
+    if args.verbose:
+        for ln in p.stderr.splitlines():
+            if (" fusec" in ln or " bench" in ln) and "DEBUG" not in ln:
+                print(f"  [{which}] {ln}", flush=True)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
     if p.returncode != 0 or not lines:
         tail = (p.stderr or p.stdout).strip().splitlines()[-3:]
@@ -174,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if args.child:
-        logging.getLogger("fusec").setLevel(logging.WARNING)
+        if not args.verbose:
+            logging.getLogger("fusec").setLevel(logging.WARNING)
         print(json.dumps(child(args)), flush=True)
         return 0
     results: dict[str, dict[str, Any]] = {}

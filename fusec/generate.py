@@ -185,6 +185,18 @@ def _check_args(input_ids: Any, max_new_tokens: Any, do_sample: bool, temperatur
     return input_ids.to(device=device, dtype=torch.int64)
 
 
+def _last_logits_only(model: torch.nn.Module) -> dict[str, int]:
+    """``{"logits_to_keep": 1}`` where the model's forward takes it (HF's causal LMs): the prefill
+    computes the LM head for the last position only, not a ``[prompt_len, vocab]`` matrix
+    (770 MB in bf16 for a 3000-token Llama-3 prompt, allocated anew at each new length)."""
+    import inspect
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return {}
+    return {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+
+
 def _eos_ids(model: torch.nn.Module, eos_token_id: Any) -> list[int]:
     """End-of-sequence ids: the argument, else the model's generation_config's (as HF)."""
     if eos_token_id is None:
@@ -371,7 +383,8 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: in
     with torch.no_grad():
         # prefill, eagerly: the first new token
         cache = StaticCache(config=model.config, max_cache_len=max_len)
-        logits = model(input_ids=input_ids, past_key_values=cache, use_cache=True).logits[:, -1]
+        logits = model(input_ids=input_ids, past_key_values=cache, use_cache=True,
+                       **_last_logits_only(model)).logits[:, -1]
         out = torch.empty(max_new_tokens, dtype=torch.int64, device=device)
         tokens = torch.empty(1, 1, dtype=torch.int64, device=device)
         noise0 = _gumbel_(torch.rand(1, logits.shape[-1], generator=generator, device=device)) if sample else None

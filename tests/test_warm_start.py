@@ -3,6 +3,7 @@ wrapping is the identity, the key tells graphs and input layouts apart, and a du
 disabled cache always runs the full capture."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from fusec.config import Options
@@ -158,7 +159,7 @@ model = hf_tiny.llama(seed=int(sys.argv[2]))
 model.generation_config.pad_token_id = 0
 prompt = torch.randint(1, 128, (1, 5), generator=torch.Generator().manual_seed(1))
 ref = model.generate(prompt, max_new_tokens=12, do_sample=False, cache_implementation="static")
-cc = CompileConfig(backend="fusec")
+cc = CompileConfig(backend="fusec", dynamic=True) if sys.argv[3] == "dynamic" else CompileConfig(backend="fusec")
 cc._compile_all_devices = True   # HF compiles on CUDA only unless told
 with FallbackWatch() as w:
     out = model.generate(prompt, max_new_tokens=12, do_sample=False, cache_implementation="static",
@@ -167,7 +168,12 @@ print(json.dumps({"equal": torch.equal(out, ref), "fallbacks": list(w.fallbacks)
 """
 
 
-def test_generate_in_a_second_process_takes_the_warm_start(tmp_path):
+@pytest.mark.parametrize("dynamic", [False, True], ids=["default", "dynamic"])
+def test_generate_in_a_second_process_takes_the_warm_start(tmp_path, dynamic):
+    """HF generate() through fusec in three new processes over one artifact cache: the second and
+    third take the warm start. With ``CompileConfig(dynamic=True)`` the graph has a symbolic
+    cache length, an expanded 4-D mask and dynamo's specialized ``logits_to_keep`` (once a
+    graph with no key: every process ran AOT autograd again)."""
     import json
     import os
     import subprocess
@@ -180,7 +186,8 @@ def test_generate_in_a_second_process_takes_the_warm_start(tmp_path):
     env.pop("FUSEC_DUMP", None)
     runs = []
     for seed in (0, 0, 1):   # cold; warm; warm with other weights
-        p = subprocess.run([sys.executable, str(script), str(tests), str(seed)], capture_output=True,
+        p = subprocess.run([sys.executable, str(script), str(tests), str(seed),
+                            "dynamic" if dynamic else "default"], capture_output=True,
                            text=True, env=env, cwd=str(tests.parent), timeout=600)
         assert p.returncode == 0, p.stderr[-3000:]
         runs.append((json.loads(p.stdout.strip().splitlines()[-1]), p.stderr))
@@ -190,3 +197,14 @@ def test_generate_in_a_second_process_takes_the_warm_start(tmp_path):
     assert "warm start" not in cold and "stage build_ir" in cold
     for err in (again, other):
         assert "warm start" in err and "AOT skipped" in err and "stage build_ir" not in err, err[-2000:]
+
+
+def test_symbolic_layout_names_layouts_that_hold_at_every_length():
+    """A symbolic-size input's layout in the warm-start key: contiguous, a contiguous tensor
+    broadcast with stride 0 (HF's expanded attention mask), or no key for anything else."""
+    mask = torch.ones(1, 1, 7, dtype=torch.bool)
+    assert warm.symbolic_layout(torch.zeros(2, 3, 5)) == "contiguous"
+    assert warm.symbolic_layout(mask.expand(4, 1, 7)) == "expanded:0"
+    assert warm.symbolic_layout(mask[:, :, None, :].expand(1, 1, 3, 7)) == "expanded:2"
+    assert warm.symbolic_layout(torch.zeros(6, 4).t()) is None
+    assert warm.symbolic_layout(torch.zeros(4, 10)[:, :5]) is None

@@ -63,11 +63,17 @@ def dynamo_key(gm: torch.fx.GraphModule, example_inputs: list[Any],
         if spec == "int":
             inputs.append(["symint"])
             continue
+        if isinstance(x, torch.SymInt) and x.node.maybe_as_int() is not None:
+            x = x.node.maybe_as_int()   # a size dynamo specialized (HF's logits_to_keep=1)
+        if isinstance(x, int) and not isinstance(x, bool) and symbolic is not None:
+            inputs.append(["int", x])   # a graph's integer input whose value the graph's guards pin
+            continue
         if spec and isinstance(x, torch.Tensor):   # a tensor with symbolic sizes
-            if not x.is_contiguous():
+            layout = symbolic_layout(x)
+            if layout is None:
                 return None
             inputs.append([type(x).__name__, [-1 if i in spec else int(d) for i, d in enumerate(x.shape)],
-                           "contiguous", str(x.dtype), x.device.type, bool(x.requires_grad)])
+                           layout, str(x.dtype), x.device.type, bool(x.requires_grad)])
             continue
         if not isinstance(x, torch.Tensor) or any(not isinstance(d, int) for d in (*x.shape, *x.stride())):
             return None
@@ -80,6 +86,29 @@ def dynamo_key(gm: torch.fx.GraphModule, example_inputs: list[Any],
     parts = {**toolchain(), "kind": KIND, "code": gm.code, "inputs": inputs, "consts": consts,
              "modes": global_modes(), "extra": extra}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+def symbolic_layout(x: torch.Tensor) -> str | None:
+    """The memory layout of a tensor with symbolic sizes, in words that hold at every length:
+    ``"contiguous"``, ``"expanded:D,..."`` (a contiguous tensor broadcast along dims D with
+    stride 0: HF's 4-D attention mask ``[1, 1, 1, L]`` expanded from a 2-D one), or None for any
+    other layout (no warm-start key). Decided without installing a guard: ``x`` may be one of
+    dynamo's fake tensors with symbolic strides, or a call's real tensor."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+    if x.is_contiguous():
+        return "contiguous"
+    zero, expected = [], 1
+    for i in reversed(range(x.dim())):
+        size, stride = x.shape[i], x.stride(i)
+        if statically_known_true(size == 1):
+            continue   # any stride: a size-1 dim is never stepped over
+        if statically_known_true(stride == 0):
+            zero.append(i)
+            continue
+        if not statically_known_true(stride == expected):
+            return None
+        expected = expected * size
+    return "expanded:" + ",".join(map(str, sorted(zero))) if zero else "contiguous"
 
 
 def global_modes() -> dict[str, Any]:
