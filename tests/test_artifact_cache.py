@@ -453,3 +453,60 @@ def test_graph_made_constant_is_stored_from_the_backend(cache_on, caplog):
     text = [r.getMessage() for r in caplog.records]
     assert not [t for t in text if "not stored" in t], text
     assert [t for t in text if "warm start" in t or ("artifacts" in t and " hit " in t)], text
+
+
+class _Evil:
+    """Unpickles as a call of ``os.system`` (what a tampered pickle would do)."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+class _OperatorWalk:
+    """Unpickles as ``_op`` walking from an operator to a non-operator attribute."""
+
+    def __reduce__(self):
+        return artifacts._op, ("aten.add.__class__",)
+
+
+@pytest.mark.parametrize("payload", ["os.system", "operator_walk", "builtins_eval"])
+def test_an_entry_naming_code_is_refused_without_running_it(tmp_path, caplog, payload):
+    """Loading an entry runs no code the entry names (issue 30, item 13): an entry whose pickle
+    calls ``os.system``, walks ``torch.ops`` to a non-operator attribute, or names ``eval`` is
+    refused with one log line, nothing runs, and the compile rewrites it."""
+    cache = artifacts.ArtifactCache(tmp_path / "a", max_bytes=1 << 30)
+    key = "e" * 64
+    marker = tmp_path / "ran"
+    evil = {"os.system": lambda: _Evil(marker), "operator_walk": _OperatorWalk,
+            "builtins_eval": lambda: eval}[payload]()
+    cache.folder.mkdir(parents=True, exist_ok=True)
+    cache.path(key).write_bytes(artifacts.dumps({**_tiny_entry(key, 10), "x": evil}))   # a valid checksum
+    with caplog.at_level(logging.INFO, logger="fusec"):
+        assert cache.load(key) is None
+    assert not marker.exists()
+    msgs = [r.getMessage() for r in caplog.records if "ignoring unreadable entry" in r.getMessage()]
+    assert len(msgs) == 1 and "UnpicklingError" in msgs[0], msgs
+    assert cache.store(key, _tiny_entry(key, 10)) and cache.load(key) is not None
+
+
+def test_entry_tensors_are_safetensors(cache_on):
+    """An entry's tensors (the graph's constants: RoPE tables) are a safetensors blob inside
+    the file, and the pickle beside it only refers to them."""
+    from safetensors.torch import load
+    from fusec.pipeline import Dumper
+    model = hf_tiny.llama(seed=0)
+    _, g, flat = _captured(model)
+    opts = Options.from_dict({"num_sms": 8})
+    fresh, _ = artifacts.lowered(g, flat, opts, Dumper(None), codegen=False)
+    data = artifacts.ArtifactCache.for_options(opts).path(artifacts.artifact_key(g, opts)).read_bytes()
+    n = len(artifacts.MAGIC) + 32
+    size = int.from_bytes(data[n:n + 8], "little")
+    tensors = load(data[n + 8:n + 8 + size])
+    consts = [t.value for t in fresh.graph.tensors.values() if t.value is not None and t.value.numel() > 1]
+    assert consts and tensors
+    for c in consts:
+        assert any(t.shape == c.shape and t.dtype == c.dtype and torch.equal(t, c.cpu()) for t in tensors.values())
+    assert b"torch._utils\n_rebuild" not in data and b"_rebuild_tensor" not in data
