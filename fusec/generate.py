@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import logging
 import math
+import time
 from typing import Any
 
 import torch
@@ -380,6 +381,7 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: in
     if streamer is not None:
         streamer.put(input_ids.cpu())
 
+    t_start = time.perf_counter()
     with torch.no_grad():
         # prefill, eagerly: the first new token
         cache = StaticCache(config=model.config, max_cache_len=max_len)
@@ -437,8 +439,13 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: in
                 dec = _Decoder(step, tokens, cache, sample, select_in_graph, temperature, top_k, top_p,
                                logits.shape[-1], generator, out)
                 n = min(WARMUP if cuda else CHUNK, max_new_tokens - pos)
+                t_step = time.perf_counter()
                 with FallbackWatch() as w:
                     dec.plain(pos, n)      # the first call compiles
+                if w.compiled:   # where a call that compiled or loaded its step spent its host time
+                    log.info("fusec.generate: prefill launched in %.2f s, the decode step compiled or loaded "
+                             "and %d steps launched in %.2f s (host wall time)", t_step - t_start, n,
+                             time.perf_counter() - t_step)
                 if w.fallbacks:
                     warn_fallback("fusec.generate: the decode step did not compile with fusec (%s); "
                                   "generating with the fallback (correct, slower)", w.fallbacks[0])

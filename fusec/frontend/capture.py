@@ -14,7 +14,6 @@ from typing import Any, Callable
 
 import torch
 from torch._decomp import core_aten_decompositions
-from torch._functorch.aot_autograd import aot_module_simplified
 
 from fusec.frontend.custom_ops import SDPA_TARGETS, rewrite_sdpa
 from fusec.errors import NotDecodeStepError
@@ -135,6 +134,8 @@ def aten_capture(gm: torch.fx.GraphModule, example_inputs: list[Any],
         if owned and lifted >= 0:
             aten_gm.meta[MODEL_TENSORS] = [True] * lifted + owned
         return compiler(aten_gm, ex)
+    # imported here: 0.2-0.5 s of torch modules that a warm start (AOT skipped) never needs
+    from torch._functorch.aot_autograd import aot_module_simplified
     return aot_module_simplified(gm2, example_inputs, fw_compiler=fw,
                                  decompositions=core_aten_decompositions(),
                                  keep_inference_input_mutations=True)

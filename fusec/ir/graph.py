@@ -22,12 +22,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import enum
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
-import networkx as nx
 import torch
 
 from fusec.errors import IRError
+
+if TYPE_CHECKING:   # networkx is imported where a DAG is built: 0.5 s that a warm start never needs
+    import networkx as nx
 
 
 class Role(str, enum.Enum):
@@ -221,6 +223,7 @@ class Graph:
         Edges follow program order on root buffers, so in-place writes (KV cache, position
         counters) are ordered after every earlier reader.
         """
+        import networkx as nx
         g = nx.DiGraph()
         last_write: dict[str, str] = {}
         readers: dict[str, list[str]] = {}
