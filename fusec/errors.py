@@ -51,10 +51,6 @@ class IRError(FusecError):
     """The IR violates an invariant; the message names the pass that broke it."""
 
 
-class ScheduleError(FusecError):
-    """A schedule is malformed (bad counter, queue order that contradicts the DAG)."""
-
-
 class DeadlockError(FusecError):
     """The simulator found no runnable instruction while work remained.
 

@@ -45,7 +45,7 @@ def capture(model, kwargs):
 
 
 def build(g, flat, **options):
-    from fusec.cuda.build import build_cuda_step
+    from fusec.runtime.cuda_build import build_cuda_step
     step, sched = build_cuda_step(g, flat, Options.from_dict(options), Dumper(None))
     return step, sched
 

@@ -1,23 +1,17 @@
-"""The CUDA target: the one place that runs lower -> render -> NVRTC -> load.
+"""The CUDA target's stages after lowering: render (``codegen``) and NVRTC (``jit``).
 
 :func:`compile_kernel` renders a schedule and compiles it (no GPU needed: the CLI's
-``--emit-cuda`` and CI use it); :func:`build_cuda_step` lowers a graph for the GPU of its
-inputs (through the artifact cache, :mod:`fusec.runtime.artifacts`), compiles it and loads it.
-Each stage logs one line with its time: ``codegen`` (render), ``jit`` (NVRTC or its cache),
-``load`` (the CUDA module and the step's device state).
+``--emit-cuda`` and CI use it). Each stage logs one line with its time: ``codegen`` (render),
+``jit`` (NVRTC or its cache). Loading a compiled kernel onto a GPU is the runtime's
+(:func:`fusec.runtime.cuda_build.build_cuda_step`); this module imports nothing of it.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
-from typing import Any
-
-import torch
 
 from fusec.cuda.codegen import KernelPlan, describe, render
 from fusec.config import Options
-from fusec.ir import Graph
 from fusec.cuda.jit import CompiledKernel, compile_cuda
 from fusec.pipeline import Dumper
 from fusec.ir.schedule import Schedule
@@ -75,25 +69,3 @@ def compile_kernel(sched: Schedule, opts: Options, dump: Dumper | None = None,
     if plan is None:
         plan = render_plan(sched, opts, dump)
     return plan, jit_plan(plan)
-
-
-def build_cuda_step(g: Graph, args: list[Any], opts: Options, dump: Dumper) -> tuple["CudaStep", Schedule]:
-    """Compile ``g`` for the GPU of its inputs; ``num_sms`` defaults to that GPU's SM count.
-
-    Raises:
-        FallbackRequired: an op has no CUDA form; JitError: NVRTC failed; CudaError, FusecError.
-    """
-    from fusec.runtime.artifacts import lowered
-    dev = next(a.device for a in args if isinstance(a, torch.Tensor) and a.is_cuda)
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    if opts.num_sms is None:
-        opts = dataclasses.replace(opts, num_sms=sms)
-    sched, plan = lowered(g, args, opts, dump, codegen=True)
-    kernel = jit_plan(plan)
-    t0 = time.perf_counter()
-    from fusec.runtime.cuda_step import CudaStep   # loads the CUDA driver bindings
-    step = CudaStep(sched.graph, plan, kernel, args, watchdog_s=opts.watchdog_s,
-                    check_watchdog=opts.check_watchdog, graph_launch=opts.graph_launch)
-    log.info("stage %-13s CUDA module, %d buffers, %d instructions on %d SMs  (%.2f s)", "load",
-             len(plan.buffers), len(sched.instrs), plan.num_sms, time.perf_counter() - t0)
-    return step, sched

@@ -235,7 +235,7 @@ class AttentionPartial(Instruction):
             return cls._rows(op, env) - 1
         pos, rows = int(env.read(op.inputs["pos"]).reshape(-1)[0]), cls._rows(op, env)
         if not 0 <= pos < rows:   # the kernel's fault code 5: no access, the step is invalid
-            from fusec.instructions.generic import index_fault
+            from fusec.ir.aten_exec import index_fault
             raise index_fault(op, "attention position", pos, rows, 5)
         return pos
 

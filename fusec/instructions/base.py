@@ -12,10 +12,11 @@ KV-cache row) is declared conservatively at plan time and exactly by :meth:`Inst
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, ClassVar
 
+from fusec.ir import Graph, Op, Role, semantics
 from fusec.ir.env import Env
-from fusec.ir import Graph, Op, Role
 
 KINDS: dict[str, type["Instruction"]] = {}
 
@@ -34,7 +35,14 @@ def register(cls: type["Instruction"]) -> type["Instruction"]:
         raise ValueError(f"instruction kind {cls.name} registered twice")
     cls.rules = tuple(r if r.kind else dataclasses.replace(r, kind=cls.name) for r in cls.rules)
     KINDS[cls.name] = cls
+    semantics.WHOLE[cls.name] = functools.partial(_run_whole, cls)
     return cls
+
+
+def _run_whole(cls: type["Instruction"], op: Op, env: Any) -> None:
+    """One op of kind ``cls`` run whole, as its tiling into one tile (the reference executor)."""
+    for tile in cls.tiles(op, env.g, 1):
+        cls.run_tile(op, tile, env)
 
 
 @dataclasses.dataclass(frozen=True)

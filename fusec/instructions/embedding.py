@@ -41,7 +41,7 @@ class Embedding(Instruction):
         tok = int(env.read(op.inputs["ids"]).reshape(-1)[0])
         vocab = env.g.tensors[op.inputs["table"]].shape[0]
         if not 0 <= tok < vocab:
-            from fusec.instructions.generic import index_fault
+            from fusec.ir.aten_exec import index_fault
             raise index_fault(op, "token id (embedding row)", tok, vocab, 1)
         return tok
 

@@ -13,12 +13,11 @@ from typing import Any
 
 import torch
 
-from fusec.errors import IndexFaultError
+from fusec.ir.aten_exec import check_gather, substitute
 from fusec.ir.env import Env
-from fusec.ir import Graph, Op, Ref
+from fusec.ir import Graph, Op
 from fusec.instructions.base import COST_ROWS, Instruction, Region, Tile, register
 
-_A = torch.ops.aten
 _ELEMENTWISE = {
     "add", "sub", "mul", "div", "true_divide", "neg", "exp", "rsqrt", "sqrt", "pow", "sigmoid", "silu", "tanh",
     "cos", "sin", "where", "eq", "ne", "le", "lt", "ge", "gt", "logical_not", "logical_and",
@@ -58,79 +57,6 @@ def aten_category(target: Any) -> str | None:
         if base in names:
             return cat
     return None
-
-
-def _sub(a: Any, op: Op, env: Env) -> Any:
-    if isinstance(a, Ref):
-        return env.read(op.inputs[a.slot])
-    if isinstance(a, (list, tuple)):
-        return type(a)(_sub(x, op, env) for x in a)
-    if isinstance(a, dict):
-        return {k: _sub(v, op, env) for k, v in a.items()}
-    return a
-
-
-def index_fault(op: Op, what: str, value: int, bound: int, code: int, lo: int = 0) -> IndexFaultError:
-    """The simulator's error for a run-time index outside ``[lo, bound)`` (where eager PyTorch
-    raises IndexError), with the fields of the kernel's record (``code``: 1 token id, 2 other
-    index; :class:`fusec.errors.IndexFaultError`)."""
-    src = f" at {op.source}" if op.source else ""
-    return IndexFaultError(f"simulator: {what} {value} out of range [{lo}, {bound}) in {op.name} "
-                           f"({op.kind}{src}); eager PyTorch raises IndexError for it",
-                           {"code": code, "value": value, "bound": bound})
-
-
-#: gathers whose index range the simulator checks as eager does: base name -> (what, whether a
-#: negative index counts from the end); the CUDA forms (fusec.cuda.gen.data) match
-_GATHERS = {"embedding": ("token id (embedding row)", False), "index": ("index", True),
-            "_unsafe_index": ("index", True), "index_select": ("index", False),
-            "gather": ("index", False)}
-
-
-def _check_gather(op: Op, args: tuple, kwargs: dict) -> None:
-    """Raise :func:`index_fault` when an index of a gather op is out of eager's range (where
-    eager raises IndexError; PyTorch's own error would name no bound)."""
-    target = op.attrs["target"]
-    base = getattr(target, "_opname", None)
-    if base not in _GATHERS or getattr(target, "namespace", None) != "aten":
-        return
-    what, wrap = _GATHERS[base]
-    bound_args = dict(zip((a.name for a in target._schema.arguments), args))
-    bound_args.update(kwargs)
-    x = bound_args.get("weight", bound_args.get("self"))
-    if not isinstance(x, torch.Tensor):
-        return
-    if base == "embedding":
-        checks = [(bound_args.get("indices"), 0)]
-    elif base in ("index", "_unsafe_index"):
-        checks = [(t, d) for d, t in enumerate(bound_args.get("indices") or []) if t is not None]
-    else:
-        checks = [(bound_args.get("index"), bound_args.get("dim", 0) % max(x.dim(), 1))]
-    for t, d in checks:
-        if not isinstance(t, torch.Tensor) or t.numel() == 0 or t.is_floating_point() or t.dtype == torch.bool:
-            continue
-        n = x.shape[d] if x.dim() else 1
-        lo = -n if wrap else 0
-        bad = (t < lo) | (t >= n)
-        if bool(bad.any()):
-            v = int(t[bad].reshape(-1)[0])
-            raise index_fault(op, what, v, n, 1 if base == "embedding" else 2, lo)
-
-
-def run_aten(op: Op, env: Env) -> None:
-    """Execute an ``aten.*`` / ``fusec.*`` op with PyTorch's own implementation."""
-    target = op.attrs["target"]
-    args = _sub(op.attrs["args"], op, env)
-    kwargs = _sub(op.attrs["kwargs"], op, env)
-    if env.device is not None and "device" in kwargs:
-        kwargs["device"] = env.device   # evaluation on another device (position tables on the CPU)
-    res = target(*args, **kwargs)
-    if op.mutates:
-        return  # copy_ already wrote its destination (a caller's tensor) in place
-    if isinstance(res, torch.Tensor):
-        res = [res]
-    for (slot, t), r in zip(op.outputs.items(), res):
-        env.set(t, r)
 
 
 @register
@@ -192,7 +118,7 @@ class Generic(Instruction):
         check; the reference executor and the position tables' ``vmap`` run the op as it is)."""
         from fusec.ir.semantics import run_op
         if op.kind.startswith("aten."):
-            _check_gather(op, _sub(op.attrs["args"], op, env), _sub(op.attrs["kwargs"], op, env))
+            check_gather(op, substitute(op.attrs["args"], op, env), substitute(op.attrs["kwargs"], op, env))
         run_op(op, env)
 
 

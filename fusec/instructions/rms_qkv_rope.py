@@ -308,7 +308,7 @@ class RmsQkvRope(Instruction):
         half = d // 2
         a = op.attrs
         dt = a["dtype"]
-        from fusec.instructions.generic import index_fault
+        from fusec.ir.aten_exec import index_fault
         rp = int(env.read(op.inputs["rope_pos"]).reshape(-1)[0])
         kv_pos = int(env.read(op.inputs["kv_pos"]).reshape(-1)[0])
         rows, L = env.read(op.inputs["cos_table"]).shape[0], env.length(op.outputs["kcache"], 2)

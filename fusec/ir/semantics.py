@@ -13,10 +13,14 @@ from typing import Callable
 
 import torch
 
-from fusec.ir.env import Env
 from fusec.ir import Op
+from fusec.ir.aten_exec import index_fault, run_aten
+from fusec.ir.env import Env
 
 SEMANTICS: dict[str, Callable[[Op, Env], None]] = {}
+#: instruction kind -> runs one op of that kind whole (its tiling into a single tile); filled by
+#: :func:`fusec.instructions.base.register`, so that this lower layer never imports the kinds
+WHOLE: dict[str, Callable[[Op, Env], None]] = {}
 
 
 def semantic(kind: str):
@@ -119,7 +123,6 @@ def _gelu_mul(op: Op, env: Env) -> None:
 def _in_range(op: Op, what: str, value: int, bound: int, code: int) -> int:
     """``value``, or the simulator's IndexFaultError where the kernel records fault ``code``."""
     if not 0 <= value < bound:
-        from fusec.instructions.generic import index_fault
         raise index_fault(op, what, value, bound, code)
     return value
 
@@ -164,15 +167,14 @@ def run_op(op: Op, env: Env) -> None:
     """Execute one op whole: ATen ops through PyTorch, semantic ops here, instruction kinds
     tile by tile with their own tiling into a single tile."""
     if op.kind.startswith(("aten.", "prims.", "fusec.")):
-        from fusec.instructions.generic import run_aten
         run_aten(op, env)
     elif op.kind in SEMANTICS:
         SEMANTICS[op.kind](op, env)
+    elif op.kind in WHOLE:
+        WHOLE[op.kind](op, env)
     else:
-        from fusec.instructions import KINDS
-        cls = KINDS[op.kind]
-        for tile in cls.tiles(op, env.g, 1):
-            cls.run_tile(op, tile, env)
+        raise KeyError(f"{op.name}: no semantics for kind {op.kind!r} (an instruction kind registers "
+                       f"itself in semantics.WHOLE when fusec.instructions is imported)")
 
 
 def execute(g, flat_args: list) -> list[torch.Tensor]:

@@ -73,6 +73,7 @@ import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from fusec.config import Options
+from fusec.cuda.build import render_plan
 from fusec.ir import Graph, Ref
 from fusec.ir.schedule import Schedule
 from fusec.pipeline import Dumper, gc_paused, lower
@@ -492,7 +493,6 @@ def lowered(g: Graph, flat_args: list[Any], opts: Options, dump: Dumper, *,
         What lowering and rendering raise (FallbackRequired, IRError ...); never a cache error.
     """
     def render(sched: Schedule) -> Any:
-        from fusec.cuda.build import render_plan
         return render_plan(sched, opts, dump)
 
     cache = ArtifactCache.for_options(opts)

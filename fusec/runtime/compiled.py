@@ -198,7 +198,7 @@ class CompiledStep:
             log.info("stage %-13s simulator, %d instructions on %d SMs  (%.2f s)", "load",
                      len(self.schedule.instrs), self.schedule.num_sms, time.perf_counter() - t0)
             return lambda a: [o.clone() for o in sim.step(a)]
-        from fusec.cuda.build import build_cuda_step
+        from fusec.runtime.cuda_build import build_cuda_step
         g0 = self.graph
         dev = next(a.device for a in args if isinstance(a, torch.Tensor) and a.is_cuda)
         on_cpu = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.device.type == "cpu"]

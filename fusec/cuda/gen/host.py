@@ -78,10 +78,6 @@ inline bool index_ok(i64 v, i64 bound, int code) {
 }
 """
 
-_TORCH_TO_C = {torch.float32: "float", torch.bfloat16: "__nv_bfloat16", torch.float16: "__half",
-               torch.int64: "i64", torch.int32: "int", torch.bool: "bool"}
-
-
 def compiler() -> str | None:
     """The host C++ compiler (``$CXX``, else g++ or clang++), or None."""
     for c in (os.environ.get("CXX"), "g++", "clang++"):
