@@ -465,31 +465,76 @@ class _Evil:
         return os.system, (f"touch {self.marker}",)
 
 
-class _OperatorWalk:
-    """Unpickles as ``_op`` walking from an operator to a non-operator attribute."""
+def _operator_call(marker: Path) -> bytes:
+    """A pickle that calls ``torch.ops.aten.from_file`` (it creates the file it names) on
+    arguments of its choosing: a reviewer's repro against a restricted unpickler that allowed
+    operators. Written opcode by opcode (an operator does not pickle)."""
+    def text(t: str) -> bytes:
+        b = t.encode()
+        return b"\x8c" + bytes([len(b)]) + b
+    return (b"\x80\x04" + text("torch") + text("ops.aten.from_file.default") + b"\x93"
+            + text(str(marker)) + b"\x88" + b"K\x10" + b"\x87" + b"R" + b".")
 
-    def __reduce__(self):
-        return artifacts._op, ("aten.add.__class__",)
+
+def _raw_entry(payload: bytes) -> bytes:
+    """An entry of fusec's layout with a valid checksum around ``payload`` (the pickle part)."""
+    import hashlib
+    from safetensors.torch import save
+    blob = save({})
+    body = len(blob).to_bytes(8, "little") + blob + payload
+    return artifacts.MAGIC + hashlib.sha256(body).digest() + body
 
 
-@pytest.mark.parametrize("payload", ["os.system", "operator_walk", "builtins_eval"])
-def test_an_entry_naming_code_is_refused_without_running_it(tmp_path, caplog, payload):
-    """Loading an entry runs no code the entry names (issue 30, item 13): an entry whose pickle
-    calls ``os.system``, walks ``torch.ops`` to a non-operator attribute, or names ``eval`` is
-    refused with one log line, nothing runs, and the compile rewrites it."""
+def _plain(table: list, root=None) -> bytes:
+    import pickle
+    return pickle.dumps({"root": {"R": 0} if root is None else root, "table": table})
+
+
+@pytest.mark.parametrize("attack", ["os.system", "operator_call", "builtins_eval", "cls_os_system",
+                                    "cls_function", "enum_not_enum", "operator_walk"])
+def test_an_entry_naming_code_is_refused_without_running_it(tmp_path, caplog, attack):
+    """Loading an entry runs no code the entry names (issue 30, item 13): pickles that call
+    ``os.system`` or an ATen operator or name ``eval``, and plain data that names a non-IR class,
+    a function, a constructor through the enum tag or a non-operator attribute, are refused with
+    one log line, nothing runs, and the compile rewrites the entry."""
+    import pickle
     cache = artifacts.ArtifactCache(tmp_path / "a", max_bytes=1 << 30)
     key = "e" * 64
     marker = tmp_path / "ran"
-    evil = {"os.system": lambda: _Evil(marker), "operator_walk": _OperatorWalk,
-            "builtins_eval": lambda: eval}[payload]()
+    payload = {
+        "os.system": lambda: pickle.dumps({"format": artifacts.FORMAT, "x": _Evil(marker)}),
+        "operator_call": lambda: _operator_call(marker),
+        "builtins_eval": lambda: pickle.dumps({"x": eval}),
+        "cls_os_system": lambda: _plain([{"cls": ["os", "system"], "state": []}]),
+        "cls_function": lambda: _plain([{"cls": ["fusec.ir.graph", "_fmt"], "state": []}]),
+        "enum_not_enum": lambda: _plain([], root={"E": ["fusec.ir.graph", "Graph"], "v": str(marker)}),
+        "operator_walk": lambda: _plain([], root={"O": "aten.add.__class__"}),
+    }[attack]()
     cache.folder.mkdir(parents=True, exist_ok=True)
-    cache.path(key).write_bytes(artifacts.dumps({**_tiny_entry(key, 10), "x": evil}))   # a valid checksum
+    cache.path(key).write_bytes(_raw_entry(payload))
     with caplog.at_level(logging.INFO, logger="fusec"):
         assert cache.load(key) is None
     assert not marker.exists()
     msgs = [r.getMessage() for r in caplog.records if "ignoring unreadable entry" in r.getMessage()]
-    assert len(msgs) == 1 and "UnpicklingError" in msgs[0], msgs
+    assert len(msgs) == 1, msgs
     assert cache.store(key, _tiny_entry(key, 10)) and cache.load(key) is not None
+
+
+def test_an_entry_holds_plain_data_and_keeps_sharing():
+    """What an entry's pickle holds names no global (a pickle opcode stream without GLOBAL or
+    STACK_GLOBAL), and objects shared in the entry come back shared."""
+    import pickletools
+    from fusec.ir import Graph
+    g = Graph()
+    shared = [1, 2]
+    data = artifacts.dumps({"format": artifacts.FORMAT, "a": shared, "b": shared, "g": g, "t": torch.arange(3)})
+    n = len(artifacts.MAGIC) + 32
+    size = int.from_bytes(data[n:n + 8], "little")
+    ops = {op.name for op, _, _ in pickletools.genops(data[n + 8 + size:])}
+    assert not ops & {"GLOBAL", "STACK_GLOBAL", "REDUCE", "BUILD", "NEWOBJ", "INST", "OBJ"}, ops
+    back = artifacts.loads(data)
+    assert back["a"] is back["b"] and back["a"] == [1, 2]
+    assert type(back["g"]) is Graph and torch.equal(back["t"], torch.arange(3))
 
 
 def test_entry_tensors_are_safetensors(cache_on):

@@ -44,14 +44,16 @@ touches its file's mtime). Off with option ``cache=False`` or ``FUSEC_CACHE=0``.
 ``dump_dir`` (``FUSEC_DUMP``) set the cache is not read, only written: every stage then runs and
 is dumped.
 
-**Trust**: loading one of fusec's entries runs no code the entry chooses: the unpickler
-(:class:`_EntryUnpickler`) resolves only fusec's IR classes, torch's dtypes and a few container
-types, and tensors are read from safetensors. The checksum detects damage, not tampering: an
-edited entry can still give a wrong step (as an edited source file would). The precompiled
-dynamo entries (:mod:`fusec.frontend.precompiled`, kind ``precompiled``) hold torch's own
-serialized format, which torch loads with pickle: whoever can write to the cache folder can run
-code through those, as with torch's own compile caches. Keep ``FUSEC_CACHE_DIR`` private to the
-users who share it. Entries are written readable by all (mode 0644).
+**Trust**: loading one of fusec's entries runs no code the entry chooses: the pickle names no
+global (every ``find_class`` is refused), and :mod:`fusec.runtime.entry_codec` builds from that
+plain data only fusec's IR classes (``object.__new__`` and their fields, no ``__init__``), enums,
+torch values and tensors read from safetensors, and looks ATen operators up by name without
+calling them. The checksum detects damage, not tampering: an edited entry can still describe a
+wrong step (as an edited source file would). The precompiled dynamo entries
+(:mod:`fusec.frontend.precompiled`, kind ``precompiled``) hold torch's own serialized format,
+which torch loads with pickle: whoever can write to the cache folder can run code through those,
+as with torch's own compile caches. Keep ``FUSEC_CACHE_DIR`` private to the users who share it.
+Entries are written readable by all (mode 0644).
 """
 from __future__ import annotations
 
@@ -63,7 +65,6 @@ import json
 import logging
 import os
 import pickle
-import re
 import sys
 import time
 from pathlib import Path
@@ -77,12 +78,13 @@ from fusec.cuda.build import render_plan
 from fusec.ir import Graph, Ref
 from fusec.ir.schedule import Schedule
 from fusec.pipeline import Dumper, gc_paused, lower
+from fusec.runtime import entry_codec
 
 log = logging.getLogger("fusec")
 
 #: version of the entry format (bump when the pickled objects change shape incompatibly)
-FORMAT = 2
-MAGIC = b"FUSECAR2"   # 2: tensors as safetensors, restricted unpickling
+FORMAT = 3
+MAGIC = b"FUSECAR3"   # 3: tensors as safetensors, the rest as plain data (entry_codec)
 SUFFIX = ".art"
 #: a temp file older than this is what a killed writer left: removed by the next store
 _STALE_TMP_S = 3600.0
@@ -202,121 +204,33 @@ def artifact_key(g: Graph, opts: Options) -> str:
 
 # ----------------------------------------------------------------------------- entries
 
-def _op(name: str) -> Any:
-    """``torch.ops.<ns>.<op>[.<overload>]`` from its name (``aten.add.Tensor``).
-
-    Raises:
-        pickle.UnpicklingError: a name that is not an operator's (a part that is not a plain
-            identifier, or an attribute that is not an ``OpOverload``/``OpOverloadPacket``)."""
-    ns, *rest = name.split(".")
-    if not rest or not all(_IDENT.fullmatch(p) for p in (ns, *rest)):
-        raise pickle.UnpicklingError(f"artifact entry: {name!r} is not an operator name")
-    if ns == "fusec":
-        import fusec.frontend.custom_ops  # noqa: F401 - registers torch.ops.fusec
-    obj = getattr(torch.ops, ns)
-    for part in rest:
-        obj = getattr(obj, part)
-    if not isinstance(obj, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
-        raise pickle.UnpicklingError(f"artifact entry: {name!r} is not an operator")
-    return obj
-
-
-#: an operator name's parts and a class's name: identifiers, not special (dunder) attributes
-_IDENT = re.compile(r"(?!__)[A-Za-z_][A-Za-z0-9_]*")
-
-
-class _Pickler(pickle.Pickler):
-    """Pickles the entry's objects with its tensors taken out (persistent ids ``t<i>`` into
-    :attr:`tensors`, saved as safetensors) and ATen ops by name (an OpOverload does not pickle)."""
-
-    def __init__(self, buf: io.BytesIO):
-        super().__init__(buf, protocol=pickle.HIGHEST_PROTOCOL)
-        self.tensors: dict[str, torch.Tensor] = {}
-        self.names: dict[int, str] = {}
-        self.keep: list[torch.Tensor] = []   # the originals, so that an id is not reused meanwhile
-
-    def persistent_id(self, obj: Any) -> str | None:
-        if not isinstance(obj, torch.Tensor):
-            return None
-        name = self.names.get(id(obj))
-        if name is None:
-            with unset_fake_temporarily():   # a graph's constant, while AOT autograd's fake mode is on
-                t = obj.detach().to("cpu").contiguous().clone()   # clone: safetensors stores no shared memory
-            name = self.names[id(obj)] = f"t{len(self.tensors)}"
-            self.tensors[name] = t
-            self.keep.append(obj)
-        return name
-
-    def reducer_override(self, obj: Any) -> Any:
-        if isinstance(obj, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
-            return _op, (str(obj),)
-        return NotImplemented
-
-
-#: the modules of fusec's IR classes (graph, schedule, instruction kinds, the kernel's buffer
-#: plan): the classes an entry may construct (none defines ``__setstate__`` or ``__reduce__``)
-_IR_MODULES = ("fusec.ir.", "fusec.instructions.", "fusec.cuda.codegen")
-#: globals an entry may name besides fusec's IR classes and torch's dtypes, layouts and memory
-#: formats: containers and value types only
-_ALLOWED_GLOBALS = {
-    ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice"), ("builtins", "complex"),
-    ("collections", "OrderedDict"), ("torch", "device"), ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("torch.fx.immutable_collections", "immutable_list"), ("torch.fx.immutable_collections", "immutable_dict"),
-    ("fusec.runtime.artifacts", "_op"),
-}
-
-
-class _EntryUnpickler(pickle.Unpickler):
-    """Loads an entry without running code of the entry's choosing: the only globals it resolves
-    are fusec's IR classes (classes of :data:`_IR_MODULES`), torch's
-    dtypes, layouts and memory formats, :data:`_ALLOWED_GLOBALS`, and tensors come from the
-    entry's safetensors blob (persistent ids). Anything else raises ``pickle.UnpicklingError``
-    (Python's documented way to restrict unpickling: "Restricting Globals", ``pickle`` docs)."""
-
-    def __init__(self, data: bytes, tensors: dict[str, torch.Tensor]):
-        super().__init__(io.BytesIO(data))
-        self.tensors = tensors
-
-    def persistent_load(self, pid: Any) -> torch.Tensor:
-        try:
-            return self.tensors[pid]
-        except (KeyError, TypeError):
-            raise pickle.UnpicklingError(f"artifact entry: no tensor {pid!r} in its safetensors") from None
+class _NoGlobals(pickle.Unpickler):
+    """Unpickles plain data only: every global is refused, so no callable can be reached and
+    unpickling can build nothing but containers and values."""
 
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _ALLOWED_GLOBALS:
-            return super().find_class(module, name)
-        if module in ("torch", "torch._utils"):   # a memory format pickles as torch._utils / "torch.<name>"
-            obj = getattr(torch, name.removeprefix("torch."), None) if _IDENT.fullmatch(
-                name.removeprefix("torch.")) else None
-            if isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
-                return obj
-        if module.startswith(_IR_MODULES) and _IDENT.fullmatch(name):
-            obj = super().find_class(module, name)
-            if isinstance(obj, type) and obj.__module__.startswith(_IR_MODULES):
-                return obj
-        raise pickle.UnpicklingError(f"artifact entry names {module}.{name}, which is not an IR class")
+        raise pickle.UnpicklingError(f"artifact entry names the global {module}.{name}: entries hold data only")
 
 
 def dumps(obj: Any) -> bytes:
     """An entry's bytes: :data:`MAGIC`, the sha256 of the rest, the safetensors blob's length
-    (8 bytes, little-endian), the blob (the entry's tensors), the pickle of everything else."""
+    (8 bytes, little-endian), the blob (the entry's tensors), then a pickle of the entry as plain
+    data (:func:`fusec.runtime.entry_codec.encode`: no global named)."""
     from safetensors.torch import save
-    buf = io.BytesIO()
-    p = _Pickler(buf)
-    p.dump(obj)
-    blob = save(p.tensors)
-    body = len(blob).to_bytes(8, "little") + blob + buf.getvalue()
+    data, tensors = entry_codec.encode(obj)
+    blob = save(tensors)
+    body = len(blob).to_bytes(8, "little") + blob + pickle.dumps(data, protocol=pickle.HIGHEST_PROTOCOL)
     return MAGIC + hashlib.sha256(body).digest() + body
 
 
 def loads(data: bytes) -> Any:
-    """Inverse of :func:`dumps`, running no code named by the entry (:class:`_EntryUnpickler`).
+    """Inverse of :func:`dumps`, running no code named by the entry: the pickle names no global
+    (:class:`_NoGlobals`), and :func:`fusec.runtime.entry_codec.decode` builds only fusec's IR
+    classes (without calling their ``__init__``), enums, tensors and torch values, and looks
+    operators up by name without calling them.
 
     Raises:
-        ValueError: a damaged entry (magic, checksum, lengths).
-        pickle.UnpicklingError: an entry naming a global that is not an IR class."""
+        ValueError: a damaged entry (magic, checksum, lengths, an unknown tag or class)."""
     from safetensors.torch import load
     n = len(MAGIC)
     if data[:n] != MAGIC:
@@ -328,8 +242,9 @@ def loads(data: bytes) -> Any:
     if size > len(body) - 8:
         raise ValueError("safetensors blob longer than the entry")
     tensors = load(body[8:8 + size])
-    with gc_paused():   # the 1B's entry is ~10^5 small objects: 0.6 s with the cyclic GC, 0.22 s without
-        return _EntryUnpickler(body[8 + size:], tensors).load()
+    with gc_paused():   # the 1B's entry is ~10^5 small objects: the cyclic GC would walk them all
+        plain = _NoGlobals(io.BytesIO(body[8 + size:])).load()
+        return entry_codec.decode(plain, tensors)
 
 
 #: an entry kind's payload field and type, where it is not an IR graph under ``graph``
