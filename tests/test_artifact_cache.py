@@ -485,9 +485,10 @@ def _raw_entry(payload: bytes) -> bytes:
     return artifacts.MAGIC + hashlib.sha256(body).digest() + body
 
 
-def _plain(table: list, root=None) -> bytes:
+def _plain(root, table=(), shapes=()) -> bytes:
+    """The pickle of an entry in :mod:`fusec.runtime.entry_codec`'s plain form."""
     import pickle
-    return pickle.dumps({"root": {"R": 0} if root is None else root, "table": table})
+    return pickle.dumps({"root": root, "table": list(table), "shapes": list(shapes)})
 
 
 @pytest.mark.parametrize("attack", ["os.system", "operator_call", "builtins_eval", "cls_os_system",
@@ -505,10 +506,10 @@ def test_an_entry_naming_code_is_refused_without_running_it(tmp_path, caplog, at
         "os.system": lambda: pickle.dumps({"format": artifacts.FORMAT, "x": _Evil(marker)}),
         "operator_call": lambda: _operator_call(marker),
         "builtins_eval": lambda: pickle.dumps({"x": eval}),
-        "cls_os_system": lambda: _plain([{"cls": ["os", "system"], "state": []}]),
-        "cls_function": lambda: _plain([{"cls": ["fusec.ir.graph", "_fmt"], "state": []}]),
-        "enum_not_enum": lambda: _plain([], root={"E": ["fusec.ir.graph", "Graph"], "v": str(marker)}),
-        "operator_walk": lambda: _plain([], root={"O": "aten.add.__class__"}),
+        "cls_os_system": lambda: _plain(("R", 0), [(0, 0, [])], [("os", "system", ())]),
+        "cls_function": lambda: _plain(("R", 0), [(0, 0, [])], [("fusec.ir.graph", "_fmt", ())]),
+        "enum_not_enum": lambda: _plain(("E", ("fusec.ir.graph", "Graph"), str(marker))),
+        "operator_walk": lambda: _plain(("O", "aten.add.__class__")),
     }[attack]()
     cache.folder.mkdir(parents=True, exist_ok=True)
     cache.path(key).write_bytes(_raw_entry(payload))

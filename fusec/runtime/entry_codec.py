@@ -2,22 +2,25 @@
 
 :func:`encode` turns an entry (dicts, lists, tuples, sets, numbers, strings, bytes, fusec's IR
 objects, enums, tensors, torch dtypes/devices/layouts/memory formats/sizes, ATen operators) into
-data made of ``dict``/``list``/``str``/``int``/``float``/``bytes``/``bool``/``None`` only, plus
-a dict of tensors (saved as safetensors by :mod:`fusec.runtime.artifacts`). Objects that may be
-shared or cyclic (IR objects, lists, dicts) go into a table and are referred to by index,
-so sharing and cycles survive. Tagged dicts say what a value was: ``{"R": i}`` a table entry,
-``{"T": name}`` a tensor, ``{"t": [...]}`` a tuple, ``{"s"/"fs": [...]}`` a set or frozenset, ``{"E": class, "v": value}`` an enum member,
-``{"D": name}`` a dtype, ``{"V": "cuda:0"}`` a device, ``{"L": name}`` a layout or memory format,
-``{"Z": [...]}`` a ``torch.Size``, ``{"O": "aten.add.Tensor"}`` an operator, ``{"sl": [...]}`` a
-slice, ``{"c": [re, im]}`` a complex, ``{"il": [...]}``/``{"id": [...]}`` torch.fx's immutable
-list and dict.
+data made of ``dict``/``list``/``tuple``/``str``/``int``/``float``/``bytes``/``bool``/``None``
+only, plus a dict of tensors (saved as safetensors by :mod:`fusec.runtime.artifacts`). Objects
+that may be shared or cyclic (IR objects, lists, dicts) go into a table and are referred to by
+index, so sharing and cycles survive: ``(0, shape, [values])`` an IR object (``shape`` indexes
+the ``shapes`` list of ``(module, class name, field names)``), ``(1, [values])`` a list,
+``(2, [key, value, ...])`` a dict. Every other value is a tagged tuple: ``("R", i)`` a table
+entry, ``("t", [...])`` a tuple, ``("T", name)`` a tensor, ``("E", (module, class), value)`` an
+enum member, ``("D", name)`` a dtype, ``("V", "cuda:0")`` a device, ``("L", name)`` a layout or
+memory format, ``("Z", [...])`` a ``torch.Size``, ``("O", "aten.add.Tensor")`` an operator,
+``("s"|"fs", [...])`` a set or frozenset, ``("sl", [...])`` a slice, ``("c", [re, im])`` a
+complex, ``("il"|"id", ...)`` torch.fx's immutable list and dict.
 
 :func:`decode` rebuilds the objects: an IR class is named by module and name and must be a
 class defined in one of :data:`IR_MODULES` (created with ``object.__new__`` and its ``__dict__``
-filled: no ``__init__``, no ``__setstate__``); an operator is looked up by name and never called;
-nothing else is named. The data itself travels as a pickle that names no global at all
-(:func:`fusec.runtime.artifacts.loads` refuses every ``find_class``): with no callable reachable,
-unpickling it can only build containers and values (Python's pickle docs, "Restricting Globals").
+filled: no ``__init__``, no ``__setstate__``); an enum member is looked up by value; an
+operator is looked up by name and never called; nothing else is named. The data itself travels
+as a pickle that names no global at all (:func:`fusec.runtime.artifacts.loads` refuses every
+``find_class``): with no callable reachable, unpickling it can only build containers and values
+(Python's pickle docs, "Restricting Globals").
 """
 from __future__ import annotations
 
@@ -53,69 +56,97 @@ def encode(obj: Any) -> tuple[Any, dict[str, torch.Tensor]]:
     Raises:
         TypeError: a value of a type an entry cannot hold (named)."""
     table: list[Any] = []
+    shapes: list[tuple[str, str, tuple[str, ...]]] = []   # (module, qualname, field names)
+    shape_index: dict[tuple, int] = {}
     memo: dict[int, int] = {}
     keep: list[Any] = []               # the originals, so that no id is reused meanwhile
     tensors: dict[str, torch.Tensor] = {}
     tensor_names: dict[int, str] = {}
+    plain = (bool, int, float, str, bytes)
 
-    def ref(x: Any, make) -> dict[str, int]:
+    def ref(x: Any) -> tuple[str, int] | None:
         i = memo.get(id(x))
-        if i is None:
-            i = memo[id(x)] = len(table)
-            keep.append(x)
-            table.append(None)
-            table[i] = make()
-        return {"R": i}
+        return None if i is None else ("R", i)
+
+    def new(x: Any) -> int:
+        i = memo[id(x)] = len(table)
+        keep.append(x)
+        table.append(None)
+        return i
 
     def enc(x: Any) -> Any:
-        if x is None or type(x) in (bool, int, float, str, bytes):
+        if x is None or type(x) in plain:
             return x
+        t = type(x)
+        if t is list:
+            r = ref(x)
+            if r is None:
+                i = new(x)
+                table[i] = (1, [enc(v) for v in x])
+                r = ("R", i)
+            return r
+        if t is dict:
+            r = ref(x)
+            if r is None:
+                i = new(x)
+                flat: list[Any] = []
+                for k, v in x.items():
+                    flat.append(enc(k))
+                    flat.append(enc(v))
+                table[i] = (2, flat)
+                r = ("R", i)
+            return r
+        if t is tuple:
+            return ("t", [enc(v) for v in x])
         if isinstance(x, enum.Enum):
-            return {"E": [type(x).__module__, type(x).__qualname__], "v": enc(x.value)}
+            return ("E", (t.__module__, t.__qualname__), enc(x.value))
         if isinstance(x, torch.Tensor):
             name = tensor_names.get(id(x))
             if name is None:
                 from torch._subclasses.fake_tensor import unset_fake_temporarily
                 with unset_fake_temporarily():   # a graph's constant, while AOT's fake mode is on
-                    t = x.detach().to("cpu").contiguous().clone()   # safetensors stores no shared memory
+                    c = x.detach().to("cpu").contiguous().clone()   # safetensors stores no shared memory
                 name = tensor_names[id(x)] = f"t{len(tensors)}"
-                tensors[name] = t
+                tensors[name] = c
                 keep.append(x)
-            return {"T": name}
+            return ("T", name)
         if isinstance(x, torch.dtype):
-            return {"D": str(x).removeprefix("torch.")}
+            return ("D", str(x).removeprefix("torch."))
         if isinstance(x, torch.device):
-            return {"V": str(x)}
+            return ("V", str(x))
         if isinstance(x, (torch.layout, torch.memory_format)):
-            return {"L": str(x).removeprefix("torch.")}
+            return ("L", str(x).removeprefix("torch."))
         if isinstance(x, torch.Size):
-            return {"Z": [int(d) for d in x]}
+            return ("Z", [int(d) for d in x])
         if isinstance(x, _OPS):
-            return {"O": str(x)}
-        if type(x) is tuple:
-            return {"t": [enc(v) for v in x]}
-        if type(x) is slice:
-            return {"sl": [enc(x.start), enc(x.stop), enc(x.step)]}
-        if type(x) is complex:
-            return {"c": [x.real, x.imag]}
-        if type(x) is immutable_list:
-            return {"il": [enc(v) for v in x]}
-        if type(x) is immutable_dict:
-            return {"id": [[enc(k), enc(v)] for k, v in x.items()]}
-        if type(x) is list:
-            return ref(x, lambda: {"list": [enc(v) for v in x]})
-        if type(x) is dict:
-            return ref(x, lambda: {"dict": [[enc(k), enc(v)] for k, v in x.items()]})
-        if type(x) in (set, frozenset):   # hashable members: no cycle through a set
-            return {"s" if type(x) is set else "fs": [enc(v) for v in x]}
+            return ("O", str(x))
+        if t in (set, frozenset):   # hashable members: no cycle through a set
+            return ("s" if t is set else "fs", [enc(v) for v in x])
+        if t is slice:
+            return ("sl", [enc(x.start), enc(x.stop), enc(x.step)])
+        if t is complex:
+            return ("c", [x.real, x.imag])
+        if t is immutable_list:
+            return ("il", [enc(v) for v in x])
+        if t is immutable_dict:
+            return ("id", [[enc(k), enc(v)] for k, v in x.items()])
         if _ir_class(x):
-            cls = type(x)
-            return ref(x, lambda: {"cls": [cls.__module__, cls.__qualname__],
-                                   "state": [[k, enc(v)] for k, v in vars(x).items()]})
-        raise TypeError(f"an artifact entry cannot hold a {type(x).__module__}.{type(x).__qualname__}")
+            r = ref(x)
+            if r is None:
+                i = new(x)
+                fields = vars(x)
+                key = (t, tuple(fields))
+                si = shape_index.get(key)
+                if si is None:
+                    si = shape_index[key] = len(shapes)
+                    shapes.append((t.__module__, t.__qualname__, tuple(fields)))
+                table[i] = (0, si, [enc(v) for v in fields.values()])
+                r = ("R", i)
+            return r
+        raise TypeError(f"an artifact entry cannot hold a {t.__module__}.{t.__qualname__}")
 
     root = enc(obj)
-    return {"root": root, "table": table}, tensors
+    return {"root": root, "table": table, "shapes": shapes}, tensors
 
 
 def _class(module: Any, qualname: Any) -> type:
@@ -160,46 +191,61 @@ def _torch_value(name: Any, kinds: tuple[type, ...]) -> Any:
 
 def decode(data: Any, tensors: dict[str, torch.Tensor]) -> Any:
     """Inverse of :func:`encode`. Raises EntryFormatError for anything it did not write."""
-    if not isinstance(data, dict) or not isinstance(data.get("table"), list) or "root" not in data:
+    try:
+        return _decode(data, tensors)
+    except EntryFormatError:
+        raise
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
+        raise EntryFormatError(f"malformed entry ({type(e).__name__}: {e})") from None
+
+
+def _decode(data: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if type(data) is not dict or type(data.get("table")) is not list or type(data.get("shapes")) is not list:
         raise EntryFormatError("not an encoded entry")
-    table = data["table"]
+    table, shapes = data["table"], data["shapes"]
+    classes: list[tuple[type, tuple[str, ...]]] = []
+    for sh in shapes:
+        module, qualname, fields = sh
+        cls = _class(module, qualname)
+        if issubclass(cls, enum.Enum) or type(fields) is not tuple or not all(type(f) is str for f in fields):
+            raise EntryFormatError(f"bad class entry {module}.{qualname}")
+        classes.append((cls, fields))
     objs: list[Any] = []
+    new = object.__new__
     for e in table:   # first every shared object, empty: references may point forward or in a cycle
-        if not isinstance(e, dict) or len(e) not in (1, 2):
-            raise EntryFormatError("bad table entry")
-        if "cls" in e:
-            cls = _class(*e["cls"]) if isinstance(e["cls"], list) and len(e["cls"]) == 2 else None
-            if cls is None or issubclass(cls, enum.Enum) or not isinstance(e.get("state"), list):
-                raise EntryFormatError("bad class entry")
-            objs.append(object.__new__(cls))   # no __init__, no __setstate__: its fields below
-        elif "list" in e:
+        kind = e[0]
+        if kind == 0:
+            objs.append(new(classes[e[1]][0]))   # no __init__, no __setstate__: its fields below
+        elif kind == 1:
             objs.append([])
-        elif "dict" in e:
+        elif kind == 2:
             objs.append({})
         else:
-            raise EntryFormatError(f"bad table entry {sorted(e)}")
+            raise EntryFormatError(f"bad table entry kind {kind!r}")
+    plain = (bool, int, float, str, bytes)
+    n = len(objs)
 
     def dec(x: Any) -> Any:
-        if x is None or type(x) in (bool, int, float, str, bytes):
+        if x is None or type(x) in plain:
             return x
-        if type(x) is list:
-            raise EntryFormatError("a bare list outside the table")
-        if type(x) is not dict or len(x) not in (1, 2):
+        if type(x) is not tuple:
             raise EntryFormatError(f"bad value of type {type(x).__name__}")
-        (tag, v), = list(x.items())[:1]
+        tag, v = x[0], x[1]
         if tag == "R":
-            if type(v) is not int or not 0 <= v < len(objs):
+            if type(v) is not int or not 0 <= v < n:
                 raise EntryFormatError("dangling reference")
             return objs[v]
+        if tag == "t":
+            return tuple([dec(m) for m in v])
         if tag == "T":
             if v not in tensors:
                 raise EntryFormatError(f"no tensor {v!r} in the entry")
             return tensors[v]
         if tag == "E":
-            cls = _class(*v) if isinstance(v, list) and len(v) == 2 else None
-            if cls is None or not issubclass(cls, enum.Enum):
+            cls = _class(*v)
+            if not issubclass(cls, enum.Enum):
                 raise EntryFormatError(f"entry names {v!r} as an enum")
-            return cls(dec(x["v"]))   # a member lookup by value
+            return cls(dec(x[2]))   # a member looked up by value
         if tag == "D":
             return _torch_value(v, (torch.dtype,))
         if tag == "V":
@@ -210,8 +256,6 @@ def decode(data: Any, tensors: dict[str, torch.Tensor]) -> Any:
             return torch.Size([int(d) for d in v])
         if tag == "O":
             return operator(v)
-        if tag == "t":
-            return tuple(dec(m) for m in v)
         if tag in ("s", "fs"):
             return (set if tag == "s" else frozenset)(dec(m) for m in v)
         if tag == "sl":
@@ -224,12 +268,19 @@ def decode(data: Any, tensors: dict[str, torch.Tensor]) -> Any:
             return immutable_dict((dec(k), dec(m)) for k, m in v)
         raise EntryFormatError(f"unknown tag {tag!r}")
 
-    for i, e in enumerate(table):   # then their contents
-        o = objs[i]
-        if "cls" in e:
-            o.__dict__.update({str(k): dec(v) for k, v in e["state"]})
-        elif "list" in e:
-            o.extend(dec(v) for v in e["list"])
-        elif "dict" in e:
-            o.update((dec(k), dec(v)) for k, v in e["dict"])
+    plain_types = {bool, int, float, str, bytes, type(None)}   # most values: no call needed
+
+    for o, e in zip(objs, table):   # then their contents
+        kind = e[0]
+        if kind == 0:
+            fields = classes[e[1]][1]
+            values = e[2]
+            if len(values) != len(fields):
+                raise EntryFormatError("field count differs from the class entry")
+            o.__dict__.update(zip(fields, [v if type(v) in plain_types else dec(v) for v in values]))
+        elif kind == 1:
+            o.extend([v if type(v) in plain_types else dec(v) for v in e[1]])
+        else:
+            flat = [v if type(v) in plain_types else dec(v) for v in e[1]]
+            o.update(zip(flat[0::2], flat[1::2]))
     return dec(data["root"])
