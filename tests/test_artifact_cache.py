@@ -492,7 +492,9 @@ def _plain(root, table=(), shapes=()) -> bytes:
 
 
 @pytest.mark.parametrize("attack", ["os.system", "operator_call", "builtins_eval", "cls_os_system",
-                                    "cls_function", "enum_not_enum", "operator_walk"])
+                                    "cls_function", "enum_not_enum", "operator_walk", "operator_from_file",
+                                    "operator_namespace", "dotted_class", "tensor_name_tuple",
+                                    "torch_lazy_attr"])
 def test_an_entry_naming_code_is_refused_without_running_it(tmp_path, caplog, attack):
     """Loading an entry runs no code the entry names (issue 30, item 13): pickles that call
     ``os.system`` or an ATen operator or name ``eval``, and plain data that names a non-IR class,
@@ -510,6 +512,11 @@ def test_an_entry_naming_code_is_refused_without_running_it(tmp_path, caplog, at
         "cls_function": lambda: _plain(("R", 0), [(0, 0, [])], [("fusec.ir.graph", "_fmt", ())]),
         "enum_not_enum": lambda: _plain(("E", ("fusec.ir.graph", "Graph"), str(marker))),
         "operator_walk": lambda: _plain(("O", "aten.add.__class__")),
+        "operator_from_file": lambda: _plain(("O", "aten.from_file.default")),
+        "operator_namespace": lambda: _plain(("O", "evil.op")),
+        "dotted_class": lambda: _plain(("E", ("fusec.ir.graph", "torch._inductor"), 0)),
+        "tensor_name_tuple": lambda: _plain(("T", ("t0",))),
+        "torch_lazy_attr": lambda: _plain(("D", "_dynamo")),
     }[attack]()
     cache.folder.mkdir(parents=True, exist_ok=True)
     cache.path(key).write_bytes(_raw_entry(payload))
@@ -519,6 +526,25 @@ def test_an_entry_naming_code_is_refused_without_running_it(tmp_path, caplog, at
     msgs = [r.getMessage() for r in caplog.records if "ignoring unreadable entry" in r.getMessage()]
     assert len(msgs) == 1, msgs
     assert cache.store(key, _tiny_entry(key, 10)) and cache.load(key) is not None
+
+
+def test_a_shared_value_decodes_once():
+    """A pickle can share one value many times (a few hundred bytes describing a 2**40-node
+    tree): the decoder decodes each shared value once, and data that would still decode to more
+    values than the entry's size allows is refused (a reviewer's exponential and quadratic
+    blow-ups)."""
+    import pickle
+    from fusec.runtime import entry_codec
+    x = ("t", [1, 2])
+    for _ in range(40):
+        x = ("t", [x, x])
+    back = entry_codec.decode(pickle.loads(pickle.dumps({"root": x, "table": [], "shapes": []})), {})
+    assert back[0] is back[1]
+    row = list(range(3000))
+    table = [(1, row)] * 3000   # 3000 lists of 3000 items from a 14 KiB pickle
+    data = pickle.dumps({"root": ("R", 0), "table": table, "shapes": []})
+    with pytest.raises(entry_codec.EntryFormatError, match="more values"):
+        entry_codec.decode(pickle.loads(data), {}, budget=64 * len(data) + (1 << 20))
 
 
 def test_an_entry_holds_plain_data_and_keeps_sharing():

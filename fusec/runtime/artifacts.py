@@ -243,8 +243,9 @@ def loads(data: bytes) -> Any:
         raise ValueError("safetensors blob longer than the entry")
     tensors = load(body[8:8 + size])
     with gc_paused():   # the 1B's entry is ~10^5 small objects: the cyclic GC would walk them all
-        plain = _NoGlobals(io.BytesIO(body[8 + size:])).load()
-        return entry_codec.decode(plain, tensors)
+        payload = body[8 + size:]
+        plain = _NoGlobals(io.BytesIO(payload)).load()
+        return entry_codec.decode(plain, tensors, budget=64 * len(payload) + (1 << 20))
 
 
 #: an entry kind's payload field and type, where it is not an IR graph under ``graph``
@@ -298,8 +299,9 @@ class ArtifactCache:
                 field, cls = KIND_PAYLOAD.get(kind, ("graph", Graph))
                 if art.get("kind") != kind or not isinstance(art.get(field), cls):
                     raise ValueError(f"not a {kind} entry")
-            elif not isinstance(art.get("schedule"), Schedule) or not isinstance(art.get("values"), dict):
-                raise ValueError("no schedule or no weight digests in the entry")
+            elif not isinstance(art.get("schedule"), Schedule) or not isinstance(art.get("values"), dict) \
+                    or "plan" not in art or not all(hasattr(art["schedule"], f) for f in ("graph", "instrs")):
+                raise ValueError("no schedule, plan or weight digests in the entry")
         except Exception as e:   # noqa: BLE001 - any damage: ignore the entry, compile, rewrite it
             log.warning("fusec: artifact cache: ignoring unreadable entry %s (%s: %s); compiling and "
                         "rewriting it", path, type(e).__name__, str(e)[:200])

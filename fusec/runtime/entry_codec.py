@@ -34,7 +34,7 @@ from torch.fx.immutable_collections import immutable_dict, immutable_list
 
 #: the modules whose classes an entry may hold: the IR (graph, schedule), the instruction kinds
 #: (tiles, regions) and the kernel's buffer plan
-IR_MODULES = ("fusec.ir.", "fusec.instructions.", "fusec.cuda.codegen")
+IR_MODULES = ("fusec.ir.", "fusec.instructions.", "fusec.cuda.codegen.")
 #: an identifier that is not a special (dunder) name: operator name parts, class names
 _IDENT = re.compile(r"(?!__)[A-Za-z_][A-Za-z0-9_]*")
 _OPS = (torch._ops.OpOverload, torch._ops.OpOverloadPacket)
@@ -47,7 +47,7 @@ class EntryFormatError(ValueError):
 
 def _ir_class(x: Any) -> bool:
     t = type(x)
-    return t.__module__.startswith(IR_MODULES) and hasattr(x, "__dict__") and not isinstance(x, type)
+    return (t.__module__ + ".").startswith(IR_MODULES) and hasattr(x, "__dict__") and not isinstance(x, type)
 
 
 def encode(obj: Any) -> tuple[Any, dict[str, torch.Tensor]]:
@@ -149,57 +149,70 @@ def encode(obj: Any) -> tuple[Any, dict[str, torch.Tensor]]:
     return {"root": root, "table": table, "shapes": shapes}, tensors
 
 
-def _class(module: Any, qualname: Any) -> type:
-    """The IR class ``module.qualname``, or EntryFormatError: only classes defined in
-    :data:`IR_MODULES`, found by plain attribute lookup."""
-    if not (isinstance(module, str) and isinstance(qualname, str) and module.startswith(IR_MODULES)
-            and all(_IDENT.fullmatch(p) for p in module.split(".") + qualname.split("."))):
-        raise EntryFormatError(f"entry names {module!r}.{qualname!r}, which is not an IR class")
-    obj: Any = importlib.import_module(module)
-    for part in qualname.split("."):
-        obj = getattr(obj, part, None)
+def _class(module: Any, name: Any) -> type:
+    """The IR class ``module.name``, or EntryFormatError: only a class defined at the top level
+    of a module of :data:`IR_MODULES` (one attribute lookup, no dotted walk)."""
+    if not (type(module) is str and type(name) is str and (module + ".").startswith(IR_MODULES)
+            and all(_IDENT.fullmatch(p) for p in module.split(".")) and _IDENT.fullmatch(name)):
+        raise EntryFormatError(f"entry names {module!r}.{name!r}, which is not an IR class")
+    obj = vars(importlib.import_module(module)).get(name)
     if not isinstance(obj, type) or obj.__module__ != module:
-        raise EntryFormatError(f"entry names {module}.{qualname}, which is not an IR class")
+        raise EntryFormatError(f"entry names {module}.{name}, which is not an IR class")
     return obj
+
+
+#: the operator namespaces an entry may name (looking up another would create it in torch.ops)
+_NAMESPACES = ("aten", "prims", "fusec")
 
 
 def operator(name: Any) -> Any:
-    """``torch.ops.<ns>.<op>[.<overload>]`` from its name (``aten.add.Tensor``); looked up,
-    never called. Raises EntryFormatError for a name that is not an operator's."""
-    parts = name.split(".") if isinstance(name, str) else []
-    if len(parts) < 2 or not all(_IDENT.fullmatch(p) for p in parts):
+    """``torch.ops.<ns>.<op>.<overload>`` from its name (``aten.add.Tensor``); looked up, never
+    called. Only operators fusec places (:func:`fusec.instructions.generic.aten_category`).
+    Raises EntryFormatError for any other name."""
+    parts = name.split(".") if type(name) is str else []
+    if len(parts) not in (2, 3) or parts[0] not in _NAMESPACES or not all(_IDENT.fullmatch(p) for p in parts):
         raise EntryFormatError(f"entry names {name!r}, which is not an operator name")
     if parts[0] == "fusec":
         import fusec.frontend.custom_ops  # noqa: F401 - registers torch.ops.fusec
-    obj: Any = torch.ops
-    for part in parts:
-        obj = getattr(obj, part)
-    if not isinstance(obj, _OPS):
-        raise EntryFormatError(f"entry names {name!r}, which is not an operator")
+    from fusec.instructions.generic import aten_category
+    try:
+        obj: Any = torch.ops
+        for part in parts:
+            obj = getattr(obj, part)
+    except (AttributeError, RuntimeError):
+        raise EntryFormatError(f"entry names {name!r}, which is not an operator") from None
+    one = obj if isinstance(obj, torch._ops.OpOverload) else getattr(obj, "default", None)
+    if not isinstance(obj, _OPS) or not isinstance(one, torch._ops.OpOverload) or aten_category(one) is None:
+        raise EntryFormatError(f"entry names {name!r}, which is not an operator fusec places")
     return obj
 
 
-_VALUE_TYPES = (torch.dtype, torch.layout, torch.memory_format)
+#: torch's dtypes, layouts and memory formats by name, read from torch's namespace without
+#: touching a lazily imported attribute
+_TORCH_VALUES = {k: v for k, v in vars(torch).items()
+                 if isinstance(v, (torch.dtype, torch.layout, torch.memory_format))}
 
 
 def _torch_value(name: Any, kinds: tuple[type, ...]) -> Any:
-    v = getattr(torch, name, None) if isinstance(name, str) and _IDENT.fullmatch(name) else None
+    v = _TORCH_VALUES.get(name) if type(name) is str else None
     if not isinstance(v, kinds):
         raise EntryFormatError(f"entry names torch.{name!r}, which is not a {kinds[0].__name__}")
     return v
 
 
-def decode(data: Any, tensors: dict[str, torch.Tensor]) -> Any:
-    """Inverse of :func:`encode`. Raises EntryFormatError for anything it did not write."""
+def decode(data: Any, tensors: dict[str, torch.Tensor], budget: int = 1 << 26) -> Any:
+    """Inverse of :func:`encode`. Raises EntryFormatError for anything it did not write, and for
+    data that would decode to more than ``budget`` values (a pickle can share one object many
+    times: without a bound a few hundred bytes could decode to gigabytes)."""
     try:
-        return _decode(data, tensors)
+        return _decode(data, tensors, budget)
     except EntryFormatError:
         raise
     except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
         raise EntryFormatError(f"malformed entry ({type(e).__name__}: {e})") from None
 
 
-def _decode(data: Any, tensors: dict[str, torch.Tensor]) -> Any:
+def _decode(data: Any, tensors: dict[str, torch.Tensor], budget: int) -> Any:
     if type(data) is not dict or type(data.get("table")) is not list or type(data.get("shapes")) is not list:
         raise EntryFormatError("not an encoded entry")
     table, shapes = data["table"], data["shapes"]
@@ -221,15 +234,28 @@ def _decode(data: Any, tensors: dict[str, torch.Tensor]) -> Any:
         elif kind == 2:
             objs.append({})
         else:
-            raise EntryFormatError(f"bad table entry kind {kind!r}")
+            raise EntryFormatError("bad table entry kind")
     plain = (bool, int, float, str, bytes)
     n = len(objs)
+    seen: dict[int, Any] = {}   # a tagged tuple shared in the pickle decodes once
+    left = [budget]
 
     def dec(x: Any) -> Any:
         if x is None or type(x) in plain:
             return x
-        if type(x) is not tuple:
+        if type(x) is not tuple or len(x) < 2:
             raise EntryFormatError(f"bad value of type {type(x).__name__}")
+        got = seen.get(id(x))
+        if got is not None:
+            return got[0]
+        left[0] -= 1 + (len(x[1]) if type(x[1]) is list else 0)
+        if left[0] < 0:
+            raise EntryFormatError("the entry decodes to more values than its size allows")
+        out = _one(x)
+        seen[id(x)] = (out,)
+        return out
+
+    def _one(x: tuple) -> Any:
         tag, v = x[0], x[1]
         if tag == "R":
             if type(v) is not int or not 0 <= v < n:
@@ -238,7 +264,7 @@ def _decode(data: Any, tensors: dict[str, torch.Tensor]) -> Any:
         if tag == "t":
             return tuple([dec(m) for m in v])
         if tag == "T":
-            if v not in tensors:
+            if type(v) is not str or v not in tensors:
                 raise EntryFormatError(f"no tensor {v!r} in the entry")
             return tensors[v]
         if tag == "E":
@@ -249,11 +275,15 @@ def _decode(data: Any, tensors: dict[str, torch.Tensor]) -> Any:
         if tag == "D":
             return _torch_value(v, (torch.dtype,))
         if tag == "V":
-            return torch.device(str(v))
+            if type(v) is not str or len(v) > 32:
+                raise EntryFormatError("bad device")
+            return torch.device(v)
         if tag == "L":
             return _torch_value(v, (torch.layout, torch.memory_format))
         if tag == "Z":
-            return torch.Size([int(d) for d in v])
+            if type(v) is not list or not all(type(d) is int for d in v):
+                raise EntryFormatError("bad size")
+            return torch.Size(v)
         if tag == "O":
             return operator(v)
         if tag in ("s", "fs"):
@@ -261,7 +291,9 @@ def _decode(data: Any, tensors: dict[str, torch.Tensor]) -> Any:
         if tag == "sl":
             return slice(*(dec(m) for m in v))
         if tag == "c":
-            return complex(float(v[0]), float(v[1]))
+            if type(v) is not list or len(v) != 2 or not all(type(d) is float for d in v):
+                raise EntryFormatError("bad complex")
+            return complex(v[0], v[1])
         if tag == "il":
             return immutable_list(dec(m) for m in v)
         if tag == "id":
@@ -272,6 +304,9 @@ def _decode(data: Any, tensors: dict[str, torch.Tensor]) -> Any:
 
     for o, e in zip(objs, table):   # then their contents
         kind = e[0]
+        left[0] -= len(e[-1]) if type(e[-1]) is list else 0
+        if left[0] < 0:
+            raise EntryFormatError("the entry decodes to more values than its size allows")
         if kind == 0:
             fields = classes[e[1]][1]
             values = e[2]
