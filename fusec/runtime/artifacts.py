@@ -49,7 +49,8 @@ global (every ``find_class`` is refused), and :mod:`fusec.runtime.entry_codec` b
 plain data only fusec's IR classes (``object.__new__`` and their fields, no ``__init__``), enums,
 torch values and tensors read from safetensors, and looks ATen operators up by name without
 calling them. The checksum detects damage, not tampering: an edited entry can still describe a
-wrong step (as an edited source file would). The precompiled dynamo entries
+wrong step (as an edited source file would), and its kernel source is what NVRTC compiles and
+the GPU runs. The precompiled dynamo entries
 (:mod:`fusec.frontend.precompiled`, kind ``precompiled``) hold torch's own serialized format,
 which torch loads with pickle: whoever can write to the cache folder can run code through those,
 as with torch's own compile caches. Keep ``FUSEC_CACHE_DIR`` private to the users who share it.
