@@ -218,9 +218,10 @@ def dumps(obj: Any) -> bytes:
     (8 bytes, little-endian), the blob (the entry's tensors), then a pickle of the entry as plain
     data (:func:`fusec.runtime.entry_codec.encode`: no global named)."""
     from safetensors.torch import save
-    data, tensors = entry_codec.encode(obj)
-    blob = save(tensors)
-    body = len(blob).to_bytes(8, "little") + blob + pickle.dumps(data, protocol=pickle.HIGHEST_PROTOCOL)
+    with gc_paused():   # ~10^5 small containers: the cyclic GC would walk them again and again
+        data, tensors = entry_codec.encode(obj)
+        blob = save(tensors)
+        body = len(blob).to_bytes(8, "little") + blob + pickle.dumps(data, protocol=pickle.HIGHEST_PROTOCOL)
     return MAGIC + hashlib.sha256(body).digest() + body
 
 

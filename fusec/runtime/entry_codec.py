@@ -63,6 +63,10 @@ def encode(obj: Any) -> tuple[Any, dict[str, torch.Tensor]]:
     tensors: dict[str, torch.Tensor] = {}
     tensor_names: dict[int, str] = {}
     plain = (bool, int, float, str, bytes)
+    plain_types = {bool, int, float, str, bytes, type(None)}   # most values: no call needed
+
+    def encs(xs: Any) -> list[Any]:
+        return [v if type(v) in plain_types else enc(v) for v in xs]
 
     def ref(x: Any) -> tuple[str, int] | None:
         i = memo.get(id(x))
@@ -82,7 +86,7 @@ def encode(obj: Any) -> tuple[Any, dict[str, torch.Tensor]]:
             r = ref(x)
             if r is None:
                 i = new(x)
-                table[i] = (1, [enc(v) for v in x])
+                table[i] = (1, encs(x))
                 r = ("R", i)
             return r
         if t is dict:
@@ -97,7 +101,7 @@ def encode(obj: Any) -> tuple[Any, dict[str, torch.Tensor]]:
                 r = ("R", i)
             return r
         if t is tuple:
-            return ("t", [enc(v) for v in x])
+            return ("t", encs(x))
         if isinstance(x, enum.Enum):
             return ("E", (t.__module__, t.__qualname__), enc(x.value))
         if isinstance(x, torch.Tensor):
@@ -140,7 +144,7 @@ def encode(obj: Any) -> tuple[Any, dict[str, torch.Tensor]]:
                 if si is None:
                     si = shape_index[key] = len(shapes)
                     shapes.append((t.__module__, t.__qualname__, tuple(fields)))
-                table[i] = (0, si, [enc(v) for v in fields.values()])
+                table[i] = (0, si, encs(fields.values()))
                 r = ("R", i)
             return r
         raise TypeError(f"an artifact entry cannot hold a {t.__module__}.{t.__qualname__}")
