@@ -66,23 +66,29 @@ def _cc(**kw):
     return cc
 
 
-@pytest.mark.parametrize("dynamic", [True, None], ids=["dynamic", "default"])
-def test_hf_generate_with_new_prompt_lengths_compiles_once(dynamic, steps):
-    """HF generate() with four prompt lengths and max_new_tokens (each a new StaticCache length):
-    tokens equal eager's. With CompileConfig(dynamic=True) fusec builds one step in all; with
-    HF's default, two (the first length's static graph, then one symbolic step)."""
-    model = hf_tiny.llama()
+def _hf_generate_equals_eager(model, cc, calls, seed: int) -> FallbackWatch:
+    """HF generate() through ``cc`` for each ``(prompt tokens, new tokens)`` of ``calls``, each
+    against HF's eager greedy generate() (tokens equal); the watch over all calls."""
     model.generation_config.pad_token_id = 0
-    gen = torch.Generator().manual_seed(11)
-    torch._dynamo.reset()
-    cc = _cc(dynamic=dynamic, mode=None, options={"num_sms": 16, "max_cache_len": 512})
+    gen = torch.Generator().manual_seed(seed)
     with FallbackWatch() as w:
-        for plen, new in ((5, 6), (37, 9), (12, 20), (90, 5)):
+        for plen, new in calls:
             prompt = torch.randint(1, 128, (1, plen), generator=gen)
             ref = model.generate(prompt, max_new_tokens=new, do_sample=False, cache_implementation="static")
             out = model.generate(prompt, max_new_tokens=new, do_sample=False, cache_implementation="static",
                                  compile_config=cc)
             assert torch.equal(out, ref), (plen, new)
+    return w
+
+
+@pytest.mark.parametrize("dynamic", [True, None], ids=["dynamic", "default"])
+def test_hf_generate_with_new_prompt_lengths_compiles_once(dynamic, steps):
+    """HF generate() with four prompt lengths and max_new_tokens (each a new StaticCache length):
+    tokens equal eager's. With CompileConfig(dynamic=True) fusec builds one step in all; with
+    HF's default, two (the first length's static graph, then one symbolic step)."""
+    torch._dynamo.reset()
+    cc = _cc(dynamic=dynamic, mode=None, options={"num_sms": 16, "max_cache_len": 512})
+    w = _hf_generate_equals_eager(hf_tiny.llama(), cc, ((5, 6), (37, 9), (12, 20), (90, 5)), seed=11)
     torch._dynamo.reset()
     assert not w.fallbacks, w.fallbacks
     assert len(steps) == (1 if dynamic else 2), [s.graph.lengths for s in steps]
@@ -191,18 +197,9 @@ def test_a_sliding_window_family_at_new_cache_lengths_stays_in_fusec(steps):
 def test_hf_generate_on_a_sliding_window_family_with_dynamic_true_compiles_once(steps):
     """Gemma-2 (sliding and full layers) under HF generate() with CompileConfig(dynamic=True) and
     three prompt lengths: one step in all, tokens equal eager's (before: every step fell back)."""
-    model = hf_tiny.gemma2()
-    model.generation_config.pad_token_id = 0
-    gen = torch.Generator().manual_seed(23)
     torch._dynamo.reset()
     cc = _cc(dynamic=True, mode=None, options={"num_sms": 16, "max_cache_len": 128})
-    with FallbackWatch() as w:
-        for plen, new in ((5, 6), (40, 5), (20, 9)):
-            prompt = torch.randint(1, 128, (1, plen), generator=gen)
-            ref = model.generate(prompt, max_new_tokens=new, do_sample=False, cache_implementation="static")
-            out = model.generate(prompt, max_new_tokens=new, do_sample=False, cache_implementation="static",
-                                 compile_config=cc)
-            assert torch.equal(out, ref), (plen, new)
+    w = _hf_generate_equals_eager(hf_tiny.gemma2(), cc, ((5, 6), (40, 5), (20, 9)), seed=23)
     torch._dynamo.reset()
     assert not w.fallbacks, w.fallbacks
     assert len(steps) == 1 and steps[0].graph.lengths, [s.graph.lengths for s in steps]
