@@ -17,7 +17,7 @@ import os
 import re
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from fusec.errors import FusecError
 
@@ -141,6 +141,21 @@ def _env_int(name: str, minimum: int) -> int:
     return value
 
 
+def _opt(default: Any, lowering: Callable[[Any], Any] | None = None,
+         factory: Callable[[], Any] | None = None) -> Any:
+    """A field of :class:`Options` that declares whether it changes lowering or rendering.
+
+    ``lowering``: None for an option that changes neither the schedule nor the kernel source
+    (run time, simulator, logging and cache housekeeping); else the function that turns its value
+    into the JSON-able part of the artifact key (:func:`lowering_options`). Every field must
+    say: :class:`Options` refuses a field without it at import, so a new option cannot be left
+    out of the key by omission (a stale step from the cache)."""
+    meta = {"lowering": lowering}
+    if factory is not None:
+        return dataclasses.field(default_factory=factory, metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
 @dataclasses.dataclass
 class Options:
     """Compilation options.
@@ -193,25 +208,26 @@ class Options:
             of two. A call with a longer cache builds the step again for twice the length.
     """
 
-    target: str | None = None
-    num_sms: int | None = None
-    dump_dir: str | None = None
-    fallback: str = "inductor"
-    seed: int = 0
-    check_hazards: bool = True
-    max_fusions: int | None = None
-    bandwidth: float = 4.3e12
-    watchdog_s: float = 2.0
-    check_watchdog: bool = True
-    profile: bool = False
-    profile_dir: str | None = None
-    profile_step: int = 3
-    attention_merge: str = "last_tile"
-    defines: dict[str, Any] = dataclasses.field(default_factory=dict)
-    mode: str | None = None
-    cache: bool = True
-    cache_max_mb: int = 4096
-    max_cache_len: int | None = None
+    target: str | None = _opt(None)
+    num_sms: int | None = _opt(None, lowering=lambda v: v or 132)   # 132 (an H200) when unset
+    dump_dir: str | None = _opt(None)
+    fallback: str = _opt("inductor")
+    seed: int = _opt(0)
+    check_hazards: bool = _opt(True)
+    max_fusions: int | None = _opt(None, lowering=lambda v: v)
+    bandwidth: float = _opt(4.3e12)
+    watchdog_s: float = _opt(2.0)          # a launch argument, not in the kernel source
+    check_watchdog: bool = _opt(True)
+    profile: bool = _opt(False, lowering=bool)
+    profile_dir: str | None = _opt(None)
+    profile_step: int = _opt(3)
+    attention_merge: str = _opt("last_tile", lowering=lambda v: v)
+    defines: dict[str, Any] = _opt(None, factory=dict,
+                                   lowering=lambda v: sorted((str(k), str(x)) for k, x in v.items()))
+    mode: str | None = _opt(None)
+    cache: bool = _opt(True)
+    cache_max_mb: int = _opt(4096)
+    max_cache_len: int | None = _opt(None)   # the IR's capacity: in the captured graph's key already
 
     @property
     def graph_launch(self) -> bool:
@@ -284,3 +300,21 @@ class Options:
                 raise FusecError(f"option defines{via('defines')}: unknown kernel knob(s) {unknown}; "
                                  f"known: {sorted(KNOBS)}")
         return o
+
+
+def check_declared(cls: type) -> None:
+    """Raise TypeError unless every field of the dataclass ``cls`` declares ``lowering`` (:func:`_opt`)."""
+    undeclared = [f.name for f in dataclasses.fields(cls) if "lowering" not in f.metadata]
+    if undeclared:
+        raise TypeError(f"{cls.__name__} fields {undeclared} do not declare whether they change "
+                        "lowering (define them with fusec.config._opt)")
+
+
+check_declared(Options)   # at import: a new option must say whether it changes lowering
+
+
+def lowering_options(opts: Options) -> dict[str, Any]:
+    """The options that change the schedule or the kernel source, as the artifact key holds them:
+    every field declared with a ``lowering`` function (:func:`_opt`), by name."""
+    return {f.name: f.metadata["lowering"](getattr(opts, f.name))
+            for f in dataclasses.fields(opts) if f.metadata["lowering"] is not None}

@@ -161,3 +161,28 @@ def test_dumper_write_failure_names_dump_dir(tmp_path):
         dump.text("b.txt", "y")
     with pytest.raises(FusecError, match=r"dump_dir: cannot write .*Error"):
         Dumper(str(d / "sub"))
+
+
+def test_every_option_declares_whether_it_changes_lowering():
+    """The artifact key takes exactly the options declared as changing lowering (issue 30 item 9):
+    a field added without the declaration is refused when fusec.config is imported."""
+    import dataclasses
+
+    import pytest as _pytest
+
+    from fusec import config
+    fields = dataclasses.fields(config.Options)
+    assert all("lowering" in f.metadata for f in fields)
+    key = config.lowering_options(config.Options.from_dict({"num_sms": 8}))
+    assert set(key) == {f.name for f in fields if f.metadata["lowering"] is not None}
+    assert set(key) == {"num_sms", "max_fusions", "attention_merge", "profile", "defines"}
+    assert config.lowering_options(config.Options.from_dict({}))["num_sms"] == 132
+
+    # a class like Options with one undeclared field is refused (the check runs on Options at import)
+    @dataclasses.dataclass
+    class Bad:
+        a: int = config._opt(1)
+        b: int = 2
+    with _pytest.raises(TypeError, match=r"\['b'\] do not declare"):
+        config.check_declared(Bad)
+    config.check_declared(config.Options)

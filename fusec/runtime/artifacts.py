@@ -14,8 +14,9 @@ its buffer table), so a model with other weight values reuses the artifact.
   every op's name, kind, slots, in-place slots, layer, model source line and attributes (the
   ATen call templates with their literals included). FX names are deterministic for one model
   and one torch / transformers version, so the text is the same in every process;
-- the options that change lowering or rendering (:func:`lowering_options`): ``num_sms`` (as
-  lowered: 132 when unset), ``max_fusions``, ``attention_merge``, ``profile``, ``defines``;
+- the options that change lowering or rendering (:func:`fusec.config.lowering_options`: each
+  option declares it where :class:`~fusec.config.Options` defines it; today ``num_sms`` as
+  lowered, 132 when unset, ``max_fusions``, ``attention_merge``, ``profile``, ``defines``);
 - the fusec version and a digest of fusec's source files (the package, the passes, the
   templates: :func:`source_digest`), so that any code change gives new keys;
 - torch's version, NVRTC's version (None where NVRTC cannot load), Python's ``major.minor``
@@ -74,7 +75,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from fusec.config import Options
+from fusec.config import Options, lowering_options
 from fusec.cuda.build import render_plan
 from fusec.ir import Graph, Ref
 from fusec.ir.schedule import Schedule
@@ -151,13 +152,6 @@ def graph_text(g: Graph) -> str:
         lines.append(f"O {op.name} {op.kind} {_canon(op.inputs)} {_canon(op.outputs)} "
                      f"{list(op.mutates)} {op.layer} {op.source!r} {_canon(op.attrs)}")
     return "\n".join(lines) + "\n"
-
-
-def lowering_options(opts: Options) -> dict[str, Any]:
-    """The options that change the schedule or the kernel source."""
-    return {"num_sms": opts.num_sms or 132, "max_fusions": opts.max_fusions,
-            "attention_merge": opts.attention_merge, "profile": bool(opts.profile),
-            "defines": sorted((str(k), str(v)) for k, v in opts.defines.items())}
 
 
 @functools.cache
