@@ -114,8 +114,9 @@ class IndexFaultError(KernelRecordError):
     kernel skipped the access instead of faulting, so the step's outputs are invalid.
 
     Attributes:
-        code: which index (1 token id, 2 table-lookup position, 3 RoPE position, 4 KV-cache write
-            position, 5 attention position); value: the index; bound: its exclusive upper bound.
+        code: which index, a :class:`fusec.abi.Fault` code (token id, table-lookup position or
+            gathered index, RoPE position, KV-cache write position, attention position); value:
+            the index; bound: its exclusive upper bound.
     """
 
 

@@ -23,39 +23,39 @@ template <> __device__ __forceinline__ __half from_f<__half>(float x) { return _
 template <typename T> __device__ __forceinline__ float rnd(float x) { return to_f(from_f<T>(x)); }
 
 // Status the host reads without a sync: fusec_status points to page-locked host memory mapped
-// into the device (the host sets the pointer once at load; runtime.ST_*), int64 words:
-//   [0] something was recorded (set last), [1] index fault, [2] its code, [3] value, [4] bound,
-//   [5] watchdog fired, [6..7] unused; then the watchdog's records, 8 ints per SM (as in wd).
+// into the device (the host sets the pointer once at load): FUSEC_ST_HEAD int64 header words
+// (FUSEC_ST_*: something was recorded (set last), index fault, its code, value and bound,
+// watchdog fired), then the watchdog's records, FUSEC_WD_REC ints per SM (as in wd); abi.cuh.j2.
 // Only the slow paths write it, out of line (no code in the hot instruction stream): the
 // record, __threadfence_system() (the record reaches the host before its flags), the flags.
 // Nothing polls it: the watchdog's abort flag stays in device memory.
 __device__ long long* fusec_status;
 __device__ __noinline__ void fusec_report_fault(long long code, long long v, long long bound) {
   volatile long long* s = fusec_status;
-  s[2] = code;
-  s[3] = v;
-  s[4] = bound;
+  s[FUSEC_ST_CODE] = code;
+  s[FUSEC_ST_VALUE] = v;
+  s[FUSEC_ST_BOUND] = bound;
   __threadfence_system();
-  s[1] = 1;
-  s[0] = 1;
+  s[FUSEC_ST_FAULT] = 1;
+  s[FUSEC_ST_ANY] = 1;
 }
 // one stuck wait's record (SM, queue index, op, counter, value, target, instruction) in SM's slot
 __device__ __noinline__ void fusec_report_wait(int sm, int q, int op, int c, int v, int target, int id) {
-  volatile int* h = reinterpret_cast<volatile int*>(fusec_status + 8) + 8 * sm;
-  h[1] = sm; h[2] = q; h[3] = op; h[4] = c; h[5] = v; h[6] = target; h[7] = id;
+  volatile int* h = reinterpret_cast<volatile int*>(fusec_status + FUSEC_ST_HEAD) + FUSEC_WD_REC * sm;
+  h[FUSEC_WD_SM] = sm; h[FUSEC_WD_QUEUE_INDEX] = q; h[FUSEC_WD_OP] = op; h[FUSEC_WD_COUNTER] = c;
+  h[FUSEC_WD_VALUE] = v; h[FUSEC_WD_TARGET] = target; h[FUSEC_WD_INSTRUCTION] = id;
   __threadfence_system();
-  h[0] = 1;
+  h[FUSEC_WD_CLAIMED] = FUSEC_CLAIM_RECORD;
   volatile long long* s = fusec_status;
-  s[5] = 1;
-  s[0] = 1;
+  s[FUSEC_ST_WATCHDOG] = 1;
+  s[FUSEC_ST_ANY] = 1;
 }
 
 // Run-time index faults: the first out-of-range token id or position is reported and its access
 // skipped. fusec_fault points to a device int64 word (set once, by atomicCAS: the first fault
 // wins; the host clears it); the winner writes code, value and bound to the host-mapped status,
 // and the host raises IndexFaultError at its next call.
-// Codes: 1 token id (embedding), 2 position (table lookup), 3 RoPE position, 4 KV-cache write
-// position, 5 attention position.
+// code: which index, FUSEC_FAULT_* (abi.cuh.j2; fusec.abi.Fault).
 __device__ long long* fusec_fault;
 __device__ __forceinline__ bool index_ok(i64 v, i64 bound, int code) {
   if (v >= 0 && v < bound) return true;

@@ -14,8 +14,8 @@ import torch
 
 from fusec.runtime import cuda_step as runtime
 from fusec.errors import FusecError, IndexFaultError, WatchdogError
-from fusec.runtime.cuda_step import (ST_ANY, ST_BOUND, ST_CODE, ST_FAULT, ST_HEAD, ST_VALUE, ST_WATCHDOG, CudaStep,
-                           status_error)
+from fusec.abi import ST_HEAD, Status
+from fusec.runtime.cuda_step import CudaStep, status_error
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "tiny_llama.py"
 
@@ -36,18 +36,19 @@ def test_kernel_with_host_status_compiles_without_spills(tiny_schedule, profile,
     from fusec.cuda.jit import compile_cuda
     plan = render(tiny_schedule, profile=profile)
     src = plan.source
-    # the layout the host decodes (runtime.ST_*) is the one the kernel writes
+    # the layout the host decodes (fusec.abi.Status) is the one the kernel writes
     assert "__device__ long long* fusec_status;" in src
 
     def body(fn):
         i = src.index(f"void {fn}(")
         return src[i:src.index("\n}\n", i)]
     fault, wait = body("fusec_report_fault"), body("fusec_report_wait")
-    for k, name in ((ST_CODE, "code"), (ST_VALUE, "v"), (ST_BOUND, "bound")):
-        assert f"s[{k}] = {name};" in fault
-    for text, flag in ((fault, ST_FAULT), (wait, ST_WATCHDOG)):   # record, fence, then the flags
-        assert text.index("__threadfence_system();") < text.index(f"s[{flag}] = 1;") < text.index(f"s[{ST_ANY}] = 1;")
-    assert f"fusec_status + {ST_HEAD}) + 8 * sm" in wait
+    for k, name in ((Status.CODE, "code"), (Status.VALUE, "v"), (Status.BOUND, "bound")):
+        assert f"s[FUSEC_ST_{k.name}] = {name};" in fault
+    for text, flag in ((fault, Status.FAULT), (wait, Status.WATCHDOG)):   # record, fence, then the flags
+        assert (text.index("__threadfence_system();") < text.index(f"s[FUSEC_ST_{flag.name}] = 1;")
+                < text.index("s[FUSEC_ST_ANY] = 1;"))
+    assert "fusec_status + FUSEC_ST_HEAD) + FUSEC_WD_REC * sm" in wait
     assert "fusec_report_fault(code, v, bound)" in src and "fusec_report_wait(blockIdx.x, q, in.op" in src
     # the spin polls the abort flag in device memory, never the host-mapped status
     spin = src[src.index("while ((int)(v - target) < 0)"):src.index("__nanosleep(FUSEC_POLL_SLEEP)")]
@@ -63,7 +64,7 @@ def test_kernel_with_host_status_compiles_without_spills(tiny_schedule, profile,
 def _head(**words):
     h = [0] * ST_HEAD
     for k, v in words.items():
-        h[{"any": ST_ANY, "fault": ST_FAULT, "code": 2, "value": 3, "bound": 4, "watchdog": ST_WATCHDOG}[k]] = v
+        h[Status[k.upper()]] = v
     return h
 
 
@@ -270,8 +271,8 @@ def test_moved_input_writes_its_changed_halves_before_the_launch(fake):
 def test_recorded_fault_raises_at_the_next_call_instead_of_launching(fake):
     step, a, b = _step()
     fake.calls.clear()
-    step._head[2], step._head[3], step._head[4] = 1, 305, 300      # as index_ok writes it
-    step._head[ST_FAULT] = step._head[ST_ANY] = 1
+    step._head[Status.CODE], step._head[Status.VALUE], step._head[Status.BOUND] = 1, 305, 300   # as index_ok writes it
+    step._head[Status.FAULT] = step._head[Status.ANY] = 1
     with pytest.raises(IndexFaultError) as e:
         step(a, b)
     assert (e.value.code, e.value.value, e.value.bound) == (1, 305, 300)
@@ -286,7 +287,7 @@ def test_recorded_fault_raises_at_the_next_call_instead_of_launching(fake):
 def test_recorded_watchdog_raises_and_resets(fake):
     step, a, b = _step()
     step._recs[8:16] = _rec(1, 3, 0, 12, 4, 2, 31)
-    step._head[ST_WATCHDOG] = step._head[ST_ANY] = 1
+    step._head[Status.WATCHDOG] = step._head[Status.ANY] = 1
     with pytest.raises(WatchdogError) as e:
         step(a, b)
     assert e.value.fields["counter"] == 12 and e.value.fields["target"] == 2 and e.value.stuck_sms == 1
@@ -297,8 +298,8 @@ def test_recorded_watchdog_raises_and_resets(fake):
 
 def test_check_watchdog_off_launches_and_raise_if_watchdog_reports(fake):
     step, a, b = _step(check_watchdog=False)
-    step._head[2], step._head[3], step._head[4] = 4, 64, 64
-    step._head[ST_FAULT] = step._head[ST_ANY] = 1
+    step._head[Status.CODE], step._head[Status.VALUE], step._head[Status.BOUND] = 4, 64, 64
+    step._head[Status.FAULT] = step._head[Status.ANY] = 1
     fake.calls.clear()
     step(a, b)
     assert fake.calls == [("launch", ("stream", 7), BUFS_ADDR)]
@@ -309,7 +310,7 @@ def test_check_watchdog_off_launches_and_raise_if_watchdog_reports(fake):
 
 def test_captured_launch_uses_a_private_table_written_outside_the_graph(fake):
     step, a, b = _step()
-    step._head[ST_ANY] = step._head[ST_FAULT] = 1    # not looked at during a capture (no sync possible)
+    step._head[Status.ANY] = step._head[Status.FAULT] = 1    # not looked at during a capture (no sync possible)
     fake.calls.clear()
     fake.capturing = 1
     a2 = torch.zeros(4)

@@ -35,6 +35,11 @@ ROWS: tuple[tuple[str, str, str], ...] = (
      "staged queue's sizes (`FUSEC_NBUFS`, `FUSEC_QMAX`, `FUSEC_WMAX`, and `FUSEC_STAGE_FITS`, 0 when "
      "they would pass `codegen.STAGE_LIMIT`; `FUSEC_STAGED`: both on); a profiling build adds "
      "`FUSEC_MARKS {marks}`"),
+    ("`abi.cuh.j2`, inlined", r"^// The layouts the host and the kernel share",
+     "the layouts the host shares with the kernel, rendered from the tables of `fusec/abi.py`: "
+     "`FUSEC_WORD` (int32 per instruction word), the host-mapped status's header words "
+     "(`FUSEC_ST_*`), the watchdog record's fields and states (`FUSEC_WD_*`, `FUSEC_CLAIM_*`), the "
+     "index-fault codes (`FUSEC_FAULT_*`), the profiling record's fields (`FUSEC_PROF_*`)"),
     ("`common.cuh`, inlined", None,
      "`to_f`/`from_f`/`rnd<T>` (math in fp32, rounded to `T` where PyTorch rounds); `fusec_status` "
      "with `fusec_report_fault`/`fusec_report_wait` (out-of-line reports to the host-mapped status); "
@@ -47,8 +52,8 @@ ROWS: tuple[tuple[str, str, str], ...] = (
      "norm, in shared memory); `gate_act`, `glu_row` (a GLU MLP's gate activation and one "
      "intermediate row); `merge_split_kv` (the log-sum-exp merge of split-KV partials)"),
     ("`struct Instr`, `wait_all`", r"^struct Instr \{",
-     "the wait loop (a poll: the abort flag, the timer, a `__nanosleep(FUSEC_POLL_SLEEP)`, the "
-     "counter's acquire load), with the watchdog"),
+     "the instruction word (a field per `fusec.abi.Word`); the wait loop (a poll: the abort flag, "
+     "the timer, a `__nanosleep(FUSEC_POLL_SLEEP)`, the counter's acquire load), with the watchdog"),
     ("one block per kind the graph uses (`// ---- embedding ----` …)", r"^// ---- ",
      "a `__device__` function template with element types and shapes as template parameters, so "
      "loop bounds are compile-time constants. Every kind's function is out of line (`FUSEC_KIND_FN` "

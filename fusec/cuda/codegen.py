@@ -22,7 +22,8 @@ from typing import Any
 import jinja2
 import torch
 
-from fusec import template_dir
+from fusec import abi, template_dir
+from fusec.abi import WORD, Word
 from fusec.cuda.gen.core import LEN_PREFIX   # "#len:": a length slot's name in KernelPlan.buffers
 from fusec.cuda.knobs import KNOBS   # the kernel's tuning knobs and defaults (what each does: there)
 from fusec.errors import FallbackRequired
@@ -39,8 +40,6 @@ DISPATCH_TABLE_LIMIT = 48 * 1024
 #: FUSEC_DISPATCH_BY_KIND the case and argument tables too) in shared memory; static shared
 #: memory is capped at 48 KiB per CTA, and the kernel's other static arrays take < 1 KiB
 STAGE_LIMIT = 40 * 1024
-PROF_MARKS = 6   # FUSEC_MARK(k) timestamps per instruction in a profiling build, k < PROF_MARKS
-WORD = 8  # int32 per instruction word: op, p0, p1, p2, p3, wait_off, wait_cnt, counter id
 
 CTYPES = {torch.bfloat16: "__nv_bfloat16", torch.float32: "float", torch.float16: "__half",
           torch.int64: "i64", torch.int32: "int", torch.bool: "bool"}
@@ -127,16 +126,18 @@ class KernelPlan:
         source: CUDA C++ of the kernel ``fusec_step``.
         buffers: root tensor names in ``bufs[]`` order; a name starting with :data:`LEN_PREFIX` is a
             length slot (the run-time size of that symbol, not a pointer).
-        words: instruction words, ``WORD`` int32 each, grouped by SM in queue order.
+        words: instruction words, ``WORD`` int32 each (fields :class:`fusec.abi.Word`), grouped
+            by SM in queue order.
         queue_off: ``num_sms + 1`` offsets (in instructions) of each SM's queue in ``words``.
         waits: concatenated wait lists, two int32 per wait: the counter (the producer op's
             index) and that op's number of tiles (the wait is for tiles x epoch).
         n_counters: counters to allocate: one per op (its index), then the spare ones
             (atomic tickets, :meth:`Buffers.counters`).
         smem_bytes: dynamic shared memory per CTA.
-        profile: the kernel takes one more argument, a [instructions, 4 + PROF_MARKS] uint64
-            buffer where each instruction records (SM, fetched, waits satisfied, done) and then
-            the ``FUSEC_MARK(k)`` timestamps its template took (0: not taken), %globaltimer ns.
+        profile: the kernel takes one more argument, a [instructions, len(Prof) + PROF_MARKS]
+            uint64 buffer where each instruction records (SM, fetched, waits satisfied, done:
+            :class:`fusec.abi.Prof`) and then the ``FUSEC_MARK(k)`` timestamps its template took
+            (0: not taken), %globaltimer ns.
     """
 
     source: str
@@ -152,9 +153,13 @@ class KernelPlan:
 
 
 def _env() -> jinja2.Environment:
-    return jinja2.Environment(loader=jinja2.FileSystemLoader(str(template_dir())),
-                              undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
-                              trim_blocks=True, lstrip_blocks=True)
+    """The templates' Jinja environment; every template sees the host-kernel layouts as ``abi``
+    (:mod:`fusec.abi`, rendered by ``abi.cuh.j2``)."""
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(template_dir())),
+                             undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
+                             trim_blocks=True, lstrip_blocks=True)
+    env.globals["abi"] = abi
+    return env
 
 
 def render(s: Schedule, title: str = "", threads: int = THREADS, profile: bool = False,
@@ -210,9 +215,13 @@ def render(s: Schedule, title: str = "", threads: int = THREADS, profile: bool =
         for iid in q:
             ins = s.instrs[iid]
             op = ops[ins.op]
-            p = (kind_of(op).encode(op, ins.tile) + [0, 0, 0, 0])[:4]
+            p = kind_of(op).encode(op, ins.tile)
             cw = counter_waits[iid]
-            words += [op_index[ins.op], *p, len(waits) // 2, len(cw), ins.id]
+            word = [0] * WORD
+            word[Word.OP], word[Word.WAIT_OFF], word[Word.WAIT_CNT], word[Word.ID] = \
+                op_index[ins.op], len(waits) // 2, len(cw), ins.id
+            word[Word.P0:Word.P3 + 1] = (p + [0] * 4)[:4]
+            words += word
             waits += [x for pair in cw for x in pair]
         queue_off.append(len(words) // WORD)
     # int(): FUSEC_DEFINES gives strings ("0" must turn the shared dispatch off, as the #define does)
@@ -221,7 +230,8 @@ def render(s: Schedule, title: str = "", threads: int = THREADS, profile: bool =
     if kind_cases is not None and 4 * len(g.ops) * (maxa + 1) > DISPATCH_TABLE_LIMIT:
         kind_cases = None
     qmax = max(b - a for a, b in zip(queue_off, queue_off[1:]))
-    wmax = max((sum(words[i * WORD + 6] for i in range(a, b)) for a, b in zip(queue_off, queue_off[1:])), default=0)
+    wmax = max((sum(words[i * WORD + Word.WAIT_CNT] for i in range(a, b))
+                for a, b in zip(queue_off, queue_off[1:])), default=0)
     n_bufs = len(bufs.names)
     stage_bytes = 8 * n_bufs + 4 * WORD * qmax + 8 * wmax + (4 * len(g.ops) * (maxa + 1) if kind_cases else 0)
     source = env.get_template("kernel.cu.j2").render(
@@ -231,7 +241,7 @@ def render(s: Schedule, title: str = "", threads: int = THREADS, profile: bool =
         n_instrs=len(s.instrs), n_ops=len(g.ops), n_waits=len(waits) // 2, kinds=list(macros), macros=macros,
         cases=cases, kind_cases=kind_cases, opargs=opargs, maxa=maxa,
         case_of=[next(kc["id"] for kc in kind_cases if c["op"] in kc["ops"]) for c in cases] if kind_cases else [],
-        profile=profile, prof_marks=PROF_MARKS, defines=defines,
+        profile=profile, defines=defines,
         gen_sources=list(gen_sources.values()), gen_helpers=gen_helpers)
     return KernelPlan(source, bufs.names, words, queue_off, waits or [0, 1], len(g.ops) + bufs.n_spare,
                       max(16, smem * 4), threads, s.num_sms, profile)

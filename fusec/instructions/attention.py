@@ -44,6 +44,7 @@ import math
 
 import torch
 
+from fusec.abi import Fault
 from fusec.ir.env import Env
 from fusec.ir import Graph, Op
 from fusec.ir.semantics import apply_mask
@@ -234,9 +235,9 @@ class AttentionPartial(Instruction):
         if "mask" in op.inputs:
             return cls._rows(op, env) - 1
         pos, rows = int(env.read(op.inputs["pos"]).reshape(-1)[0]), cls._rows(op, env)
-        if not 0 <= pos < rows:   # the kernel's fault code 5: no access, the step is invalid
+        if not 0 <= pos < rows:   # the kernel's fault ATTN_POS: no access, the step is invalid
             from fusec.ir.aten_exec import index_fault
-            raise index_fault(op, "attention position", pos, rows, 5)
+            raise index_fault(op, "attention position", pos, rows, Fault.ATTN_POS)
         return pos
 
     @classmethod

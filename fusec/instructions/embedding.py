@@ -4,6 +4,7 @@ Shapes: table [V, H], ids [1] int64, out [H]. One tile: the row is a few KB.
 """
 from __future__ import annotations
 
+from fusec.abi import Fault
 from fusec.ir.env import Env
 from fusec.ir import Graph, Op
 from fusec.ir.pattern import op, var
@@ -37,12 +38,12 @@ class Embedding(Instruction):
     def token(op: Op, env: Env) -> int:
         """The token id, checked as eager's ``aten.embedding`` checks it: in ``[0, V)`` (a
         negative id is no row from the end), else :class:`fusec.errors.IndexFaultError`
-        (code 1, as the kernel's ``index_ok`` records it)."""
+        (``Fault.TOKEN_ID``, as the kernel's ``index_ok`` records it)."""
         tok = int(env.read(op.inputs["ids"]).reshape(-1)[0])
         vocab = env.g.tensors[op.inputs["table"]].shape[0]
         if not 0 <= tok < vocab:
             from fusec.ir.aten_exec import index_fault
-            raise index_fault(op, "token id (embedding row)", tok, vocab, 1)
+            raise index_fault(op, "token id (embedding row)", tok, vocab, Fault.TOKEN_ID)
         return tok
 
     @classmethod

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from fusec.abi import Fault
 from fusec.ir.env import Env
 from fusec.ir import Graph, Op
 from fusec.ir.semantics import rms_normalize
@@ -312,10 +313,10 @@ class RmsQkvRope(Instruction):
         rp = int(env.read(op.inputs["rope_pos"]).reshape(-1)[0])
         kv_pos = int(env.read(op.inputs["kv_pos"]).reshape(-1)[0])
         rows, L = env.read(op.inputs["cos_table"]).shape[0], env.length(op.outputs["kcache"], 2)
-        if not 0 <= rp < rows:   # the kernel's fault codes 3 and 4: no access, the step is invalid
-            raise index_fault(op, "RoPE position", rp, rows, 3)
+        if not 0 <= rp < rows:   # the kernel's faults ROPE_POS and KV_POS: no access, the step is invalid
+            raise index_fault(op, "RoPE position", rp, rows, Fault.ROPE_POS)
         if not 0 <= kv_pos < L:
-            raise index_fault(op, "KV-cache write position", kv_pos, L, 4)
+            raise index_fault(op, "KV-cache write position", kv_pos, L, Fault.KV_POS)
         n = rms_prologue(op, env)
         cos = env.read(op.inputs["cos_table"])[rp].reshape(-1).float()
         sin = env.read(op.inputs["sin_table"])[rp].reshape(-1).float()

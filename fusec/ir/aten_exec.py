@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from fusec.abi import Fault
 from fusec.errors import IndexFaultError
 from fusec.ir import Op, Ref
 from fusec.ir.env import Env
@@ -26,14 +27,14 @@ def substitute(a: Any, op: Op, env: Env) -> Any:
     return a
 
 
-def index_fault(op: Op, what: str, value: int, bound: int, code: int, lo: int = 0) -> IndexFaultError:
+def index_fault(op: Op, what: str, value: int, bound: int, code: Fault, lo: int = 0) -> IndexFaultError:
     """The simulator's error for a run-time index outside ``[lo, bound)`` (where eager PyTorch
-    raises IndexError), with the fields of the kernel's record (``code``: 1 token id, 2 other
-    index; :class:`fusec.errors.IndexFaultError`)."""
+    raises IndexError), with the fields of the kernel's record (``code``: the fault code the
+    kernel records for that index, :class:`fusec.abi.Fault`; :class:`fusec.errors.IndexFaultError`)."""
     src = f" at {op.source}" if op.source else ""
     return IndexFaultError(f"simulator: {what} {value} out of range [{lo}, {bound}) in {op.name} "
                            f"({op.kind}{src}); eager PyTorch raises IndexError for it",
-                           {"code": code, "value": value, "bound": bound})
+                           {"code": int(code), "value": value, "bound": bound})
 
 
 #: gathers whose index range the simulator checks as eager does: base name -> (what, whether a
@@ -70,7 +71,7 @@ def check_gather(op: Op, args: tuple, kwargs: dict) -> None:
         bad = (t < lo) | (t >= n)
         if bool(bad.any()):
             v = int(t[bad].reshape(-1)[0])
-            raise index_fault(op, what, v, n, 1 if base == "embedding" else 2, lo)
+            raise index_fault(op, what, v, n, Fault.TOKEN_ID if base == "embedding" else Fault.INDEX, lo)
 
 
 def run_aten(op: Op, env: Env) -> None:

@@ -13,6 +13,7 @@ from typing import Callable
 
 import torch
 
+from fusec.abi import Fault
 from fusec.ir import Op
 from fusec.ir.aten_exec import index_fault, run_aten
 from fusec.ir.env import Env
@@ -120,7 +121,7 @@ def _gelu_mul(op: Op, env: Env) -> None:
     env.set(op.outputs["out"], (a * env.read(op.inputs["up"]).float()).to(info.dtype).reshape(info.shape))
 
 
-def _in_range(op: Op, what: str, value: int, bound: int, code: int) -> int:
+def _in_range(op: Op, what: str, value: int, bound: int, code: Fault) -> int:
     """``value``, or the simulator's IndexFaultError where the kernel records fault ``code``."""
     if not 0 <= value < bound:
         raise index_fault(op, what, value, bound, code)
@@ -131,7 +132,7 @@ def _in_range(op: Op, what: str, value: int, bound: int, code: int) -> int:
 def _kv_write(op: Op, env: Env) -> None:
     cache = env.read(op.outputs["cache"])
     pos = _in_range(op, "KV-cache write position", int(env.read(op.inputs["pos"]).reshape(-1)[0]),
-                    cache.shape[2], 4)
+                    cache.shape[2], Fault.KV_POS)
     val = env.read(op.inputs["val"])
     cache[:, :, pos] = val.reshape(cache.shape[0], cache.shape[1], -1).to(cache.dtype)
 
@@ -145,7 +146,7 @@ def _attention(op: Op, env: Env) -> None:
     mask = env.read(op.inputs["mask"]) if "mask" in op.inputs else None
     # a mask decides over every cache row; without one the step attends rows [0, pos]
     length = k.shape[1] if mask is not None else \
-        _in_range(op, "attention position", int(env.read(op.inputs["pos"]).reshape(-1)[0]), k.shape[1], 5) + 1
+        _in_range(op, "attention position", int(env.read(op.inputs["pos"]).reshape(-1)[0]), k.shape[1], Fault.ATTN_POS) + 1
     o = attend(q, k, v, length, op.attrs["scale"], mask, op.attrs.get("mask_kind", 0))
     env.set(op.outputs["out"], o.to(info.dtype).reshape(info.shape))
 
@@ -154,7 +155,7 @@ def _attention(op: Op, env: Env) -> None:
 def _table_lookup(op: Op, env: Env) -> None:
     info = env.g.tensors[op.outputs["out"]]
     table = env.read(op.inputs["table"])
-    pos = _in_range(op, "position (table lookup)", int(env.read(op.inputs["pos"]).reshape(-1)[0]), table.shape[0], 2)
+    pos = _in_range(op, "position (table lookup)", int(env.read(op.inputs["pos"]).reshape(-1)[0]), table.shape[0], Fault.INDEX)
     env.set(op.outputs["out"], table[pos].reshape(info.shape).clone())
 
 

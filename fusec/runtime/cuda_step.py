@@ -55,21 +55,16 @@ from typing import Any
 
 import torch
 
-from fusec.cuda.codegen import LEN_PREFIX, PROF_MARKS, WORD, KernelPlan
+from fusec.abi import PROF_MARKS, ST_HEAD, WD_HEAD, WD_REC, WORD, Claim, Fault, Prof, Status, WdRecord, kernel_params
+from fusec.cuda.codegen import LEN_PREFIX, KernelPlan
 from fusec.errors import CudaError, FusecError, IndexFaultError, KernelRecordError, WatchdogError
 from fusec.ir import Graph, Role
 from fusec.cuda.jit import CompiledKernel
 
 log = logging.getLogger("fusec.runtime.cuda_step")
 
-_FAULTS = {1: "token id (embedding row)", 2: "position (table lookup)", 3: "RoPE position",
-           4: "KV-cache write position", 5: "attention position"}
-
-#: The host-mapped status (templates/common.cuh): ST_HEAD int64 header words, then one record
-#: of 8 int32 per SM (claimed, then WD_FIELDS), as the device watchdog's ``wd`` records.
-ST_ANY, ST_FAULT, ST_CODE, ST_VALUE, ST_BOUND, ST_WATCHDOG = 0, 1, 2, 3, 4, 5
-ST_HEAD = 8
-WD_FIELDS = ("sm", "queue_index", "op", "counter", "value", "target", "instruction")
+#: index in the launch's parameter array of the pointer table (a captured launch passes its own)
+_BUFS_PARAM = [p.name for p in kernel_params(False)].index("bufs_g")
 
 
 def status_error(head: Sequence[int], records: Sequence[Sequence[int]],
@@ -77,8 +72,9 @@ def status_error(head: Sequence[int], records: Sequence[Sequence[int]],
     """The error a status record stands for, or None when it records nothing.
 
     Args:
-        head: the ST_HEAD int64 header words (any, fault, code, value, bound, watchdog, ...).
-        records: one row of 8 ints per SM: claimed (1: a record), then :data:`WD_FIELDS`.
+        head: the ``ST_HEAD`` int64 header words of the host-mapped status (:class:`fusec.abi.Status`).
+        records: one row of ``WD_REC`` ints per SM (:class:`fusec.abi.WdRecord`); a row whose
+            ``CLAIMED`` is ``Claim.RECORD`` is a record.
         op_name: the op's name for an opcode.
 
     A watchdog record wins over a fault. The root cause is the record with the smallest
@@ -86,8 +82,9 @@ def status_error(head: Sequence[int], records: Sequence[Sequence[int]],
     the records of the step that fired: those with the smallest target (the step's epoch;
     a later step, queued before the host noticed, stops at its first wait).
     """
-    if head[ST_WATCHDOG]:
-        recs = [dict(zip(WD_FIELDS, r[1:8])) for r in records if r[0] == 1]
+    if head[Status.WATCHDOG]:
+        recs = [{f.name.lower(): r[f] for f in WdRecord if f != WdRecord.CLAIMED}
+                for r in records if r[WdRecord.CLAIMED] == Claim.RECORD]
         if not recs:
             return WatchdogError("megakernel watchdog fired but recorded no wait", {})
         step = min(r["target"] for r in recs)
@@ -99,9 +96,9 @@ def status_error(head: Sequence[int], records: Sequence[Sequence[int]],
             f"megakernel watchdog: SM {f['sm']} queue[{f['queue_index']}] op {f['op']} ({f['op_name']}) "
             f"instruction #{f['instruction']} waited past the timeout on counter {f['counter']} "
             f"(op {f['counter']}'s tiles): value {f['value']} in step {f['target']} ({len(recs)} SMs stuck)", f)
-    if head[ST_FAULT]:
-        code, value, bound = (int(head[k]) for k in (ST_CODE, ST_VALUE, ST_BOUND))
-        what = _FAULTS.get(code, f"index (code {code})")
+    if head[Status.FAULT]:
+        code, value, bound = (int(head[k]) for k in (Status.CODE, Status.VALUE, Status.BOUND))
+        what = Fault(code).doc if code in list(Fault) else f"index (code {code})"
         return IndexFaultError(f"megakernel: {what} {value} out of range [0, {bound}); the step's "
                                f"outputs are invalid", {"code": code, "value": value, "bound": bound})
     return None
@@ -212,19 +209,19 @@ class CudaStep:
         self.counters = torch.zeros(plan.n_counters + 1, **i32)   # +1: a counter nobody signals (tests)
         self.epochs = torch.zeros(plan.num_sms, **i32)
         # device status: the index-fault word (int64 [0], taken by the kernel's atomicCAS; 3
-        # spare), then the watchdog (int32: the abort flag the spin polls, header, one record
-        # per SM); their records are reported to the host-mapped status when they fire
-        n_wd = 8 + 8 * plan.num_sms
-        self.status = torch.zeros(4 + n_wd // 2, dtype=torch.int64, device=dev)
+        # spare), then the watchdog wd (int32: WD_HEAD words, [0] the abort flag the spin polls,
+        # then one record per SM); their records are reported to the host-mapped status when they fire
+        n_wd = WD_HEAD + WD_REC * plan.num_sms
+        self.status = torch.zeros(4 + (n_wd + 1) // 2, dtype=torch.int64, device=dev)
         self.fault = self.status[:4]
         self.wd = self.status[4:].view(torch.int32)
-        # host-mapped status (page-locked, read without a sync): ST_HEAD int64, then 8 int32 per SM
-        self._status_bytes = 8 * ST_HEAD + 4 * 8 * plan.num_sms
+        # host-mapped status (page-locked, read without a sync): ST_HEAD int64, then WD_REC int32 per SM
+        self._status_bytes = 8 * ST_HEAD + 4 * WD_REC * plan.num_sms
         host = self._host_alloc(self._status_bytes, drv.CU_MEMHOSTALLOC_DEVICEMAP | drv.CU_MEMHOSTALLOC_PORTABLE)
         ctypes.memset(host, 0, self._status_bytes)
         self._status_host = host
         self._head = (ctypes.c_int64 * ST_HEAD).from_address(host)
-        self._recs = (ctypes.c_int32 * (8 * plan.num_sms)).from_address(host + 8 * ST_HEAD)
+        self._recs = (ctypes.c_int32 * (WD_REC * plan.num_sms)).from_address(host + 8 * ST_HEAD)
         status_dev = int(_ck(drv.cuMemHostGetDevicePointer(host, 0), "cuMemHostGetDevicePointer"))
         self.input_pos = {name: g.inputs.index(name) for name in plan.buffers if name in g.inputs}
         self.slot = {name: k for k, name in enumerate(plan.buffers)}
@@ -273,17 +270,20 @@ class CudaStep:
         self._stage = self._host_alloc(self._table_bytes, drv.CU_MEMHOSTALLOC_PORTABLE)
         self._side = _ck(drv.cuStreamCreate(drv.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
         self._owned.streams.append(self._side)
-        self._vals = [ctypes.c_void_p(t.data_ptr()) for t in
-                      (self.words, self.queue_off, self.waits, self.counters, self.epochs, self.bufs, self.wd)]
-        self._vals.append(ctypes.c_ulonglong(int(watchdog_s * 1e9)))
+        # the launch's parameter values, by the kernel's parameter names (fusec.abi.PARAMS)
+        vals = {name: ctypes.c_void_p(t.data_ptr()) for name, t in
+                (("instrs", self.words), ("queue_off", self.queue_off), ("waits_g", self.waits),
+                 ("counters", self.counters), ("epochs", self.epochs), ("bufs_g", self.bufs), ("wd", self.wd))}
+        vals["timeout_ns"] = ctypes.c_ulonglong(int(watchdog_s * 1e9))
         for sym_name, value in ((b"fusec_fault", self.fault.data_ptr()), (b"fusec_status", status_dev)):
             sym, _ = _ck(drv.cuModuleGetGlobal(self.module, sym_name), f"cuModuleGetGlobal({sym_name.decode()})")
             addr = ctypes.c_uint64(value)   # the kernel's status pointers, set once
             _ck(drv.cuMemcpyHtoD(sym, ctypes.addressof(addr), 8), f"cuMemcpyHtoD({sym_name.decode()})")
         self.prof: torch.Tensor | None = None
         if plan.profile:   # (SM, fetched, waits satisfied, done, marks...) per instruction, globaltimer ns
-            self.prof = torch.zeros(len(plan.words) // WORD, 4 + PROF_MARKS, dtype=torch.int64, device=dev)
-            self._vals.append(ctypes.c_void_p(self.prof.data_ptr()))
+            self.prof = torch.zeros(len(plan.words) // WORD, len(Prof) + PROF_MARKS, dtype=torch.int64, device=dev)
+            vals["prof"] = ctypes.c_void_p(self.prof.data_ptr())
+        self._vals = [vals[p.name] for p in kernel_params(plan.profile)]
         self._params = self._param_array(self._vals)
         self._graph: Any = None          # the instantiated graph of one launch (graph_launch)
         self._graph_tried = False
@@ -456,7 +456,7 @@ class CudaStep:
                 _ck(drv.cuStreamSynchronize(self._side), "cuStreamSynchronize(side stream)")
             self._frozen[key] = dev
         vals = list(self._vals)
-        vals[5] = ctypes.c_void_p(dev)   # bufs
+        vals[_BUFS_PARAM] = ctypes.c_void_p(dev)
         self._launch(self._param_array(vals), stream)
 
     def _record_graph(self) -> None:
@@ -488,7 +488,7 @@ class CudaStep:
         if capturing != drv.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE:
             self._launch_captured(args, stream)
         else:
-            if self.check_watchdog and self._head[ST_ANY]:
+            if self.check_watchdog and self._head[Status.ANY]:
                 self._raise_recorded()        # an earlier step recorded a fault: the error path
             self._update_inputs(args, stream)
             if self.graph_launch and not self._graph_tried:
@@ -500,9 +500,9 @@ class CudaStep:
         return [o if isinstance(o, torch.Tensor) else args[o[0]].view(o[1]) for o in self._outs]
 
     def profile_records(self) -> torch.Tensor:
-        """The last step's per-instruction records, int64 [instructions, 4 + PROF_MARKS] on the
-        CPU: (SM, fetched, waits satisfied, done, then the template's FUSEC_MARK timestamps,
-        0 where not taken) in %globaltimer ns (synchronizes).
+        """The last step's per-instruction records, int64 [instructions, len(Prof) + PROF_MARKS]
+        on the CPU: (SM, fetched, waits satisfied, done: :class:`fusec.abi.Prof`, then the
+        template's FUSEC_MARK timestamps, 0 where not taken) in %globaltimer ns (synchronizes).
 
         Raises:
             FusecError: the kernel was built without ``profile``.
@@ -515,7 +515,7 @@ class CudaStep:
         """The error the host-mapped status records now, or None (reads memory only: no sync,
         so a step still running may record later)."""
         n = self.plan.num_sms
-        recs = [self._recs[8 * k:8 * k + 8] for k in range(n)]
+        recs = [self._recs[WD_REC * k:WD_REC * (k + 1)] for k in range(n)]
         return status_error(list(self._head), recs, self._op_name)
 
     def _op_name(self, op: int) -> str:
@@ -532,9 +532,9 @@ class CudaStep:
     def _raise_recorded(self) -> None:
         torch.cuda.synchronize(self.device)     # every step launched so far has written its records
         err = self.recorded_error()
-        if self._head[ST_WATCHDOG]:
+        if self._head[Status.WATCHDOG]:
             self.reset()
-        elif self._head[ST_ANY]:
+        elif self._head[Status.ANY]:
             self.fault.zero_()
             ctypes.memset(self._status_host, 0, 8 * ST_HEAD)
         if err is not None:

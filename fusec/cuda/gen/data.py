@@ -12,13 +12,11 @@ from typing import Any
 
 import torch
 
+from fusec.abi import Fault
 from fusec.ir import Ref
 from fusec.cuda.gen import emitter
 from fusec.cuda.gen.core import Ctx, broadcast_strides, contiguous_strides, literal, offset
 from fusec.cuda.gen.pointwise import Operand, elementwise
-
-#: index_ok codes (templates/common.cuh): token id, other index
-CODE_TOKEN, CODE_INDEX = 1, 2
 
 
 def _meta_call(ctx: Ctx, fn: Any, metas: dict[str, torch.Tensor]) -> Any:
@@ -150,7 +148,7 @@ class Indexing:
     to a shape B, which replaces the indexed dims in the result when they are adjacent and
     leads the result otherwise."""
 
-    def __init__(self, ctx: Ctx, x: str, indices: list[str | None], code: int = CODE_INDEX, wrap: bool = True):
+    def __init__(self, ctx: Ctx, x: str, indices: list[str | None], code: Fault = Fault.INDEX, wrap: bool = True):
         self.ctx, self.x, self.code, self.wrap = ctx, x, code, wrap
         self.xs = list(ctx.shape(x))
         self.idx = list(indices) + [None] * (len(self.xs) - len(indices))
@@ -186,7 +184,7 @@ class Indexing:
             ctx.emit(f"i64 {v} = {ctx.load_as(t, off, 'i64')};")
             if self.wrap:
                 ctx.emit(f"if ({v} < 0) {v} += {self.xs[d]};")
-            ctx.emit(f"if (!index_ok({v}, {self.xs[d]}, {self.code})) {ok} = false;",
+            ctx.emit(f"if (!index_ok({v}, {self.xs[d]}, {int(self.code)})) {ok} = false;",
                      f"{xo} += {v} * {xst[d]};")
         return xo
 
@@ -225,8 +223,8 @@ def _index_select(ctx: Ctx) -> None:
 @emitter("aten.embedding")
 def _embedding(ctx: Ctx) -> None:
     """embedding(weight, ids, padding_idx, ...): weight[ids] (padding_idx only matters to the
-    gradient); an out-of-range id is an index fault (code 1) and gives a zero row."""
-    gather_rows(ctx, Indexing(ctx, ctx.arg_tensor("weight"), [ctx.arg_tensor("indices")], CODE_TOKEN,
+    gradient); an out-of-range id is an index fault (TOKEN_ID) and gives a zero row."""
+    gather_rows(ctx, Indexing(ctx, ctx.arg_tensor("weight"), [ctx.arg_tensor("indices")], Fault.TOKEN_ID,
                               wrap=False), ctx.out)
 
 
@@ -234,7 +232,7 @@ def _embedding(ctx: Ctx) -> None:
 def _gather(ctx: Ctx) -> None:
     """gather(x, dim, index): out[c] = x[c with c[dim] = index[c]] (out has index's shape); an
     index outside ``[0, x.shape[dim])`` (a negative one too, as eager raises) is an index fault
-    (code 2) and gives 0."""
+    (INDEX) and gives 0."""
     x, idx, out = ctx.arg_tensor("self"), ctx.arg_tensor("index"), ctx.out
     xs = list(ctx.shape(x))
     dim = ctx.args["dim"] % max(len(xs), 1)
@@ -243,7 +241,7 @@ def _gather(ctx: Ctx) -> None:
     ctx.emit(ctx.loop(ctx.numel(out), "i", ix))
     rc = ctx.coords(ctx.shape(out), "i", ix)
     ctx.emit(f"i64 v = {ctx.load_as(idx, 'i', 'i64')};",
-             f"const bool ok = index_ok(v, {xs[dim]}, {CODE_INDEX});")
+             f"const bool ok = index_ok(v, {xs[dim]}, {int(Fault.INDEX)});")
     terms = [c for d, c in enumerate(rc) if d != dim]
     sts = [xst[d] for d in range(len(xs)) if d != dim]
     val = f"ok ? {ctx.load(x, 'xo')} : gx_cast<{ctx.ctype(x)}>(0)"

@@ -6,11 +6,10 @@ from __future__ import annotations
 import math
 import re
 
+from fusec.abi import Fault
 from fusec.cuda.gen import emitter
 from fusec.cuda.gen.core import Ctx, broadcast_strides, literal, offset
 from fusec.cuda.gen.pointwise import Operand, elementwise
-
-CODE_KV_POS, CODE_ATTN_POS = 4, 5   # index_ok codes (templates/common.cuh)
 
 
 @emitter("rmsnorm")
@@ -87,7 +86,7 @@ def _gelu_mul(ctx: Ctx) -> None:
 
 @emitter("kv_write")
 def _kv_write(ctx: Ctx) -> None:
-    """cache[:, :, pos] = val (in place); an out-of-range pos is fault code 4, no write. The
+    """cache[:, :, pos] = val (in place); an out-of-range pos is fault KV_POS, no write. The
     cache's rows L may be a run-time length (:meth:`Ctx.length`)."""
     cache, pos, val = ctx.op.outputs["cache"], ctx.op.inputs["pos"], ctx.op.inputs["val"]
     B, H, _, D = ctx.shape(cache)
@@ -96,7 +95,7 @@ def _kv_write(ctx: Ctx) -> None:
     ix = ctx.index_type()
     L = ctx.length(cache, 2)
     ctx.emit(f"const i64 p = {ctx.load_as(pos, '0', 'i64')};",
-             f"if (!index_ok(p, {L}, {CODE_KV_POS})) return;",
+             f"if (!index_ok(p, {L}, {int(Fault.KV_POS)})) return;",
              ctx.loop(B * H * D, "i", ix),
              f"  {ctx.store(cache, f'(i / {D} * {L} + p) * {D} + i % {D}', ctx.load(val, 'i'), ctx.ctype(val))}",
              "}")
@@ -149,7 +148,7 @@ def _attend_rows(ctx: Ctx, *, rows: int, D: int, Dv: int, q_off: str, k_row: str
 def _attention(ctx: Ctx) -> None:
     """Decode attention over cache rows 0..pos (GQA), or over every row with a mask (mask_kind 1:
     bool, 2: additive; the mask decides), one warp per query head; an out-of-range pos is fault
-    code 5. The cache's rows L may be a run-time length (:meth:`Ctx.length`)."""
+    ATTN_POS. The cache's rows L may be a run-time length (:meth:`Ctx.length`)."""
     op = ctx.op
     q, k, v, pos = op.inputs["q"], op.inputs["k"], op.inputs["v"], op.inputs["pos"]
     kshape = ctx.shape(k)
@@ -163,7 +162,7 @@ def _attention(ctx: Ctx) -> None:
     mask = op.inputs.get("mask")
     kind = int(op.attrs.get("mask_kind", 0)) if mask is not None else 0
     ctx.emit(f"const i64 p = {ctx.load_as(pos, '0', 'i64')};",
-             f"if (!index_ok(p, {L}, {CODE_ATTN_POS})) return;",
+             f"if (!index_ok(p, {L}, {int(Fault.ATTN_POS)})) return;",
              f"const int n = {L if kind else '(int)p + 1'};")   # a mask decides over every row
     mexpr = None
     if kind == 1:
