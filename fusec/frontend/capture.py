@@ -16,6 +16,7 @@ import torch
 from torch._decomp import core_aten_decompositions
 
 from fusec.frontend.custom_ops import SDPA_TARGETS, rewrite_sdpa
+from fusec.frontend.eager_attention import find_eager_attention, rewrite_eager_attention
 from fusec.errors import NotDecodeStepError
 
 log = logging.getLogger("fusec.frontend.capture")
@@ -42,37 +43,44 @@ def check_decode_step(gm: torch.fx.GraphModule) -> None:
     """Raise :class:`NotDecodeStepError` unless every attention call sees one query token and
     reads a static KV cache.
 
-    A decode step (batch 1, one new token) has at least one SDPA call whose query is
+    A decode step (batch 1, one new token) has at least one SDPA call, or eager attention that
+    :func:`fusec.frontend.eager_attention.rewrite_eager_attention` makes one, whose query is
     [1, heads, 1, head_dim]; a prefill has more than one query position. A key that is a
     ``torch.cat`` of the past keys and the new one (HF ``DynamicCache``) changes shape every
-    step: the message says to use a StaticCache.
+    step: the message says to use a StaticCache. Eager attention that is not SDPA (its weights
+    returned, logit softcapping): the message says why, at the model's source line.
     """
+    eager, refused = find_eager_attention(gm)
+    if refused:
+        r = refused[0]
+        raise NotDecodeStepError(f"{r.reason} at {node_source(r.node) or r.node.name}: {r.hint}")
+    calls = [(node, node.args[0] if node.args else node.kwargs.get("query"),
+              node.args[1] if len(node.args) > 1 else node.kwargs.get("key"))
+             for node in gm.graph.nodes if node.op == "call_function" and node.target in SDPA_TARGETS]
+    calls += [(a.out, a.query, a.key) for a in eager]
     n = 0
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in SDPA_TARGETS:
-            q = _val(node.args[0] if node.args else node.kwargs.get("query"))
-            if q is None:
-                continue
-            n += 1
-            if q.dim() != 4 or q.shape[0] != 1 or q.shape[2] != 1:
-                shape = ", ".join(str(d) if isinstance(d, int) else f"{d} (varies between calls)" for d in q.shape)
-                what = ((f"batch {q.shape[0]}" if isinstance(q.shape[0], int) else "a batch size that varies")
-                        if q.dim() == 4 and q.shape[0] != 1 else
-                        f"{q.shape[2]} query tokens" if q.dim() == 4 else f"a {q.dim()}-D query")
-                raise NotDecodeStepError(
-                    f"not a single-token decode step ({what}): attention query has shape ({shape}) "
-                    f"(batch and query length must be 1) at {node_source(node) or node.name}")
+    for node, query, _ in calls:
+        q = _val(query)
+        if q is None:
+            continue
+        n += 1
+        if q.dim() != 4 or q.shape[0] != 1 or q.shape[2] != 1:
+            shape = ", ".join(str(d) if isinstance(d, int) else f"{d} (varies between calls)" for d in q.shape)
+            what = ((f"batch {q.shape[0]}" if isinstance(q.shape[0], int) else "a batch size that varies")
+                    if q.dim() == 4 and q.shape[0] != 1 else
+                    f"{q.shape[2]} query tokens" if q.dim() == 4 else f"a {q.dim()}-D query")
+            raise NotDecodeStepError(
+                f"not a single-token decode step ({what}): attention query has shape ({shape}) "
+                f"(batch and query length must be 1) at {node_source(node) or node.name}")
     if n == 0:
         raise NotDecodeStepError("not a decode step: the graph has no attention call")
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in SDPA_TARGETS:
-            key = node.args[1] if len(node.args) > 1 else node.kwargs.get("key")
-            grown = _concatenated(key)
-            if grown is not None:
-                raise NotDecodeStepError(
-                    "the KV cache grows by concatenation (a DynamicCache) at "
-                    f"{node_source(grown) or grown.name}: fusec compiles decode steps over a static KV "
-                    "cache; pass a transformers StaticCache (generate(): cache_implementation=\"static\")")
+    for _, _, key in calls:
+        grown = _concatenated(key)
+        if grown is not None:
+            raise NotDecodeStepError(
+                "the KV cache grows by concatenation (a DynamicCache) at "
+                f"{node_source(grown) or grown.name}: fusec compiles decode steps over a static KV "
+                "cache; pass a transformers StaticCache (generate(): cache_implementation=\"static\")")
 
 
 _VIEW_CALLS = {"view", "reshape", "expand", "contiguous", "transpose", "permute", "to", "clone",
@@ -123,6 +131,7 @@ def aten_capture(gm: torch.fx.GraphModule, example_inputs: list[Any],
     dynamo_s = dynamo_seconds()
     gm2 = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
     strip_ignored_calls(gm2)
+    rewrite_eager_attention(gm2)
     rewrite_sdpa(gm2)
     owned = model_tensors(gm2, example_inputs)
 

@@ -1,0 +1,252 @@
+"""Eager attention (HF ``attn_implementation="eager"``) is recognized as SDPA
+(``fusec.frontend.eager_attention``): HF models compile on the CPU simulator and match eager
+(fp32, 1e-4, no fallback); attention that is not SDPA (weights returned, logit softcapping)
+falls back with a line saying why."""
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import hf_tiny
+from fusec.fallbacks import FallbackWatch
+from fusec.frontend.eager_attention import find_eager_attention, rewrite_eager_attention
+
+
+# ---- the rewrite on dynamo graphs of hand-written attention -------------------------------
+
+def _repeat_kv(x, n):
+    b, h, l, d = x.shape
+    return x if n == 1 else x[:, :, None, :, :].expand(b, h, n, l, d).reshape(b, h * n, l, d)
+
+
+class HFShape(torch.nn.Module):
+    """HF's ``eager_attention_forward`` (older transformers: the mask sliced to the key length;
+    ``@`` for the second matmul), GQA by ``repeat_kv``; ``returns_weights``: the weights are
+    returned too (output_attentions=True); ``softcap``: Gemma-2's tanh logit softcapping."""
+
+    def __init__(self, n_rep=2, returns_weights=False, softcap=None):
+        super().__init__()
+        self.n_rep, self.returns_weights, self.softcap = n_rep, returns_weights, softcap
+
+    def forward(self, q, k, v, mask):
+        ks, vs = _repeat_kv(k, self.n_rep), _repeat_kv(v, self.n_rep)
+        w = torch.matmul(q, ks.transpose(2, 3)) * (q.shape[-1] ** -0.5)
+        if self.softcap is not None:
+            w = torch.tanh(w / self.softcap) * self.softcap
+        w = w + mask[:, :, :, : ks.shape[-2]]
+        w = F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
+        w = F.dropout(w, p=0.1, training=self.training)
+        o = (w @ vs).transpose(1, 2).contiguous()
+        return (o, w) if self.returns_weights else o
+
+
+class TensorScaleNoMask(torch.nn.Module):
+    """MHA without a mask or ``repeat_kv``, the key transposed by (-1, -2), scaled by a 0-d
+    buffer, the softmax as a tensor method with no dtype and no dropout."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("scale", torch.tensor(0.3))
+
+    def forward(self, q, k, v):
+        return torch.matmul((q @ k.transpose(-1, -2) * self.scale).softmax(-1), v)
+
+
+class HFFunction(torch.nn.Module):
+    """transformers' own ``eager_attention_forward`` (Llama), GQA."""
+    num_key_value_groups = 2
+
+    def forward(self, q, k, v, mask):
+        from transformers.models.llama.modeling_llama import eager_attention_forward
+        return eager_attention_forward(self, q, k, v, mask, scaling=0.2)[0]
+
+
+def _inputs(seed, heads=4, kv_heads=2, s=3, l=8, d=16, mask_extra=5):
+    """Random q [1, heads, s, d], k/v [1, kv_heads, l, d] and an additive mask [1, 1, s, l +
+    mask_extra] (longer than the keys: HFShape slices it); no mask for ``mask_extra=None``."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, heads, s, d, generator=g)
+    k, v = torch.randn(1, kv_heads, l, d, generator=g), torch.randn(1, kv_heads, l, d, generator=g)
+    if mask_extra is None:
+        return q, k, v
+    return q, k, v, torch.randn(1, 1, s, l + mask_extra, generator=g) * 2.0
+
+
+def _dynamo_graph(module, args):
+    """The FX graph dynamo captures for ``module(*args)`` and its example inputs."""
+    got = []
+
+    def backend(gm, ex):
+        got.append((gm, ex))
+        return gm.forward
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(module.eval(), backend=backend, fullgraph=True)(*args)
+    torch._dynamo.reset()
+    (gm, ex), = got
+    return gm, ex
+
+
+def _calls(gm, targets):
+    return [n for n in gm.graph.nodes if n.op in ("call_function", "call_method") and n.target in targets]
+
+
+@pytest.mark.parametrize("module,args", [(HFShape(), _inputs(1)), (TensorScaleNoMask(), _inputs(2, 4, 4, mask_extra=None)),
+                                         (HFFunction(), _inputs(3, s=1, mask_extra=0))],
+                         ids=["hf_shape_gqa_sliced_mask", "mha_tensor_scale_no_mask", "transformers_function"])
+def test_rewrite_makes_one_sdpa_with_the_same_values(module, args):
+    """One SDPA call replaces the matmuls and the softmax, and the rewritten graph computes what
+    the module does (the scale, the mask and the GQA head mapping are right)."""
+    gm, ex = _dynamo_graph(module, args)
+    want = module(*args)
+    attention_ops = {torch.matmul, operator.matmul, "matmul", "softmax", F.softmax}
+    assert len(_calls(gm, attention_ops)) == 3
+    assert rewrite_eager_attention(gm) == 1
+    sdpa = _calls(gm, {F.scaled_dot_product_attention})
+    assert len(sdpa) == 1 and not _calls(gm, attention_ops)
+    assert sdpa[0].kwargs["enable_gqa"] is (args[0].shape[1] != args[1].shape[1])
+    torch.testing.assert_close(_first(gm(*ex)), want, rtol=1e-5, atol=1e-6)
+
+
+def _first(out):
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def test_rewrite_leaves_attention_that_is_not_sdpa():
+    """Weights returned (output_attentions=True) and softcapping: no rewrite, and the refusal
+    says why at the model line; the graph still computes the module's values."""
+    for module, words, line in ((HFShape(returns_weights=True), "weights are returned (output_attentions=True)",
+                                 "F.softmax(w, dim=-1"),
+                                (HFShape(softcap=5.0), "attention logit softcapping is not supported",
+                                 "torch.tanh(w / self.softcap)")):
+        args = _inputs(4)
+        gm, ex = _dynamo_graph(module, args)
+        found, refused = find_eager_attention(gm)
+        assert found == [] and len(refused) == 1 and words in refused[0].reason
+        assert line in refused[0].node.meta["stack_trace"]
+        assert rewrite_eager_attention(gm) == 0
+        assert not _calls(gm, {F.scaled_dot_product_attention})
+        torch.testing.assert_close(_first(gm(*ex)), _first(module(*args)))
+
+
+def test_rewrite_under_dynamic_shapes():
+    """HF Llama under ``dynamic=True``: the scaling is the ``.item()`` of a 0-d tensor (a symbolic
+    float, SDPA's scale) and a layer's KV heads are symbolic sizes dynamo specialized; every
+    layer is rewritten."""
+    from transformers import StaticCache
+    model = _llama("eager")
+    cache = StaticCache(config=model.config, max_cache_len=32)
+    gen = torch.Generator().manual_seed(8)
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, 128, (1, 4), generator=gen), past_key_values=cache, use_cache=True)
+    got = []
+
+    def backend(gm, ex):
+        got.append(gm)
+        return gm.forward
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(model, backend=backend, dynamic=True)(
+            input_ids=torch.randint(0, 128, (1, 1), generator=gen), past_key_values=cache, use_cache=True)
+    torch._dynamo.reset()
+    (gm,) = got
+    assert rewrite_eager_attention(gm) == 2
+    sdpa = _calls(gm, {F.scaled_dot_product_attention})
+    assert [n.kwargs["scale"].target for n in sdpa] == ["item", "item"]
+    assert all(n.kwargs["enable_gqa"] for n in sdpa)
+
+
+# ---- HF models on the CPU simulator ------------------------------------------------------
+
+def _decode(model, n=5, seed=11, fallback="inductor", **call_kw):
+    """``n`` decode steps of ``model`` compiled with fusec and of eager ``model``, each on its
+    own StaticCache after the same random prompt: (each step's relative logits error, the
+    FallbackWatch)."""
+    from transformers import StaticCache
+    gen = torch.Generator().manual_seed(seed)
+    vocab = model.config.vocab_size
+    caches = [StaticCache(config=model.config, max_cache_len=32) for _ in range(2)]
+    errs = []
+    with torch.no_grad():
+        p = torch.randint(0, vocab, (1, 5), generator=gen)
+        for c in caches:
+            model(input_ids=p, past_key_values=c, use_cache=True)
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="fusec", options={"num_sms": 8, "fallback": fallback})
+        with FallbackWatch() as w:
+            for _ in range(n):
+                tok = torch.randint(0, vocab, (1, 1), generator=gen)
+                a = compiled(input_ids=tok, past_key_values=caches[0], use_cache=True, **call_kw).logits
+                b = model(input_ids=tok, past_key_values=caches[1], use_cache=True, **call_kw).logits
+                errs.append(((a - b).norm() / b.norm()).item())
+    torch._dynamo.reset()
+    return errs, w
+
+
+def _llama(attn, kv_heads=2):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    return hf_tiny._small(LlamaConfig, LlamaForCausalLM, 3, num_key_value_heads=kv_heads, attn_implementation=attn)
+
+
+def test_llama_gqa_eager_compiles_as_the_sdpa_model_does(steps):
+    """Llama, 4 heads over 2 KV heads, eager attention: matches eager with no fallback, and
+    compiles to the same instruction kinds as the same model with SDPA attention, but for one
+    more ``table_lookup``: HF's eager mask (0 / finfo.min, where SDPA gets none) is not proven
+    causal (that needs -inf) and is read per position as an additive mask."""
+    errs, w = _decode(_llama("eager"))
+    assert w.fallbacks == [] and w.compiled >= 1
+    assert max(errs) <= 1e-4 and min(errs) > 0, errs
+    eager_kinds = dict(steps[-1].schedule.graph.count_kinds())
+    assert eager_kinds["attention_partial"] == 2
+    _, w2 = _decode(_llama("sdpa"), n=1)
+    assert w2.fallbacks == [] and w2.compiled >= 1
+    sdpa_kinds = dict(steps[-1].schedule.graph.count_kinds())
+    assert eager_kinds.pop("table_lookup") == sdpa_kinds.pop("table_lookup") + 1
+    assert eager_kinds == sdpa_kinds
+
+
+@pytest.mark.parametrize("family", ["qwen2_mha", "gpt_neox"])
+def test_eager_attention_family_matches_eager(family, steps):
+    """MHA without ``repeat_kv`` work (Qwen2 with as many KV heads as heads: ``repeat_kv`` returns
+    the tensor) and GPT-NeoX (no ``repeat_kv`` call, fused qkv, partial rotary)."""
+    if family == "qwen2_mha":
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+        model = hf_tiny._small(Qwen2Config, Qwen2ForCausalLM, 5, num_key_value_heads=4, attn_implementation="eager")
+    else:
+        from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+        torch.manual_seed(6)
+        model = GPTNeoXForCausalLM(GPTNeoXConfig(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=128,
+            max_position_embeddings=256, rotary_pct=0.5, attn_implementation="eager")).eval().requires_grad_(False)
+    assert model.config._attn_implementation == "eager"
+    errs, w = _decode(model)
+    assert w.fallbacks == [] and w.compiled >= 1
+    assert max(errs) <= 1e-4 and min(errs) > 0, errs
+    kinds = steps[-1].schedule.graph.count_kinds()
+    assert kinds["attention_partial"] == 2 and not any("softmax" in k for k in kinds), kinds
+
+
+def test_returned_weights_fall_back_with_the_reason():
+    """output_attentions=True: the weights are an output, no SDPA; the step falls back with the
+    reason and still gives eager's logits."""
+    errs, w = _decode(_llama("eager"), n=2, fallback="eager", output_attentions=True)
+    assert w.compiled == 0
+    assert any("eager attention whose weights are returned (output_attentions=True) at modeling_llama.py:" in f
+               for f in w.fallbacks), w.fallbacks
+    assert max(errs) < 1e-6, errs
+
+
+def test_gemma2_softcap_falls_back_with_the_reason():
+    """Gemma-2's eager attention softcaps its logits (tanh): not SDPA; the fallback line says so
+    at the model's line, and the logits are eager's."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+    model = hf_tiny._small(Gemma2Config, Gemma2ForCausalLM, 7, head_dim=16, sliding_window=128,
+                           attn_implementation="eager")
+    errs, w = _decode(model, n=2, fallback="eager")
+    assert w.compiled == 0 and w.fallbacks
+    assert all("attention logit softcapping is not supported" in f and "modeling_gemma2.py:" in f
+               and "torch.tanh" in f for f in w.fallbacks), w.fallbacks
+    assert max(errs) < 1e-6, errs
