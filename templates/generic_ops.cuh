@@ -7,9 +7,31 @@
 #define GX_LANE ((int)(threadIdx.x & 31))
 #define GX_NLANES 32
 #define GX_WARP ((int)(threadIdx.x >> 5))
-#define GX_NWARPS ((int)(blockDim.x >> 5))
+// the CTA's threads as a compile-time constant where the kernel defines it (FUSEC_THREADS, checked
+// by codegen), so that strided loops over a static size have a static trip count and unroll
+#ifdef FUSEC_THREADS
+#define GX_NTHREADS FUSEC_THREADS
+#else
+#define GX_NTHREADS ((int)blockDim.x)
+#endif
+#define GX_NWARPS (GX_NTHREADS >> 5)
 #define GX_SYNC() __syncthreads()
 template <typename T> __device__ __forceinline__ T gx_shfl_xor(T v, int o) { return __shfl_xor_sync(0xffffffffu, v, o); }
+// Reduce v over the CTA (every thread gets the result): a warp shuffle reduction, then each
+// thread combines the warps' partials from shared memory. Every thread of the CTA must call it
+// (two barriers; the first keeps a previous call's readers from seeing this call's partials).
+template <typename T, typename F> __device__ __forceinline__ T gx_block_reduce(T v, F f) {
+  __shared__ T gx_red[32];
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = f(v, __shfl_xor_sync(0xffffffffu, v, o));
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0) gx_red[threadIdx.x >> 5] = v;
+  __syncthreads();
+  T r = gx_red[0];
+#pragma unroll
+  for (int w = 1; w < GX_NWARPS; ++w) r = f(r, gx_red[w]);
+  return r;
+}
 __device__ __forceinline__ float gx_inf() { return __int_as_float(0x7f800000); }
 __device__ __forceinline__ float gx_nan() { return __int_as_float(0x7fc00000); }
 #endif

@@ -85,7 +85,9 @@ def generate(op: Op, g: Graph, bufs: Any) -> dict[str, Any]:
                                   f"{' [' + op.source + ']' if op.source else ''}")
     ctx = Ctx(op, g, bufs)
     fn(ctx)
-    params = ", ".join(f"{ct} {name}" if r.startswith(LEN_PREFIX) else f"{ct}* {name}"
+    # one parameter per root buffer, and no two roots share memory: every pointer is restrict,
+    # so that the compiler may issue an unrolled loop's loads before the earlier iterations' stores
+    params = ", ".join(f"{ct} {name}" if r.startswith(LEN_PREFIX) else f"{ct}* __restrict__ {name}"
                        for (name, ct, _), r in zip(ctx.params, ctx.roots))
     shapes = "; ".join(f"{ctx.dtype(t)}{list(ctx.shape(t))}".replace("torch.", "")
                        for t in list(op.inputs.values()) + list(op.outputs.values()))

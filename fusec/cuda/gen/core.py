@@ -267,8 +267,10 @@ class Ctx:
         return out
 
     def loop(self, n: int | str, var: str, ix: str) -> str:
-        """Opening line of the CTA-strided loop ``for var in range(n)`` (close it with ``}``)."""
-        return f"for ({ix} {var} = threadIdx.x; {var} < {n}; {var} += blockDim.x) {{"
+        """Opening line of the CTA-strided loop ``for var in range(n)`` (close it with ``}``); the
+        stride is the CTA's thread count as a constant (``GX_NTHREADS``), so a static ``n`` gives a
+        static trip count that the compiler unrolls (several loads in flight per thread)."""
+        return f"for ({ix} {var} = threadIdx.x; {var} < {n}; {var} += GX_NTHREADS) {{"
 
     def body(self) -> str:
         """The emitted lines, each :meth:`coords` block written out with only the coordinates

@@ -47,8 +47,10 @@ static const GxDim threadIdx = {0, 0, 0}, blockDim = {1, 1, 1};
 #define GX_NLANES 1
 #define GX_WARP 0
 #define GX_NWARPS 1
+#define GX_NTHREADS 1
 #define GX_SYNC() do { } while (0)
 template <typename T> inline T gx_shfl_xor(T v, int) { return v; }
+template <typename T, typename F> inline T gx_block_reduce(T v, F) { return v; }
 inline float gx_inf() { return std::numeric_limits<float>::infinity(); }
 inline float gx_nan() { return std::numeric_limits<float>::quiet_NaN(); }
 inline float rsqrtf(float x) { return 1.f / sqrtf(x); }
