@@ -287,9 +287,9 @@ def _causal_counter(g: Graph, mask: str, dep, ctrs, weights) -> str | None:
         if m.dtype == torch.bool:
             if not torch.equal(m, want):
                 return None
-        elif not (torch.all(m[want] == 0) and torch.all(torch.isneginf(m[~want]))):
-            return None
-    return c
+        elif not (torch.all(m[want] == 0) and torch.all(m[~want] <= torch.finfo(m.dtype).min)):
+            return None   # masked rows -inf, or the dtype's lowest (HF's eager mask): softmax gives
+    return c              # them weight 0 either way, as every row keeps its visible row p
 
 
 def run(g: Graph, weights: dict[str, torch.Tensor] | None = None) -> Graph:
