@@ -58,13 +58,16 @@ def supported(kind: str) -> bool:
     return find_emitter(kind) is not None
 
 
-def generate(op: Op, g: Graph, bufs: Any) -> dict[str, Any]:
+def generate(op: Op, g: Graph, bufs: Any, ranged: bool = False) -> dict[str, Any]:
     """The CUDA form of ``op``: a ``__device__`` function and the call that runs it.
 
     Args:
         op: an unfused op (``aten.*``, ``prims.*``, ``fusec.sdpa`` or a semantic kind).
         g: its graph (static shapes and dtypes of every tensor).
         bufs: :class:`fusec.cuda.codegen.Buffers` (the pointer expression of each root buffer).
+        ranged: the op runs as tiles of output ranges: the function takes ``int gx_lo, int gx_hi``
+            after its buffers and the call passes the instruction word's ``in.p0, in.p1``
+            (``"range"`` in the result: the output's element count, for a whole-op call).
 
     Returns:
         ``{"fn": "gen", "name", "source", "call", "helpers", "params", "roots", "ctypes"}``:
@@ -83,12 +86,17 @@ def generate(op: Op, g: Graph, bufs: Any) -> dict[str, Any]:
     if fn is None:
         raise NotImplementedError(f"generic op {op.name} ({op.kind}) has no CUDA form"
                                   f"{' [' + op.source + ']' if op.source else ''}")
-    ctx = Ctx(op, g, bufs)
+    ctx = Ctx(op, g, bufs, ranged=ranged)
     fn(ctx)
+    if ranged and not ctx.range_used:
+        raise NotImplementedError(f"generic op {op.name} ({op.kind}) was split into output ranges, but its "
+                                  "CUDA form is not one elementwise loop over its output")
     # one parameter per root buffer, and no two roots share memory: every pointer is restrict,
     # so that the compiler may issue an unrolled loop's loads before the earlier iterations' stores
     params = ", ".join(f"{ct} {name}" if r.startswith(LEN_PREFIX) else f"{ct}* __restrict__ {name}"
                        for (name, ct, _), r in zip(ctx.params, ctx.roots))
+    if ranged:
+        params += ", int gx_lo, int gx_hi"
     shapes = "; ".join(f"{ctx.dtype(t)}{list(ctx.shape(t))}".replace("torch.", "")
                        for t in list(op.inputs.values()) + list(op.outputs.values()))
     body = ctx.body()
@@ -97,11 +105,11 @@ def generate(op: Op, g: Graph, bufs: Any) -> dict[str, Any]:
     name = f"gx_{stem}_{digest}"
     source = (f"// {op.kind}: {shapes}\n"
               f"__device__ __noinline__ void {name}({params}) {{\n{body}\n}}\n")
-    call = f"{name}({', '.join(expr for _, _, expr in ctx.params)})"
+    call = f"{name}({', '.join([expr for _, _, expr in ctx.params] + (['in.p0', 'in.p1'] if ranged else []))})"
     log.debug("generic op %s (%s) -> %s", op.name, op.kind, name)
     return {"fn": "gen", "name": name, "source": source, "call": call, "helpers": HELPERS,
             "params": [expr for _, _, expr in ctx.params], "roots": list(ctx.roots),
-            "ctypes": [ct for _, ct, _ in ctx.params]}
+            "ctypes": [ct for _, ct, _ in ctx.params], "range": ctx.numel(ctx.out) if ranged else None}
 
 
 from fusec.cuda.gen import pointwise, reduce, data, matvec, semantic  # noqa: E402,F401  (register emitters)

@@ -116,10 +116,14 @@ class Ctx:
         op: the op (``aten.*``/``prims.*``/``fusec.*`` with a call template, or a semantic op).
         g: its graph.
         bufs: a :class:`fusec.cuda.codegen.Buffers` (pointer expressions of the root buffers).
+        ranged: the op is split into tiles of output ranges (:func:`fusec.instructions.generic.ranged`):
+            the function takes ``int gx_lo, int gx_hi`` last and its elementwise loop covers the
+            output's flat elements ``[gx_lo, gx_hi)`` only (``range_used`` says the emitter did).
     """
 
-    def __init__(self, op: Op, g: Graph, bufs: Any):
+    def __init__(self, op: Op, g: Graph, bufs: Any, ranged: bool = False):
         self.op, self.g, self.bufs = op, g, bufs
+        self.ranged, self.range_used = ranged, False
         self.params: list[tuple[str, str, str]] = []    # (param name, C type, pointer expression)
         self.roots: list[str] = []                      # root buffer of each parameter
         self._param_of: dict[str, str] = {}             # root tensor -> param name

@@ -107,6 +107,8 @@ def build(gens: list[dict], workdir: str | Path | None = None) -> ctypes.CDLL:
             parts.append(gen["source"])
         args = ", ".join(f"(int)(long long)p[{j}]" if r.startswith(LEN_PREFIX) else f"({ct}*)p[{j}]"
                          for j, (ct, r) in enumerate(zip(gen["ctypes"], gen["roots"])))
+        if gen.get("range") is not None:   # a range-split op, run whole: elements [0, n)
+            args += f", 0, {gen['range']}"
         parts.append(f'extern "C" void gx_run_{k}(void** p) {{ {gen["name"]}({args}); }}')
     d = Path(workdir or tempfile.mkdtemp(prefix="fusec_host_"))
     src, lib = d / "ops.cpp", d / "ops.so"
@@ -146,6 +148,7 @@ def check_graph(g: Graph, flat_args: list, select=None, workdir=None) -> list[Op
     from fusec.cuda.codegen import Buffers
     from fusec.ir.semantics import run_op
     from fusec.cuda.gen import find_emitter, generate
+    from fusec.instructions.generic import ranged
 
     select = select or (lambda op: find_emitter(op.kind) is not None)
     bufs = Buffers(g)
@@ -153,7 +156,7 @@ def check_graph(g: Graph, flat_args: list, select=None, workdir=None) -> list[Op
     jobs: list[tuple[Op, dict, dict, dict]] = []
     gens = []
     for op in g.ops:
-        gen = generate(op, g, bufs) if select(op) else None
+        gen = generate(op, g, bufs, ranged=ranged(op, g)) if select(op) else None
         before = {r: _snapshot(env, g, r) for r in (gen["roots"] if gen else [])}
         run_op(op, env)
         if gen is None:

@@ -35,11 +35,16 @@ def operand(ctx: Ctx, v: Any, ctype: str) -> Operand:
 
 def elementwise(ctx: Ctx, operands: list[Operand], ctype: str, expr: Callable[..., str],
                 out: str | None = None) -> None:
-    """Emit ``out[i] = expr(*operand values)`` (value in ``ctype``) over ``out``'s shape."""
+    """Emit ``out[i] = expr(*operand values)`` (value in ``ctype``) over ``out``'s shape (over
+    its flat elements ``[gx_lo, gx_hi)`` when ``ctx.ranged``: a tile of a range-split op)."""
     out = out or ctx.out
     oshape = ctx.shape(out)
     ix = ctx.index_type()
-    ctx.emit(ctx.loop(ctx.numel(out), "i", ix))
+    if ctx.ranged and out == ctx.out and not ctx.range_used:
+        ctx.range_used = True
+        ctx.emit(f"for ({ix} i = ({ix})gx_lo + threadIdx.x; i < ({ix})gx_hi; i += GX_NTHREADS) {{")
+    else:
+        ctx.emit(ctx.loop(ctx.numel(out), "i", ix))
     coords = None
     vals = []
     for o in operands:
