@@ -287,7 +287,7 @@ def _causal_counter(g: Graph, mask: str, dep, ctrs, weights) -> str | None:
         if m.dtype == torch.bool:
             if not torch.equal(m, want):
                 return None
-        elif not (torch.all(m[want] == 0) and torch.all(m[~want] <= torch.finfo(m.dtype).min)):
+        elif not (m.is_floating_point() and torch.all(m[want] == 0) and torch.all(m[~want] <= torch.finfo(m.dtype).min)):
             return None   # masked rows -inf, or the dtype's lowest (HF's eager mask): softmax gives
     return c              # them weight 0 either way, as every row keeps its visible row p
 

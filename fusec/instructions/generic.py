@@ -182,8 +182,8 @@ class Generic(Instruction):
         if "rows" not in tile.params:
             run_op(op, env)
             return
-        # a range tile: the op computed whole, then only elements [lo, hi) of its output written,
-        # so that a consumer reading the rest before the other tiles ran still reads poison
+        # a range tile: the op computed whole, then only elements [lo, hi) of its output written
+        # (the rest keeps what it held: poison at the first step), as the kernel's tile does
         out = op.outputs["out"]
         root = env.g.root(out)
         kept = env.bufs.get(root)
