@@ -147,6 +147,19 @@ def _captured(model):
     return step_util.capture(model, dict(input_ids=torch.tensor([[4]]), past_key_values=cache, use_cache=True))
 
 
+_CAPTURED: dict = {}
+
+
+def _captured_family(family: str):
+    """(model, :func:`_captured` of it) for hf_tiny's ``family`` with seed 0, captured once for
+    the tests of this file that ask for it (they only read the graph and the inputs: lowering
+    copies the graph, the step runs on clones of the caches)."""
+    if family not in _CAPTURED:
+        model = getattr(hf_tiny, family)(seed=0)
+        _CAPTURED[family] = (model, _captured(model))
+    return _CAPTURED[family]
+
+
 def _decode(model, options, n=2, seed=3):
     """n compiled decode steps against eager; returns the max relative error."""
     vocab = model.config.vocab_size
@@ -212,9 +225,8 @@ def test_recorded_values_are_the_weights_the_passes_read(cache_on):
     """Llama: only inv_freq (its norm weights are read by the kernel at run time); Gemma: inv_freq,
     the norm weights of its (1 + w) constants and the 0-d embedding scale (a literal of the
     multiplication, fold_constants)."""
-    for factory, small in ((hf_tiny.llama, {"inv_freq"}), (hf_tiny.gemma, {"inv_freq", "norm", "embed_scale"})):
-        model = factory(seed=0)
-        _, g, flat = _captured(model)
+    for family, small in (("llama", {"inv_freq"}), ("gemma", {"inv_freq", "norm", "embed_scale"})):
+        model, (_, g, flat) = _captured_family(family)
         opts = Options.from_dict({"num_sms": 8})
         from fusec.pipeline import Dumper
         artifacts.lowered(g, flat, opts, Dumper(None), codegen=False)
@@ -223,7 +235,7 @@ def test_recorded_values_are_the_weights_the_passes_read(cache_on):
         read = [named.get(id(flat[g.inputs.index(n)]), n) for n in art["values"]]
         assert read, "no value recorded"
         assert all(any(s in n for s in small) for n in read), read
-        if factory is hf_tiny.llama:
+        if family == "llama":
             assert all("inv_freq" in n for n in read), read
 
 
@@ -384,8 +396,7 @@ def test_every_family_round_trips(cache_on, family):
     from fusec.cuda.codegen import render
     from fusec.pipeline import Dumper
     from fusec.sim import Simulator
-    model = getattr(hf_tiny, family)(seed=0)
-    aten_gm, g, flat = _captured(model)
+    _, (aten_gm, g, flat) = _captured_family(family)
     opts = Options.from_dict({"num_sms": 8})
     fresh, plan = artifacts.lowered(g, flat, opts, Dumper(None), codegen=True)
     key = artifacts.artifact_key(g, opts)
@@ -569,8 +580,7 @@ def test_entry_tensors_are_safetensors(cache_on):
     the file, and the pickle beside it only refers to them."""
     from safetensors.torch import load
     from fusec.pipeline import Dumper
-    model = hf_tiny.llama(seed=0)
-    _, g, flat = _captured(model)
+    _, (_, g, flat) = _captured_family("llama")
     opts = Options.from_dict({"num_sms": 8})
     fresh, _ = artifacts.lowered(g, flat, opts, Dumper(None), codegen=False)
     data = artifacts.ArtifactCache.for_options(opts).path(artifacts.artifact_key(g, opts)).read_bytes()

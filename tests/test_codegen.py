@@ -14,8 +14,21 @@ from fusec.cuda.knobs import LATENCY_KNOBS_OFF
 from fusec.cuda.jit import compile_cuda, compile_ptx
 
 
+_STEPS: dict = {}
+
+
 def _tiny_decode_step(factory, dtype, num_sms, **options):
-    """compile_model result of one decode step of a tiny HF model after a 3-token prefill."""
+    """compile_model result of one decode step of a tiny HF model after a 3-token prefill.
+
+    Tests that ask for the same factory, dtype, SM count and options share one compile (a
+    capture costs about a second; these tests only render the schedule, which reads it)."""
+    key = (factory, dtype, num_sms, tuple(sorted(options.items())))
+    if key not in _STEPS:
+        _STEPS[key] = _compile_decode_step(factory, dtype, num_sms, **options)
+    return _STEPS[key]
+
+
+def _compile_decode_step(factory, dtype, num_sms, **options):
     model = factory().to(dtype)
     cache = hf_tiny.static_cache(model, 32)
     with torch.no_grad():
@@ -84,11 +97,19 @@ def test_profile_and_defines_render_and_compile(tmp_path):
     k.assert_no_spills()
 
 
+def _llama_64():
+    return hf_tiny.llama(hidden=64, inter=128, heads=8, kv_heads=2, head_dim=64)
+
+
+def _llama_512():
+    return hf_tiny.llama(hidden=512, inter=1024, heads=8, kv_heads=2, head_dim=64)
+
+
 @pytest.mark.parametrize("hidden", [64, 512])
 def test_batched_matvec_paths_render_and_compile(hidden, tmp_path):
     """bf16 rows of 64 (shorter than a warp's 16-byte step) and 512 (the batched path, one
     batch), with 16 loads in flight: the kernel compiles without spills."""
-    factory = lambda: hf_tiny.llama(hidden=hidden, inter=2 * hidden, heads=8, kv_heads=2, head_dim=64)  # noqa: E731
+    factory = _llama_512 if hidden == 512 else _llama_64
     res = _tiny_decode_step(factory, torch.bfloat16, 8)
     plan = render(res.schedule, defines={"FUSEC_LOADS_IN_FLIGHT": 16})
     assert "#define FUSEC_LOADS_IN_FLIGHT 16" in plan.source and "dot_rows<" in plan.source
@@ -183,8 +204,7 @@ def test_early_epilogue_loads_put_the_residual_load_before_the_weight_loads():
     shuffles (one more L2 round trip per tile); on, before its weight loads."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
     import kernel_ptx
-    factory = lambda: hf_tiny.llama(hidden=512, inter=1024, heads=8, kv_heads=2, head_dim=64)  # noqa: E731
-    res = _tiny_decode_step(factory, torch.bfloat16, 8)
+    res = _tiny_decode_step(_llama_512, torch.bfloat16, 8)
     order = {}
     for on in (0, 1):
         ptx = compile_ptx(render(res.schedule, defines={"FUSEC_EARLY_EPILOGUE_LOADS": on}).source)

@@ -77,24 +77,24 @@ def _decode_inputs(name):
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_family_kernels_compile_fused_and_unfused(name, tmp_path):
-    """Default options and max_fusions=0 (nothing fused: every op is a generic instruction)
-    render and compile with NVRTC, no FallbackRequired; with a host compiler, every op of the
-    captured graph and of the unfused lowered graph matches PyTorch on the host."""
+    """Default options (through compile_model) and max_fusions=0 (nothing fused: every op is a
+    generic instruction; the passes run on the captured graph, as compile_model would after the
+    same capture) render and compile with NVRTC, no FallbackRequired; with a host compiler, every
+    op of the captured graph and of the unfused lowered graph matches PyTorch on the host."""
     from fusec.api import compile_model
     from fusec.config import Options
     from fusec.pipeline import Dumper, lower
     model, kw = _decode_inputs(name)
-    for mf in (None, 0):
-        res = compile_model(model, (), kw, {"num_sms": 16, "max_fusions": mf})
-        plan = render(res.schedule)
-        compile_cuda(plan.source, "fusec_step.cu")
-        if mf == 0:
-            kinds = res.graph.count_kinds()
-            assert not {k for k in kinds if k in KINDS} - {"layernorm"}, kinds   # nothing fused
+    fused = compile_model(model, (), kw, {"num_sms": 16, "max_fusions": None}).schedule
+    _, g, flat = step_util.capture(model, kw)
+    unfused = lower(g, flat, Options.from_dict({"num_sms": 16, "max_fusions": 0}), Dumper(None))
+    for sched in (fused, unfused):
+        compile_cuda(render(sched).source, "fusec_step.cu")
+    kinds = unfused.graph.count_kinds()
+    assert not {k for k in kinds if k in KINDS} - {"layernorm"}, kinds   # nothing fused
     if compiler() is None:
         return
-    _, g, flat = step_util.capture(model, kw)
-    low = lower(g, flat, Options.from_dict({"num_sms": 16, "max_fusions": 0}), Dumper(None)).graph
+    low = unfused.graph
     for graph, sub in ((g, "raw"), (low, "low")):
         (tmp_path / sub).mkdir()
         with torch.no_grad():

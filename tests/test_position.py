@@ -26,6 +26,12 @@ def _compile(make, length: int = 48):
                          {"num_sms": 4, "cache": False})
 
 
+@pytest.fixture(scope="module")
+def llama_tables():
+    """The tiny Llama compiled with vmap as it is (the reference of the two tests that change it)."""
+    return _compile(hf_tiny.llama)
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_vmapped_tables_equal_op_by_op_at_every_position(family, monkeypatch):
     real = position._vmapped
@@ -45,9 +51,9 @@ def test_vmapped_tables_equal_op_by_op_at_every_position(family, monkeypatch):
     assert seen and all(seen), f"{family}: a position subgraph was not vmapped ({seen})"
 
 
-def test_a_subgraph_vmap_cannot_run_is_evaluated_op_by_op(monkeypatch):
+def test_a_subgraph_vmap_cannot_run_is_evaluated_op_by_op(monkeypatch, llama_tables):
     """vmap failing (here: forced) leaves the same schedule and tables (within 4 ulps)."""
-    want = _compile(hf_tiny.llama)
+    want = llama_tables
 
     def refuse(fn, *a, **k):
         raise RuntimeError("vmap refused for the test")
@@ -61,10 +67,10 @@ def test_a_subgraph_vmap_cannot_run_is_evaluated_op_by_op(monkeypatch):
         assert position._close(got.schedule.graph.tensors[n].value, v), n
 
 
-def test_small_vmap_chunks_give_the_same_tables(monkeypatch):
+def test_small_vmap_chunks_give_the_same_tables(monkeypatch, llama_tables):
     """Chunked vmap (bounded intermediates for long caches) changes nothing: chunks of one
     position's targets give the tables of one batched call."""
-    want = _compile(hf_tiny.llama)
+    want = llama_tables
     monkeypatch.setattr(position, "VMAP_CHUNK_BYTES", 1)
     real, used = position._vmapped, []
     monkeypatch.setattr(position, "_vmapped", lambda *a: used.append(real(*a)) or used[-1])
