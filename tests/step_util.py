@@ -79,3 +79,28 @@ def tiny_on_gpu(factory, dtype, max_len=64, prompt=5):
     with torch.no_grad():
         model(input_ids=torch.randint(0, 128, (1, prompt), device="cuda"), past_key_values=cache, use_cache=True)
     return model, cache
+
+
+def steps_against_eager(model, vocab: int, seed: int, n: int = 6, device: str = "cuda"):
+    """``n`` decode steps of ``torch.compile(model, backend="fusec")`` (default options) and of
+    eager ``model``, each on its own StaticCache (64 rows) after the same random 5-token prompt,
+    on ``device``: (each step's relative logits error, the FallbackWatch)."""
+    import hf_tiny
+    from fusec.fallbacks import FallbackWatch
+    caches = [hf_tiny.static_cache(model, 64) for _ in range(2)]
+    gen = torch.Generator().manual_seed(seed)
+    p = torch.randint(0, vocab, (1, 5), generator=gen).to(device)
+    with torch.no_grad():
+        for c in caches:
+            model(input_ids=p, past_key_values=c)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fusec")
+    errs = []
+    with FallbackWatch() as w, torch.no_grad():
+        for _ in range(n):
+            t = torch.randint(0, vocab, (1, 1), generator=gen).to(device)
+            a = compiled(input_ids=t, past_key_values=caches[0]).logits.double()
+            b = model(input_ids=t, past_key_values=caches[1]).logits.double()
+            errs.append(((a - b).norm() / b.norm()).item())
+    torch._dynamo.reset()
+    return errs, w

@@ -129,23 +129,7 @@ def test_split_ops_generated_code_on_the_host_and_nvrtc(tmp_path):
 def test_split_ops_on_the_gpu_match_eager():
     """Six decode steps of the compiled Gemma-2 (fp32, default options, one megakernel) against
     eager: relative logits error ≤ 1e-4, no fallback."""
-    from fusec.fallbacks import FallbackWatch
-    model = _gemma2().cuda()
-    caches = [hf_tiny.static_cache(model, 64) for _ in range(2)]
-    gen = torch.Generator().manual_seed(3)
-    p = torch.randint(0, VOCAB, (1, 5), generator=gen).cuda()
-    with torch.no_grad():
-        for c in caches:
-            model(input_ids=p, past_key_values=c)
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend="fusec")
-    errs = []
-    with FallbackWatch() as w, torch.no_grad():
-        for _ in range(6):
-            t = torch.randint(0, VOCAB, (1, 1), generator=gen).cuda()
-            a = compiled(input_ids=t, past_key_values=caches[0]).logits.double()
-            b = model(input_ids=t, past_key_values=caches[1]).logits.double()
-            errs.append(((a - b).norm() / b.norm()).item())
-    torch._dynamo.reset()
+    import step_util
+    errs, w = step_util.steps_against_eager(_gemma2().cuda(), VOCAB, seed=3)
     assert not w.fallbacks and w.compiled >= 1, w.fallbacks
     assert max(errs) <= 1e-4, errs

@@ -71,23 +71,7 @@ def test_olmo2_norms_render_the_block_reduction_and_match_on_the_host(tmp_path):
 def test_olmo2_cta_norms_on_the_gpu_match_eager():
     """Six decode steps of the compiled OLMo-2 (fp32, default options, one megakernel) against
     eager: relative logits error ≤ 1e-4, no fallback."""
-    from fusec.fallbacks import FallbackWatch
-    model = _olmo2_wide().cuda()
-    caches = [hf_tiny.static_cache(model, 64) for _ in range(2)]
-    gen = torch.Generator().manual_seed(2)
-    p = torch.randint(0, 128, (1, 5), generator=gen).cuda()
-    with torch.no_grad():
-        for c in caches:
-            model(input_ids=p, past_key_values=c)
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend="fusec")
-    errs = []
-    with FallbackWatch() as w, torch.no_grad():
-        for _ in range(6):
-            t = torch.randint(0, 128, (1, 1), generator=gen).cuda()
-            a = compiled(input_ids=t, past_key_values=caches[0]).logits.double()
-            b = model(input_ids=t, past_key_values=caches[1]).logits.double()
-            errs.append(((a - b).norm() / b.norm()).item())
-    torch._dynamo.reset()
+    import step_util
+    errs, w = step_util.steps_against_eager(_olmo2_wide().cuda(), 128, seed=2)
     assert not w.fallbacks and w.compiled >= 1, w.fallbacks
     assert max(errs) <= 1e-4, errs
