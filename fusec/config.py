@@ -106,6 +106,7 @@ _RULES = {
     "profile_dir": _path(),
     "profile_step": _int(1),
     "attention_merge": _choice(ATTENTION_MERGES),
+    "chain": _bool(),
     "mode": _choice([m for m in MODES if m is not None], none=True),
     "cache": _bool(),
     "cache_max_mb": _int(0),
@@ -188,6 +189,11 @@ class Options:
             split-KV tile that finishes last, found with an atomic ticket, merges its group) or
             "reduce" (a separate ``attention_reduce`` level after all partial tiles). The default
             "last_tile" measured 1.0-1.4% faster on the H200 (docs/performance.md section 8).
+        chain: run small standalone ops that depend on each other (a norm, RoPE, a cast, a KV
+            write, a residual add outside the fused kinds) as one instruction per sequence on
+            one CTA (:mod:`fusec.passes.chain`) instead of one dependency level each. False
+            keeps one instruction per op (for measuring the difference); so does a set
+            ``max_fusions`` (bisecting the fusions).
         defines: ``#define`` name -> value for the kernel source: the tuning knobs of
             :data:`fusec.cuda.knobs.KNOBS` (``FUSEC_LOADS_IN_FLIGHT``, ``FUSEC_PREFETCH``)
             and their defaults.
@@ -222,6 +228,7 @@ class Options:
     profile_dir: str | None = _opt(None)
     profile_step: int = _opt(3)
     attention_merge: str = _opt("last_tile", lowering=lambda v: v)
+    chain: bool = _opt(True, lowering=bool)
     defines: dict[str, Any] = _opt(None, factory=dict,
                                    lowering=lambda v: sorted((str(k), str(x)) for k, x in v.items()))
     mode: str | None = _opt(None)

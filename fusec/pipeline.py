@@ -2,7 +2,7 @@
 
 ``build_ir`` (capture -> IR) runs when dynamo hands over a graph; ``lower`` runs the passes
 with the real input values at the first call: normalize -> fold_constants -> recognize ->
-check_lengths -> fold_position -> fuse -> tile -> schedule. The IR checker runs after every pass and names the pass that
+check_lengths -> fold_position -> fuse -> chain -> tile -> schedule. The IR checker runs after every pass and names the pass that
 broke an invariant. With ``dump_dir`` set (or ``FUSEC_DUMP``), every stage writes its
 artifact there: ``00_aten.txt``, ``01_ir.txt``, ``02_normalize.txt`` ... ``schedule.json``.
 """
@@ -29,9 +29,9 @@ log = logging.getLogger("fusec")
 
 
 def _passes():
-    from fusec.passes import (check_lengths, fold_constants, fold_position, fuse, normalize, recognize,
+    from fusec.passes import (chain, check_lengths, fold_constants, fold_position, fuse, normalize, recognize,
                               schedule, tile)
-    return normalize, fold_constants, recognize, check_lengths, fold_position, fuse, tile, schedule
+    return normalize, fold_constants, recognize, check_lengths, fold_position, fuse, chain, tile, schedule
 
 
 class Dumper:
@@ -155,7 +155,7 @@ def lower(g: Graph, flat_args: list[Any], opts: Options, dump: Dumper,
         value_reads: if given, receives the names of the weights whose values the passes read
             (:class:`ValueReads`).
     """
-    normalize, fold_constants, recognize, check_lengths, fold_position, fuse, tile, schedule = _passes()
+    normalize, fold_constants, recognize, check_lengths, fold_position, fuse, chain, tile, schedule = _passes()
     g = g.copy()
     num_sms = opts.num_sms or 132
     # small weights (inv_freq ...) on the CPU: position tables and masks are evaluated there
@@ -168,6 +168,7 @@ def lower(g: Graph, flat_args: list[Any], opts: Options, dump: Dumper,
         ("check_lengths", check_lengths.run),
         ("fold_position", lambda g: fold_position.run(g, weights)),
         ("fuse", lambda g: fuse.run(g, num_sms, opts.max_fusions, opts.attention_merge)),
+        ("chain", lambda g: chain.run(g) if opts.chain and opts.max_fusions is None else g),
     ]
     for name, fn in stages:
         t0 = time.perf_counter()

@@ -190,13 +190,15 @@ def render(s: Schedule, title: str = "", threads: int = THREADS, profile: bool =
             args = cls.cuda_args(op, g, bufs)
         except NotImplementedError as e:
             raise FallbackRequired(f"no CUDA form: {e}") from None
-        if cls.name not in macros:
-            macros[cls.name] = env.get_template(f"{cls.name}.cu.j2").module
+        # the kinds whose definitions the call needs (a chain's members' kinds), then its own
+        for name in [*args.get("uses", ()), cls.name]:
+            if name not in macros:
+                macros[name] = env.get_template(f"{name}.cu.j2").module
         mod = macros[cls.name]
-        if "source" in args:
-            gen_sources.setdefault(args["name"], args["source"])
-            if args.get("helpers") and args["helpers"] not in gen_helpers:
-                gen_helpers.append(args["helpers"])
+        for gen in args.get("sources", [args] if "source" in args else []):
+            gen_sources.setdefault(gen["name"], gen["source"])
+            if gen.get("helpers") and gen["helpers"] not in gen_helpers:
+                gen_helpers.append(gen["helpers"])
         pf = mod.prefetch(args).strip() if hasattr(mod, "prefetch") else ""
         early = mod.early(args).strip() if hasattr(mod, "early") else ""
         call = cls.call.text(op, args) if cls.call is not None else mod.call(args).strip()

@@ -130,7 +130,7 @@ class Op:
     def describe(self) -> str:
         ins = ", ".join(f"{k}={v}" for k, v in self.inputs.items())
         outs = ", ".join(f"{k}={v}" for k, v in self.outputs.items())
-        shown = {k: v for k, v in self.attrs.items() if k not in ("target", "args", "kwargs", "group")}
+        shown = {k: v for k, v in self.attrs.items() if k not in ("target", "args", "kwargs", "group", "ops")}
         at = " " + " ".join(f"{k}={_fmt(v)}" for k, v in shown.items()) if shown else ""
         lay = f" L{self.layer}" if self.layer is not None else ""
         return f"{self.name}: {self.kind}({ins}) -> ({outs}){at}{lay}"
@@ -250,10 +250,13 @@ class Graph:
     def op_by_name(self) -> dict[str, Op]:
         return {op.name: op for op in self.ops}
 
-    def count_kinds(self) -> dict[str, int]:
+    def count_kinds(self, members: bool = False) -> dict[str, int]:
+        """Ops per kind; ``members``: a ``chain`` op's member ops counted by their own kinds
+        (and the chain not at all)."""
         out: dict[str, int] = {}
         for op in self.ops:
-            out[op.kind] = out.get(op.kind, 0) + 1
+            for o in (op.attrs["ops"] if members and op.kind == "chain" else [op]):
+                out[o.kind] = out.get(o.kind, 0) + 1
         return dict(sorted(out.items()))
 
     # -- checking and printing ----------------------------------------------------------

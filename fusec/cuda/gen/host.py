@@ -155,7 +155,8 @@ def check_graph(g: Graph, flat_args: list, select=None, workdir=None) -> list[Op
     env = Env(g, [a.detach().clone() if isinstance(a, torch.Tensor) else a for a in flat_args])
     jobs: list[tuple[Op, dict, dict, dict]] = []
     gens = []
-    for op in g.ops:
+    # a chain's members run one by one (each is a generated function of its own)
+    for op in [m for o in g.ops for m in (o.attrs["ops"] if o.kind == "chain" else [o])]:
         gen = generate(op, g, bufs, ranged=ranged(op, g)) if select(op) else None
         before = {r: _snapshot(env, g, r) for r in (gen["roots"] if gen else [])}
         run_op(op, env)
