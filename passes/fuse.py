@@ -12,7 +12,8 @@ Guarantees, with the same values:
 
 * a candidate is applied only if none of its inner ops' fresh outputs (but those the new ops
   take over) is read outside it or is a graph output; its new ops go where the last inner op
-  was, and the inner ops go;
+  was (or the first, for a rule whose new ops read only what exists there: ``Fusion.place``),
+  and the inner ops go;
 * at most one candidate per anchor op is applied (the first private one), and at most
   ``max_fusions`` in all (for bisecting; ``None``: no cap); a candidate that the budget stops
   ends that anchor's turn;
@@ -22,8 +23,9 @@ The rules of the kinds today (docs/pipeline.md, "Instruction kinds"), by priorit
 Q/K/V -> RoPE -> KV write into ``rms_qkv_rope`` (10); attention split into ``attention_partial``
 [+ ``attention_reduce``] (20); RMSNorm -> gate/up -> SiLU/GELU product into ``rms_gate_up_silu``
 (30); linear + residual add into ``matvec_residual`` (40); RMSNorm ->
-linear into ``rms_lm_head`` (50) and its logits' argmax into that op's ``token`` (60); any
-other linear into ``matvec`` (70); ``aten.embedding`` into ``embedding`` (80).
+linear into ``rms_lm_head`` (50) and its logits' argmax into that op's ``token`` (60); sibling
+linears over one input into ``matvec_group`` (65); any other linear into ``matvec`` (70);
+``aten.embedding`` into ``embedding`` (80).
 """
 from __future__ import annotations
 
@@ -53,13 +55,14 @@ def private(c: Ctx, inner: list[Op], keep: tuple[str, ...] = ()) -> bool:
     return True
 
 
-def replace(c: Ctx, inner: list[Op], new: list[Op]) -> None:
-    """Put ``new`` where the last of ``inner`` was; drop ``inner``."""
+def replace(c: Ctx, inner: list[Op], new: list[Op], place: str = "last") -> None:
+    """Put ``new`` where the last (``place="first"``: the first) of ``inner`` was; drop ``inner``."""
     names = {o.name for o in inner}
-    last = max(i for i, o in enumerate(c.g.ops) if o.name in names)
+    at = [i for i, o in enumerate(c.g.ops) if o.name in names]
+    where = at[0] if place == "first" else at[-1]
     ops = []
     for i, o in enumerate(c.g.ops):
-        if i == last:
+        if i == where:
             ops.extend(new)
         if o.name not in names:
             ops.append(o)
@@ -87,7 +90,7 @@ def _apply(c: Ctx, f: Fusion, budget: _Budget) -> bool | None:
         return False
     if not budget.take():
         return None
-    replace(c, f.inner, f.build())
+    replace(c, f.inner, f.build(), f.place)
     return True
 
 

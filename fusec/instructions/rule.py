@@ -57,12 +57,15 @@ class Ctx:
 
 @dataclasses.dataclass
 class Fusion:
-    """One proposed rewrite: ``inner`` ops become ``build()``'s ops (put where the last of
-    ``inner`` was); ``keep``: their outputs that the new ops take over (may be read outside)."""
+    """One proposed rewrite: ``inner`` ops become ``build()``'s ops, put where the last of
+    ``inner`` was (``place="first"``: where the first was, for new ops whose inputs all exist
+    there while an inner op's output is read before the last); ``keep``: their outputs that the
+    new ops take over (may be read outside)."""
 
     inner: list[Op]
     keep: tuple[str, ...]
     build: Callable[[], list[Op]]
+    place: str = "last"
 
 
 @dataclasses.dataclass(frozen=True)

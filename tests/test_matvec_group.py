@@ -1,0 +1,86 @@
+"""Sibling linears over one input vector as one ``matvec_group`` op
+(fusec/instructions/matvec_group.py): which linears group, the op's tiles, the step against
+eager on the simulator, the kernel through NVRTC. The GPU runs groups in the family tests."""
+from __future__ import annotations
+
+import torch
+
+import hf_tiny
+import step_util
+from fusec.instructions.matvec_group import MatvecGroup
+
+
+def _lowered(model, **options):
+    from fusec.config import Options
+    from fusec.pipeline import Dumper, lower
+    cache = hf_tiny.static_cache(model, 32)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, 128, (1, 4), generator=gen), past_key_values=cache, use_cache=True)
+    kw = {"input_ids": torch.randint(0, 128, (1, 1), generator=gen), "past_key_values": cache, "use_cache": True}
+    _, g, flat = step_util.capture(model, kw)
+    return lower(g, flat, Options.from_dict({"num_sms": 16, **options}), Dumper(None))
+
+
+def test_olmo2_qkv_and_gate_up_are_groups_placed_at_the_first_linear():
+    """OLMo-2 (no pre-norm: no norm-fused kind takes its linears): per layer q/k/v is one group
+    of three and gate/up one of two; q's norm reads q before k's linear in program order, so
+    the group sits where q's linear was; nothing else is a plain matvec but O and down."""
+    s = _lowered(hf_tiny.olmo2())
+    g = s.graph
+    groups = [o for o in g.ops if o.kind == "matvec_group"]
+    H, KV, I = 64, 32, 96   # 4 query heads and 2 KV heads of 16
+    assert [o.attrs["rows"] for o in groups] == [[H, KV, KV], [I, I]] * 2
+    assert sum(o.kind == "matvec" for o in g.ops) == 4   # O and down, two layers
+    pos = {name: i for i, o in enumerate(g.ops) for name in [o.name]}
+    for grp in groups:   # every reader of a member output comes after the group
+        outs = {g.root(t) for t in grp.outputs.values()}
+        for o in g.ops[:pos[grp.name]]:
+            assert not outs & {g.root(t) for t in o.reads()}
+
+
+def test_group_tiles_cover_every_row_once_across_weights():
+    s = _lowered(hf_tiny.olmo2())
+    g = s.graph
+    for grp in (o for o in g.ops if o.kind == "matvec_group"):
+        tiles = MatvecGroup.tiles(grp, g, 7)
+        written = {}
+        for t in tiles:
+            for w in t.writes:
+                written.setdefault(w.tensor, []).append((w.start, w.stop))
+        for j, n in enumerate(grp.attrs["rows"]):
+            spans = sorted(written[g.root(grp.outputs[f"out{j}"])])
+            assert spans[0][0] == 0 and spans[-1][1] == n
+            assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+        assert sum(t.weight_bytes for t in tiles) == sum(g.tensors[grp.inputs[f"w{j}"]].nbytes
+                                                         for j in range(len(grp.attrs["rows"])))
+
+
+def test_group_tiles_compute_each_linear():
+    """A group's tiles (ranges crossing from one weight to the next) compute each linear's
+    ``W_j @ x`` (fresh random x and weights; fp32, so up to the order of the sums)."""
+    from fusec.ir.env import Env
+    model = hf_tiny.olmo2()
+    s = _lowered(model)
+    g = s.graph
+    grp = next(o for o in g.ops if o.kind == "matvec_group")
+    gen = torch.Generator().manual_seed(3)
+    env = Env(g, [None] * len(g.inputs))
+    env.bufs[g.root(grp.inputs["x"])] = torch.randn(g.tensors[grp.inputs["x"]].numel, generator=gen)
+    for j in range(3):
+        w = grp.inputs[f"w{j}"]
+        env.bufs[g.root(w)] = torch.randn(g.tensors[w].shape, generator=gen)
+    for t in MatvecGroup.tiles(grp, g, 5):
+        MatvecGroup.run_tile(grp, t, env)
+    for j in range(3):
+        want = env.read(grp.inputs[f"w{j}"]).float() @ env.read(grp.inputs["x"]).reshape(-1).float()
+        got = env.read(grp.outputs[f"out{j}"]).reshape(-1)
+        torch.testing.assert_close(got, want.to(got.dtype), rtol=1e-5, atol=1e-5)   # fp32: summation order
+
+
+def test_group_kernel_compiles():
+    from fusec.cuda.codegen import render
+    from fusec.cuda.jit import compile_cuda
+    plan = render(_lowered(hf_tiny.olmo2().to(torch.bfloat16)))
+    assert "matvec_group<" in plan.source
+    compile_cuda(plan.source, "fusec_step.cu")
