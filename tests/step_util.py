@@ -44,6 +44,20 @@ def capture(model, kwargs):
     return got[0]
 
 
+def lowered(model, **options):
+    """The schedule of ``model``'s decode step (a 32-row StaticCache prefilled with 4 random
+    tokens, then one random token) lowered with ``num_sms=16`` and ``options``."""
+    import hf_tiny
+    from fusec.pipeline import lower
+    cache = hf_tiny.static_cache(model, 32)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, 128, (1, 4), generator=gen), past_key_values=cache, use_cache=True)
+    kw = {"input_ids": torch.randint(0, 128, (1, 1), generator=gen), "past_key_values": cache, "use_cache": True}
+    _, g, flat = capture(model, kw)
+    return lower(g, flat, Options.from_dict({"num_sms": 16, **options}), Dumper(None))
+
+
 def build(g, flat, **options):
     from fusec.runtime.cuda_build import build_cuda_step
     step, sched = build_cuda_step(g, flat, Options.from_dict(options), Dumper(None))

@@ -98,16 +98,7 @@ def test_two_dependencies_at_the_same_depth_start_no_chain():
 
 def _olmo2_layers(chain: bool):
     """The lowered bf16 OLMo-2 (its RoPE computes in fp32: a cast before the cache) of 2 layers."""
-    model = hf_tiny.olmo2().to(torch.bfloat16)
-    cache = hf_tiny.static_cache(model, 32)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        model(input_ids=torch.randint(0, 128, (1, 4), generator=gen), past_key_values=cache, use_cache=True)
-    kw = {"input_ids": torch.randint(0, 128, (1, 1), generator=gen), "past_key_values": cache, "use_cache": True}
-    _, g, flat = step_util.capture(model, kw)
-    from fusec.config import Options
-    from fusec.pipeline import Dumper, lower
-    return lower(g, flat, Options.from_dict({"num_sms": 16, "chain": chain}), Dumper(None))
+    return step_util.lowered(hf_tiny.olmo2().to(torch.bfloat16), chain=chain)
 
 
 def test_olmo2_norm_rope_cast_write_and_post_norm_add_are_chains():

@@ -10,23 +10,11 @@ import step_util
 from fusec.instructions.matvec_group import MatvecGroup
 
 
-def _lowered(model, **options):
-    from fusec.config import Options
-    from fusec.pipeline import Dumper, lower
-    cache = hf_tiny.static_cache(model, 32)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        model(input_ids=torch.randint(0, 128, (1, 4), generator=gen), past_key_values=cache, use_cache=True)
-    kw = {"input_ids": torch.randint(0, 128, (1, 1), generator=gen), "past_key_values": cache, "use_cache": True}
-    _, g, flat = step_util.capture(model, kw)
-    return lower(g, flat, Options.from_dict({"num_sms": 16, **options}), Dumper(None))
-
-
 def test_olmo2_qkv_and_gate_up_are_groups_placed_at_the_first_linear():
     """OLMo-2 (no pre-norm: no norm-fused kind takes its linears): per layer q/k/v is one group
     of three and gate/up one of two; q's norm reads q before k's linear in program order, so
     the group sits where q's linear was; nothing else is a plain matvec but O and down."""
-    s = _lowered(hf_tiny.olmo2())
+    s = step_util.lowered(hf_tiny.olmo2())
     g = s.graph
     groups = [o for o in g.ops if o.kind == "matvec_group"]
     H, KV, I = 64, 32, 96   # 4 query heads and 2 KV heads of 16
@@ -40,7 +28,7 @@ def test_olmo2_qkv_and_gate_up_are_groups_placed_at_the_first_linear():
 
 
 def test_group_tiles_cover_every_row_once_across_weights():
-    s = _lowered(hf_tiny.olmo2())
+    s = step_util.lowered(hf_tiny.olmo2())
     g = s.graph
     for grp in (o for o in g.ops if o.kind == "matvec_group"):
         tiles = MatvecGroup.tiles(grp, g, 7)
@@ -61,7 +49,7 @@ def test_group_tiles_compute_each_linear():
     ``W_j @ x`` (fresh random x and weights; fp32, so up to the order of the sums)."""
     from fusec.ir.env import Env
     model = hf_tiny.olmo2()
-    s = _lowered(model)
+    s = step_util.lowered(model)
     g = s.graph
     grp = next(o for o in g.ops if o.kind == "matvec_group")
     gen = torch.Generator().manual_seed(3)
@@ -81,6 +69,6 @@ def test_group_tiles_compute_each_linear():
 def test_group_kernel_compiles():
     from fusec.cuda.codegen import render
     from fusec.cuda.jit import compile_cuda
-    plan = render(_lowered(hf_tiny.olmo2().to(torch.bfloat16)))
+    plan = render(step_util.lowered(hf_tiny.olmo2().to(torch.bfloat16)))
     assert "matvec_group<" in plan.source
     compile_cuda(plan.source, "fusec_step.cu")
