@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: venv demo test wheel-check bench bench-chat bench-families clean
+.PHONY: venv demo test wheel-check bench bench-chat bench-families bench-families-2 clean
 
 venv: $(VENV)/.stamp
 
@@ -41,9 +41,16 @@ bench:
 bench-chat:
 	PYTHONPATH=. $(RUN_PY) benchmarks/chat.py --example $(MODEL) --out build/chat-$(basename $(notdir $(MODEL))).json
 
-# fusec vs HF eager per decoder family (published widths, 2 layers); GPU machine only, as bench
+# fusec vs HF eager and inductor per decoder family at the published widths and full depth
+# (prefill 600, StaticCache 1024; floor, share, excess per layer); GPU machine only, as bench.
+# All families take long on one GPU: FAMILIES=llama,gemma2 runs a subset. bench-families-2: the
+# README table's older setting, 2 decoder layers each, StaticCache 512, prefill 16
+FAMILIES ?=
+FAMILIES_ARG = $(if $(FAMILIES),--families $(FAMILIES))
 bench-families:
-	PYTHONPATH=. $(RUN_PY) benchmarks/families.py --out build/families-bench.json
+	PYTHONPATH=. $(RUN_PY) benchmarks/families.py $(FAMILIES_ARG) --out build/families-bench.json
+bench-families-2:
+	PYTHONPATH=. $(RUN_PY) benchmarks/families.py --layers 2 --prefill 16 --max-cache-len 512 $(FAMILIES_ARG) --out build/families-bench-2.json
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache
