@@ -69,7 +69,7 @@ class CompileResult:
 
     def summary(self) -> dict[str, Any]:
         s = self.schedule.summary(self.opts.bandwidth)
-        s["fused_ops_by_kind"] = self.graph.count_kinds()
+        s["fused_ops_by_kind"] = self.graph.count_kinds(members=False)
         s["layer_balance"] = self.schedule.layer_balance()
         s["simulated"] = self.simulated
         return s

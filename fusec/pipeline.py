@@ -188,6 +188,6 @@ def lower(g: Graph, flat_args: list[Any], opts: Options, dump: Dumper,
 
 
 def _top(g: Graph) -> str:
-    kinds = g.count_kinds()
+    kinds = g.count_kinds(members=False)
     top = sorted(kinds.items(), key=lambda kv: -kv[1])[:4]
     return ", ".join(f"{k}×{v}" for k, v in top)

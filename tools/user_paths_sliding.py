@@ -21,7 +21,7 @@ def main() -> None:
     from transformers import StaticCache
     from transformers.generation import CompileConfig
     torch.set_grad_enabled(False)
-    model, label = families.build("mistral_sw", "published", "cuda")
+    model, label = families.build("mistral_sw", "published", "cuda", layers=2)
     model.generation_config.pad_token_id = 0
     prompt = torch.randint(1, 32000, (1, 8), generator=torch.Generator().manual_seed(0)).cuda()
     ref = model.generate(prompt, max_new_tokens=24, do_sample=False, cache_implementation="static")

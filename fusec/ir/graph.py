@@ -250,9 +250,9 @@ class Graph:
     def op_by_name(self) -> dict[str, Op]:
         return {op.name: op for op in self.ops}
 
-    def count_kinds(self, members: bool = False) -> dict[str, int]:
-        """Ops per kind; ``members``: a ``chain`` op's member ops counted by their own kinds
-        (and the chain not at all)."""
+    def count_kinds(self, members: bool = True) -> dict[str, int]:
+        """Ops per kind as they compute: a ``chain`` op's member ops counted by their own kinds
+        (the chain not at all); ``members=False``: the graph's own ops (a chain as one)."""
         out: dict[str, int] = {}
         for op in self.ops:
             for o in (op.attrs["ops"] if members and op.kind == "chain" else [op]):
