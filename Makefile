@@ -18,7 +18,8 @@ demo: venv
 	$(BIN)/fusec compile examples/llama_3_2_1b.py -o build/demo --simulate --emit-cuda --run
 
 # on every core (pytest-xdist), each test file on one worker (a file's tests may build on each
-# other: the README's blocks run in order)
+# other: the README's blocks run in order); the fuzz file's independent tests are handed out one
+# by one (tests/conftest.py, INDEPENDENT_FILES)
 test: venv
 	$(BIN)/python -m pytest -q -n auto --dist loadfile
 

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from fusec.frontend.capture import aten_capture, check_decode_step
+from fusec.frontend.counters import counters_specialized
 from fusec.config import Options
 from fusec.errors import CaptureError, FusecError, SimulationMismatchError
 from fusec.ir import Graph, Role
@@ -153,7 +154,7 @@ def compile_model(model: torch.nn.Module, args: tuple, kwargs: dict | None = Non
 
     torch._dynamo.reset()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), counters_specialized():   # one call: its counters' values
             torch.compile(model, backend=backend, fullgraph=True)(*args, **(kwargs or {}))
     except FusecError:
         raise

@@ -1,3 +1,4 @@
+import gc
 import os
 import sys
 
@@ -28,6 +29,44 @@ sys.path.insert(0, os.path.dirname(__file__))
 # The artifact cache (fusec/runtime/artifacts.py) is off in the tests, so that no test depends on
 # what an earlier run left in ~/.cache/fusec; tests/test_artifact_cache.py turns it on itself.
 os.environ.setdefault("FUSEC_CACHE", "0")
+
+
+#: test files whose tests share nothing and may run in any order (each builds its own model):
+#: pytest_xdist_make_scheduler hands them to the workers one test at a time
+INDEPENDENT_FILES = ("test_fuzz_configs.py",)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile``, but the tests of :data:`INDEPENDENT_FILES` are scheduled one by one.
+    xdist hands out the files with the most tests first, so these single tests come last and
+    fill both workers to the end: as one file on one worker, the 200 fuzz configurations (a
+    third of the suite's CPU time) would bound ``make test`` once the rest takes less."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class Scheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file = super()._split_scope(nodeid)
+            return nodeid if os.path.basename(file) in INDEPENDENT_FILES else file
+
+    return Scheduling(config, log)
+
+
+def pytest_collection_finish(session):
+    """Python's cyclic garbage collector, tuned for this suite on a machine without a GPU: the
+    objects alive after collection (torch's, transformers' and the test modules') are frozen out
+    of it, and it runs after 100000 new objects instead of 700. A compile makes millions of
+    short-lived objects, and each collection of the oldest generation walked every live one
+    (0.1-0.2 s): the collector took 10-15% of the suite's CPU time (fusec.pipeline.gc_paused is
+    the same trade in the passes). About 100 MB more per worker. With a GPU the defaults stay: a
+    step's device memory goes back only when the collector frees it."""
+    if torch.cuda.is_available():
+        return
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(100_000, 20, 20)
 
 
 def pytest_collection_modifyitems(config, items):

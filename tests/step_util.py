@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from fusec.frontend.capture import aten_capture
+from fusec.frontend.counters import counters_specialized
 from fusec.ir import Graph, Op, Ref, Role, TensorInfo
 from fusec.config import Options
 from fusec.frontend.from_fx import graph_from_aten
@@ -38,7 +39,7 @@ def capture(model, kwargs):
         return aten_capture(gm, ex, compiler)
 
     torch._dynamo.reset()
-    with torch.no_grad():
+    with torch.no_grad(), counters_specialized():
         torch.compile(model, backend=backend, fullgraph=True)(**kwargs)
     torch._dynamo.reset()
     return got[0]

@@ -76,17 +76,25 @@ def _decode_inputs(name):
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-def test_family_kernels_compile_fused_and_unfused(name, tmp_path):
+def test_family_kernels_compile_fused_and_unfused(name, tmp_path, monkeypatch):
     """Default options (through compile_model) and max_fusions=0 (nothing fused: every op is a
-    generic instruction; the passes run on the captured graph, as compile_model would after the
-    same capture) render and compile with NVRTC, no FallbackRequired; with a host compiler, every
-    op of the captured graph and of the unfused lowered graph matches PyTorch on the host."""
+    generic instruction; the passes run on the graph compile_model captured, as compile_model
+    would) render and compile with NVRTC, no FallbackRequired; with a host compiler, every op of
+    the captured graph and of the unfused lowered graph matches PyTorch on the host."""
     from fusec.api import compile_model
     from fusec.config import Options
     from fusec.pipeline import Dumper, lower
+    from fusec.runtime import artifacts
     model, kw = _decode_inputs(name)
+    captured = []   # compile_model's captured IR and flat inputs: one capture (~1 s) serves both
+    lowered = artifacts.lowered
+
+    def keep(g, flat, *args, **kwargs):
+        captured.append((g, list(flat)))
+        return lowered(g, flat, *args, **kwargs)
+    monkeypatch.setattr(artifacts, "lowered", keep)
     fused = compile_model(model, (), kw, {"num_sms": 16, "max_fusions": None}).schedule
-    _, g, flat = step_util.capture(model, kw)
+    ((g, flat),) = captured
     unfused = lower(g, flat, Options.from_dict({"num_sms": 16, "max_fusions": 0}), Dumper(None))
     for sched in (fused, unfused):
         compile_cuda(render(sched).source, "fusec_step.cu")

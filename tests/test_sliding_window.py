@@ -43,7 +43,7 @@ def _steps_against_eager(model, prompt_len: int, n: int, seed: int):
 def test_family_matches_eager_with_one_kernel(name, steps):
     """8 decode steps against eager with no fallback and ONE kernel for all of them: a
     sliding-window family's Python token counter is symbolic from the first trace
-    (``fusec.frontend.backend.mark_cache_counters_dynamic``), so dynamo does not specialize the
+    (``fusec.frontend.counters.mark_cache_counters_dynamic``), so dynamo does not specialize the
     first step on its value and compile a second step at the next call."""
     _decode_against_eager(FAMILIES[name](), n=8)
     assert len(steps) == 1, len(steps)
@@ -142,3 +142,27 @@ def test_counter_uses_stay_correct(extra):
     torch._dynamo.reset()
     assert cc.count == ce.count == 23
     assert w.fallbacks, "both run some steps outside fusec"
+
+
+def test_one_call_captures_after_the_backend_specialize_the_counter(steps):
+    """After ``torch.compile(backend="fusec")`` made the token counter symbolic for this process,
+    fusec's one-call captures (``fusec.api.compile_model``, the CLI's path) still specialize it
+    (``fusec.frontend.counters.counters_specialized``): they lowered to NotLengthPolymorphic on
+    Gemma-2, Gemma-3 and Mistral with a window before (CI of the nineteenth session), and the
+    backend's setting is back in place after them."""
+    import step_util
+    from fusec.api import compile_model
+    from fusec.frontend.counters import CACHE_COUNTER_SOURCES
+    model = hf_tiny.gemma2()
+    _decode_against_eager(model, n=2)
+    assert len(steps) == 1
+    assert CACHE_COUNTER_SOURCES in torch.compiler.config.dynamic_sources
+    sched = step_util.lowered(model)
+    assert sched.instrs
+    cache = hf_tiny.static_cache(model, 32)
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, 128, (1, 3)), past_key_values=cache, use_cache=True)
+    res = compile_model(model, (), {"input_ids": torch.randint(0, 128, (1, 1)), "past_key_values": cache,
+                                    "use_cache": True}, {"num_sms": 8})
+    assert res.schedule.instrs
+    assert CACHE_COUNTER_SOURCES in torch.compiler.config.dynamic_sources

@@ -18,6 +18,7 @@ from fusec.frontend import warm
 from fusec.frontend.capture import aten_capture, check_decode_step, dynamo_seconds, mark_model_tensors
 from fusec.frontend.host_scalars import HostSplit, split_host_scalars
 from fusec.frontend import symbolic
+from fusec.frontend.counters import mark_cache_counters_dynamic
 from fusec.runtime.compiled import CompiledStep
 from fusec.config import Options
 from fusec.errors import CapacityExceeded, FallbackRequired, FusecError, NotLengthPolymorphic
@@ -26,27 +27,8 @@ from fusec.pipeline import Dumper, build_ir
 
 log = logging.getLogger("fusec")
 
-#: dynamo source names of the Python ints HF's sliding-window cache layers count tokens in
-#: (``StaticSlidingWindowLayer.cumulative_length_int``, transformers 5)
-CACHE_COUNTER_SOURCES = r".*\.cumulative_length_int$"
-
-
-def mark_cache_counters_dynamic() -> None:
-    """Have dynamo trace HF's sliding-window token counters as symbolic ints from the first
-    call (``torch.compiler.config.dynamic_sources``, a regex of source names), so a model with
-    sliding-window layers (Gemma-2/3, Mistral) is traced and compiled once: with the counter
-    specialized, the first decode call compiled a step for its one value and the second call
-    compiled again with the counter symbolic (two fusec compiles per process, measured on
-    Gemma-2-2B). Runs when this backend module is imported (``torch.compile`` looks up
-    ``backend="fusec"`` before it traces); it appends to what the user set there and touches
-    only sources named ``....cumulative_length_int``."""
-    cfg = torch.compiler.config
-    have = [s for s in cfg.dynamic_sources.replace(" ", "").split(",") if s]
-    if CACHE_COUNTER_SOURCES not in have:
-        cfg.dynamic_sources = ",".join(have + [CACHE_COUNTER_SOURCES])
-
-
 mark_cache_counters_dynamic()
+
 
 def _target(example_inputs: list[Any], opts: Options) -> str:
     if opts.target:

@@ -7,6 +7,7 @@ and position counters remain in-place writes of the caller's tensors. SDPA is sw
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import re
 import time
@@ -146,8 +147,29 @@ def aten_capture(gm: torch.fx.GraphModule, example_inputs: list[Any],
     # imported here: 0.2-0.5 s of torch modules that a warm start (AOT skipped) never needs
     from torch._functorch.aot_autograd import aot_module_simplified
     return aot_module_simplified(gm2, example_inputs, fw_compiler=fw,
-                                 decompositions=core_aten_decompositions(),
+                                 decompositions=decompositions(),
                                  keep_inference_input_mutations=True)
+
+
+def decompositions() -> dict:
+    """``core_aten_decompositions()`` as a plain dict, a new one per call (AOT autograd only reads
+    it, a caller may change its own). Building and materializing torch's table takes 50-100 ms, on
+    every compile; it is built once per state of what it is made from: torch's Python
+    decompositions, the operators with a CompositeImplicitAutograd kernel and the ops loaded in the
+    ``torch.ops`` namespaces other than aten (a custom op registered later is in the next table, as
+    it was before)."""
+    from torch._decomp import global_decomposition_table
+    cia = torch._C._dispatch_get_registrations_for_dispatch_key("CompositeImplicitAutograd")
+    namespaces = tuple((name, len(getattr(getattr(torch.ops, name), "_dir", ())))
+                       for name in list(torch.ops._dir) if name != "aten")   # torch caches aten's part
+    key = (len(global_decomposition_table["post_autograd"]), tuple(sorted(cia)), namespaces)
+    return dict(_decomposition_table(key))
+
+
+@functools.lru_cache(maxsize=4)
+def _decomposition_table(key: tuple) -> dict:
+    """The materialized table for ``key`` (:func:`decompositions`'s); never handed out itself."""
+    return dict(core_aten_decompositions().items())
 
 
 def dynamo_seconds() -> float | None:
