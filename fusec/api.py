@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from fusec.frontend.capture import aten_capture, check_decode_step
+from fusec.frontend import hf_rope
 from fusec.frontend.counters import counters_specialized
 from fusec.config import Options
 from fusec.errors import CaptureError, FusecError, SimulationMismatchError
@@ -152,6 +153,7 @@ def compile_model(model: torch.nn.Module, args: tuple, kwargs: dict | None = Non
             return run
         return aten_capture(gm, example_inputs, compiler)
 
+    hf_rope.install()   # HF's dynamic/longrope RoPE updates as one graph (fullgraph=True below)
     torch._dynamo.reset()
     try:
         with torch.no_grad(), counters_specialized():   # one call: its counters' values

@@ -161,3 +161,32 @@ def starcoder2(seed=0):
     """A tiny ``Starcoder2ForCausalLM`` (LayerNorm with bias, GQA, biased projections)."""
     from transformers import Starcoder2Config, Starcoder2ForCausalLM
     return _small(Starcoder2Config, Starcoder2ForCausalLM, seed, sliding_window=None)
+
+
+def phi3_longrope(partial=1.0, original=16, seed=0):
+    """A tiny ``Phi3ForCausalLM`` with LongRoPE (Phi-3/3.5-mini 128k; ``partial=0.75`` as Phi-4-mini):
+    short factors up to ``original`` positions, long ones past them, fp32."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+    torch.manual_seed(seed)
+    half = int(16 * partial) // 2
+    cfg = Phi3Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=128, max_position_embeddings=256, pad_token_id=0,
+                     eos_token_id=1, bos_token_id=1, attn_implementation="sdpa", partial_rotary_factor=partial,
+                     original_max_position_embeddings=original,
+                     rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                      "partial_rotary_factor": partial,
+                                      "short_factor": [1.0 + 0.1 * i for i in range(half)],
+                                      "long_factor": [2.0 + 0.3 * i for i in range(half)],
+                                      "original_max_position_embeddings": original})
+    return Phi3ForCausalLM(cfg).eval().requires_grad_(False)
+
+
+def llama_dynamic_ntk(max_positions=16, seed=0):
+    """A tiny ``LlamaForCausalLM`` with dynamic NTK RoPE scaling (factor 2) past ``max_positions``, fp32."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=128, max_position_embeddings=max_positions,
+                      rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
+                      attn_implementation="sdpa")
+    return LlamaForCausalLM(cfg).eval().requires_grad_(False)

@@ -1,0 +1,203 @@
+"""HF's dynamic RoPE updates traced without a graph break (:func:`install`).
+
+Source: Hugging Face's ``dynamic_rope_update`` decorator (transformers
+``modeling_rope_utils.py``), which wraps the ``forward`` of every rotary-embedding class. Before
+the RoPE angles are computed, it updates the module's ``inv_freq`` [head_dim * partial / 2, fp32]
+from the step's positions:
+
+- ``rope_type="longrope"`` (Phi-3/3.5/4-mini long-context checkpoints; Ding et al. 2024,
+  "LongRoPE", §3): ``inv_freq`` is the long-factor table when ``max(position_ids) + 1`` exceeds
+  ``original_max_position_embeddings``, else the short-factor one. A pure function of the
+  positions.
+- ``rope_type="dynamic"`` (dynamic NTK scaling, bloc97/emozilla): when ``max(position_ids) + 1``
+  exceeds the largest length seen (``max_seq_len_cached``), ``inv_freq`` is recomputed for it
+  (the base grows with the length) and the length remembered; back below the original length
+  after growing, the original ``inv_freq`` returns. Stateful: it depends on the longest
+  sequence seen, not on the position alone.
+
+Both branch on a tensor (``if seq_len > ...``), which makes dynamo break the graph: the step's
+graph is cut in three, two of them without attention (``not a decode step``, inductor), with a
+device-to-host sync per step, and ``fusec compile`` (``fullgraph=True``) fails.
+
+:func:`install` registers, for each decorated class, dynamo polyfills
+(``torch.compiler.substitute_in_graph``) of the two update functions that compute the same state
+with ``torch.where`` instead of the branch. Eager calls never run them: dynamo uses a polyfill
+only while it traces. The state is written as eager writes it, as module attributes (dynamo
+replays the writes after each call): ``inv_freq`` for both; for dynamic, ``max_seq_len_cached``
+becomes a 0-d int64 tensor (HF's own growth stores a tensor there too) and ``attention_scaling``
+keeps its value (1.0 for dynamic NTK). The long-factor table of longrope is computed in the graph
+from the config (constants: ``fold_constants`` folds them), whether or not an eager call made
+``long_inv_freq`` already, so that the attribute's presence is not a guard.
+
+Guarantees: after a compiled call, ``inv_freq`` (and for dynamic, ``max_seq_len_cached``) hold
+the values an eager call would leave; the cos/sin are eager's to the last bit (same ops on the
+same table). Classes defined later (a model module imported after this) are covered too: the
+decorator itself is wrapped so that each new decoration registers its polyfills.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any, Callable
+
+import torch
+
+log = logging.getLogger("fusec.frontend.hf_rope")
+
+#: ids of the HF update functions that have a polyfill (a function registers once per process)
+_REGISTERED: set[int] = set()
+_INSTALLED = False
+
+
+def _state(self: Any, layer_type: str | None) -> tuple[str, str, Any]:
+    """(rope_type, attribute prefix, config section) of a rotary module for ``layer_type``, as
+    HF's update functions read them."""
+    if layer_type is None:
+        return self.rope_type, "", self.config.rope_parameters
+    return self.rope_type[layer_type], f"{layer_type}_", self.config.rope_parameters[layer_type]
+
+
+def _init_fn(rope_type: str) -> Callable:
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    return ROPE_INIT_FUNCTIONS[rope_type]
+
+
+class _InvFreqView:
+    """A rotary module seen with another ``inv_freq`` (attribute ``{prefix}inv_freq``); every other
+    attribute is the module's. What HF's RoPE ``forward`` reads, without writing the module."""
+
+    def __init__(self, module: Any, name: str, inv_freq: torch.Tensor):
+        self._module, self._name, self._inv_freq = module, name, inv_freq
+
+    def __getattr__(self, name: str) -> Any:
+        if name == self._name:
+            return self._inv_freq
+        return getattr(self._module, name)
+
+
+def longrope_inv_freq(self: Any, position_ids: torch.Tensor, device: Any, layer_type: str | None = None
+                      ) -> tuple[str, torch.Tensor]:
+    """(attribute name, table) of HF's ``longrope_frequency_update`` without the branch: the
+    long-factor table where ``max(position_ids) + 1 > original_max_position_embeddings``, else
+    the short-factor one, selected by ``torch.where``. Both tables are computed from the config
+    (constants, folded by ``fold_constants``) in the dtype of ``original_inv_freq``."""
+    rope_type, prefix, params = _state(self, layer_type)
+    original_max = params["original_max_position_embeddings"]
+    original = self.original_inv_freq if layer_type is None else getattr(self, f"{layer_type}_original_inv_freq")
+    seq_len = torch.max(position_ids) + 1
+    init = _init_fn(rope_type)
+    long_inv_freq, _ = init(self.config, device, seq_len=original_max + 1, layer_type=layer_type)
+    short_inv_freq, _ = init(self.config, device, seq_len=None, layer_type=layer_type)
+    dtype = original.dtype
+    return f"{prefix}inv_freq", torch.where(seq_len > original_max, long_inv_freq.to(dtype), short_inv_freq.to(dtype))
+
+
+def traceable_dynamic_update(self: Any, position_ids: torch.Tensor, device: Any, layer_type: str | None = None):
+    """HF's ``dynamic_frequency_update`` without the branches. The state is the remembered length
+    ``max_seq_len_cached`` (M): growth (``seq_len > M``: M = seq_len) and reset (``seq_len <
+    original_max_seq_len < M``: M = the original length) are selected by ``torch.where``, and
+    ``inv_freq`` is what HF's growth computed for M (``rope_init_fn(config, seq_len=M)``, fp32)
+    where M exceeds the original length, else ``original_inv_freq``: eager's table for that
+    state, recomputed from M at every step rather than read from ``inv_freq``, so that the step
+    does not read a buffer it writes (fusec would compile a read-only buffer's value in). Writes
+    ``inv_freq`` and M (a 0-d int64 tensor) back to the module, as eager's growth does."""
+    rope_type, prefix, _ = _state(self, layer_type)
+    if layer_type is None:
+        cached, original = self.max_seq_len_cached, self.original_inv_freq
+    else:
+        cached = getattr(self, f"{layer_type}_max_seq_len_cached", self.max_seq_len_cached)
+        original = getattr(self, f"{layer_type}_original_inv_freq")
+    base_len = self.original_max_seq_len
+    seq_len = torch.max(position_ids) + 1
+    cached = torch.as_tensor(cached, dtype=seq_len.dtype, device=seq_len.device)
+    grow = seq_len > cached
+    reset = (seq_len < base_len) & (cached > base_len)
+    length = torch.where(grow, seq_len, torch.where(reset, torch.full_like(cached, base_len), cached))
+    grown, _ = _init_fn(rope_type)(self.config, device, seq_len=length, layer_type=layer_type)
+    _store(self, f"{prefix}inv_freq", torch.where(length > base_len, grown, original.to(device)))
+    _store(self, f"{prefix}max_seq_len_cached", length)
+
+
+def _store(module: torch.nn.Module, name: str, value: torch.Tensor) -> None:
+    """``setattr(module, name, value)`` as ``nn.Module.__setattr__`` does it for a buffer (into
+    ``_buffers``) or a plain attribute, without tracing ``__setattr__`` (whose ``isinstance``
+    tests of the old value guard on which buffers are the same tensor)."""
+    if name in module._buffers:
+        module._buffers[name] = value
+    else:
+        object.__setattr__(module, name, value)
+
+
+def _traceable_wrapper(rope_forward: Callable) -> Callable:
+    """The polyfill of one ``dynamic_rope_update`` wrapper around ``rope_forward``."""
+    def wrapper(self, x, position_ids, layer_type=None):
+        rope_type = self.rope_type if layer_type is None else self.rope_type[layer_type]
+        kwargs = {"layer_type": layer_type} if layer_type is not None else {}
+        if "dynamic" in rope_type:
+            traceable_dynamic_update(self, position_ids, device=x.device, **kwargs)
+        elif rope_type == "longrope":
+            name, inv_freq = longrope_inv_freq(self, position_ids, device=x.device, **kwargs)
+            return rope_forward(_InvFreqView(self, name, inv_freq), x, position_ids, **kwargs)
+        return rope_forward(self, x, position_ids, **kwargs)
+    return wrapper
+
+
+def _register(wrapper: Callable) -> None:
+    """Register the polyfill of one ``dynamic_rope_update`` wrapper; an unexpected shape
+    (another transformers version) keeps HF's graph break, with a log line."""
+    code = getattr(wrapper, "__code__", None)
+    if id(wrapper) in _REGISTERED or code is None or "rope_forward" not in code.co_freevars:
+        return
+    rope_forward = wrapper.__closure__[code.co_freevars.index("rope_forward")].cell_contents
+    try:
+        torch.compiler.substitute_in_graph(wrapper, skip_signature_check=True)(_traceable_wrapper(rope_forward))
+    except (TypeError, ValueError) as e:
+        log.info("fusec: %s keeps HF's dynamic RoPE graph break (%s)", wrapper.__qualname__, e)
+        return
+    _REGISTERED.add(id(wrapper))
+
+
+def _decorated(forward: Any, code: Any) -> Callable | None:
+    """The ``dynamic_rope_update`` wrapper inside a class's ``forward`` (through decorators that
+    set ``__wrapped__``, e.g. ``torch.no_grad()``), or None."""
+    seen = 0
+    while forward is not None and seen < 8:
+        if getattr(forward, "__code__", None) is code:
+            return forward
+        forward = getattr(forward, "__wrapped__", None)
+        seen += 1
+    return None
+
+
+def install() -> None:
+    """Register the polyfills for every rotary class of the transformers modules imported so far,
+    and wrap ``transformers.modeling_rope_utils.dynamic_rope_update`` so that classes defined
+    later register theirs. Idempotent; without transformers it does nothing."""
+    global _INSTALLED
+    if _INSTALLED:
+        return
+    _INSTALLED = True
+    try:
+        from transformers import modeling_rope_utils
+    except Exception:   # noqa: BLE001 - no transformers (or a broken one): nothing to patch
+        return
+    original = modeling_rope_utils.dynamic_rope_update
+    if getattr(original, "_fusec", False):
+        return
+    code = original(lambda self, x, position_ids: None).__code__   # every wrapper's code object
+
+    def dynamic_rope_update(rope_forward):
+        wrapper = original(rope_forward)
+        _register(wrapper)
+        return wrapper
+    dynamic_rope_update.__doc__ = original.__doc__
+    dynamic_rope_update._fusec = True   # type: ignore[attr-defined]
+    modeling_rope_utils.dynamic_rope_update = dynamic_rope_update
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("transformers.models.") or module is None:
+            continue
+        for value in list(vars(module).values()):
+            if isinstance(value, type) and issubclass(value, torch.nn.Module) and "forward" in vars(value):
+                wrapper = _decorated(vars(value)["forward"], code)
+                if wrapper is not None:
+                    _register(wrapper)

@@ -1,0 +1,145 @@
+"""HF's dynamic RoPE updates (LongRoPE: Phi-3/3.5/4-mini long context; dynamic NTK) compiled as one
+graph (``fusec.frontend.hf_rope``): before, their ``if seq_len > ...`` broke dynamo's graph, the
+pieces without attention went to inductor with a fallback line at every step, and ``fusec compile``
+failed. CPU simulator against eager, positions crossing the original length."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import fusec
+import hf_tiny
+from fusec.fallbacks import FallbackWatch
+
+OPTS = {"num_sms": 8}
+
+
+def _loop(model, prompt_len: int, n: int, seed: int = 5, prompt=None):
+    """``n`` decode steps of ``model`` under ``torch.compile(backend="fusec")`` and of an eager
+    copy, each on its own StaticCache after the same random prompt. Returns (each step's relative
+    logits error, the fallback lines, the compiled steps' count, the eager copy)."""
+    from transformers import StaticCache
+    gen = torch.Generator().manual_seed(seed)
+    eager = copy.deepcopy(model)
+    caches = [StaticCache(config=model.config, max_cache_len=48) for _ in range(2)]
+    p = torch.randint(0, 128, (1, prompt_len), generator=gen) if prompt is None else prompt
+    errs = []
+    compiled = torch.compile(model, backend="fusec", options=OPTS)
+    with FallbackWatch() as w, torch.no_grad():
+        for m, c in zip((model, eager), caches):
+            m(input_ids=p, past_key_values=c, use_cache=True)
+        for _ in range(n):
+            tok = torch.randint(0, 128, (1, 1), generator=gen)
+            a = compiled(input_ids=tok, past_key_values=caches[0], use_cache=True).logits
+            b = eager(input_ids=tok, past_key_values=caches[1], use_cache=True).logits
+            errs.append(((a - b).norm() / b.norm()).item())
+    return errs, w.fallbacks, w.compiled, eager
+
+
+@pytest.mark.parametrize("partial", [1.0, 0.75])
+def test_longrope_is_one_graph_across_the_switch(partial, steps):
+    """Phi-3 with LongRoPE (``partial=0.75``: Phi-4-mini's partial rotary), a 10-token prompt and
+    12 decode steps: positions cross ``original_max_position_embeddings`` (16), where the short
+    factors give way to the long ones. Every step matches eager (fp32, 1e-4), no fallback line
+    (there was one per step and piece before), one fusec compile for all of them."""
+    torch._dynamo.reset()
+    errs, fallbacks, compiled, _ = _loop(hf_tiny.phi3_longrope(partial), 10, 12)
+    torch._dynamo.reset()
+    assert not fallbacks, fallbacks
+    assert max(errs) < 1e-4 and min(errs) > 0, errs
+    assert compiled == 1 and len(steps) == 1
+
+
+def test_dynamic_ntk_state_follows_eager(steps):
+    """Llama with dynamic NTK scaling (max_position_embeddings 16): 12 steps growing past 16, then
+    a new 4-token sequence (HF resets to the original table) and 4 more steps. Every step matches
+    eager, no fallback line, and the rotary module's state (``inv_freq``, the remembered length)
+    equals the eager copy's after both. At most three fusec compiles: the first call sees HF's
+    remembered length as a Python int, later calls the 0-d tensor the step stores, and after the
+    eager prefill's reset ``inv_freq`` is the ``original_inv_freq`` object (dynamo guards that
+    its inputs are distinct tensors: a graph for each aliasing, as for HF's own compiled
+    generate)."""
+    model = hf_tiny.llama_dynamic_ntk()
+    torch._dynamo.reset()
+    errs, fallbacks, _, eager = _loop(model, 10, 12)
+    rot, ref = model.model.rotary_emb, eager.model.rotary_emb
+    assert int(rot.max_seq_len_cached) == int(ref.max_seq_len_cached) == 22
+    assert torch.equal(rot.inv_freq.float(), ref.inv_freq.float())
+    # a new, short sequence on the same (compiled) model and the same eager copy: both reset
+    from transformers import StaticCache
+    gen = torch.Generator().manual_seed(9)
+    p = torch.randint(0, 128, (1, 4), generator=gen)
+    caches = [StaticCache(config=model.config, max_cache_len=48) for _ in range(2)]
+    compiled = torch.compile(model, backend="fusec", options=OPTS)
+    with FallbackWatch() as w, torch.no_grad():
+        for m, c in zip((model, eager), caches):
+            m(input_ids=p, past_key_values=c, use_cache=True)
+        for _ in range(4):
+            tok = torch.randint(0, 128, (1, 1), generator=gen)
+            a = compiled(input_ids=tok, past_key_values=caches[0], use_cache=True).logits
+            b = eager(input_ids=tok, past_key_values=caches[1], use_cache=True).logits
+            errs.append(((a - b).norm() / b.norm()).item())
+    torch._dynamo.reset()
+    assert not fallbacks and not w.fallbacks, (fallbacks, w.fallbacks)
+    assert max(errs) < 1e-4 and min(errs) > 0, errs
+    assert int(rot.max_seq_len_cached) == int(ref.max_seq_len_cached) == 16
+    assert torch.equal(rot.inv_freq.float(), ref.inv_freq.float())
+    assert 1 <= len(steps) <= 3
+
+
+def test_generate_with_longrope_equals_eager_greedy():
+    """``fusec.generate`` on LongRoPE Phi-3 from a 12-token prompt, 10 new tokens (crossing 16):
+    the tokens of an eager greedy loop through a StaticCache, no fallback. (Not HF's generate():
+    transformers 5.17's Phi-3 ``prepare_inputs_for_generation`` drops the cache at the switch and
+    then feeds the model one token without any cache at every later step.)"""
+    from transformers import StaticCache
+    model = hf_tiny.phi3_longrope()
+    prompt = torch.randint(2, 128, (1, 12), generator=torch.Generator().manual_seed(3))
+    ref, cache, ids = [], StaticCache(config=model.config, max_cache_len=32), prompt
+    with torch.no_grad():
+        for _ in range(10):
+            nxt = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1).view(1, 1)
+            ref.append(int(nxt))
+            ids = nxt
+    torch._dynamo.reset()
+    with FallbackWatch() as w:
+        out = fusec.generate(model, prompt, 10, eos_token_id=[], options=OPTS)
+    torch._dynamo.reset()
+    assert not w.fallbacks, w.fallbacks
+    assert out[0, 12:].tolist() == ref
+
+
+@pytest.mark.parametrize("factory", [hf_tiny.phi3_longrope, hf_tiny.llama_dynamic_ntk])
+def test_cli_path_captures_one_graph_and_the_kernel_compiles(factory):
+    """``fusec.api.compile_model`` (the CLI's path, ``fullgraph=True``) captures the step (it raised
+    CaptureError at the graph break before), the simulated step matches eager, and the kernel
+    compiles with NVRTC for sm_90a."""
+    from fusec.api import compile_model
+    from fusec.cuda.codegen import render
+    from fusec.cuda.jit import compile_cuda
+    model = factory()
+    cache = hf_tiny.static_cache(model, 32)
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, 128, (1, 18)), past_key_values=cache, use_cache=True)
+    res = compile_model(model, (), {"input_ids": torch.randint(0, 128, (1, 1)), "past_key_values": cache,
+                                    "use_cache": True}, {"num_sms": 8, "simulate": True})
+    assert res.simulated and "numeric" in res.simulated, res.simulated
+    kernel = compile_cuda(render(res.schedule).source, "fusec_step.cu")
+    assert "warning" not in kernel.log, kernel.log
+
+
+def test_classes_decorated_after_install_get_the_polyfill():
+    """A rotary class defined after ``install`` (a model module imported later) is registered when
+    HF's decorator runs; eager calls of it are HF's own."""
+    from transformers import modeling_rope_utils
+    from fusec.frontend import hf_rope
+    hf_rope.install()
+
+    def forward(self, x, position_ids):
+        return x
+
+    wrapped = modeling_rope_utils.dynamic_rope_update(forward)
+    assert id(wrapped) in hf_rope._REGISTERED
+    assert wrapped.__wrapped__ is forward
