@@ -144,6 +144,9 @@ __device__ __forceinline__ float gx_remainder(float a, float b) {
   if (r != 0.f && ((b < 0.f) != (r < 0.f))) r += b;
   return r;
 }
+// torch.fmod: C's truncated remainder (the sign of the dividend)
+__device__ __forceinline__ i64 gx_fmod(i64 a, i64 b) { return b == 0 ? 0 : a % b; }
+__device__ __forceinline__ float gx_fmod(float a, float b) { return fmodf(a, b); }
 __device__ __forceinline__ i64 gx_ipow(i64 b, i64 e) {
   if (e < 0) return b == 1 ? 1 : (b == -1 ? ((e & 1) ? -1 : 1) : 0);
   i64 r = 1;

@@ -28,7 +28,8 @@ class Zoo(torch.nn.Module):
               torch.arange(2, 11, 3), torch.arange(0.5, 3.0, 0.25), x.abs(), torch.maximum(x, y), torch.minimum(x, y),
               x.clamp(-0.5, 0.5), x.clamp(min=y), x.clamp_min(0.1), x.clamp_max(-0.1), (y.abs() + 1).reciprocal(),
               torch.erf(x), F.gelu(x), F.gelu(x, approximate="tanh"), (y.abs() + 0.5).log(), x.expm1(),
-              y.abs().log1p(), torch.remainder(x, 0.3), torch.remainder(iv, -3), torch.floor_divide(iv, 4),
+              y.abs().log1p(), torch.remainder(x, 0.3), torch.remainder(iv, -3), torch.fmod(x, 0.3), torch.fmod(iv - 5, 3),
+              torch.fmod(iv, -4), torch.floor_divide(iv, 4),
               torch.sign(x), torch.sign(iv), F.relu(x), F.relu(iv), F.relu(x) ** 2, F.leaky_relu(x),
               F.leaky_relu(x, 0.2)]
         # reductions

@@ -120,18 +120,20 @@ def mistral_sw(window=128, seed=0):
     return _small(MistralConfig, MistralForCausalLM, seed, head_dim=16, sliding_window=window)
 
 
-def gemma2(seed=0):
+def gemma2(seed=0, window=128):
     """A tiny ``Gemma2ForCausalLM``: alternating sliding and full layers, four norms per layer,
-    attention and final-logit softcap, GeGLU."""
+    attention and final-logit softcap, GeGLU. ``window`` below the cache length: the sliding
+    layers' window fills and HF rolls it."""
     from transformers import Gemma2Config, Gemma2ForCausalLM
-    return _nonzero_norms(_small(Gemma2Config, Gemma2ForCausalLM, seed, head_dim=16, sliding_window=128), seed)
+    return _nonzero_norms(_small(Gemma2Config, Gemma2ForCausalLM, seed, head_dim=16, sliding_window=window), seed)
 
 
-def gemma3(seed=0):
-    """A tiny ``Gemma3ForCausalLM`` (text): sliding and full layers, q/k norms, four norms per layer."""
+def gemma3(seed=0, window=128, layers=2):
+    """A tiny ``Gemma3ForCausalLM`` (text): sliding and full layers, q/k norms, four norms per layer
+    (``layers=6``: Gemma-3's five sliding layers to one full one)."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-    return _nonzero_norms(_small(Gemma3TextConfig, Gemma3ForCausalLM, seed, head_dim=16, sliding_window=128),
-                          seed)
+    return _nonzero_norms(_small(Gemma3TextConfig, Gemma3ForCausalLM, seed, head_dim=16, sliding_window=window,
+                                 num_hidden_layers=layers), seed)
 
 
 def falcon(seed=0):

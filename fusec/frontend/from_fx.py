@@ -170,21 +170,12 @@ def graph_from_aten(gm: torch.fx.GraphModule, example_inputs: list[Any],
     return g
 
 
-#: (a piece of the model line, what to tell the user) for unsupported ops whose cause is known
-_HINTS = (
-    ("self.keys.roll(", " (HF's sliding-window cache is full and rolls its window each step: this "
-                        "step runs in the fallback; a StaticCache no longer than the model's "
-                        "sliding_window keeps every step in fusec)"),
-)
-
-
 def _add_call(g: Graph, n: torch.fx.Node, env: dict[str, Any], sizes: _Sizes) -> None:
     target = n.target
     kind = str(target)
     source = node_source(n)
     if aten_category(target) is None:
-        hint = next((h for where, h in _HINTS if where in (source or "")), "")
-        raise UnsupportedOpError(f"unsupported op {kind} (node {n.name}) at {source or 'unknown source'}{hint}")
+        raise UnsupportedOpError(f"unsupported op {kind} (node {n.name}) at {source or 'unknown source'}")
     inputs: dict[str, str] = {}
     symbolic = []
 

@@ -90,8 +90,10 @@ class HostSplit:
                 step = self.tensor_gm.forward   # the kernel's position tables cover [0, bound) only
                 if not warned:
                     warned.append(True)
-                    warn_fallback("fusec: a position computed on the host (%s) is outside the KV cache's "
-                                  "[0, %d); such steps run eagerly", [int(v) for v in derived], bound)
+                    warn_fallback("fusec: a position computed on the host (%s) is outside the longest KV "
+                                  "cache's [0, %d): the kernel's position tables stop there (every layer's "
+                                  "cache is a sliding window shorter than the sequence); such steps run "
+                                  "eagerly", [int(v) for v in derived], bound)
             positions = [t.fill_(v) for t, v in zip(self.derived_tensors, derived)]
             tensors = iter(step(*[args[i] for i in keep], *positions))
             scalars = iter(values[:n_host])

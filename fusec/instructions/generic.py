@@ -23,7 +23,7 @@ _ELEMENTWISE = {
     "cos", "sin", "where", "eq", "ne", "le", "lt", "ge", "gt", "logical_not", "logical_and",
     "logical_or", "bitwise_not", "_to_copy", "full_like", "scalar_tensor", "arange", "full",
     "abs", "maximum", "minimum", "clamp", "reciprocal", "copy_", "erf", "gelu", "log", "expm1",
-    "log1p", "zeros_like", "ones_like", "copy", "fill", "remainder", "floor_divide", "sign",
+    "log1p", "zeros_like", "ones_like", "copy", "fill", "remainder", "fmod", "floor_divide", "sign",
     "bitwise_and", "bitwise_or", "bitwise_xor", "logical_xor", "clamp_min", "clamp_max", "relu",
     "leaky_relu",
 }

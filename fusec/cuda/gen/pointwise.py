@@ -156,6 +156,13 @@ def _remainder(ctx: Ctx) -> None:
     elementwise(ctx, ops, ct, lambda a, b: f"gx_remainder({a}, {b})")
 
 
+@emitter("aten.fmod")
+def _fmod(ctx: Ctx) -> None:
+    ct = out_ct(ctx)
+    ops = [operand(ctx, ctx.args["self"], ct), operand(ctx, ctx.args["other"], ct)]
+    elementwise(ctx, ops, ct, lambda a, b: f"gx_fmod({a}, {b})")
+
+
 def _pow_scalar_exp(ct: str, e: Any) -> Callable[[str], str]:
     """torch's pow(tensor, scalar) special cases (ATen pow_tensor_scalar_optimized_kernel)."""
     if ct == "i64":
