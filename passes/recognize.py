@@ -212,13 +212,14 @@ def _attention(g: Graph, weights: dict[str, torch.Tensor]) -> int:
         ins: dict[str, str | None] = {}
         mask_kind: int | None = None
         if kc and vc and kc[1] == vc[1] and not dropout and not is_causal and mask is not None:
-            if mask not in checked:
-                checked[mask] = _causal_counter(g, mask, dep, ctrs, weights)
-            ins = {"q": q, "k": kc[0], "v": vc[0], "pos": checked[mask]}
+            rows = g.tensors[kc[0]].shape[2]   # this layer's cache: a sliding window's may be shorter
+            if (mask, rows) not in checked:
+                checked[mask, rows] = _causal_counter(g, mask, dep, ctrs, weights, rows)
+            ins = {"q": q, "k": kc[0], "v": vc[0], "pos": checked[mask, rows]}
             mask_kind = 0
             if ins["pos"] is None:   # a mask fusec cannot prove causal: the attention reads it
                 ins["pos"], ins["mask"] = _write_position(g, new_ops, kc[0]), mask
-                mask_kind = _mask_kind(g, mask)
+                mask_kind = _mask_kind(g, mask, rows)
         if mask_kind is None or ins["pos"] is None:
             log.info("attention %s left generic (mask or cache layout not recognized)", o.name)
             new_ops.append(o)
@@ -244,12 +245,12 @@ def _write_position(g: Graph, ops_before: list[Op], cache: str) -> str | None:
     return None
 
 
-def _mask_kind(g: Graph, mask: str) -> int | None:
-    """1 for a bool mask (True: attend), 2 for an additive float mask, over the cache rows only
-    (numel == L: one mask for every head of a batch-1 decode step); None otherwise."""
+def _mask_kind(g: Graph, mask: str, length: int) -> int | None:
+    """1 for a bool mask (True: attend), 2 for an additive float mask, over the ``length`` rows
+    of the attention's cache only (numel == length: one mask for every head of a batch-1 decode
+    step); None otherwise."""
     info = g.tensors[mask]
-    length = position.cache_length(g)
-    if length is None or info.numel != length or info.shape[-1] != length:
+    if info.numel != length or info.shape[-1] != length:
         return None
     if info.dtype == torch.bool:
         return 1
@@ -271,10 +272,14 @@ def proof_positions(length: int) -> list[int]:
     return sorted(set(range(1024)) | set(range(length - 256, length)) | set(spread))
 
 
-def _causal_counter(g: Graph, mask: str, dep, ctrs, weights) -> str | None:
+def _causal_counter(g: Graph, mask: str, dep, ctrs, weights, length: int) -> str | None:
+    """The position counter for which ``mask`` (over an attention's ``length`` cache rows) is the
+    causal mask ``row <= p`` at every position ``p`` in ``[0, length)``, or None. Those are the
+    positions at which the step can write its row into that cache (the attention kinds read
+    rows ``0..p``): a sliding-window layer's cache of W rows, before its window is full, sees
+    positions below W only, where its window mask (``p - W < row <= p``) is causal."""
     c = position.only_counter(dep, g, mask, ctrs)
-    length = position.cache_length(g)
-    if c is None or length is None or g.tensors[mask].shape[-1] != length or g.tensors[mask].numel != length:
+    if c is None or g.tensors[mask].shape[-1] != length or g.tensors[mask].numel != length:
         return None
     if g.lengths and any(op.attrs.get("symbolic") and not position.sizes_only(op) for op in position.subgraph_ops(g, mask)):
         return None   # the mask uses the cache length as a value: no proof at one length covers all

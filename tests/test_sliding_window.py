@@ -80,7 +80,11 @@ def test_rolled_window_stays_in_fusec(name, steps):
     rolls the sliding layers' caches (``roll``: an index by ``(arange + 1) % W``, folded to a
     constant). Every step runs in fusec (no fallback line; the roll's ``fmod`` was an unsupported
     op) and equals eager; one step for the filling window and one for the rolled one (HF's
-    ``is_full`` is a Python branch); the rolled step's kernel compiles with NVRTC."""
+    ``is_full`` is a Python branch); the rolled step's kernel compiles with NVRTC. In the filling
+    step every layer's attention is the split-KV kind: a sliding layer's window mask is proven
+    causal over its own cache's rows (its ``kv_offset``, ``max(count - W + 1, 0)``, is 0 wherever
+    dynamo's ``is_full`` guard lets that graph run: a constant, not a host input, so no mask is
+    read); before, the sliding layers' SDPA ran as one generated op on one SM.""" 
     from fusec.cuda.codegen import render
     from fusec.cuda.jit import compile_cuda
     model = hf_tiny.gemma3(window=8, layers=6) if name == "gemma3" else hf_tiny.gemma2(window=8)
@@ -88,6 +92,11 @@ def test_rolled_window_stays_in_fusec(name, steps):
     assert not fallbacks, fallbacks
     assert max(errs) < 1e-4 and min(errs) > 0, errs
     assert len(steps) == 2, len(steps)
+    filling = steps[0].schedule.graph.count_kinds()
+    assert filling.get("attention_partial") == model.config.num_hidden_layers, filling
+    assert not [k for k in filling if "sdpa" in k], filling
+    masked = [o.name for o in steps[0].schedule.graph.ops if o.kind == "attention_partial" and "mask" in o.inputs]
+    assert not masked, masked   # proven causal: rows 0..p read, no mask
     rolled = steps[-1].schedule
     assert rolled is not None and rolled.graph.count_kinds().get("aten.index_select.default")
     kernel = compile_cuda(render(rolled).source, "fusec_step.cu")

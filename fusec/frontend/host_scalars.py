@@ -138,6 +138,8 @@ def split_host_scalars(gm: torch.fx.GraphModule) -> HostSplit | None:
     # cache's length; any other use leaves the graph to the backend's other paths
     derived = [n for n in nodes if n.name in host
                and any(u.op != "output" and u.name not in host for u in n.users)]
+    pinned = {n.name: v for n in derived if (v := _pinned(n)) is not None}
+    derived = [n for n in derived if n.name not in pinned]
     bound = _kv_length(placeholders)
     bound_args = _symbolic_kv_inputs(placeholders)
     buffers = [_value_operand_buffer(n, host) for n in derived]
@@ -166,12 +168,36 @@ def split_host_scalars(gm: torch.fx.GraphModule) -> HostSplit | None:
         ph.meta["example_value"] = buf
         by_name[n.name].replace_all_uses_with(ph)
         last = ph
+    for name, value in pinned.items():   # a constant wherever this graph runs
+        old_node = by_name[name]
+        for u in list(old_node.users):
+            u.args = torch.fx.node.map_aggregate(u.args, lambda a: value if a is old_node else a)
+            u.kwargs = torch.fx.node.map_aggregate(u.kwargs, lambda a: value if a is old_node else a)
     for n in reversed(list(tg.nodes)):
         if n.name in host and not n.users:
             tg.erase_node(n)
     tensor_gm = torch.fx.GraphModule(gm, tg)
     return HostSplit(host_inputs, host_outputs, tensor_gm, host_fn, len(outs), len(placeholders),
                      buffers, bound or 0, bound_args)
+
+
+def _pinned(n: torch.fx.Node) -> int | None:
+    """The one value a host integer can take in this graph, or None: dynamo's guards bound its
+    symbols (the graph runs only where they hold), and some expressions have one value within
+    those bounds. HF's sliding-window layer before its window is full: dynamo guards
+    ``cumulative_length_int < W`` (its ``is_full`` branch), so the mask's ``kv_offset =
+    max(cumulative_length_int - W + 1, 0)`` is 0 in that graph, and a mask over positions alone
+    is what ``recognize`` can prove causal."""
+    v = _example(n)
+    if not isinstance(v, torch.SymInt):
+        return None
+    try:
+        r = v.node.shape_env.bound_sympy(v.node.expr)
+    except Exception:   # noqa: BLE001 - an expression sympy cannot bound: not pinned
+        return None
+    if r.is_singleton() and r.lower.is_integer:
+        return int(r.lower)
+    return None
 
 
 def _size_symbols(nodes: list[torch.fx.Node]) -> set[Any]:
