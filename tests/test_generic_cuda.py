@@ -2,7 +2,7 @@
 
 * every ATen op fusec accepts and every semantic op kind has an emitter;
 * the op zoo (tests/generic_zoo.py) and real decode-step graphs: each op's generated function,
-  compiled as host C++ (fusec.cuda.gen.host), against PyTorch on the same inputs;
+  compiled as host C++ (tests/gen_host.py), against PyTorch on the same inputs;
 * the kernels of tiny HF models of several families, fully fused and with ``max_fusions=0``
   (every op generic), and of the zoo, render and compile with NVRTC for sm_90a.
 """
@@ -16,7 +16,7 @@ import hf_tiny
 import step_util
 from fusec.cuda.codegen import render
 from fusec.cuda.gen import find_emitter, generate
-from fusec.cuda.gen.host import check_graph, compiler
+from gen_host import check_graph, compiler
 from fusec.errors import FallbackRequired
 from fusec.instructions import KINDS
 from fusec.instructions import generic as gen_mod

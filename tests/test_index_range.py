@@ -111,7 +111,7 @@ def _host_run(g: Graph, flat, tmp_path):
     """Run the op's generated function on the host: (output, gx_fault words)."""
     from fusec.cuda.codegen import Buffers
     from fusec.cuda.gen import generate
-    from fusec.cuda.gen.host import build
+    from gen_host import build
     gen = generate(g.ops[0], g, Buffers(g))
     lib = build([gen], tmp_path)
     bufs = {"x": flat[0].clone(), "idx": flat[1].clone(),
@@ -127,7 +127,7 @@ def test_generated_cuda_rejects_what_eager_rejects(case, tmp_path):
     """A negative index of index_select and gather is a fault (code 2) and gives zeros, as of
     embedding (code 1); aten.index counts it from the end (before, the CUDA forms of
     index_select and gather wrapped -1 to the last row, where eager raises)."""
-    from fusec.cuda.gen.host import compiler
+    from gen_host import compiler
     if compiler() is None:
         pytest.skip("needs a host C++ compiler")
     args, ishape, eager = CASES[case]

@@ -103,7 +103,7 @@ def test_split_ops_generated_code_on_the_host_and_nvrtc(tmp_path):
     from fusec.api import compile_model
     from fusec.config import Options
     from fusec.cuda.codegen import render
-    from fusec.cuda.gen.host import check_graph, compiler
+    from gen_host import check_graph, compiler
     from fusec.cuda.jit import compile_cuda
     from fusec.pipeline import Dumper, lower
     import step_util

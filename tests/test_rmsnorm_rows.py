@@ -39,7 +39,7 @@ def test_olmo2_norms_render_the_block_reduction_and_match_on_the_host(tmp_path):
     from fusec.api import compile_model
     from fusec.config import Options
     from fusec.cuda.codegen import render
-    from fusec.cuda.gen.host import check_graph, compiler
+    from gen_host import check_graph, compiler
     from fusec.cuda.jit import compile_cuda
     from fusec.pipeline import Dumper, lower
     import step_util

@@ -271,7 +271,7 @@ def test_generic_kv_write_and_attention_take_the_length_as_a_parameter(tmp_path)
     as an int parameter (passed from the slot) and run on the host as PyTorch does, at a
     run-time length below the capacity."""
     from fusec.cuda.gen import generate
-    from fusec.cuda.gen.host import check_graph, compiler
+    from gen_host import check_graph, compiler
     from fusec.cuda.codegen import Buffers
     if compiler() is None:
         pytest.skip("no host C++ compiler")
