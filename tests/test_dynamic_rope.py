@@ -89,6 +89,27 @@ def test_dynamic_ntk_state_follows_eager(steps):
     assert 1 <= len(steps) <= 3
 
 
+def test_dynamic_ntk_longer_than_the_cache(steps):
+    """Dynamic NTK whose ``max_position_embeddings`` (64, as in published configs) is longer than
+    the StaticCache (48 rows): the remembered length starts past the cache's rows, where a
+    position table would end (the step's state is a float32 tensor, not a position counter;
+    as an int64 one, the second step raised IndexFaultError at a table lookup of 64). Every step
+    equals eager, no fallback, the state stays at 64 as eager's, and the kernel of the step that
+    reads the state compiles with NVRTC."""
+    model = hf_tiny.llama_dynamic_ntk(max_positions=64)
+    torch._dynamo.reset()
+    errs, fallbacks, _, eager = _loop(model, 10, 8)
+    torch._dynamo.reset()
+    assert not fallbacks, fallbacks
+    assert max(errs) < 1e-4 and min(errs) > 0, errs
+    assert int(model.model.rotary_emb.max_seq_len_cached) == int(eager.model.rotary_emb.max_seq_len_cached) == 64
+    assert len(steps) <= 2
+    from fusec.cuda.codegen import render   # the step with the state as an input: a CUDA kernel
+    from fusec.cuda.jit import compile_cuda
+    kernel = compile_cuda(render(steps[-1].schedule).source, "fusec_step.cu")
+    assert "warning" not in kernel.log, kernel.log
+
+
 def test_generate_with_longrope_equals_eager_greedy():
     """``fusec.generate`` on LongRoPE Phi-3 from a 12-token prompt, 10 new tokens (crossing 16):
     the tokens of an eager greedy loop through a StaticCache, no fallback. (Not HF's generate():

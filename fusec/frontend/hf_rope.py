@@ -19,20 +19,26 @@ Both branch on a tensor (``if seq_len > ...``), which makes dynamo break the gra
 graph is cut in three, two of them without attention (``not a decode step``, inductor), with a
 device-to-host sync per step, and ``fusec compile`` (``fullgraph=True``) fails.
 
-:func:`install` registers, for each decorated class, dynamo polyfills
-(``torch.compiler.substitute_in_graph``) of the two update functions that compute the same state
-with ``torch.where`` instead of the branch. Eager calls never run them: dynamo uses a polyfill
-only while it traces. The state is written as eager writes it, as module attributes (dynamo
-replays the writes after each call): ``inv_freq`` for both; for dynamic, ``max_seq_len_cached``
-becomes a 0-d int64 tensor (HF's own growth stores a tensor there too) and ``attention_scaling``
-keeps its value (1.0 for dynamic NTK). The long-factor table of longrope is computed in the graph
-from the config (constants: ``fold_constants`` folds them), whether or not an eager call made
-``long_inv_freq`` already, so that the attribute's presence is not a guard.
+:func:`install` registers, for each decorated class, a dynamo polyfill
+(``torch.compiler.substitute_in_graph``) of its wrapper that computes the same angles with
+``torch.where`` instead of the branch. Eager calls never run it: dynamo uses a polyfill only while
+it traces.
 
-Guarantees: after a compiled call, ``inv_freq`` (and for dynamic, ``max_seq_len_cached``) hold
-the values an eager call would leave; the cos/sin are eager's to the last bit (same ops on the
-same table). Classes defined later (a model module imported after this) are covered too: the
-decorator itself is wrapped so that each new decoration registers its polyfills.
+- LongRoPE: both tables are computed from the config (constants, which ``fold_constants`` folds;
+  ``fold_position`` turns the choice by position into position tables), and HF's RoPE
+  ``forward`` runs on a view of the module whose ``inv_freq`` is the chosen table: the module is
+  not written (eager's update rewrites ``inv_freq`` at every call before it reads it, so no
+  later call sees a difference), and whether an eager call made ``long_inv_freq`` is not a guard.
+- Dynamic NTK: the state is written as eager writes it, as module attributes (dynamo replays the
+  writes after each call): ``max_seq_len_cached`` becomes a 0-d float32 tensor of an integer value
+  (HF's own growth stores an int64 tensor there; eager compares either) and ``inv_freq`` the table
+  for it. Float, because fusec takes a one-element integer input for a position counter, bounded
+  by the cache's rows, and this length starts at ``max_position_embeddings``.
+
+Guarantees: the cos/sin of a compiled call are eager's (the same ops on the same table); after
+it, a dynamic-NTK module's ``inv_freq`` and ``max_seq_len_cached`` hold the values an eager call
+would leave. Classes defined later (a model module imported after this) are covered too: the
+decorator itself is wrapped so that each new decoration registers its polyfill.
 """
 from __future__ import annotations
 
@@ -44,7 +50,7 @@ import torch
 
 log = logging.getLogger("fusec.frontend.hf_rope")
 
-#: ids of the HF update functions that have a polyfill (a function registers once per process)
+#: ids of the ``dynamic_rope_update`` wrappers that have a polyfill (each registers once per process)
 _REGISTERED: set[int] = set()
 _INSTALLED = False
 
@@ -100,7 +106,7 @@ def traceable_dynamic_update(self: Any, position_ids: torch.Tensor, device: Any,
     where M exceeds the original length, else ``original_inv_freq``: eager's table for that
     state, recomputed from M at every step rather than read from ``inv_freq``, so that the step
     does not read a buffer it writes (fusec would compile a read-only buffer's value in). Writes
-    ``inv_freq`` and M (a 0-d int64 tensor) back to the module, as eager's growth does."""
+    ``inv_freq`` and M (a 0-d float32 tensor) back to the module, as eager's growth does."""
     rope_type, prefix, _ = _state(self, layer_type)
     if layer_type is None:
         cached, original = self.max_seq_len_cached, self.original_inv_freq
@@ -109,11 +115,17 @@ def traceable_dynamic_update(self: Any, position_ids: torch.Tensor, device: Any,
         original = getattr(self, f"{layer_type}_original_inv_freq")
     base_len = self.original_max_seq_len
     seq_len = torch.max(position_ids) + 1
-    cached = torch.as_tensor(cached, dtype=seq_len.dtype, device=seq_len.device)
+    # M as a float32 tensor (integers below 2**24 exactly): an integer one-element input would be
+    # taken for a position counter (fold_position tables what depends on it over the cache's
+    # rows, and M starts at max_position_embeddings, past them)
+    cached = torch.as_tensor(cached, device=seq_len.device).to(torch.float32)
     grow = seq_len > cached
     reset = (seq_len < base_len) & (cached > base_len)
-    length = torch.where(grow, seq_len, torch.where(reset, torch.full_like(cached, base_len), cached))
-    grown, _ = _init_fn(rope_type)(self.config, device, seq_len=length, layer_type=layer_type)
+    length = torch.where(grow, seq_len.to(torch.float32),
+                         torch.where(reset, torch.full((), float(base_len), dtype=torch.float32,
+                                                       device=seq_len.device), cached))
+    # the table as HF's growth computes it: from an int64 length
+    grown, _ = _init_fn(rope_type)(self.config, device, seq_len=length.to(seq_len.dtype), layer_type=layer_type)
     _store(self, f"{prefix}inv_freq", torch.where(length > base_len, grown, original.to(device)))
     _store(self, f"{prefix}max_seq_len_cached", length)
 

@@ -91,9 +91,9 @@ class HostSplit:
                 if not warned:
                     warned.append(True)
                     warn_fallback("fusec: a position computed on the host (%s) is outside the longest KV "
-                                  "cache's [0, %d): the kernel's position tables stop there (every layer's "
-                                  "cache is a sliding window shorter than the sequence); such steps run "
-                                  "eagerly", [int(v) for v in derived], bound)
+                                  "cache's [0, %d): the kernel's position tables stop there (the sequence "
+                                  "is longer than every cache: a full cache, or a sliding window on every "
+                                  "layer); such steps run eagerly", [int(v) for v in derived], bound)
             positions = [t.fill_(v) for t, v in zip(self.derived_tensors, derived)]
             tensors = iter(step(*[args[i] for i in keep], *positions))
             scalars = iter(values[:n_host])

@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
+import torch
+
 from fusec.ir import Ref
 from fusec.cuda.gen import emitter
 from fusec.cuda.gen.core import FLOATS, Ctx, broadcast_strides, compute_type, literal, offset
@@ -149,17 +151,28 @@ def _floor_divide(ctx: Ctx) -> None:
     elementwise(ctx, ops, ct, lambda a, b: f"gx_floordiv({a}, {b})")
 
 
+def _in_out_dtype(ctx: Ctx, v: Any) -> Any:
+    """A Python float operand as PyTorch's remainder and fmod kernels take it: rounded to the
+    output's dtype first (bf16 ``fmod(x, 0.7)`` divides by 0.69921875)."""
+    dt = ctx.dtype(ctx.out)
+    if isinstance(v, float) and dt in (torch.bfloat16, torch.float16):
+        return float(torch.tensor(v, dtype=dt).float())
+    return v
+
+
 @emitter("aten.remainder")
 def _remainder(ctx: Ctx) -> None:
     ct = out_ct(ctx)
-    ops = [operand(ctx, ctx.args["self"], ct), operand(ctx, ctx.args["other"], ct)]
+    ops = [operand(ctx, _in_out_dtype(ctx, ctx.args["self"]), ct),
+           operand(ctx, _in_out_dtype(ctx, ctx.args["other"]), ct)]
     elementwise(ctx, ops, ct, lambda a, b: f"gx_remainder({a}, {b})")
 
 
 @emitter("aten.fmod")
 def _fmod(ctx: Ctx) -> None:
     ct = out_ct(ctx)
-    ops = [operand(ctx, ctx.args["self"], ct), operand(ctx, ctx.args["other"], ct)]
+    ops = [operand(ctx, _in_out_dtype(ctx, ctx.args["self"]), ct),
+           operand(ctx, _in_out_dtype(ctx, ctx.args["other"]), ct)]
     elementwise(ctx, ops, ct, lambda a, b: f"gx_fmod({a}, {b})")
 
 
