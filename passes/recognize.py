@@ -216,6 +216,9 @@ def _attention(g: Graph, weights: dict[str, torch.Tensor]) -> int:
             if (mask, rows) not in checked:
                 checked[mask, rows] = _causal_counter(g, mask, dep, ctrs, weights, rows)
             ins = {"q": q, "k": kc[0], "v": vc[0], "pos": checked[mask, rows]}
+            if rows != position.cache_length(g) and _write_position(g, new_ops, kc[0]) is None:
+                ins["pos"] = None   # a shorter cache the step does not write at its position: the
+                #                     proof over its rows does not bound the step's positions
             mask_kind = 0
             if ins["pos"] is None:   # a mask fusec cannot prove causal: the attention reads it
                 ins["pos"], ins["mask"] = _write_position(g, new_ops, kc[0]), mask
