@@ -1,7 +1,7 @@
 """A/B of fusec kernel variants on Llama-3.2-1B (or ``--example``'s model) in one process (tuning, not the peer table).
 
 Each variant is a set of fusec options (``defines`` tuning macros such as
-``FUSEC_LOADS_IN_FLIGHT`` or ``FUSEC_PREFETCH``, ``num_sms``, ``attention_merge`` ...),
+``FUSEC_LOADS_IN_FLIGHT`` or ``FUSEC_ATTN_SINGLE``, ``num_sms``, ``attention_merge`` ...),
 run as the ``fusec`` engine of ``benchmarks/decode.py``: the same model, checks (logits
 against HF bf16 eager before and after timing, fallbacks fail the variant) and CUDA-graph
 timing with position resets. ``--profile DIR`` also records the per-SM timeline of the first

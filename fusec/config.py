@@ -195,7 +195,7 @@ class Options:
             keeps one instruction per op (for measuring the difference); so does a set
             ``max_fusions`` (bisecting the fusions).
         defines: ``#define`` name -> value for the kernel source: the tuning knobs of
-            :data:`fusec.cuda.knobs.KNOBS` (``FUSEC_LOADS_IN_FLIGHT``, ``FUSEC_PREFETCH``)
+            :data:`fusec.cuda.knobs.KNOBS` (``FUSEC_LOADS_IN_FLIGHT``, ``FUSEC_ATTN_SINGLE``)
             and their defaults.
         mode: ``torch.compile``'s mode, passed by torch as a backend keyword: None or "default"
             and "max-autotune-no-cudagraphs" launch the kernel directly each step;

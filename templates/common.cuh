@@ -99,18 +99,6 @@ __shared__ unsigned long long fusec_marks[FUSEC_MARKS];
 #define FUSEC_MARK_AFTER(k, v) do { } while (0)
 #endif
 
-// Ask the copy engine to stream [p, p + bytes) into L2 (sm_90 bulk prefetch; no registers,
-// no completion to wait for). Used to issue an instruction's weight loads before its waits.
-__device__ __forceinline__ void prefetch_l2(const void* p, unsigned long long bytes) {
-  const char* c = static_cast<const char*>(p);
-  while (bytes >= 16) {
-    const unsigned n = bytes > (1ull << 20) ? (1u << 20) : (unsigned)(bytes & ~15ull);
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(c), "r"(n) : "memory");
-    c += n;
-    bytes -= n;
-  }
-}
-
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -167,18 +155,12 @@ __device__ __forceinline__ void lds_vec(const TS* p, float (&f)[V]) {
 // Every kind's device function is out of line: the cases of a kind (one per layer) call one copy
 // of its code instead of inlining one each: smaller kernel text for the instruction cache, and a
 // far shorter NVRTC compile (on a 2-core CPU: Llama-3.2-1B 11.2 -> 1.4 s, Qwen3-0.6B 26.6 ->
-// 2.6 s; the split-KV kind inlined once per layer was most of it). The per-layer matvec kinds
-// (FUSEC_KIND_FN) were measured faster out of line; FUSEC_INLINE_OTHER_KINDS=1 inlines the
-// others again (FUSEC_KIND_FN_OTHER: split-KV, embedding, LM head, generic), as before
-// 2026-12-01, for the A/B: inlined, the Llama-3.2-1B step took 31-52 us longer on the H200 (2026-12-02).
+// 2.6 s; the split-KV kind inlined once per layer was most of it). Inlined, the kinds other than
+// the per-layer matvecs made the Llama-3.2-1B step 31-52 us longer on the H200 (2026-12-02; the
+// knob that did it, FUSEC_INLINE_OTHER_KINDS, is in experiments/removed-knobs.patch).
 #define FUSEC_KIND_FN __noinline__
-#if FUSEC_INLINE_OTHER_KINDS
-#define FUSEC_KIND_FN_OTHER
-#else
-#define FUSEC_KIND_FN_OTHER __noinline__
-#endif
 
-// Tuning knobs (FUSEC_LOADS_IN_FLIGHT, FUSEC_PREFETCH, ...): #defined at the top of the kernel by
+// Tuning knobs (FUSEC_LOADS_IN_FLIGHT, FUSEC_ATTN_SINGLE, ...): #defined at the top of the kernel by
 // codegen (fusec.cuda.knobs holds all of them, their defaults and meaning).
 
 // Batch shape of a matvec over R rows of length K: B loads of 16 bytes per row and lane in flight.

@@ -256,7 +256,7 @@ def test_options_change_misses(cache_on, caplog):
     same = Options.from_dict({"num_sms": 8, "seed": 5, "check_hazards": False, "fallback": "eager",
                               "watchdog_s": 9.0, "mode": "reduce-overhead", "cache_max_mb": 7})
     assert artifacts.lowering_options(base) == artifacts.lowering_options(same)
-    for change in ({"max_fusions": 3}, {"defines": {"FUSEC_PREFETCH": 1}}, {"profile": True}):
+    for change in ({"max_fusions": 3}, {"defines": {"FUSEC_LOADS_IN_FLIGHT": 4}}, {"profile": True}):
         assert artifacts.lowering_options(Options.from_dict({"num_sms": 8, **change})) != \
             artifacts.lowering_options(base), change
 

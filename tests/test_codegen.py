@@ -87,10 +87,10 @@ def test_reduce_merge_renders_and_compiles(tmp_path):
 def test_profile_and_defines_render_and_compile(tmp_path):
     res = _tiny_decode_step(hf_tiny.llama, torch.bfloat16, 8)
     plain = render(res.schedule)
-    prof = render(res.schedule, profile=True, defines={"FUSEC_LOADS_IN_FLIGHT": 16, "FUSEC_PREFETCH": 1})
+    prof = render(res.schedule, profile=True, defines={"FUSEC_LOADS_IN_FLIGHT": 16, "FUSEC_POLL_SLEEP": 0})
     assert not plain.profile and prof.profile
     assert "unsigned long long* prof" in prof.source and "unsigned long long* prof" not in plain.source
-    assert "#define FUSEC_LOADS_IN_FLIGHT 16" in prof.source and "#define FUSEC_PREFETCH 1" in prof.source
+    assert "#define FUSEC_LOADS_IN_FLIGHT 16" in prof.source and "#define FUSEC_POLL_SLEEP 0" in prof.source
     assert prof.words == plain.words and prof.waits == plain.waits   # same schedule, more timestamps
     assert "#define FUSEC_MARKS" in prof.source and "#define FUSEC_MARKS" not in plain.source
     k = compile_cuda(prof.source, "fusec_step.cu", cache_dir=str(tmp_path))
@@ -169,8 +169,7 @@ def test_single_split_attention_knob_renders_and_compiles(tmp_path):
     (hf_tiny.qwen3, torch.float32, "last_tile", {"FUSEC_EARLY_EPILOGUE_LOADS": 0}),
     (hf_tiny.qwen2_bias, torch.bfloat16, "last_tile", {"FUSEC_EARLY_EPILOGUE_LOADS": 0}),
     (hf_tiny.llama, torch.float32, "last_tile", {"FUSEC_STAGE_BATCH": 0, "FUSEC_ATTN_Q_EARLY": 0}),
-    (hf_tiny.qwen3, torch.bfloat16, "reduce", {"FUSEC_ATTN_KV_EARLY": 2}),
-    (hf_tiny.llama, torch.bfloat16, "last_tile", {"FUSEC_ATTN_KV_EARLY": 2, "FUSEC_STAGE_QUEUE": 0}),
+    (hf_tiny.qwen3, torch.bfloat16, "reduce", {"FUSEC_ATTN_KV_EARLY": 0}),
     (hf_tiny.llama, torch.bfloat16, "last_tile", {"FUSEC_ATTN_KV_EARLY": 0, "FUSEC_STAGE_QUEUE": 0}),
     (hf_tiny.qwen3, torch.float32, "reduce", {"FUSEC_POLL_SLEEP": 0}),
     (hf_tiny.llama, torch.bfloat16, "last_tile", {"FUSEC_ATTN_LANES": 2}),

@@ -122,10 +122,10 @@ def test_profile_and_defines_options(monkeypatch):
     from fusec.errors import FusecError
     o = Options.from_dict({"profile_dir": "somewhere"})
     assert o.profile and o.profile_step == 3
-    monkeypatch.setenv("FUSEC_DEFINES", "FUSEC_LOADS_IN_FLIGHT=16,FUSEC_PREFETCH=0")
+    monkeypatch.setenv("FUSEC_DEFINES", "FUSEC_LOADS_IN_FLIGHT=16,FUSEC_POLL_SLEEP=0")
     monkeypatch.setenv("FUSEC_PROFILE", "prof")
     o = Options.from_dict({})
-    assert o.defines == {"FUSEC_LOADS_IN_FLIGHT": 16, "FUSEC_PREFETCH": 0}   # knobs are ints
+    assert o.defines == {"FUSEC_LOADS_IN_FLIGHT": 16, "FUSEC_POLL_SLEEP": 0}   # knobs are ints
     assert o.profile and o.profile_dir == "prof"
     monkeypatch.setenv("FUSEC_DEFINES", "NOVALUE")
     with pytest.raises(FusecError, match="FUSEC_DEFINES"):
@@ -144,8 +144,8 @@ def test_profile_and_defines_options(monkeypatch):
     with pytest.raises(FusecError, match=r"defines \(from FUSEC_DEFINES\): FUSEC_LOADS_IN_FLIGHT='abc' must be an integer"):
         Options.from_dict({})
     for bad in ("1.5", "0x10", 2 ** 40, True, None):
-        with pytest.raises(FusecError, match="FUSEC_PREFETCH=.* must be an integer"):
-            Options.from_dict({"defines": {"FUSEC_PREFETCH": bad}})
+        with pytest.raises(FusecError, match="FUSEC_POLL_SLEEP=.* must be an integer"):
+            Options.from_dict({"defines": {"FUSEC_POLL_SLEEP": bad}})
     monkeypatch.delenv("FUSEC_DEFINES")
     with pytest.raises(FusecError, match=r"unknown kernel knob\(s\) \['FUSEC_NOPE'\]"):
         Options.from_dict({"defines": {"FUSEC_NOPE": 1}})

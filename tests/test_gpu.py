@@ -74,8 +74,7 @@ def test_mid_size_matvec_paths_match_eager(hidden, inter):
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("defines", [{"FUSEC_LOADS_IN_FLIGHT": 4}, {"FUSEC_PREFETCH": 1},
-                                     {"FUSEC_INLINE_OTHER_KINDS": 1},
+@pytest.mark.parametrize("defines", [{"FUSEC_LOADS_IN_FLIGHT": 4},
                                      {"FUSEC_ATTN_PREFETCH": 0}, {"FUSEC_ATTN_PREFETCH": 2},
                                      {"FUSEC_STAGE_QUEUE": 0}, {"FUSEC_DISPATCH_BY_KIND": 0},
                                      {"FUSEC_DISPATCH_BY_KIND": 0, "FUSEC_STAGE_QUEUE": 0},
@@ -85,7 +84,6 @@ def test_mid_size_matvec_paths_match_eager(hidden, inter):
                                      LATENCY_KNOBS_OFF, {"FUSEC_ATTN_SINGLE": 0},
                                      {"FUSEC_MERGE_ONE_PASS": 0, "FUSEC_EARLY_EPILOGUE_LOADS": 0},
                                      {"FUSEC_ATTN_Q_EARLY": 0, "FUSEC_STAGE_BATCH": 0, "FUSEC_ATTN_KV_EARLY": 0},
-                                     {"FUSEC_ATTN_KV_EARLY": 2, "FUSEC_STAGE_QUEUE": 0},
                                      # the counter polled without sleeping
                                      {"FUSEC_POLL_SLEEP": 0},
                                      # the split-KV scores by lanes, with the value rows in the K batch or not

@@ -321,7 +321,7 @@ def _gpu_case(cap, num_sms, defines):
     (1024, 4, {"FUSEC_ATTN_SINGLE": 0, "FUSEC_MERGE_ONE_PASS": 0, "FUSEC_EARLY_EPILOGUE_LOADS": 0,
                "FUSEC_ATTN_Q_EARLY": 0, "FUSEC_STAGE_BATCH": 0, "FUSEC_ATTN_KV_EARLY": 0,
                "FUSEC_ATTN_LANES": 0, "FUSEC_ATTN_V_SCATTER": 0}, [(1000, [999])]),
-    (1024, 4, {"FUSEC_ATTN_KV_EARLY": 2, "FUSEC_ATTN_PREFETCH": 2, "FUSEC_DISPATCH_BY_KIND": 0}, [(800, [799])]),
+    (1024, 4, {"FUSEC_ATTN_PREFETCH": 2, "FUSEC_DISPATCH_BY_KIND": 0}, [(800, [799])]),
     (32768, None, None, [(100, [99, 5]), (20000, [19999]), (32768, [32767, 300])]),
 ], ids=["blocks", "scalar-scores", "lanes2", "knobs-off", "prefetch", "gpu-sms-32k"])
 def test_polymorphic_kernel_matches_eager_on_the_gpu(cap, num_sms, defines, lengths):

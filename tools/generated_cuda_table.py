@@ -44,9 +44,9 @@ ROWS: tuple[tuple[str, str, str], ...] = (
      "`to_f`/`from_f`/`rnd<T>` (math in fp32, rounded to `T` where PyTorch rounds); `fusec_status` "
      "with `fusec_report_fault`/`fusec_report_wait` (out-of-line reports to the host-mapped status); "
      "`index_ok` (run-time index guard); `ld_acquire`, `red_release`, `atom_inc_acq_rel`, "
-     "`globaltimer`; `FUSEC_MARK` (profiling marks, empty without `FUSEC_MARKS`); `prefetch_l2`; "
-     "`warp_sum`/`warp_max`/`block_sum`; `ld_stream`, `lds_vec`; `FUSEC_KIND_FN` and "
-     "`FUSEC_KIND_FN_OTHER` (`__noinline__`); `MatvecBatch`, `fma_batch`, `dot_batch` (one batch of "
+     "`globaltimer`; `FUSEC_MARK` (profiling marks, empty without `FUSEC_MARKS`); "
+     "`warp_sum`/`warp_max`/`block_sum`; `ld_stream`, `lds_vec`; `FUSEC_KIND_FN` "
+     "(`__noinline__`); `MatvecBatch`, `fma_batch`, `dot_batch` (one batch of "
      "16-byte weight loads, then its FMAs); `dot_rows`/`row_dot` (R weight rows per warp, "
      "`FUSEC_LOADS_IN_FLIGHT` loads in flight); `stage_vec`, `rms_prologue` (the input vector, or its "
      "norm, in shared memory); `gate_act`, `glu_row` (a GLU MLP's gate activation and one "
@@ -56,13 +56,11 @@ ROWS: tuple[tuple[str, str, str], ...] = (
      "the timer, a `__nanosleep(FUSEC_POLL_SLEEP)`, the counter's acquire load), with the watchdog"),
     ("one block per kind the graph uses (`// ---- embedding ----` …)", r"^// ---- ",
      "a `__device__` function template with element types and shapes as template parameters, so "
-     "loop bounds are compile-time constants. Every kind's function is out of line (`FUSEC_KIND_FN` "
-     "for the per-layer matvec kinds `rms_qkv_rope`, `matvec_residual`, `rms_gate_up_silu`; "
-     "`FUSEC_KIND_FN_OTHER` for the rest): one copy per instantiation that every layer's case calls. "
-     "Inlined into each layer's case, the split-KV kind made NVRTC take 11.2 s for the 1B kernel "
-     "instead of 1.4 s (2-core CPU); `FUSEC_INLINE_OTHER_KINDS=1` inlines the others again. "
+     "loop bounds are compile-time constants. Every kind's function is out of line (`FUSEC_KIND_FN`): "
+     "one copy per instantiation that every layer's case calls. Inlined into each layer's case, the "
+     "split-KV kind made NVRTC take 11.2 s for the 1B kernel instead of 1.4 s (2-core CPU). "
      "`generic` has two (`table_lookup`, `copy_small`, after the `ld_ro`/`ld_cg` loads); "
-     "`rms_qkv_rope` adds `rms_qkv_rope_prefetch` and `qkv_head_epilogue` (the norm and rotation of "
+     "`rms_qkv_rope` adds `qkv_head_epilogue` (the norm and rotation of "
      "a q/k head, by the head's last tile when a head is split); `attention_partial` adds "
      "`attention_split_rows` (a split's cache rows), `attention_mask`, `select_f` and `scatter_step` "
      "(the value pass's reduce-scatter, `FUSEC_ATTN_V_SCATTER`), `attention_sum_values`, "
@@ -79,8 +77,6 @@ ROWS: tuple[tuple[str, str, str], ...] = (
      "a switch with one case per op whose kind has an `early` macro (the split-KV tiles' K/V "
      "prefetch), called before the waits with `FUSEC_ATTN_KV_EARLY` (1, the default: before the "
      "instruction's own waits)"),
-    ("`prefetch_instr`", r"void prefetch_instr\(",
-     "a switch with one case per op that streams weights (called only with `FUSEC_PREFETCH=1`)"),
     ("`fusec_case_of`, `fusec_opargs`", r"^__constant__ int fusec_case_of\[",
      "the dispatch tables (`FUSEC_DISPATCH_BY_KIND`): each op's case, and its row of buffer slots "
      "and ticket offsets"),

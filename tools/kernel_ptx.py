@@ -44,7 +44,7 @@ def main() -> int:
     ap.add_argument("kernel_cu", help="kernel.cu written by fusec compile --emit-cuda (or FUSEC_DUMP)")
     ap.add_argument("function", nargs="?", help="part of a device function's name (default: list them)")
     ap.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
-                    help="set a kernel knob's #define (e.g. FUSEC_ATTN_KV_EARLY=2)")
+                    help="set a kernel knob's #define (e.g. FUSEC_ATTN_KV_EARLY=0)")
     ap.add_argument("--full", action="store_true", help="print the whole PTX body, not only the memory lines")
     ns = ap.parse_args()
     source = Path(ns.kernel_cu).read_text()

@@ -1,7 +1,6 @@
 """Time NVRTC on example models' megakernels: the default (every kind out of line, one
-dispatch case per distinct call), ``FUSEC_DISPATCH_BY_KIND=0`` (one case per op, the default
-before 2026-12-02) and ``FUSEC_INLINE_OTHER_KINDS=1`` (also the kinds other than the per-layer
-matvecs inlined into each case, as before 2026-12-01). No GPU needed: the models are built and lowered on the CPU
+dispatch case per distinct call) and ``FUSEC_DISPATCH_BY_KIND=0`` (one case per op, the default
+before 2026-12-02). No GPU needed: the models are built and lowered on the CPU
 (``fusec.api.compile_model``), then each kernel is compiled by NVRTC for sm_90a into a fresh
 cache folder, so nothing is reused.
 
@@ -21,8 +20,7 @@ from fusec.api import compile_model  # noqa: E402
 from fusec.cuda.codegen import render  # noqa: E402
 from fusec.cuda.jit import compile_cuda  # noqa: E402
 
-VARIANTS = (("default", {}), ("a case per op (FUSEC_DISPATCH_BY_KIND=0)", {"FUSEC_DISPATCH_BY_KIND": 0}),
-            ("inlined, a case per op", {"FUSEC_INLINE_OTHER_KINDS": 1, "FUSEC_DISPATCH_BY_KIND": 0}))
+VARIANTS = (("default", {}), ("a case per op (FUSEC_DISPATCH_BY_KIND=0)", {"FUSEC_DISPATCH_BY_KIND": 0}))
 
 
 def main(examples: list[str]) -> int:

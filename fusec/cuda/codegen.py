@@ -199,11 +199,10 @@ def render(s: Schedule, title: str = "", threads: int = THREADS, profile: bool =
             gen_sources.setdefault(gen["name"], gen["source"])
             if gen.get("helpers") and gen["helpers"] not in gen_helpers:
                 gen_helpers.append(gen["helpers"])
-        pf = mod.prefetch(args).strip() if hasattr(mod, "prefetch") else ""
         early = mod.early(args).strip() if hasattr(mod, "early") else ""
         call = cls.call.text(op, args) if cls.call is not None else mod.call(args).strip()
         cases.append({"op": k, "name": op.name, "kind": op.kind, "layer": op.layer,
-                      "call": call, "prefetch": pf, "early": early})
+                      "call": call, "early": early})
         smem = max(smem, cls.smem_floats(op, g))
     defines = {**KNOBS, **(defines or {})}
     if smem * 4 > MAX_SMEM_BYTES:

@@ -24,17 +24,11 @@ TABLE: tuple[Knob, ...] = (
     Knob("FUSEC_LOADS_IN_FLIGHT", 8,
          "16-byte weight loads in flight per lane in a matvec (4 / 6 / 12 measured 0.004-0.027 ms "
          "slower, §15; 16 2% slower, §6)"),
-    Knob("FUSEC_PREFETCH", 0,
-         "1: L2 bulk prefetch of this and the next instruction's weights before the counter waits "
-         "(0.10-0.15 ms slower, §9)"),
     Knob("FUSEC_NORM_VEC", 1,
          "1: an RMSNorm prologue (common.cuh rms_prologue) loads x and its weight in 16-byte "
          "chunks, one of each per thread, when H / (16 B) chunks fit the CTA and both share a "
          "dtype; 0: PER elements per thread (1B -0.004 / -0.005 ms at 127 / 2047, Qwen3-0.6B "
          "within 0.003, §19)"),
-    Knob("FUSEC_INLINE_OTHER_KINDS", 0,
-         "1 inlines the kinds other than the per-layer matvecs into their cases (as before "
-         "2026-12-01; NVRTC then takes 8-10x longer, and the step was 0.031-0.052 ms slower, §13)"),
     Knob("FUSEC_ATTN_PREFETCH", 1,
          "1 (2): a split-KV tile asks L2 for its V (K and V) rows before it stages q (1: 6-9 us "
          "faster than 0, §13)"),
@@ -72,10 +66,9 @@ TABLE: tuple[Knob, ...] = (
          "1 loads all of a thread's 16-byte copies of a matvec's input before storing any to "
          "shared memory (alone -0.005 ms, §16)"),
     Knob("FUSEC_ATTN_KV_EARLY", 1,
-         "1 asks L2 for a split-KV tile's K and V rows before its counter waits, 2 before the "
-         "waits of the instruction ahead of it in the SM's queue (a kind's `early` macro, "
-         "kernel.cu.j2 early_instr; 1 alone -0.006 to -0.013 ms; 2 lost up to 0.024 ms to 1 at "
-         "4095, §16)"),
+         "1 asks L2 for a split-KV tile's K and V rows before its counter waits (a kind's `early` "
+         "macro, kernel.cu.j2 early_instr; alone -0.006 to -0.013 ms, §16; asking before the waits "
+         "of the instruction ahead of it lost up to 0.024 ms at 4095: experiments/removed-knobs.patch)"),
     Knob("FUSEC_POLL_SLEEP", 32,
          "the __nanosleep between two polls of a counter, in ns (0: none; 100 and 0 measured the "
          "same as 32, within 0.004 ms; performance.md §17)"),
@@ -103,7 +96,11 @@ LATENCY_KNOBS_OFF: dict[str, int] = {"FUSEC_ATTN_SINGLE": 0, "FUSEC_MERGE_ONE_PA
                                      "FUSEC_STAGE_BATCH": 0, "FUSEC_ATTN_KV_EARLY": 0,
                                      "FUSEC_ATTN_LANES": 0, "FUSEC_ATTN_V_SCATTER": 0}
 
-# Mechanisms measured slower and removed (their patch series in experiments/): the first weight
+# Mechanisms measured slower and removed (their patch series in experiments/): the L2 bulk
+# prefetch of an instruction's and the next one's weights before the waits (FUSEC_PREFETCH,
+# 0.10-0.15 ms slower, §9) and the kinds other than the per-layer matvecs inlined into their
+# cases (FUSEC_INLINE_OTHER_KINDS, 0.031-0.052 ms slower and NVRTC 8-10x longer, §13): both in
+# experiments/removed-knobs.patch; the first weight
 # batch staged in shared memory or registers before the waits, an L2 prefetch of it after them,
 # a warp's first weight loads before a tile's prologue (first-batch), early K/V register loads in
 # the split-KV tiles (not the L2 prefetch of FUSEC_ATTN_KV_EARLY), a split-KV tile in one pass
