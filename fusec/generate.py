@@ -31,6 +31,7 @@ import torch
 from fusec.errors import FusecError
 from fusec.fallbacks import FallbackWatch
 from fusec.fallbacks import warn as warn_fallback
+from fusec.frontend import hf_rope
 from fusec.frontend.precompiled import PrecompiledStep
 
 log = logging.getLogger("fusec")
@@ -451,6 +452,7 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: in
                 if counted:
                     log.info("fusec.generate: the cache's sliding-window layers count positions in Python; "
                              "each step is launched on its own (no CUDA graph, no precompiled step)")
+                hf_rope.dynamic_state_as_tensors(model)   # dynamic NTK: one compile, not two
                 step = _compiled_step(model, sample, temperature, top_k, select_in_graph, opts,
                                       precompile=not counted)
                 dec = _Decoder(step, tokens, cache, sample, select_in_graph, temperature, top_k, top_p,

@@ -132,6 +132,31 @@ def test_generate_with_longrope_equals_eager_greedy():
     assert out[0, 12:].tolist() == ref
 
 
+@pytest.mark.parametrize("max_positions", [16, 64])
+def test_generate_with_dynamic_ntk_compiles_once(max_positions):
+    """``fusec.generate`` on dynamic NTK (16: growing past it from a 10-token prompt; 64: longer
+    than the cache): the tokens of an eager greedy loop on a copy, no fallback, one compile (the
+    remembered length is a tensor before the first trace), the same remembered length."""
+    from transformers import StaticCache
+    model = hf_tiny.llama_dynamic_ntk(max_positions=max_positions)
+    eager = copy.deepcopy(model)
+    prompt = torch.randint(2, 128, (1, 10), generator=torch.Generator().manual_seed(3))
+    ref, cache, ids = [], StaticCache(config=eager.config, max_cache_len=64), prompt
+    with torch.no_grad():
+        for _ in range(12):
+            nxt = eager(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1).view(1, 1)
+            ref.append(int(nxt))
+            ids = nxt
+    torch._dynamo.reset()
+    with FallbackWatch() as w:
+        out = fusec.generate(model, prompt, 12, eos_token_id=[], options=OPTS)
+    torch._dynamo.reset()
+    assert not w.fallbacks, w.fallbacks
+    assert out[0, 10:].tolist() == ref
+    assert w.compiled == 1, w.compiled
+    assert int(model.model.rotary_emb.max_seq_len_cached) == int(eager.model.rotary_emb.max_seq_len_cached)
+
+
 @pytest.mark.parametrize("factory", [hf_tiny.phi3_longrope, hf_tiny.llama_dynamic_ntk])
 def test_cli_path_captures_one_graph_and_the_kernel_compiles(factory):
     """``fusec.api.compile_model`` (the CLI's path, ``fullgraph=True``) captures the step (it raised

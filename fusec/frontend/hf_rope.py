@@ -130,6 +130,27 @@ def traceable_dynamic_update(self: Any, position_ids: torch.Tensor, device: Any,
     _store(self, f"{prefix}max_seq_len_cached", length)
 
 
+def dynamic_state_as_tensors(model: torch.nn.Module) -> int:
+    """Store the remembered lengths (``*max_seq_len_cached``) of ``model``'s dynamic-NTK rotary
+    modules as the 0-d float32 tensors a compiled step stores (eager compares either), so that
+    the first trace sees what every later one does: one compile instead of two (the first would
+    see HF's Python int). For callers that hold the model before its first compiled call
+    (``fusec.generate``). Returns how many were converted."""
+    n = 0
+    for m in model.modules():
+        types = m.__dict__.get("rope_type")
+        types = types.values() if isinstance(types, dict) else [types]
+        if not any(isinstance(t, str) and "dynamic" in t for t in types):
+            continue
+        device = next((b.device for b in m.buffers()), None)
+        for name in [k for k in vars(m) if k.endswith("max_seq_len_cached")]:
+            v = vars(m)[name]
+            if isinstance(v, int) or (isinstance(v, torch.Tensor) and v.dim() == 0 and v.dtype != torch.float32):
+                object.__setattr__(m, name, torch.tensor(float(v), dtype=torch.float32, device=device))
+                n += 1
+    return n
+
+
 def _store(module: torch.nn.Module, name: str, value: torch.Tensor) -> None:
     """``setattr(module, name, value)`` as ``nn.Module.__setattr__`` does it for a buffer (into
     ``_buffers``) or a plain attribute, without tracing ``__setattr__`` (whose ``isinstance``
