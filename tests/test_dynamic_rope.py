@@ -110,26 +110,34 @@ def test_dynamic_ntk_longer_than_the_cache(steps):
     assert "warning" not in kernel.log, kernel.log
 
 
+def _greedy_against_generate(model, eager, prompt_len: int, n: int, cache_len: int):
+    """``n`` greedy tokens of an eager loop through a StaticCache (on ``eager``) and of
+    ``fusec.generate`` (on ``model``) after the same random prompt. Returns (eager's tokens,
+    fusec's new tokens, the FallbackWatch of the generate call)."""
+    from transformers import StaticCache
+    prompt = torch.randint(2, 128, (1, prompt_len), generator=torch.Generator().manual_seed(3))
+    ref, cache, ids = [], StaticCache(config=eager.config, max_cache_len=cache_len), prompt
+    with torch.no_grad():
+        for _ in range(n):
+            nxt = eager(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1).view(1, 1)
+            ref.append(int(nxt))
+            ids = nxt
+    torch._dynamo.reset()
+    with FallbackWatch() as w:
+        out = fusec.generate(model, prompt, n, eos_token_id=[], options=OPTS)
+    torch._dynamo.reset()
+    return ref, out[0, prompt_len:].tolist(), w
+
+
 def test_generate_with_longrope_equals_eager_greedy():
     """``fusec.generate`` on LongRoPE Phi-3 from a 12-token prompt, 10 new tokens (crossing 16):
     the tokens of an eager greedy loop through a StaticCache, no fallback. (Not HF's generate():
     transformers 5.17's Phi-3 ``prepare_inputs_for_generation`` drops the cache at the switch and
     then feeds the model one token without any cache at every later step.)"""
-    from transformers import StaticCache
     model = hf_tiny.phi3_longrope()
-    prompt = torch.randint(2, 128, (1, 12), generator=torch.Generator().manual_seed(3))
-    ref, cache, ids = [], StaticCache(config=model.config, max_cache_len=32), prompt
-    with torch.no_grad():
-        for _ in range(10):
-            nxt = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1).view(1, 1)
-            ref.append(int(nxt))
-            ids = nxt
-    torch._dynamo.reset()
-    with FallbackWatch() as w:
-        out = fusec.generate(model, prompt, 10, eos_token_id=[], options=OPTS)
-    torch._dynamo.reset()
+    ref, got, w = _greedy_against_generate(model, model, 12, 10, 32)
     assert not w.fallbacks, w.fallbacks
-    assert out[0, 12:].tolist() == ref
+    assert got == ref
 
 
 @pytest.mark.parametrize("max_positions", [16, 64])
@@ -137,22 +145,11 @@ def test_generate_with_dynamic_ntk_compiles_once(max_positions):
     """``fusec.generate`` on dynamic NTK (16: growing past it from a 10-token prompt; 64: longer
     than the cache): the tokens of an eager greedy loop on a copy, no fallback, one compile (the
     remembered length is a tensor before the first trace), the same remembered length."""
-    from transformers import StaticCache
     model = hf_tiny.llama_dynamic_ntk(max_positions=max_positions)
     eager = copy.deepcopy(model)
-    prompt = torch.randint(2, 128, (1, 10), generator=torch.Generator().manual_seed(3))
-    ref, cache, ids = [], StaticCache(config=eager.config, max_cache_len=64), prompt
-    with torch.no_grad():
-        for _ in range(12):
-            nxt = eager(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1).view(1, 1)
-            ref.append(int(nxt))
-            ids = nxt
-    torch._dynamo.reset()
-    with FallbackWatch() as w:
-        out = fusec.generate(model, prompt, 12, eos_token_id=[], options=OPTS)
-    torch._dynamo.reset()
+    ref, got, w = _greedy_against_generate(model, eager, 10, 12, 64)
     assert not w.fallbacks, w.fallbacks
-    assert out[0, 10:].tolist() == ref
+    assert got == ref
     assert w.compiled == 1, w.compiled
     assert int(model.model.rotary_emb.max_seq_len_cached) == int(eager.model.rotary_emb.max_seq_len_cached)
 

@@ -160,20 +160,21 @@ def _in_out_dtype(ctx: Ctx, v: Any) -> Any:
     return v
 
 
-@emitter("aten.remainder")
-def _remainder(ctx: Ctx) -> None:
+def _modulo(ctx: Ctx, fn: str) -> None:
     ct = out_ct(ctx)
     ops = [operand(ctx, _in_out_dtype(ctx, ctx.args["self"]), ct),
            operand(ctx, _in_out_dtype(ctx, ctx.args["other"]), ct)]
-    elementwise(ctx, ops, ct, lambda a, b: f"gx_remainder({a}, {b})")
+    elementwise(ctx, ops, ct, lambda a, b: f"{fn}({a}, {b})")
+
+
+@emitter("aten.remainder")
+def _remainder(ctx: Ctx) -> None:
+    _modulo(ctx, "gx_remainder")   # the sign of the divisor
 
 
 @emitter("aten.fmod")
 def _fmod(ctx: Ctx) -> None:
-    ct = out_ct(ctx)
-    ops = [operand(ctx, _in_out_dtype(ctx, ctx.args["self"]), ct),
-           operand(ctx, _in_out_dtype(ctx, ctx.args["other"]), ct)]
-    elementwise(ctx, ops, ct, lambda a, b: f"gx_fmod({a}, {b})")
+    _modulo(ctx, "gx_fmod")        # the sign of the dividend
 
 
 def _pow_scalar_exp(ct: str, e: Any) -> Callable[[str], str]:
