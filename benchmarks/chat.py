@@ -6,8 +6,8 @@ DEFAULT options:
 
 - ``fusec.generate``;
 - ``HF generate (fusec)``: ``model.generate(..., cache_implementation="static",
-  compile_config=CompileConfig(backend="fusec"))`` with HF's defaults (dynamo makes the cache
-  length symbolic at the second length: two fusec compiles in all);
+  compile_config=CompileConfig(backend="fusec"))`` with HF's defaults (fusec imported: its
+  decode call is one precompiled step with a symbolic cache length, fusec.frontend.hf_generate);
 - ``HF generate (fusec, dynamic=True)``: the same with ``CompileConfig(dynamic=True)``;
 - ``HF generate (default compile)``: HF's default ``CompileConfig()`` (inductor).
 

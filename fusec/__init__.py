@@ -34,6 +34,47 @@ def _load_tree_passes() -> None:
 _load_tree_passes()
 
 
+def _after_transformers() -> None:
+    """Install :func:`fusec.frontend.hf_generate.install` (HF generate() through one precompiled
+    step) now if transformers' ``modeling_utils`` is imported, else right after its import (a
+    meta-path finder that wraps that one module's loader): ``import fusec`` stays light."""
+    name = "transformers.modeling_utils"
+
+    def install() -> None:
+        try:
+            from fusec.frontend import hf_generate
+            hf_generate.install()
+        except Exception:   # noqa: BLE001 - never break the user's import over this
+            import logging
+            logging.getLogger("fusec").debug("fusec: HF generate() hook not installed", exc_info=True)
+
+    if name in sys.modules:
+        install()
+        return
+    import importlib.abc
+
+    class _Finder(importlib.abc.MetaPathFinder):
+        def find_spec(self, fullname, path, target=None):
+            if fullname != name:
+                return None
+            sys.meta_path.remove(self)   # one shot: find the real spec with the other finders
+            spec = importlib.util.find_spec(fullname)
+            if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+                return spec
+            run = spec.loader.exec_module
+
+            def exec_module(module):
+                run(module)
+                install()
+            spec.loader.exec_module = exec_module
+            return spec
+
+    sys.meta_path.insert(0, _Finder())
+
+
+_after_transformers()
+
+
 def template_dir() -> Path:
     """Folder of the Jinja templates (package data when installed, ``templates/`` in a checkout)."""
     inside = _HERE / "templates"

@@ -208,3 +208,50 @@ def test_lm_head_argmax_epilogue_matches_eager(factory, steps):
     src = render(step.schedule).source
     assert "rms_lm_head_argmax<" in src
     assert compile_cuda(src, "fusec_step.cu").resources["fusec_step"]["spill_store_bytes"] == 0
+
+
+def test_import_fusec_installs_the_generate_hook_before_transformers():
+    """``import fusec`` before transformers' modeling_utils is imported: the hook that routes
+    generate()'s fusec decode call through one precompiled step (fusec.frontend.hf_generate) is
+    installed when modeling_utils is imported, without fusec importing transformers itself."""
+    import subprocess
+    import sys
+    code = ("import sys, fusec\n"
+            "assert 'transformers.modeling_utils' not in sys.modules\n"
+            "from transformers.modeling_utils import PreTrainedModel\n"
+            "print(getattr(PreTrainedModel.get_compiled_call, '_fusec', False))\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and p.stdout.strip().splitlines()[-1] == "True", p.stderr[-2000:]
+
+
+def test_generate_hook_takes_only_fusec_configs_with_dynamic_unset():
+    """get_compiled_call gives fusec's decode call for a fusec CompileConfig with ``dynamic``
+    unset, and HF's own compiled call for another backend or an explicit ``dynamic``; a second
+    call with the same config returns the same object (no new compile)."""
+    from transformers.generation import CompileConfig
+
+    from fusec.frontend import hf_generate
+    hf_generate.install()
+    model = hf_tiny.llama()
+    ours = model.get_compiled_call(_compile_config(options={"num_sms": 8}))
+    assert isinstance(ours, hf_generate.HFDecodeCall)
+    assert model.get_compiled_call(model._last_compile_config) is ours
+    for cc in (CompileConfig(backend="eager"), _compile_config(dynamic=False), _compile_config(dynamic=True)):
+        assert not isinstance(model.get_compiled_call(cc), hf_generate.HFDecodeCall), cc
+
+
+def test_generate_on_a_sliding_window_cache_keeps_hfs_compiled_call(steps):
+    """A cache with sliding-window layers (their positions counted in Python) cannot have a
+    symbolic length: generate()'s decode call goes through HF's own compiled call, and the tokens
+    still equal eager's with no fallback."""
+    model = hf_tiny.gemma2(window=8)
+    model.generation_config.pad_token_id = 0
+    prompt = torch.randint(1, 128, (1, 5), generator=torch.Generator().manual_seed(3))
+    cc = _compile_config(mode=None, options={"num_sms": 16})
+    ref = model.generate(prompt, max_new_tokens=6, do_sample=False, cache_implementation="static")
+    with FallbackWatch() as w:
+        out = model.generate(prompt, max_new_tokens=6, do_sample=False, cache_implementation="static",
+                             compile_config=cc)
+    assert torch.equal(out, ref)
+    assert not w.fallbacks and w.compiled, (w.fallbacks, w.compiled)
+    assert model._compiled_call._prepared is None and model._compiled_call._plain is not None

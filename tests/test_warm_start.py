@@ -171,7 +171,8 @@ print(json.dumps({"equal": torch.equal(out, ref), "fallbacks": list(w.fallbacks)
 @pytest.mark.parametrize("dynamic", [False, True], ids=["default", "dynamic"])
 def test_generate_in_a_second_process_takes_the_warm_start(tmp_path, dynamic):
     """HF generate() through fusec in three new processes over one artifact cache: the second and
-    third take the warm start. With ``CompileConfig(dynamic=True)`` the graph has a symbolic
+    third take the warm start (under HF's default config they load the precompiled decode step:
+    no dynamo trace). With ``CompileConfig(dynamic=True)`` the graph has a symbolic
     cache length, an expanded 4-D mask and dynamo's specialized ``logits_to_keep`` (once a
     graph with no key: every process ran AOT autograd again)."""
     import json
@@ -198,6 +199,10 @@ def test_generate_in_a_second_process_takes_the_warm_start(tmp_path, dynamic):
     assert "warm start" not in cold and "stage build_ir" in cold
     for err in warm:
         assert "warm start" in err and "AOT skipped" in err and "stage build_ir" not in err, err[-2000:]
+    if not dynamic:   # HF's default config: one precompiled step (fusec.frontend.hf_generate)
+        assert "stage precompiled   traced" in cold, cold[-2000:]
+        for err in warm:
+            assert "stage precompiled   loaded" in err and "stage precompiled   traced" not in err, err[-2000:]
 
 
 def test_symbolic_layout_names_layouts_that_hold_at_every_length():

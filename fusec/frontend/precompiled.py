@@ -159,9 +159,9 @@ def graph_from_bytes(data: bytes) -> torch.fx.GraphModule:
     return GraphPickler.loads(data, FakeTensorMode())
 
 
-def _run(module: torch.nn.Module, *args: Any) -> Any:
+def _run(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     """The function torch precompiles: the step module called on the step's inputs."""
-    return module(*args)
+    return module(*args, **kwargs)
 
 
 def _describe(x: Any) -> Any:
@@ -180,8 +180,9 @@ def _describe(x: Any) -> Any:
     return [f"{type(x).__module__}.{type(x).__qualname__}", [_describe(t) for t in tensors], shapes]
 
 
-def key(module: torch.nn.Module, model: torch.nn.Module, args: tuple, options: dict[str, Any]) -> str:
-    """The cache key (hex sha256) of precompiling ``module(*args)``: the toolchain
+def key(module: torch.nn.Module, model: torch.nn.Module, args: tuple, options: dict[str, Any],
+        kwargs: dict[str, Any] | None = None) -> str:
+    """The cache key (hex sha256) of precompiling ``module(*args, **kwargs)``: the toolchain
     (:func:`fusec.runtime.artifacts.toolchain`, transformers' version), the model's class and
     configuration (``config.to_json_string``), the code its forward may run and its hooks
     (:func:`fusec.frontend.code_fingerprint.model_code_digest`: dynamo's guards on them cannot
@@ -206,12 +207,13 @@ def key(module: torch.nn.Module, model: torch.nn.Module, args: tuple, options: d
              "code": model_code_digest(model),
              "module": f"{type(module).__module__}.{type(module).__qualname__}", "settings": settings,
              "args": [_describe(a) for a in args], "params": params,
+             **({"kwargs": {k: _describe(v) for k, v in sorted(kwargs.items())}} if kwargs else {}),
              "options": repr(sorted(options.items())), "modes": global_modes()}
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=repr).encode()).hexdigest()
 
 
-def aot_compile(backend: Callable, args: tuple) -> Any:
-    """``_run(*args)`` traced by dynamo (``fullgraph``, static shapes, :func:`serializable_guards`)
+def aot_compile(backend: Callable, args: tuple, kwargs: dict[str, Any] | None = None) -> Any:
+    """``_run(*args, **kwargs)`` traced by dynamo (``fullgraph``, static shapes, :func:`serializable_guards`)
     for ``backend``: torch's ``AOTCompiledFunction``. ``torch.compile(...).aot_compile`` where
     the compiled function has it (torch 2.13), else ``torch._dynamo.aot_compile``'s
     ``aot_compile_fullgraph`` with the same hooks (torch 2.11 has no such attribute).
@@ -223,11 +225,11 @@ def aot_compile(backend: Callable, args: tuple) -> Any:
     compiled = torch.compile(_run, fullgraph=True, dynamic=None, backend=backend,
                              options={"guard_filter_fn": serializable_guards})
     if hasattr(compiled, "aot_compile"):
-        return compiled.aot_compile((args, {}))
+        return compiled.aot_compile((args, dict(kwargs or {})))
     from torch._dynamo.aot_compile import aot_compile_fullgraph
     from torch._dynamo.hooks import Hooks
     kw = {"dynamic": None} if "dynamic" in inspect.signature(aot_compile_fullgraph).parameters else {}
-    return aot_compile_fullgraph(_run, (args, {}), hooks=Hooks(guard_filter_fn=serializable_guards),
+    return aot_compile_fullgraph(_run, (args, dict(kwargs or {})), hooks=Hooks(guard_filter_fn=serializable_guards),
                                  backend=backend, **kw)
 
 
@@ -272,57 +274,84 @@ def _tensors(args: tuple) -> list[torch.Tensor]:
     return out
 
 
-def _guard_failure(fn: Any, *args: Any) -> str:
+def _module_refs(fn: Any) -> dict[str, str]:
+    """The modules a traced function's bytecode loads through globals that dynamo installed by
+    object id (``___module_collections_<id>_c0``, e.g. to rebuild an HF ``ModelOutput``), as
+    {global name: module name}: such a name is in this module's globals (the traced frame's)
+    only in the process that traced, so a later one gets it from the entry
+    (:func:`_import_refs`)."""
+    import types
+    env = getattr(getattr(fn, "_artifacts", None), "runtime_env", None)
+    refs = getattr(env, "external_refs", None) or ()
+    known = {**getattr(env, "used_globals", {}), **getattr(env, "import_sources", {})}
+    return {r: globals()[r].__name__ for r in sorted(refs)
+            if r not in known and isinstance(globals().get(r), types.ModuleType)}
+
+
+def _import_refs(modules: dict[str, str] | None) -> dict[str, Any] | None:
+    """The globals :func:`_module_refs` recorded, imported again (None when there are none)."""
+    import importlib
+    return {r: importlib.import_module(m) for r, m in modules.items()} if modules else None
+
+
+def _guard_failure(fn: Any, *args: Any, **kwargs: Any) -> str:
     """The first failing guard of a loaded precompiled function, as dynamo words it ('' if unknown)."""
     try:
-        f_locals = fn.prepare_f_locals(*args)
+        f_locals = fn.prepare_f_locals(*args, **kwargs)
         return str(fn._artifacts.guard_manager.check_verbose(f_locals).verbose_code_parts[:1])[:300]
     except Exception:   # noqa: BLE001 - private API: the reason is only for the log
         return "reason unknown"
 
 
 class PrecompiledStep:
-    """``module(*args)`` through a step precompiled once and loaded by later processes.
+    """``module(*args, **kwargs)`` through a step precompiled once and loaded by later processes.
 
     Args:
-        module: the step (``fusec.generate``'s ``_DecodeStep``: a model, its settings).
+        module: the step (``fusec.generate``'s ``_DecodeStep``, or the HF model's call that
+            :mod:`fusec.frontend.hf_generate` wraps for ``generate()``).
         model: the model inside it (its class and configuration key the entry).
         options: fusec options (:class:`fusec.config.Options`); with ``cache`` off or a
-            ``dump_dir`` set, the step is plain ``torch.compile(module, backend="fusec")``.
+            ``dump_dir`` set, the step is the fallback below.
+        fallback: makes the callable used when there is no precompiled step (the option off,
+            a graph break under ``fullgraph``, a torch without the API); by default
+            ``torch.compile(module, backend="fusec", options=options)``.
 
-    Calling it: ``step(*args)``, as ``module(*args)``. The first call with new input shapes
-    loads or traces (one stage line says which and its time); later calls check the kept
-    guards and run the loaded function.
+    Calling it: ``step(*args, **kwargs)``, as ``module(*args, **kwargs)``. The first call with
+    new input shapes loads or traces (one stage line says which and its time); later calls
+    check the kept guards and run the loaded function.
     """
 
-    def __init__(self, module: torch.nn.Module, model: torch.nn.Module, options: dict[str, Any]):
+    def __init__(self, module: torch.nn.Module, model: torch.nn.Module, options: dict[str, Any],
+                 fallback: Callable[[], Callable] | None = None):
         self.module, self.model, self.options = module, model, dict(options)
+        self.fallback = fallback or (lambda: torch.compile(module, backend="fusec", options=self.options))
         self.entries: list[Any] = []        # loaded AOT functions, most recent first
         self.loaded: set[int] = set()       # ids of those deserialized from the artifact cache
-        self.compiled: Callable | None = None   # plain torch.compile, once the precompile failed
+        self.compiled: Callable | None = None   # the fallback, once the precompile failed
 
-    def __call__(self, *args: Any) -> Any:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.compiled is not None:
-            return self.compiled(*args)
+            return self.compiled(*args, **kwargs)
+        inputs = (*args, *kwargs.values())
         for i, fn in enumerate(self.entries):
-            with _unmarked(args, id(fn) in self.loaded):
-                if fn.guard_check(self.module, *args):
+            with _unmarked(inputs, id(fn) in self.loaded):
+                if fn.guard_check(self.module, *args, **kwargs):
                     if i:
                         self.entries.insert(0, self.entries.pop(i))
-                    return fn(self.module, *args)
-        fn = self._bind(args)
+                    return fn(self.module, *args, **kwargs)
+        fn = self._bind(args, kwargs)
         if fn is None:
-            self.compiled = torch.compile(self.module, backend="fusec", options=self.options)
-            return self.compiled(*args)
+            self.compiled = self.fallback()
+            return self.compiled(*args, **kwargs)
         self.entries.insert(0, fn)
         del self.entries[MAX_ENTRIES:]
-        with _unmarked(args, id(fn) in self.loaded):
-            return fn(self.module, *args)
+        with _unmarked(inputs, id(fn) in self.loaded):
+            return fn(self.module, *args, **kwargs)
 
-    def _bind(self, args: tuple) -> Any:
-        """A precompiled function whose guards hold for ``args`` (its guard check then off:
-        :meth:`__call__` checks first), loaded or traced and stored; None when the precompile
-        is off or failed (one log line)."""
+    def _bind(self, args: tuple, kwargs: dict[str, Any]) -> Any:
+        """A precompiled function whose guards hold for ``args`` and ``kwargs`` (its guard check
+        then off: :meth:`__call__` checks first), loaded or traced and stored; None when the
+        precompile is off or failed (one log line)."""
         opts = Options.from_dict(self.options)
         if not opts.cache or opts.dump_dir:
             return None
@@ -330,33 +359,35 @@ class PrecompiledStep:
         cache = ArtifactCache.for_options(opts)
         try:
             from torch._dynamo.aot_compile import AOTCompiledFunction
-            k = key(self.module, self.model, args, self.options)
-        except Exception as e:   # noqa: BLE001 - no precompile API, or no key: plain torch.compile
+            k = key(self.module, self.model, args, self.options, kwargs)
+        except Exception as e:   # noqa: BLE001 - no precompile API, or no key: the fallback
             log.info("fusec: no precompiled step (%s: %s); dynamo traces the model in every process",
                      type(e).__name__, str(e)[:200])
             return None
+        inputs = (*args, *kwargs.values())
         t0 = time.perf_counter()
         art = cache.load(k, kind=KIND)
         if art is not None:
             try:
-                fn = AOTCompiledFunction.deserialize(art["data"])
+                fn = AOTCompiledFunction.deserialize(art["data"], f_globals=_import_refs(art.get("modules")))
                 fn.disable_guard_check()
-                with _unmarked(args, True):
-                    held = fn.guard_check(self.module, *args)
+                with _unmarked(inputs, True):
+                    held = fn.guard_check(self.module, *args, **kwargs)
                 if held:
                     self.loaded.add(id(fn))
                     log.info("stage %-13s loaded %s (%.1f KiB): dynamo's trace skipped, %.2f s", "precompiled",
                              k[:12], len(art["data"]) / 1024, time.perf_counter() - t0)
                     return fn
                 log.info("fusec: precompiled step %s: its guards do not hold for these inputs (%s); tracing again",
-                         k[:12], _guard_failure(fn, self.module, *args))
+                         k[:12], _guard_failure(fn, self.module, *args, **kwargs))
             except Exception as e:   # noqa: BLE001 - a damaged or foreign entry: trace and rewrite it
                 log.warning("fusec: precompiled step %s not loaded (%s: %s); tracing again", k[:12],
                             type(e).__name__, str(e)[:200])
         t0 = time.perf_counter()
         options = self.options
         try:
-            fn = aot_compile(lambda gm, ex: SerializedStep.from_dynamo(gm, ex, options), (self.module, *args))
+            fn = aot_compile(lambda gm, ex: SerializedStep.from_dynamo(gm, ex, options), (self.module, *args),
+                             kwargs)
             data = AOTCompiledFunction.serialize(fn)
             data = getattr(data, "serialized_data", data)   # torch 2.13: a result object; older: bytes
         except Exception as e:   # noqa: BLE001 - a graph break, a guard or object torch cannot save
@@ -364,7 +395,8 @@ class PrecompiledStep:
             log.info("fusec: no precompiled step (%s: %s); dynamo traces the model in every process",
                      type(e).__name__, first[:200])
             return None
-        stored = cache.store(k, {"format": FORMAT, "key": k, "kind": KIND, "data": data})
+        stored = cache.store(k, {"format": FORMAT, "key": k, "kind": KIND, "data": data,
+                                 "modules": _module_refs(fn)})
         log.info("stage %-13s traced %s in %.2f s%s", "precompiled", k[:12], time.perf_counter() - t0,
                        f", stored ({stored / 1024:.1f} KiB)" if stored else "")
         fn.disable_guard_check()

@@ -1,0 +1,160 @@
+"""HF ``generate()`` through fusec: one compile for every length, and no dynamo trace when warm.
+
+transformers compiles generate()'s decode call as ``torch.compile(model.__call__,
+**compile_config.to_dict())`` (``PreTrainedModel.get_compiled_call``). Under dynamo's defaults
+that is a static trace at the first cache length, then a second trace with a symbolic length at
+the second (each a fusec compile: 10.6 s and 14.4 s cold for Llama-3.2-1B on the H200), and a
+dynamo trace in every new process (3.8 s warm). :func:`install` wraps ``get_compiled_call``: for
+a :class:`~transformers.generation.CompileConfig` whose backend is fusec and whose ``dynamic``
+is left at its default, the decode call becomes a :class:`HFDecodeCall`. On a static cache
+(every layer a plain ``StaticLayer``) it makes the cache's length symbolic from the first call
+(:func:`fusec.frontend.static_cache.length_symbolic`, as :func:`fusec.generate` does) and runs
+through :class:`fusec.frontend.precompiled.PrecompiledStep`: one trace and one fusec step for
+every prompt length and ``max_new_tokens``, stored so that a later process loads dynamo's
+graph and guards instead of tracing. Any other call (a sliding-window cache, whose layers count
+positions in Python; a precompile that fails, e.g. at a graph break) runs HF's own compiled call,
+as without this module. ``CompileConfig(dynamic=True)`` or ``dynamic=False`` keeps HF's path
+(the user asked for it).
+
+``import fusec`` installs it (then transformers' ``modeling_utils`` need not be imported yet), and
+so does the backend's import, which torch performs inside the first ``get_compiled_call`` when
+fusec was never imported: that generate() call and the later ones on the same model keep HF's
+path (its compiled call already exists); models compiled after it take this one.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import weakref
+from typing import Any, Callable
+
+import torch
+
+log = logging.getLogger("fusec")
+
+_INSTALLED = False
+
+
+def is_fusec_backend(backend: Any) -> bool:
+    """Whether a ``CompileConfig.backend`` names fusec (the registered name or its function)."""
+    if isinstance(backend, str):
+        return backend == "fusec"
+    return getattr(backend, "__module__", "") == "fusec.frontend.backend" and \
+        getattr(backend, "__name__", "") == "fusec_backend"
+
+
+def compile_kwargs(compile_config: Any) -> dict[str, Any]:
+    """``torch.compile``'s arguments for a fusec ``CompileConfig``: its ``to_dict()`` without
+    ``mode`` when it has ``options`` (fusec takes no mode, and torch refuses both at once, so
+    HF's default ``mode="reduce-overhead"`` with fusec options would raise)."""
+    kw = compile_config.to_dict()
+    if kw.get("options") is not None:
+        kw.pop("mode", None)
+    return kw
+
+
+class _ModelCall(torch.nn.Module):
+    """``model(**kwargs)`` as a module of its own: the precompiled function's first argument
+    (its settings, none, key the artifact cache entry; the model's class and configuration
+    key it through :func:`fusec.frontend.precompiled.key`)."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, **kwargs: Any) -> Any:
+        return self.model(**kwargs)
+
+
+class HFDecodeCall:
+    """generate()'s decode call ``model(**model_inputs)`` for a fusec ``CompileConfig``.
+
+    Args:
+        model: the HF causal LM (``PreTrainedModel``).
+        compile_config: generate()'s ``CompileConfig`` (backend fusec); its ``options`` are
+            fusec's options.
+
+    Calling it: as ``model(**kwargs)`` (generate() passes ``input_ids`` [1, 1] int64, the
+    ``past_key_values`` cache, a 4-D ``attention_mask`` over the cache's rows, ``use_cache``,
+    ``return_dict``; returns the model's output). A static cache goes through one precompiled
+    step whose cache length is symbolic; anything else through HF's own compiled call.
+    """
+
+    def __init__(self, model: torch.nn.Module, compile_config: Any):
+        from fusec.frontend.precompiled import PrecompiledStep
+        self.model, self.compile_config = model, compile_config
+        self.options = dict(compile_config.options or {})
+        self._plain: Callable | None = None
+        self._prepared: Any = None   # a weak reference to the cache made length-symbolic last
+        module = _ModelCall(model)
+        # without a precompiled step (the cache option off, a graph break under fullgraph): the
+        # same call through torch.compile with generate()'s config; the marks still make the
+        # cache's length symbolic from the first call
+        self.step = PrecompiledStep(module, model, self.options,
+                                    fallback=lambda: torch.compile(module, **compile_kwargs(compile_config)))
+
+    def plain(self) -> Callable:
+        """HF's own compiled call (``torch.compile(model.__call__, **compile_config.to_dict())``,
+        :func:`compile_kwargs`)."""
+        if self._plain is None:
+            self._plain = torch.compile(self.model.__call__, **compile_kwargs(self.compile_config))
+        return self._plain
+
+    def __call__(self, **kwargs: Any) -> Any:
+        from fusec.frontend.static_cache import length_symbolic
+        cache = kwargs.get("past_key_values")
+        if self._prepared is None or self._prepared() is not cache:   # a new cache: look at it once
+            if cache is None or not _static_layers(cache):
+                return self.plain()(**kwargs)
+            length_symbolic(cache)
+            self._prepared = weakref.ref(cache)
+        rows = cache.layers[0].keys.shape[-2]
+        mask = kwargs.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[-1] == rows:
+            torch._dynamo.maybe_mark_dynamic(mask, 3)   # generate()'s mask spans the cache's rows
+        return self.step(**kwargs)
+
+
+def _static_layers(cache: Any) -> bool:
+    """Whether every layer of ``cache`` is an initialized plain static layer (HF's
+    ``StaticLayer`` or fusec's ``StaticLayerRows``): its length can be symbolic."""
+    from transformers.cache_utils import StaticLayer
+
+    from fusec.frontend.static_cache import StaticLayerRows
+    layers = getattr(cache, "layers", None)
+    return bool(layers) and all(type(layer) in (StaticLayer, StaticLayerRows)
+                                and isinstance(getattr(layer, "keys", None), torch.Tensor) for layer in layers)
+
+
+def install() -> None:
+    """Wrap ``transformers.modeling_utils.PreTrainedModel.get_compiled_call`` (idempotent; a
+    no-op without transformers): the compiled call for a fusec ``CompileConfig`` with
+    ``dynamic`` unset is a :class:`HFDecodeCall` (kept while the config is equal, as HF keeps
+    its own); every other call is HF's, as is a call HF made before this was installed."""
+    global _INSTALLED
+    if _INSTALLED:
+        return
+    _INSTALLED = True
+    try:
+        from transformers.modeling_utils import PreTrainedModel
+    except Exception:   # noqa: BLE001 - no transformers (or a broken one): nothing to wrap
+        return
+    original = PreTrainedModel.get_compiled_call
+    if getattr(original, "_fusec", False):
+        return
+
+    @functools.wraps(original)
+    def get_compiled_call(self: Any, compile_config: Any) -> Callable:
+        mine = self.__dict__.get("_compiled_call")
+        if compile_config is None or not is_fusec_backend(getattr(compile_config, "backend", None)) \
+                or compile_config.dynamic is not None or "llama4" in getattr(self.config, "model_type", "") \
+                or (mine is not None and not isinstance(mine, HFDecodeCall)
+                    and getattr(self, "_last_compile_config", None) == compile_config):
+            return original(self, compile_config)   # not ours, or HF's call made before install()
+        if not isinstance(mine, HFDecodeCall) or self._last_compile_config != compile_config:
+            self._last_compile_config = compile_config
+            self._compiled_call = HFDecodeCall(self, compile_config)
+        return self._compiled_call
+
+    get_compiled_call._fusec = True   # type: ignore[attr-defined]
+    PreTrainedModel.get_compiled_call = get_compiled_call
