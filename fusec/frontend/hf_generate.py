@@ -83,7 +83,11 @@ class HFDecodeCall:
     def __init__(self, model: torch.nn.Module, compile_config: Any):
         from fusec.frontend.precompiled import PrecompiledStep
         self.model, self.compile_config = model, compile_config
-        self.options = dict(compile_config.options or {})
+        # torch passes ``mode`` to a backend as a keyword; a precompiled step's backend gets
+        # only options, so the mode (HF's default "reduce-overhead": fusec replays the launch
+        # from a CUDA graph) travels among them
+        self.options = {**({"mode": compile_config.mode} if compile_config.mode is not None else {}),
+                        **(compile_config.options or {})}
         self._plain: Callable | None = None
         self._prepared: Any = None   # a weak reference to the cache made length-symbolic last
         module = _ModelCall(model)
