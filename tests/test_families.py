@@ -90,16 +90,76 @@ def olmo2(vocab=128):
 def test_unfused_linears_become_matvec(steps):
     """A family whose norms no fused kind covers (OLMo-2: post-norms, q/k norm over the whole
     projection) still streams every projection over all SMs: no linear is left generic (q/k/v
-    and gate/up as sibling groups, O and down as matvecs)."""
+    as a sibling group, gate/up in rms_gate_up_silu without its norm, O and down as matvecs)."""
     _decode_against_eager(olmo2())
     (step,) = steps
     kinds = step.schedule.graph.count_kinds()
-    assert "linear" not in kinds and kinds["matvec"] >= 2 * 2 and kinds["matvec_group"] >= 2 * 2
+    assert "linear" not in kinds and kinds["matvec"] >= 2 * 2 and kinds["matvec_group"] >= 2
     per_op = {}
     for ins in step.schedule.instrs:
         per_op.setdefault(ins.op, set()).add(ins.sm)
-    mv = [o.name for o in step.schedule.graph.ops if o.kind in ("matvec", "matvec_group")]
+    mv = [o.name for o in step.schedule.graph.ops if o.kind in ("matvec", "matvec_group", "rms_gate_up_silu")]
     assert all(len(per_op[name]) > 1 for name in mv)   # tiled over several SMs, unlike a generic op
+
+
+def test_post_norm_mlp_fuses_gate_up_and_product_without_the_norm(steps):
+    """OLMo-2's MLP reads the residual stream (no norm in front of gate/up): gate, up and
+    silu(gate) * up are one rms_gate_up_silu per layer with the norm off (no norm_w, no eps: the
+    rows dot with x itself), no silu_mul is left, the step matches eager with no fallback, and
+    the kernel (bf16, the NORM=false instantiation) compiles for sm_90a without spills."""
+    from fusec.cuda.codegen import render
+    from fusec.cuda.jit import compile_cuda
+    import step_util
+    _decode_against_eager(olmo2())
+    (step,) = steps
+    g = step.schedule.graph
+    kinds = g.count_kinds()
+    assert kinds["rms_gate_up_silu"] == 2 and "silu_mul" not in kinds, kinds
+    for o in (o for o in g.ops if o.kind == "rms_gate_up_silu"):
+        assert o.attrs["norm"] is False and o.attrs["act"] == "silu" and set(o.inputs) == {"x", "wg", "wu"}
+        assert o.source.startswith("modeling_olmo2.py")   # the MLP's line
+    src = render(step_util.lowered(olmo2().to(torch.bfloat16))).source
+    assert "rms_gate_up_silu<__nv_bfloat16, float, __nv_bfloat16, __nv_bfloat16, __nv_bfloat16, 64, false, 0, false>(" \
+        in src and ", nullptr, 0.0f, " in src
+    assert compile_cuda(src, "fusec_step.cu").resources["fusec_step"]["spill_store_bytes"] == 0
+
+
+def test_post_norm_mlp_tiles_round_as_the_ops_they_replace_in_bf16():
+    """bf16 OLMo-2, the fused op without its norm over 5 tiles against the two ``linear`` ops and
+    the ``silu_mul`` it replaces (the simulator's semantics of the unfused step): bitwise equal.
+    Against eager ``silu(gate_proj(x)) * up_proj(x)``: each linear rounds alike (fp32 dot, one
+    rounding), and eager rounds silu(gate) to bf16 before the product where silu_mul (and the
+    normed form, Llama's kernel) does not: at most one bf16 step apart."""
+    import torch.nn.functional as F
+    import step_util
+    from fusec.instructions.rms_gate_up_silu import RmsGateUpSilu
+    from fusec.ir import Op, TensorInfo
+    from fusec.ir.env import Env
+    from fusec.ir.semantics import run_op
+    g = step_util.lowered(olmo2().to(torch.bfloat16)).graph
+    op = next(o for o in g.ops if o.kind == "rms_gate_up_silu")
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.randn(64, generator=gen) * 4).to(torch.bfloat16)
+    wg, wu = ((torch.randn(96, 64, generator=gen) / 8).to(torch.bfloat16) for _ in range(2))
+    env = Env(g, [None] * len(g.inputs))
+    for slot, v in (("x", x), ("wg", wg), ("wu", wu)):
+        env.bufs[g.root(op.inputs[slot])] = v.reshape(g.tensors[g.root(op.inputs[slot])].shape)
+    tiles = RmsGateUpSilu.tiles(op, g, 5)
+    roots = {g.root(op.inputs[s]) for s in ("x", "wg", "wu")}
+    assert len(tiles) == 5 and all({r.tensor for r in t.reads} == roots and len(t.reads) == 3 for t in tiles)
+    for t in tiles:
+        RmsGateUpSilu.run_tile(op, t, env)
+    got = env.read(op.outputs["out"]).reshape(-1).clone()
+    for name in ("ref_gate", "ref_up", "ref_out"):
+        g.add_tensor(TensorInfo(name, (1, 96), torch.bfloat16))
+    for o in (Op("rg", "linear", {"x": op.inputs["x"], "w": op.inputs["wg"]}, {"out": "ref_gate"}),
+              Op("ru", "linear", {"x": op.inputs["x"], "w": op.inputs["wu"]}, {"out": "ref_up"}),
+              Op("rs", "silu_mul", {"gate": "ref_gate", "up": "ref_up"}, {"out": "ref_out"})):
+        run_op(o, env)
+    assert torch.equal(got, env.read("ref_out").reshape(-1))
+    eager = F.silu(F.linear(x, wg)) * F.linear(x, wu)
+    assert torch.equal(env.read("ref_gate").reshape(-1), F.linear(x, wg))
+    torch.testing.assert_close(got, eager, rtol=2 ** -7, atol=0)
 
 
 def gpt_neox(vocab=128):

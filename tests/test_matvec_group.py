@@ -10,15 +10,17 @@ import step_util
 from fusec.instructions.matvec_group import MatvecGroup
 
 
-def test_olmo2_qkv_and_gate_up_are_groups_placed_at_the_first_linear():
-    """OLMo-2 (no pre-norm: no norm-fused kind takes its linears): per layer q/k/v is one group
-    of three and gate/up one of two; q's norm reads q before k's linear in program order, so
-    the group sits where q's linear was; nothing else is a plain matvec but O and down."""
+def test_olmo2_qkv_are_groups_placed_at_the_first_linear():
+    """OLMo-2 (no pre-norm: no norm-fused kind takes its q/k/v): per layer q/k/v is one group
+    of three (gate/up go to rms_gate_up_silu without its norm, rule priority 35 < 65); q's norm
+    reads q before k's linear in program order, so the group sits where q's linear was; nothing
+    else is a plain matvec but O and down."""
     s = step_util.lowered(hf_tiny.olmo2())
     g = s.graph
     groups = [o for o in g.ops if o.kind == "matvec_group"]
-    H, KV, I = 64, 32, 96   # 4 query heads and 2 KV heads of 16
-    assert [o.attrs["rows"] for o in groups] == [[H, KV, KV], [I, I]] * 2
+    H, KV = 64, 32   # 4 query heads and 2 KV heads of 16
+    assert [o.attrs["rows"] for o in groups] == [[H, KV, KV]] * 2
+    assert sum(o.kind == "rms_gate_up_silu" for o in g.ops) == 2
     assert sum(o.kind == "matvec" for o in g.ops) == 4   # O and down, two layers
     pos = {name: i for i, o in enumerate(g.ops) for name in [o.name]}
     for grp in groups:   # every reader of a member output comes after the group

@@ -55,13 +55,15 @@ def test_large_elementwise_ops_split_into_disjoint_output_ranges():
     assert small and not any(ranged(o, g) for o in small)
 
 
-def test_post_norm_mlp_silu_mul_splits():
-    """OLMo-2's MLP input is not normed, so silu(gate) * up stays an op of its own: with an
-    intermediate of 4096 it splits into two ranges."""
-    from transformers import Olmo2Config, Olmo2ForCausalLM
+def test_fused_gate_up_mlp_silu_mul_splits():
+    """Phi-3's gate and up are one projection split in two, so silu(gate) * up stays an op of its
+    own (no fused kind takes it; OLMo-2's separate gate and up, which this test used, became
+    rms_gate_up_silu without its norm): with an intermediate of 4096 it splits into two ranges."""
+    from transformers import Phi3Config, Phi3ForCausalLM
     from fusec.api import compile_model
     gen = torch.Generator().manual_seed(4)
-    model = hf_tiny._small(Olmo2Config, Olmo2ForCausalLM, 0, intermediate_size=4096)
+    model = hf_tiny._small(Phi3Config, Phi3ForCausalLM, 0, intermediate_size=4096, pad_token_id=0,
+                           eos_token_id=1, bos_token_id=1)
     cache = hf_tiny.static_cache(model, 32)
     with torch.no_grad():
         model(input_ids=torch.randint(0, 128, (1, 4), generator=gen), past_key_values=cache, use_cache=True)

@@ -1,8 +1,8 @@
 """matvec_group: sibling linear layers over one input vector as ONE op (a grouped GEMV).
 
 ``out_j = W_j @ x (+ b_j)`` for j < S (S <= 4): separate q/k/v projections (OLMo-2, Gemma-2/3,
-any family whose q/k/v no norm-fused kind takes), or separate gate and up projections without a
-pre-norm. As separate ``matvec`` ops each is a wave of tiles over every SM, and each SM runs
+any family whose q/k/v no norm-fused kind takes), or sibling linears no fused kind takes (gate
+and up projections over one vector go to ``rms_gate_up_silu``, with or without its norm). As separate ``matvec`` ops each is a wave of tiles over every SM, and each SM runs
 three short tiles in a row, each with its own prologue (stage x) and load ramp: OLMo-2-1B's
 q, k and v (8.4 MB each) took 11 µs on the H200, 2.3 TB/s. As one op the rows of all
 ``W_j`` are one range split over the SMs: a tile stages x once and streams its rows, crossing

@@ -1,9 +1,12 @@
-"""rms_gate_up_silu: ``out = act(Wg @ n) * (Wu @ n)`` with ``n = RMSNorm(x)``, over rows.
+"""rms_gate_up_silu: ``out = act(Wg @ n) * (Wu @ n)`` with ``n = RMSNorm(x)``, or ``n = x``, over rows.
 
 Source: the SwiGLU MLP of Llama (Shazeer 2020, "GLU Variants Improve Transformer") with
 HF ``LlamaRMSNorm`` in front; the norm is recomputed by every tile (x is a few KB). The gate's
 activation (attr ``act``) is SiLU, or GELU (tanh approximation or exact) for Gemma's GeGLU;
-the norm may be Gemma's (attr ``w_fp32``, :func:`fusec.ir.semantics.rms_normalize`).
+the norm may be Gemma's (attr ``w_fp32``, :func:`fusec.ir.semantics.rms_normalize`). Without
+the norm (attr ``norm`` False: no ``norm_w``, no ``eps``) the rows read x itself: the MLP of a
+post-norm block (HF ``Olmo2DecoderLayer``: its MLP reads the residual stream), or of one whose
+norm no fused kind takes (a LayerNorm's output, a norm shared with the attention's projections).
 Shapes: x [H], norm_w [H], Wg/Wu [F, H], out [F].
 """
 from __future__ import annotations
@@ -11,42 +14,84 @@ from __future__ import annotations
 import torch
 
 from fusec.ir.env import Env
-from fusec.ir import Graph, Op
+from fusec.ir import Graph, Op, Role
 from fusec.ir.pattern import ABSENT, sem, var
 from fusec.instructions.base import Instruction, Tile, register
-from fusec.instructions.call import P0, P1, RED, SMEM, Call, Float, Int, Ptr
-from fusec.instructions.matvec_rows import HIDDEN, WF32, rms_attrs, rms_prologue, rms_types, row_tiles
+from fusec.instructions.call import P0, P1, RED, SMEM, Call, Expr, Flag, Float, Int, Ptr, Type
+from fusec.instructions.matvec_rows import HIDDEN, WF32, rms_attrs, rms_prologue, row_tiles
 from fusec.instructions.rule import Rule
 
 
 #: gate activations, in the template's ACT order
 ACTS = ("silu", "gelu_tanh", "gelu")
 
-
+_GLU = ("silu_mul", "gelu_mul")
 _NORMED = sem("rmsnorm", "rms", x=var("x"), w=var("norm_w"))
+
+
+def _normed(op: Op) -> bool:
+    """True if the op normalizes x first (attr ``norm``, default True)."""
+    return op.attrs.get("norm", True)
+
+
+def _plain_ok(g: Graph, m: dict) -> bool:
+    """The plain form's limits: gate and up read one vector (one root buffer: each linear reads
+    its own view of it) that no op writes in place (the fused op reads it where the product
+    was), with weights of the model of one shape [F, H] and dtype (H = x's elements), and the
+    linears' outputs and the product of one dtype (run_tile rounds both dots to it); no
+    run-time lengths."""
+    x, wg, wu = g.tensors[m["x"]], g.tensors[m["wg"]], g.tensors[m["wu"]]
+    if g.root(m["x"]) != g.root(m["x_up"]) or len(wg.shape) != 2 or wg.shape != wu.shape or wg.dtype != wu.dtype:
+        return False
+    if x.numel != wg.shape[1] or wg.role != Role.WEIGHT or wu.role != Role.WEIGHT:
+        return False
+    out = g.tensors[m["_anchor"].outputs["out"]].dtype
+    if g.tensors[m["gate"]].dtype != out or g.tensors[m["up"]].dtype != out:
+        return False
+    names = [m["x"], m["x_up"], m["wg"], m["wu"], m["gate"], m["up"], m["_anchor"].outputs["out"]]
+    if any(g.tensors[t].sym for t in names):
+        return False
+    root = g.root(m["x"])
+    return not any(g.root(o.outputs[s]) == root for o in g.ops for s in o.mutates)
+
+
+def _staged(op: Op, g: Graph, bufs) -> str:
+    """TN, the C type of the vector in shared memory that the rows dot with: the norm's output
+    dtype, or x's own."""
+    return bufs.cname(op.attrs["norm_dtype"]) if _normed(op) else bufs.ctype(op.inputs["x"])
 
 
 @register
 class RmsGateUpSilu(Instruction):
     name = "rms_gate_up_silu"
-    #: RMSNorm -> gate and up linears (no bias, one input) -> SiLU or GELU product
-    rules = (Rule(sem(("silu_mul", "gelu_mul"), gate=sem("linear", x=_NORMED, w=var("wg"), b=ABSENT),
+    #: RMSNorm -> gate and up linears (no bias, one input) -> SiLU or GELU product (30); the
+    #: same without the norm (35: a normed input keeps its norm in the op; a pair that reads a
+    #: norm whose output is read elsewhere too takes the normed vector as x)
+    rules = (Rule(sem(_GLU, gate=sem("linear", x=_NORMED, w=var("wg"), b=ABSENT),
                       up=sem("linear", x=_NORMED, w=var("wu"), b=ABSENT)),
                   inputs={"x": "x", "norm_w": "norm_w", "wg": "wg", "wu": "wu"}, outputs={"out": "_anchor.out"},
                   attrs=lambda g, m: {**rms_attrs(g, m["rms"]), "act": m["_anchor"].attrs.get("act", "silu"),
                                       "w_fp32": m["rms"].attrs.get("w_fp32", False)},
-                  priority=30),)
+                  priority=30),
+             Rule(sem(_GLU, gate=sem("linear", bind="gate", x=var("x"), w=var("wg"), b=ABSENT),
+                      up=sem("linear", bind="up", x=var("x_up"), w=var("wu"), b=ABSENT)),
+                  inputs={"x": "x", "wg": "wg", "wu": "wu"}, outputs={"out": "_anchor.out"},
+                  attrs=lambda g, m: {"act": m["_anchor"].attrs.get("act", "silu"), "norm": False},
+                  check=_plain_ok, priority=35))
 
     @classmethod
     def tiles(cls, op: Op, g: Graph, want: int) -> list[Tile]:
         rows = g.tensors[op.inputs["wg"]].shape[0]
-        return row_tiles(op, g, want, [op.inputs["wg"], op.inputs["wu"]],
-                         [op.inputs["x"], op.inputs["norm_w"]], [], op.outputs["out"], rows)
+        vec = [op.inputs["x"], op.inputs["norm_w"]] if _normed(op) else [op.inputs["x"]]
+        return row_tiles(op, g, want, [op.inputs["wg"], op.inputs["wu"]], vec, [], op.outputs["out"], rows)
 
+    #: without the norm: TNW float, TN = TX, norm_w nullptr, eps 0 (unused), NORM false
     call = Call("rms_gate_up_silu",
-                targs=(*rms_types("wg"), HIDDEN, WF32,
-                       Int("act", lambda op, g: ACTS.index(op.attrs.get("act", "silu")), default=0)),
-                args=(Ptr("x"), Ptr("norm_w"), Float("eps", "eps"), Ptr("wg"), Ptr("wu"), Ptr("out"),
+                targs=(Type("tx", "x"), Type("tnw", "norm_w", otherwise="float"), Expr("tn", _staged),
+                       Type("tw", "wg"), Type("to", "out"), HIDDEN, WF32,
+                       Int("act", lambda op, g: ACTS.index(op.attrs.get("act", "silu")), default=0),
+                       Flag("norm", fn=_normed, default="true")),
+                args=(Ptr("x"), Ptr("norm_w"), Float("eps", "eps", fallback=0.0), Ptr("wg"), Ptr("wu"), Ptr("out"),
                       P0, P1, SMEM, RED),
                 numbering=("x", "norm_w", "out", "wg", "wu"))
 
@@ -56,9 +101,12 @@ class RmsGateUpSilu(Instruction):
 
     @classmethod
     def run_tile(cls, op: Op, tile: Tile, env: Env) -> None:
+        """Rows ``[r0, r1)``: each dot in fp32 over n (the normed vector in the norm's dtype, or
+        x in its own: exact in fp32), rounded to the output dtype as each ``F.linear`` rounds;
+        SiLU unrounded (as the ``silu_mul`` semantics), GELU rounded; the product rounded once."""
         r0, r1 = tile.params["rows"]
         dt = env.g.tensors[op.outputs["out"]].dtype
-        n = rms_prologue(op, env)
+        n = rms_prologue(op, env) if _normed(op) else env.read(op.inputs["x"]).reshape(-1).float()
         gate = (env.read(op.inputs["wg"])[r0:r1].float() @ n).to(dt).float()
         up = (env.read(op.inputs["wu"])[r0:r1].float() @ n).to(dt).float()
         act = op.attrs.get("act", "silu")
