@@ -167,7 +167,7 @@ def lower(g: Graph, flat_args: list[Any], opts: Options, dump: Dumper,
         ("recognize", lambda g: recognize.run(g, weights)),
         ("check_lengths", check_lengths.run),
         ("fold_position", lambda g: fold_position.run(g, weights)),
-        ("fuse", lambda g: fuse.run(g, num_sms, opts.max_fusions, opts.attention_merge)),
+        ("fuse", lambda g: fuse.run(g, num_sms, opts.max_fusions, opts.attention_merge, opts.defines)),
         ("chain", lambda g: chain.run(g) if opts.chain and opts.max_fusions is None else g),
     ]
     for name, fn in stages:

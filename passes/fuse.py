@@ -22,7 +22,8 @@ Guarantees, with the same values:
 The rules of the kinds today (docs/pipeline.md, "Instruction kinds"), by priority: RMSNorm ->
 Q/K/V -> RoPE -> KV write into ``rms_qkv_rope`` (10); attention split into ``attention_partial``
 [+ ``attention_reduce``] (20); RMSNorm -> gate/up -> SiLU/GELU product into ``rms_gate_up_silu``
-(30); linear + residual add into ``matvec_residual`` (40); RMSNorm ->
+(30), and gate/up over an un-normed vector into the same kind with its norm off (35: post-norm
+layers such as OLMo-2's); linear + residual add into ``matvec_residual`` (40); RMSNorm ->
 linear into ``rms_lm_head`` (50) and its logits' argmax into that op's ``token`` (60); sibling
 linears over one input into ``matvec_group`` (65); any other linear into ``matvec`` (70);
 ``aten.embedding`` into ``embedding`` (80).
@@ -95,8 +96,8 @@ def _apply(c: Ctx, f: Fusion, budget: _Budget) -> bool | None:
 
 
 def run(g: Graph, num_sms: int = 132, max_fusions: int | None = None,
-        attention_merge: str = "last_tile") -> Graph:
-    c = Ctx(g, num_sms=num_sms, attention_merge=attention_merge)
+        attention_merge: str = "last_tile", defines: dict | None = None) -> Graph:
+    c = Ctx(g, num_sms=num_sms, attention_merge=attention_merge, defines=defines or {})
     budget = _Budget(max_fusions)
     counts: dict[str, int] = {}
     for rule in rules_in_order(KINDS):

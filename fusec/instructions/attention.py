@@ -20,6 +20,21 @@ an argument (:meth:`fusec.cuda.codegen.Buffers.length`).
 ``attention_reduce``: one tile per range of query heads merges the chunks with the
 log-sum-exp rule: ``M = max m_c``, ``out = sum e^(m_c-M) o_c / sum e^(m_c-M) l_c``.
 
+Active splits (kernel knob ``FUSEC_ATTN_SPLIT_ROWS`` = R > 0, :func:`active_splits`; lowering
+records it as the op attr ``split_rows``, which the simulator and ``attention_reduce``'s call
+read): at a position only the first ``active = min(n_chunks, max(1, ceil((pos+1) / R)))`` splits
+of a KV head take rows, ``split_rows(c, pos, active)``: about R rows each (at most R while some
+splits are idle, at least ``R // 2`` when two or more work), so that a short cache needs no
+``n_chunks``-way merge; the block (``chunk``) grows to hold R rows (at most :data:`MAX_BLOCK`,
+past it the block loop). A split ``c >= active`` reads its position and nothing of K or V,
+writes no partial, and still takes its ticket (the last-tile merge counts all ``n_chunks``
+tickets as before: it runs once, in the step's last tile, whatever ``active`` is). The merges
+(the last tile's and ``attention_reduce``, which then also reads the position) read the first
+``active`` partials of each head only: the others hold an earlier step's, or nothing. With a
+mask the rule counts the rows the mask splits, ``[0, L)`` (``pos`` is ``L - 1`` there, as
+everywhere in this kind). R = 0 (the default) keeps all ``n_chunks`` splits, and the kernel's
+machine code of before the knob.
+
 Last-tile merge (``attention_partial`` with an ``out`` output, option
 ``attention_merge="last_tile"``): no reduce op. Each tile, after its partial stores, takes an
 atomic ticket of its KV head (a barrier, then one acquire-release ``atom.inc``); the tile that
@@ -68,9 +83,50 @@ def merge_partials(o: torch.Tensor, ml: torch.Tensor) -> torch.Tensor:
 
 def split_rows(c: int, pos: int, n_chunks: int) -> tuple[int, int]:
     """Rows ``[r0, r1)`` of split ``c`` of the valid cache rows ``[0, pos]`` (even split,
-    the same integer arithmetic as the CUDA template)."""
+    the same integer arithmetic as the CUDA template). With active splits ``n_chunks`` is the
+    active count (:func:`active_splits`), for ``c`` below it."""
     n = pos + 1
     return c * n // n_chunks, (c + 1) * n // n_chunks
+
+
+def active_splits(pos: int, n_chunks: int, per_split: int = 0) -> int:
+    """How many of a KV head's ``n_chunks`` splits take rows at position ``pos`` (the first ones):
+    all of them with ``per_split`` 0 (knob ``FUSEC_ATTN_SPLIT_ROWS`` off), else
+    ``min(n_chunks, max(1, ceil((pos + 1) / per_split)))``: an active split holds at most
+    ``per_split`` rows unless all ``n_chunks`` are active, and at least ``per_split // 2`` when
+    two or more are (the template's ``attention_active_splits``)."""
+    if per_split <= 0:
+        return n_chunks
+    return min(n_chunks, max(1, (pos + per_split) // per_split))
+
+
+def _per_split(op: Op) -> int:
+    """The op's ``FUSEC_ATTN_SPLIT_ROWS`` as lowered (0: every split takes rows)."""
+    return op.attrs.get("split_rows", 0)
+
+
+def _active_reduce(op: Op) -> bool:
+    """``attention_reduce`` of active splits: it reads the position (and the cache's length)."""
+    return _per_split(op) > 0
+
+
+def _partial_of(op: Op, g: Graph) -> Op:
+    """The ``attention_partial`` op whose partials ``attention_reduce`` ``op`` merges."""
+    return next(o for o in g.ops if o.kind == "attention_partial" and o.outputs["o_part"] == op.inputs["o_part"])
+
+
+def _active_parts(op: Op, g: Graph, h0: int, h1: int, nc: int, d: int, active: int,
+                  o_slot: str = "o_part", ml_slot: str = "ml_part") -> list[Region]:
+    """The first ``active`` partials of query heads ``[h0, h1)`` (all ``nc``: two regions)."""
+    slots = {**op.inputs, **op.outputs}
+    if active >= nc:
+        return [Region.of(g, slots[o_slot], h0 * nc * d, h1 * nc * d),
+                Region.of(g, slots[ml_slot], h0 * nc * 2, h1 * nc * 2)]
+    out = []
+    for h in range(h0, h1):
+        out += [Region.of(g, slots[o_slot], h * nc * d, (h * nc + active) * d),
+                Region.of(g, slots[ml_slot], h * nc * 2, (h * nc + active) * 2)]
+    return out
 
 
 def _merges(op: Op) -> bool:
@@ -87,7 +143,10 @@ def split_attention(c: Ctx, m: dict) -> list[Op]:
     """``attention`` -> ``attention_partial`` (about ``min(ceil(L/16), num_sms // Hkv)`` splits,
     blocks of a multiple of 16 rows, at most :data:`MAX_BLOCK`; L the cache's rows, its capacity
     for a run-time length) whose last tile per KV head merges (``attention_merge="last_tile"``),
-    or ``attention_partial`` + ``attention_reduce`` (``"reduce"``)."""
+    or ``attention_partial`` + ``attention_reduce`` (``"reduce"``). A non-zero
+    ``FUSEC_ATTN_SPLIT_ROWS`` among the ``defines`` becomes the attr ``split_rows`` of both (and
+    the reduce's input ``pos``), and the block grows to hold it (a multiple of 16, at most
+    :data:`MAX_BLOCK`): an active split holds up to that many rows while others idle."""
     g, att = c.g, m["_anchor"]
     kc = g.tensors[g.root(att.inputs["k"])]
     _, nkv, L, d = kc.shape
@@ -98,10 +157,15 @@ def split_attention(c: Ctx, m: dict) -> list[Op]:
         n_chunks = math.ceil(L / chunk)
     else:                    # splits of several blocks
         chunk = MAX_BLOCK
+    per_split = int(c.options.get("defines", {}).get("FUSEC_ATTN_SPLIT_ROWS", 0))
+    if per_split > 0:   # an idle split leaves up to per_split rows to each active one: one block
+        chunk = max(chunk, min(MAX_BLOCK, math.ceil(per_split / 16) * 16))
     o_part = g.new_tensor(f"{att.name}_o_part", (nq, n_chunks, d), torch.float32)
     ml_part = g.new_tensor(f"{att.name}_ml_part", (nq, n_chunks, 2), torch.float32)
     attrs = {"scale": att.attrs["scale"], "n_q": nq, "n_kv": nkv, "head_dim": d,
              "chunk": chunk, "n_chunks": n_chunks, "mask_kind": att.attrs.get("mask_kind", 0)}
+    if per_split > 0:   # only then: the default graph (and its dump) as before the knob
+        attrs["split_rows"] = per_split
     ins = {"q": att.inputs["q"], "kcache": att.inputs["k"], "vcache": att.inputs["v"],
            "pos": att.inputs["pos"]}
     if "mask" in att.inputs:
@@ -114,6 +178,8 @@ def split_attention(c: Ctx, m: dict) -> list[Op]:
     red = Op(g.fresh_name(f"{att.name}_reduce"), "attention_reduce",
              {"o_part": o_part, "ml_part": ml_part}, {"out": att.outputs["out"]},
              attrs=dict(attrs), source=att.source)
+    if per_split > 0:   # the active splits come from the position
+        red.inputs["pos"] = att.inputs["pos"]
     return [part, red]
 
 
@@ -140,9 +206,9 @@ class AttentionPartial(Instruction):
     def multi_block(cls, op: Op, g: Graph) -> bool:
         """Whether a split may hold more rows than one block (``chunk``): then the template
         loops over blocks (MB), and keeps each head's running m, l and rescale factor in shared
-        memory."""
+        memory. With active splits one may hold up to ``split_rows`` rows."""
         nq, nkv, d, chunk, nc, L = cls._dims(op, g)
-        return -(-L // nc) > chunk
+        return max(-(-L // nc), _per_split(op)) > chunk
 
     @classmethod
     def tiles(cls, op: Op, g: Graph, want: int) -> list[Tile]:
@@ -246,8 +312,11 @@ class AttentionPartial(Instruction):
         L = cls._rows(op, env)
         rep, gi = nq // nkv, tile.params["kv_head"]
         pos = cls._pos(op, env)
-        r0, r1 = split_rows(tile.params["chunk"], pos, nc)
+        active = active_splits(pos, nc, _per_split(op))
         reads = tile.reads[:3] if "mask" in op.inputs else tile.reads[:2]
+        if tile.params["chunk"] >= active:   # no rows at this position: no partial either
+            return reads, []
+        r0, r1 = split_rows(tile.params["chunk"], pos, active)
         if r1 > r0:
             base = gi * L * d
             reads += [Region.of(env.g, op.inputs[c], base + r0 * d, base + r1 * d) for c in ("kcache", "vcache")]
@@ -263,7 +332,9 @@ class AttentionPartial(Instruction):
         rep, gi = nq // nkv, tile.params["kv_head"]
         if not cls._is_last(op, env, gi, nc, peek=True):
             return [], []
-        return cls._group_parts(op, env.g, gi, rep, d, nc), [cls._group_out(op, env.g, gi, rep, d)]
+        active = active_splits(cls._pos(op, env), nc, _per_split(op))
+        return _active_parts(op, env.g, gi * rep, (gi + 1) * rep, nc, d, active), \
+            [cls._group_out(op, env.g, gi, rep, d)]
 
     @staticmethod
     def _is_last(op: Op, env: Env, gi: int, nc: int, peek: bool = False) -> bool:
@@ -280,20 +351,28 @@ class AttentionPartial(Instruction):
         cls._partial(op, tile, env)
         if "out" in op.outputs and cls._is_last(op, env, gi, nc):
             hs = slice(gi * rep, (gi + 1) * rep)
-            o = env.read(op.outputs["o_part"]).reshape(nq, nc, d)[hs]
-            ml = env.read(op.outputs["ml_part"]).reshape(nq, nc, 2)[hs]
+            active = active_splits(cls._pos(op, env), nc, _per_split(op))   # the partials of this step
+            o = env.read(op.outputs["o_part"]).reshape(nq, nc, d)[hs, :active]
+            ml = env.read(op.outputs["ml_part"]).reshape(nq, nc, 2)[hs, :active]
             dt = env.g.tensors[op.outputs["out"]].dtype
             env.flat(op.outputs["out"])[gi * rep * d:(gi + 1) * rep * d] = merge_partials(o, ml).reshape(-1).to(dt)
 
     @classmethod
     def _partial(cls, op: Op, tile: Tile, env: Env) -> None:
         """The tile's split: its rows in blocks of ``chunk`` with the online-softmax rescaling,
-        as the template (one block: m, l and o of its rows)."""
+        as the template (one block: m, l and o of its rows). A split past the active ones
+        (:func:`active_splits`) writes nothing."""
         nq, nkv, d, chunk, nc, _ = cls._dims(op, env.g)
         rep = nq // nkv
         gi, c = tile.params["kv_head"], tile.params["chunk"]
         pos = cls._pos(op, env)
-        r0, r1 = split_rows(c, pos, nc)
+        active = active_splits(pos, nc, _per_split(op))
+        if c >= active:
+            return
+        r0, r1 = split_rows(c, pos, active)
+        if r1 - r0 > chunk and not cls.multi_block(op, env.g):   # the template's scores would overflow
+            raise RuntimeError(f"{op.name}: split {c} of {r1 - r0} rows passes the block of {chunk} in a "
+                               f"kernel without the block loop (MB)")
         q = env.read(op.inputs["q"]).reshape(nq, d)[gi * rep:(gi + 1) * rep].float()
         o = env.flat(op.outputs["o_part"]).view(nq, nc, d)
         ml = env.flat(op.outputs["ml_part"]).view(nq, nc, 2)
@@ -339,22 +418,53 @@ class AttentionReduce(Instruction):
         for i, (h0, h1) in enumerate(split_range(nq, want)):
             reads = [Region.of(g, op.inputs["o_part"], h0 * nc * d, h1 * nc * d),
                      Region.of(g, op.inputs["ml_part"], h0 * nc * 2, h1 * nc * 2)]
+            if "pos" in op.inputs:   # active splits: the count comes from the position
+                reads.append(Region.whole(g, op.inputs["pos"]))
             writes = [Region.of(g, op.outputs["out"], h0 * d, h1 * d)]
             tiles.append(Tile(op.name, i, {"heads": [h0, h1]}, reads, writes, 0,
                               (h1 - h0) * (nc * (d + 2) * 4 + d * elt(g, op.outputs["out"]))))
         return tiles
 
-    call = Call("attention_reduce", targs=(Type("to", "out"), Int("D", lambda op, g: op.attrs["head_dim"]),
-                                           Int("NC", lambda op, g: op.attrs["n_chunks"])),
-                args=(Ptr("o_part"), Ptr("ml_part"), Ptr("out"), P0, P1))
+    # with active splits (split_rows): attention_reduce_active, which takes the position, the
+    # mask kind and the cache's rows (L - 1 is the position with a mask)
+    call = Call(lambda op: "attention_reduce_active" if _active_reduce(op) else "attention_reduce",
+                targs=(Type("to", "out"), Int("D", lambda op, g: op.attrs["head_dim"]),
+                       Int("NC", lambda op, g: op.attrs["n_chunks"]),
+                       Int("MK", lambda op, g: op.attrs.get("mask_kind", 0), when=_active_reduce)),
+                args=(Ptr("o_part"), Ptr("ml_part"), Ptr("pos", when=_active_reduce),
+                      Expr("L", lambda op, g, bufs: bufs.length(_partial_of(op, g).inputs["kcache"], 2),
+                           when=_active_reduce),
+                      Ptr("out"), P0, P1))
+
+    @classmethod
+    def _active(cls, op: Op, env: Env) -> int:
+        """The partials per head this step: all ``n_chunks``, or the active splits of the
+        position (clamped to the cache's rows, as the template: a bad position has faulted in
+        ``attention_partial`` already)."""
+        nc = op.attrs["n_chunks"]
+        if not _active_reduce(op):
+            return nc
+        rows = AttentionPartial._rows(_partial_of(op, env.g), env)
+        pos = rows - 1 if op.attrs.get("mask_kind", 0) else int(env.read(op.inputs["pos"]).reshape(-1)[0])
+        return active_splits(min(max(pos, 0), rows - 1), nc, _per_split(op))
+
+    @classmethod
+    def runtime_regions(cls, op, tile, env):
+        if not _active_reduce(op):
+            return tile.reads, tile.writes
+        a = op.attrs
+        h0, h1 = tile.params["heads"]
+        reads = _active_parts(op, env.g, h0, h1, a["n_chunks"], a["head_dim"], cls._active(op, env))
+        return reads + [Region.whole(env.g, op.inputs["pos"])], tile.writes
 
     @classmethod
     def run_tile(cls, op: Op, tile: Tile, env: Env) -> None:
         a = op.attrs
         nq, d, nc = a["n_q"], a["head_dim"], a["n_chunks"]
         h0, h1 = tile.params["heads"]
-        o = env.read(op.inputs["o_part"]).reshape(nq, nc, d)[h0:h1]
-        ml = env.read(op.inputs["ml_part"]).reshape(nq, nc, 2)[h0:h1]
+        active = cls._active(op, env)
+        o = env.read(op.inputs["o_part"]).reshape(nq, nc, d)[h0:h1, :active]
+        ml = env.read(op.inputs["ml_part"]).reshape(nq, nc, 2)[h0:h1, :active]
         out = merge_partials(o, ml)
         dt = env.g.tensors[op.outputs["out"]].dtype
         env.flat(op.outputs["out"])[h0 * d:h1 * d] = out.reshape(-1).to(dt)
