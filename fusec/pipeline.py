@@ -1,7 +1,7 @@
 """The compiler pipeline as one list of named stages.
 
 ``build_ir`` (capture -> IR) runs when dynamo hands over a graph; ``lower`` runs the passes
-with the real input values at the first call: normalize -> fold_constants -> recognize ->
+with the real input values at the first call: normalize -> fold_constants -> split_linear -> recognize ->
 check_lengths -> fold_position -> fuse -> chain -> tile -> schedule. The IR checker runs after every pass and names the pass that
 broke an invariant. With ``dump_dir`` set (or ``FUSEC_DUMP``), every stage writes its
 artifact there: ``00_aten.txt``, ``01_ir.txt``, ``02_normalize.txt`` ... ``schedule.json``.
@@ -30,8 +30,8 @@ log = logging.getLogger("fusec")
 
 def _passes():
     from fusec.passes import (chain, check_lengths, fold_constants, fold_position, fuse, normalize, recognize,
-                              schedule, tile)
-    return normalize, fold_constants, recognize, check_lengths, fold_position, fuse, chain, tile, schedule
+                              schedule, split_linear, tile)
+    return normalize, fold_constants, split_linear, recognize, check_lengths, fold_position, fuse, chain, tile, schedule
 
 
 class Dumper:
@@ -155,7 +155,8 @@ def lower(g: Graph, flat_args: list[Any], opts: Options, dump: Dumper,
         value_reads: if given, receives the names of the weights whose values the passes read
             (:class:`ValueReads`).
     """
-    normalize, fold_constants, recognize, check_lengths, fold_position, fuse, chain, tile, schedule = _passes()
+    (normalize, fold_constants, split_linear, recognize, check_lengths, fold_position, fuse, chain, tile,
+     schedule) = _passes()
     g = g.copy()
     num_sms = opts.num_sms or 132
     # small weights (inv_freq ...) on the CPU: position tables and masks are evaluated there
@@ -164,6 +165,7 @@ def lower(g: Graph, flat_args: list[Any], opts: Options, dump: Dumper,
     stages: list[tuple[str, Callable[[Graph], Graph]]] = [
         ("normalize", normalize.run),
         ("fold_constants", lambda g: fold_constants.run(g, weights)),
+        ("split_linear", split_linear.run),
         ("recognize", lambda g: recognize.run(g, weights)),
         ("check_lengths", check_lengths.run),
         ("fold_position", lambda g: fold_position.run(g, weights)),

@@ -132,9 +132,16 @@ class OpCheck:
 
 
 def _snapshot(env: Env, g: Graph, root: str) -> torch.Tensor | None:
+    """A copy of ``root``'s flat elements; ``root@start:stop`` (a generated function's view
+    parameter, ``TensorInfo.offset``) gives elements ``[start, stop)`` of that root."""
+    root, _, rng = root.partition("@")
     if root not in env.bufs:
         return None
-    return env.bufs[root].contiguous().reshape(-1).clone()
+    flat = env.bufs[root].contiguous().reshape(-1)
+    if rng:
+        a, b = map(int, rng.split(":"))
+        flat = flat[a:b]
+    return flat.clone()
 
 
 def check_graph(g: Graph, flat_args: list, select=None, workdir=None) -> list[OpCheck]:
@@ -178,7 +185,7 @@ def check_graph(g: Graph, flat_args: list, select=None, workdir=None) -> list[Op
                 lengths[j] = env.lengths.get(sym, g.lengths.get(sym, 0))
                 tensors.append(None)
                 continue
-            info = g.tensors[r]
+            info = g.tensors[r.partition("@")[0]]
             t = before[r]
             if t is None:   # a fresh output: poisoned, so that an unwritten element shows
                 fill = float("nan") if info.dtype.is_floating_point else -7

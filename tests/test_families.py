@@ -72,9 +72,15 @@ def test_qwen2_bias_fuses_into_rms_qkv_rope(steps):
 
 def test_phi3_fused_qkv_compiles_and_matches(steps):
     """Phi-3 slices one fused qkv projection (and passes an empty rotary remainder to cat): it
-    used to crash the compiler; it now matches eager."""
+    used to crash the compiler; it now matches eager. Its fused qkv and gate_up projections are
+    split into linears over row views of their weights (``split_linear``), so each layer is
+    Llama's kinds: rms_qkv_rope and rms_gate_up_silu, no slice, split, rope or KV write left."""
     _decode_against_eager(phi3())
     assert steps and not steps[0].fallen_back
+    kinds = steps[0].schedule.graph.count_kinds()
+    assert kinds["rms_qkv_rope"] == 2 and kinds["rms_gate_up_silu"] == 2 and kinds["rms_lm_head"] == 1, kinds
+    assert not {k for k in kinds if k.startswith("aten.") or k in ("linear", "rope", "kv_write", "silu_mul")} \
+        - {"aten.copy_.default"}, kinds
 
 
 def olmo2(vocab=128):

@@ -57,3 +57,46 @@ def test_a_compiled_in_value_changed_through_data_rebuilds_the_step(factory, wei
     torch._dynamo.reset()
     assert not w.fallbacks, w.fallbacks
     assert "changed since the step was built" in caplog.text
+
+
+@pytest.mark.parametrize("how", ["data_copy", "data_rebind"])
+def test_weights_read_through_views_are_read_at_run_time(how, caplog, steps):
+    """Phi-3's fused qkv and gate_up weights, read through row views (``split_linear``,
+    ``TensorInfo.offset``), are bound at run time like any weight: changed after the build
+    (through ``.data``, or rebound), the next step reads the new values (no rebuild needed), and
+    changing ``inv_freq`` as well (compiled in: a graph input, the root of no view) rebuilds as
+    for Llama. The step's compiled-in values name graph inputs only."""
+    model = hf_tiny.phi3_fused()
+    gen = torch.Generator().manual_seed(9)
+    caches = [hf_tiny.static_cache(model, 32) for _ in range(2)]
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fusec", options={"num_sms": 8})
+    fused = [p for n, p in model.named_parameters() if n.endswith(("qkv_proj.weight", "gate_up_proj.weight"))]
+    assert len(fused) == 2 * model.config.num_hidden_layers
+    with FallbackWatch() as w, torch.no_grad(), caplog.at_level(logging.INFO, logger="fusec"):
+        prompt = torch.randint(1, model.config.vocab_size, (1, 4), generator=gen)
+        for c in caches:
+            model(input_ids=prompt, past_key_values=c, use_cache=True)
+
+        def step():
+            tok = torch.randint(1, model.config.vocab_size, (1, 1), generator=gen)
+            a = compiled(input_ids=tok, past_key_values=caches[0], use_cache=True).logits
+            b = model(input_ids=tok, past_key_values=caches[1], use_cache=True).logits
+            assert 0 < _rel(a, b) < 1e-4, _rel(a, b)
+        step()
+        g = steps[0].schedule.graph
+        assert sum(t.offset is not None for t in g.tensors.values()) == 5 * model.config.num_hidden_layers
+        assert set(steps[0].schedule.compiled_in) <= set(g.inputs)
+        for p in fused:
+            new = p.detach() * 1.5 + 0.01
+            if how == "data_copy":
+                p.data.copy_(new)
+            else:
+                p.data = new.clone()
+        step()
+        assert "changed since the step was built" not in caplog.text
+        _inv_freq(model).data.copy_(_inv_freq(model) * 1.25)
+        step()
+        assert "changed since the step was built" in caplog.text
+    torch._dynamo.reset()
+    assert not w.fallbacks, w.fallbacks

@@ -1,7 +1,8 @@
 """codegen: render a schedule into the CUDA source of one persistent kernel, plus the
 instruction words, queue offsets and wait lists the kernel reads.
 
-Every root buffer gets an index into the kernel's ``bufs[]`` pointer table; every op gets
+Every root buffer gets an index into the kernel's ``bufs[]`` pointer table (a view at an offset
+into a buffer, ``TensorInfo.offset``, is that pointer plus a constant); every op gets
 one ``case`` of the dispatch switch: the call its kind's class declares (``call``,
 :class:`fusec.instructions.call.Call`), else its template's ``call(a)`` macro, with the C types,
 shapes (compile-time constants) and pointer expressions the class computes in ``cuda_args``;
@@ -86,8 +87,17 @@ class Buffers:
         return self.cname(self.g.tensors[t].dtype)
 
     def ptr(self, t: str) -> str:
-        info = self.g.tensors[self.g.root(t)]
+        """C pointer expression of ``t``'s first element: its root's slot of ``bufs[]``, plus the
+        element offset of a view (``TensorInfo.offset``, :meth:`fusec.ir.Graph.span`: a compile-time
+        constant; the table holds root buffers only)."""
+        root, start, _ = self.g.span(t)
+        info = self.g.tensors[root]
         const = "const " if info.role in (Role.WEIGHT, Role.CONSTANT, Role.INPUT) else ""
+        if start:
+            if (start * info.dtype.itemsize) % self.g.tensors[t].dtype.itemsize:
+                raise FallbackRequired(f"view {t} starts inside an element of its type")
+            off = start * info.dtype.itemsize // self.g.tensors[t].dtype.itemsize
+            return f"(({const}{self.ctype(t)}*)bufs[{self.id(t)}] + {off})"
         return f"(({const}{self.ctype(t)}*)bufs[{self.id(t)}])"
 
     def length(self, t: str, dim: int) -> str:

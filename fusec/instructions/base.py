@@ -55,13 +55,16 @@ class Region:
 
     @staticmethod
     def whole(g: Graph, t: str) -> "Region":
-        r = g.root(t)
-        return Region(r, 0, g.tensors[r].numel)
+        """All of ``t``: its root's elements for a whole-buffer alias, a view's own range of its
+        root (:meth:`fusec.ir.Graph.span`)."""
+        return Region(*g.span(t))
 
     @staticmethod
     def of(g: Graph, t: str, start: int, stop: int) -> "Region":
-        """Elements [start, stop) of ``t`` (an alias shares its root's flat indexing)."""
-        return Region(g.root(t), int(start), int(stop))
+        """Elements [start, stop) of ``t`` (an alias shares its root's flat indexing; a view's
+        are shifted by its offset into the root, :meth:`fusec.ir.Graph.span`)."""
+        r, off, _ = g.span(t)
+        return Region(r, off + int(start), off + int(stop))
 
     def overlaps(self, o: "Region") -> bool:
         return self.tensor == o.tensor and self.start < o.stop and o.start < self.stop

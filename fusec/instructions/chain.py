@@ -44,7 +44,8 @@ def member_bytes(op: Op, g: Graph) -> int:
         if op.kind == "table_lookup" and slot == "table":
             n += info.nbytes // max(1, info.shape[0] if info.shape else 1)
         else:
-            n += info.nbytes
+            _, a, b = g.span(t)   # all of the root, or a view's range of it
+            n += (b - a) * info.dtype.itemsize
     return n + sum(g.tensors[t].nbytes for t in op.fresh_outputs())
 
 

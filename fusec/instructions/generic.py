@@ -114,14 +114,15 @@ class Generic(Instruction):
         reads = [Region.whole(g, t) for t in dict.fromkeys(op.reads())]
         writes = [Region.whole(g, t) for t in op.writes()]
 
-        def nbytes(t: str) -> int:
-            n = g.tensors[g.root(t)].nbytes
+        def nbytes(r: Region) -> int:
+            t = r.tensor   # (a root buffer: all of it, or a view's range of it)
+            n = (r.stop - r.start) * g.tensors[t].dtype.itemsize
             if op.kind == "table_lookup" and t == g.root(op.inputs["table"]):   # one row is read: count
                 rows = max(1, g.tensors[t].shape[0])                           # at most COST_ROWS of them
                 n = n * min(rows, COST_ROWS) // rows
             return n
-        wbytes = sum(nbytes(r.tensor) for r in reads if cls.is_weight(g, r.tensor))
-        abytes = sum(nbytes(r.tensor) for r in reads + writes) - wbytes
+        wbytes = sum(nbytes(r) for r in reads if cls.is_weight(g, r.tensor))
+        abytes = sum(nbytes(r) for r in reads + writes) - wbytes
         return [Tile(op.name, 0, {}, reads, writes, wbytes, abytes)]
 
     @classmethod

@@ -32,12 +32,13 @@ def _vector_linear(g: Graph, op: Op) -> bool:
     elements, b of N."""
     if op.kind != "linear" or "x" not in op.inputs or "w" not in op.inputs:
         return False
-    w = g.tensors[op.inputs["w"]]
-    if len(w.shape) != 2 or g.tensors[op.inputs["x"]].numel != w.shape[1] or w.role != Role.WEIGHT:
+    w = g.tensors[op.inputs["w"]]   # (a row view of a weight, split_linear's, is the weight's: its root's role)
+    if len(w.shape) != 2 or g.tensors[op.inputs["x"]].numel != w.shape[1] or \
+            g.tensors[g.root(w.name)].role != Role.WEIGHT:
         return False
     if "b" in op.inputs:
         b = g.tensors[op.inputs["b"]]
-        if b.numel != w.shape[0] or b.role != Role.WEIGHT:
+        if b.numel != w.shape[0] or g.tensors[g.root(b.name)].role != Role.WEIGHT:
             return False
     return not any(g.tensors[t].sym for t in list(op.inputs.values()) + list(op.outputs.values()))
 

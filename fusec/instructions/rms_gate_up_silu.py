@@ -43,7 +43,7 @@ def _plain_ok(g: Graph, m: dict) -> bool:
     x, wg, wu = g.tensors[m["x"]], g.tensors[m["wg"]], g.tensors[m["wu"]]
     if g.root(m["x"]) != g.root(m["x_up"]) or len(wg.shape) != 2 or wg.shape != wu.shape or wg.dtype != wu.dtype:
         return False
-    if x.numel != wg.shape[1] or wg.role != Role.WEIGHT or wu.role != Role.WEIGHT:
+    if x.numel != wg.shape[1] or any(g.tensors[g.root(w)].role != Role.WEIGHT for w in (m["wg"], m["wu"])):
         return False
     out = g.tensors[m["_anchor"].outputs["out"]].dtype
     if g.tensors[m["gate"]].dtype != out or g.tensors[m["up"]].dtype != out:

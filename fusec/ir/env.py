@@ -1,6 +1,7 @@
 """Tensor storage for executing the IR on the CPU (reference executor and simulator).
 
-Every root buffer lives once in :class:`Env`; aliases are reshaped views of their root.
+Every root buffer lives once in :class:`Env`; aliases are reshaped views of their root (a
+view at an offset, ``TensorInfo.offset``: its own elements of the root's flat storage).
 Fresh output buffers are allocated poisoned (NaN for floats, a sentinel for integers) so a
 region that no instruction writes shows up in the results.
 
@@ -94,10 +95,14 @@ class Env:
         buf = self.bufs[root]
         if root == name:
             return buf
+        if self.g.is_view(name):   # part of its root: its own elements from its offset on
+            _, start, stop = self.g.span(name)
+            return buf.reshape(-1)[start:stop].view(self.shape(name))
         return buf.reshape(self.shape(name))
 
     def flat(self, name: str) -> torch.Tensor:
-        """A writable flat view of ``name``'s root buffer, allocated poisoned if missing."""
+        """A writable flat view of ``name``'s root buffer, allocated poisoned if missing (of
+        ``name``'s own elements when it is a view of part of its root)."""
         root = self.g.root(name)
         if root not in self.bufs:
             info = self.g.tensors[root]
@@ -108,6 +113,9 @@ class Env:
         buf = self.bufs[root]
         if not buf.is_contiguous():
             raise RuntimeError(f"buffer {root} is not contiguous")
+        if root != name and self.g.is_view(name):
+            _, start, stop = self.g.span(name)
+            return buf.view(-1)[start:stop]
         return buf.view(-1)
 
     def set(self, name: str, value: torch.Tensor) -> None:

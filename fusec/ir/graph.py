@@ -62,6 +62,11 @@ class TensorInfo:
         role: see :class:`Role`.
         input_index: position in the flat graph inputs, or None.
         alias_of: name of the tensor whose bytes this one reinterprets (contiguous reshape).
+        offset: None for an alias of all of ``alias_of``'s bytes (the same number of elements);
+            an int for a *view*: this tensor's elements are the contiguous ones starting
+            ``offset`` elements into ``alias_of``'s bytes (both of one element size; rows
+            ``[r0, r1)`` of a weight ``[N, K]`` are the view ``[r1 - r0, K]`` at ``r0 * K``).
+            :meth:`Graph.span` gives the flat range of the root buffer a tensor covers.
         value: the value of a CONSTANT tensor (a torch.Tensor on the CPU).
         sym: dims whose size is a run-time length, dim index -> the length's symbol (dynamo's
             name, e.g. ``"s38"``): the KV cache's rows and a mask over them in a
@@ -77,6 +82,7 @@ class TensorInfo:
     alias_of: str | None = None
     value: torch.Tensor | None = None
     sym: dict[int, str] = dataclasses.field(default_factory=dict)
+    offset: int | None = None
 
     @property
     def numel(self) -> int:
@@ -89,6 +95,8 @@ class TensorInfo:
     def describe(self) -> str:
         dt = str(self.dtype).replace("torch.", "")
         extra = f" ={self.alias_of}" if self.alias_of else ""
+        if self.alias_of and self.offset is not None:
+            extra += f"+{self.offset}"
         dims = ",".join(f"{self.sym[i]}<={d}" if i in self.sym else str(d) for i, d in enumerate(self.shape))
         return f"{dt}[{dims}] {self.role.value}{extra}"
 
@@ -201,6 +209,32 @@ class Graph:
                 raise IRError(f"alias cycle at {name}")
         return name
 
+    def span(self, name: str) -> tuple[str, int, int]:
+        """``(root, start, stop)``: the flat elements ``[start, stop)`` of the root buffer (in
+        the root's elements) that ``name`` covers. A whole-buffer alias covers all of its root;
+        a view (``TensorInfo.offset`` set) its own elements from its offset on, offsets of views
+        of views adding up."""
+        info = self.tensors[name]
+        if info.alias_of is None:
+            return name, 0, info.numel
+        off_bytes, t, partial = 0, info, False
+        while t.alias_of is not None:
+            if t.offset is not None:
+                off_bytes += t.offset * t.dtype.itemsize
+                partial = True
+            t = self.tensors[t.alias_of]
+        root = self.root(name)
+        if not partial:
+            return root, 0, self.tensors[root].numel
+        item = self.tensors[root].dtype.itemsize
+        start = off_bytes // item
+        return root, start, start + info.nbytes // item
+
+    def is_view(self, name: str) -> bool:
+        """Whether ``name`` covers part of its root buffer only (an offset view, or an alias of one)."""
+        root, start, stop = self.span(name)
+        return root != name and (start, stop) != (0, self.tensors[root].numel)
+
     def producers(self) -> dict[str, Op]:
         """Root tensor name -> the op that creates it (fresh outputs only)."""
         out: dict[str, Op] = {}
@@ -265,7 +299,8 @@ class Graph:
 
         Invariants: every read tensor is defined before use (graph input, constant, weight,
         or an earlier op's output); each fresh tensor is created once; aliases point at
-        existing tensors with the same number of elements; outputs exist; names are unique.
+        existing tensors with the same number of elements (a view, ``offset`` set: of the same
+        element size, fitting in them); outputs exist; names are unique.
         """
         where = f" after pass {stage!r}" if stage else ""
         defined = set()
@@ -275,7 +310,13 @@ class Graph:
             if t.alias_of is not None:
                 if t.alias_of not in self.tensors:
                     raise IRError(f"tensor {name} aliases unknown {t.alias_of}{where}")
-                if self.tensors[t.alias_of].numel != t.numel:
+                base = self.tensors[t.alias_of]
+                if t.offset is not None:
+                    if t.dtype.itemsize != base.dtype.itemsize or t.offset < 0 or t.sym or \
+                            t.offset + t.numel > base.numel:
+                        raise IRError(f"view {name} {t.dtype}{list(t.shape)} at offset {t.offset} does not fit in "
+                                      f"{t.alias_of} {base.dtype}{list(base.shape)}{where}")
+                elif base.numel != t.numel:
                     raise IRError(f"alias {name} {t.shape} has another size than "
                                   f"{t.alias_of} {self.tensors[t.alias_of].shape}{where}")
         seen_ops = set()
@@ -311,6 +352,11 @@ class Graph:
                          ", ".join(f"{k}<={v}" for k, v in self.lengths.items()))
         for n in self.inputs:
             lines.append(f"  {n}: {self.tensors[n].describe()}")
+        views = [t for t in self.tensors.values() if t.offset is not None]
+        if views:   # views at an offset into a buffer (TensorInfo.offset): no op defines them
+            lines.append("# views")
+            for t in views:
+                lines.append(f"  {t.name}: {t.describe()}")
         consts = [t for t in self.tensors.values() if t.role == Role.CONSTANT]
         if consts:
             lines.append("# constants")

@@ -10,7 +10,7 @@ its buffer table), so a model with other weight values reuses the artifact.
 
 **Key**: the sha256 of
 - the captured IR (:func:`graph_text`): every tensor's name, shape, dtype, role, input index and
-  alias, plus a digest of the value of each CONSTANT (``get_attr`` tensors of the ATen graph);
+  alias (with a view's offset), plus a digest of the value of each CONSTANT (``get_attr`` tensors of the ATen graph);
   every op's name, kind, slots, in-place slots, layer, model source line and attributes (the
   ATen call templates with their literals included). FX names are deterministic for one model
   and one torch / transformers version, so the text is the same in every process;
@@ -146,8 +146,9 @@ def graph_text(g: Graph) -> str:
              f"lengths {sorted(g.lengths.items())}"]
     for t in g.tensors.values():
         value = tensor_digest(t.value) if t.value is not None else "-"
+        alias = t.alias_of if t.offset is None else f"{t.alias_of}+{t.offset}"   # a view: its offset
         lines.append(f"T {t.name} {list(t.shape)} {t.dtype} {t.role.value} {t.input_index} "
-                     f"{t.alias_of} {value} {sorted(t.sym.items())}")
+                     f"{alias} {value} {sorted(t.sym.items())}")
     for op in g.ops:
         lines.append(f"O {op.name} {op.kind} {_canon(op.inputs)} {_canon(op.outputs)} "
                      f"{list(op.mutates)} {op.layer} {op.source!r} {_canon(op.attrs)}")

@@ -292,6 +292,10 @@ class CudaStep:
         for t in g.outputs:
             info = g.tensors[t]   # (an input's alias of a run-time length: that dim from the input)
             r, shape = g.root(t), tuple(-1 if d in info.sym else n for d, n in enumerate(info.shape))
+            if g.is_view(t) and r in self.owned:   # part of a buffer of the step's (TensorInfo.offset)
+                _, a, b = g.span(t)
+                self._outs.append(self.owned[r].view(-1)[a:b].view(shape))
+                continue
             self._outs.append(self.owned[r].view(shape) if r in self.owned else (g.inputs.index(r), shape))
 
     @staticmethod

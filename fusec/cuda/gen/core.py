@@ -125,7 +125,7 @@ class Ctx:
         self.op, self.g, self.bufs = op, g, bufs
         self.ranged, self.range_used = ranged, False
         self.params: list[tuple[str, str, str]] = []    # (param name, C type, pointer expression)
-        self.roots: list[str] = []                      # root buffer of each parameter
+        self.roots: list[str] = []                      # root buffer of each parameter ("root@start:stop": a view)
         self._param_of: dict[str, str] = {}             # root tensor -> param name
         self.lines: list[str] = []
         self._coord_blocks: dict[int, tuple] = {}   # line index -> a coords() block (see body)
@@ -191,17 +191,19 @@ class Ctx:
             raise self.fail(f"dtype {self.dtype(t)} of {t} has no CUDA type in fusec") from None
 
     def ptr(self, t: str) -> str:
-        """Parameter name of ``t``'s root buffer (one parameter per root)."""
-        root = self.g.root(t)
-        if root not in self._param_of:
+        """Parameter name of ``t``'s root buffer (one parameter per root; one per view of a
+        part of a root, ``TensorInfo.offset``, its pointer at the view's first element)."""
+        root, start, stop = self.g.span(t)
+        key = root if not self.g.is_view(t) else f"{root}@{start}:{stop}"
+        if key not in self._param_of:
             name = f"p{len(self.params)}"
             self.ctype(t)
             expr = self.bufs.ptr(t)
             ctype = expr[2:expr.index("*")]   # "((const float*)bufs[3])" -> "const float"
             self.params.append((name, ctype, expr))
-            self.roots.append(root)
-            self._param_of[root] = name
-        return self._param_of[root]
+            self.roots.append(key)
+            self._param_of[key] = name
+        return self._param_of[key]
 
     def length(self, t: str, dim: int) -> str:
         """C expression (an ``int``) of the run-time size of dim ``dim`` of ``t``: the literal size
