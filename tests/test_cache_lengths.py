@@ -373,3 +373,35 @@ def test_a_mask_using_the_length_as_a_value_is_not_proven_causal():
                 assert _rel(a, b) < 1e-5, (length, p, _rel(a, b))
     torch._dynamo.reset()
     assert not w.fallbacks, w.fallbacks
+
+
+def test_precompiled_paths_pass_gqa_to_sdpa_and_equal_eager(tmp_path, monkeypatch, steps):
+    """With the artifact cache on (the default outside the tests), fusec.generate and HF
+    generate() trace their decode step themselves (PrecompiledStep) with HF's SDPA taking
+    grouped-query K and V (fusec.frontend.hf_sdpa: no repeat_kv, whose symbolic-size ops were
+    half of the symbolic trace's time): the captured graph has no K/V expand, the step has the
+    same fused kinds, and the tokens equal HF's eager greedy generate() over several lengths,
+    with generate()'s 4-D mask too."""
+    import fusec
+    monkeypatch.setenv("FUSEC_CACHE_DIR", str(tmp_path))
+    model = hf_tiny.llama()   # 4 query heads, 2 KV heads
+    model.generation_config.pad_token_id = 0
+    opts = {"num_sms": 16, "max_cache_len": 512, "cache": True}
+    gen = torch.Generator().manual_seed(17)
+    with FallbackWatch() as w:
+        for plen, new in ((6, 5), (41, 4)):
+            prompt = torch.randint(1, 128, (1, plen), generator=gen)
+            ref = model.generate(prompt, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                                 cache_implementation="static")
+            out = fusec.generate(model, prompt, max_new_tokens=new, eos_token_id=[], options=opts)
+            assert torch.equal(out, ref), ("fusec.generate", plen)
+            out = model.generate(prompt, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                                 cache_implementation="static", compile_config=_cc(mode=None, options=opts))
+            assert torch.equal(out, ref), ("HF generate", plen)
+    assert not w.fallbacks, w.fallbacks
+    assert len(steps) == 2, [s.graph.lengths for s in steps]   # one per path, every length
+    for s in steps:
+        sdpa = [o for o in s.graph.ops if o.kind == "fusec.sdpa.default"]
+        assert [o.attrs["args"][-1] for o in sdpa] == [True, True]   # enable_gqa: no repeat_kv
+        kinds = s.schedule.graph.count_kinds()
+        assert kinds["attention_partial"] == kinds["rms_qkv_rope"] == model.config.num_hidden_layers

@@ -323,6 +323,10 @@ class PrecompiledStep:
 
     def __init__(self, module: torch.nn.Module, model: torch.nn.Module, options: dict[str, Any],
                  fallback: Callable[[], Callable] | None = None):
+        # the backend's import installs what dynamo's trace of an HF model needs (the RoPE and
+        # SDPA polyfills, the sliding-window counters' dynamic sources); the precompile below
+        # traces with a backend of its own, so nothing else would import it before the trace
+        import fusec.frontend.backend  # noqa: F401
         self.module, self.model, self.options = module, model, dict(options)
         self.fallback = fallback or (lambda: torch.compile(module, backend="fusec", options=self.options))
         self.entries: list[Any] = []        # loaded AOT functions, most recent first
@@ -386,8 +390,10 @@ class PrecompiledStep:
         t0 = time.perf_counter()
         options = self.options
         try:
-            fn = aot_compile(lambda gm, ex: SerializedStep.from_dynamo(gm, ex, options), (self.module, *args),
-                             kwargs)
+            from fusec.frontend.hf_sdpa import gqa_in_trace
+            with gqa_in_trace():   # HF's SDPA without repeat_kv: 2x faster symbolic trace and AOT
+                fn = aot_compile(lambda gm, ex: SerializedStep.from_dynamo(gm, ex, options),
+                                 (self.module, *args), kwargs)
             data = AOTCompiledFunction.serialize(fn)
             data = getattr(data, "serialized_data", data)   # torch 2.13: a result object; older: bytes
         except Exception as e:   # noqa: BLE001 - a graph break, a guard or object torch cannot save
