@@ -375,7 +375,8 @@ def test_a_mask_using_the_length_as_a_value_is_not_proven_causal():
     assert not w.fallbacks, w.fallbacks
 
 
-def test_precompiled_paths_pass_gqa_to_sdpa_and_equal_eager(tmp_path, monkeypatch, steps):
+@pytest.mark.parametrize("factory", [hf_tiny.llama, hf_tiny.qwen3], ids=["llama", "qwen3"])
+def test_precompiled_paths_pass_gqa_to_sdpa_and_equal_eager(factory, tmp_path, monkeypatch, steps):
     """With the artifact cache on (the default outside the tests), fusec.generate and HF
     generate() trace their decode step themselves (PrecompiledStep) with HF's SDPA taking
     grouped-query K and V (fusec.frontend.hf_sdpa: no repeat_kv, whose symbolic-size ops were
@@ -384,7 +385,7 @@ def test_precompiled_paths_pass_gqa_to_sdpa_and_equal_eager(tmp_path, monkeypatc
     with generate()'s 4-D mask too."""
     import fusec
     monkeypatch.setenv("FUSEC_CACHE_DIR", str(tmp_path))
-    model = hf_tiny.llama()   # 4 query heads, 2 KV heads
+    model = factory()   # 4 query heads, 2 KV heads
     model.generation_config.pad_token_id = 0
     opts = {"num_sms": 16, "max_cache_len": 512, "cache": True}
     gen = torch.Generator().manual_seed(17)

@@ -114,8 +114,11 @@ class HFDecodeCall:
             self._prepared = weakref.ref(cache)
         rows = cache.layers[0].keys.shape[-2]
         mask = kwargs.get("attention_mask")
-        if isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[-1] == rows:
-            torch._dynamo.maybe_mark_dynamic(mask, 3)   # generate()'s mask spans the cache's rows
+        # generate()'s 4-D mask spans the cache's rows (a dict of them, one per layer type, for
+        # models with ``layer_types``: Qwen3, Gemma-2/3): its length is the cache's symbol too
+        for m in (mask.values() if isinstance(mask, dict) else (mask,)):
+            if isinstance(m, torch.Tensor) and m.dim() == 4 and m.shape[-1] == rows:
+                torch._dynamo.maybe_mark_dynamic(m, 3)
         return self.step(**kwargs)
 
 

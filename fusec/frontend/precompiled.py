@@ -172,6 +172,10 @@ def _describe(x: Any) -> Any:
         return ["tensor", [-1 if i in dynamic else d for i, d in enumerate(x.shape)], str(x.dtype), x.device.type]
     if x is None or isinstance(x, (bool, int, float, str)):
         return x
+    if isinstance(x, dict):
+        return {str(k): _describe(v) for k, v in sorted(x.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(x, (list, tuple)):
+        return [_describe(v) for v in x]
     tensors = [v for v in vars(x).values() if isinstance(v, torch.Tensor)] if hasattr(x, "__dict__") else []
     layers = getattr(x, "layers", None)
     shapes = []
@@ -262,11 +266,15 @@ def _unmarked(args: tuple, on: bool) -> Iterator[None]:
 
 
 def _tensors(args: tuple) -> list[torch.Tensor]:
-    """The tensors of step inputs: tensors, and those an object or its ``layers`` hold."""
+    """The tensors of step inputs: tensors, those in dicts, lists and tuples, and those an
+    object or its ``layers`` hold."""
     out = []
     for x in args:
         if isinstance(x, torch.Tensor):
             out.append(x)
+            continue
+        if isinstance(x, (dict, list, tuple)):   # HF's masks per layer type: a dict of tensors
+            out += _tensors(tuple(x.values() if isinstance(x, dict) else x))
             continue
         for obj in (x, *(getattr(x, "layers", None) or ())):
             if hasattr(obj, "__dict__"):

@@ -23,6 +23,15 @@ class StaticLayerRows(StaticLayer):
     def get_mask_sizes(self, query_length: int) -> tuple[Any, int]:
         return self.keys.shape[-2], 0
 
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """HF's update, after telling dynamo that the V cache's rows are the K cache's
+        (``torch._check``): the two marked tensors would otherwise keep a length symbol each
+        unless some op equates them (HF's ``repeat_kv`` and the mask did for K; with SDPA
+        taking grouped-query inputs nothing does for V), and fusec needs one length per layer."""
+        torch._check(self.values.shape[-2] == self.keys.shape[-2])
+        return super().update(key_states, value_states, *args, **kwargs)
+
 
 def length_symbolic(cache: Any) -> bool:
     """Make the (initialized) static ``cache``'s length symbolic for dynamo: its full-attention
