@@ -255,3 +255,32 @@ def test_generate_on_a_sliding_window_cache_keeps_hfs_compiled_call(steps):
     assert torch.equal(out, ref)
     assert not w.fallbacks and w.compiled, (w.fallbacks, w.compiled)
     assert model._compiled_call._prepared is None and model._compiled_call._plain is not None
+
+
+def test_a_second_precompiled_trace_of_the_same_model_is_stored(tmp_path, monkeypatch, caplog):
+    """Dynamo pickles the model's state when it saves a precompiled step; the model holds
+    generate()'s decode call, whose loaded steps' guard managers cannot be pickled. The second
+    trace of the same model (here: two static cache lengths, so the first entry's guards do not
+    hold) is stored too instead of falling back to a plain torch.compile."""
+    import logging
+
+    from transformers.generation import CompileConfig
+
+    from fusec.frontend.hf_generate import HFDecodeCall
+    monkeypatch.setenv("FUSEC_CACHE_DIR", str(tmp_path))
+    model = hf_tiny.llama()
+    call = HFDecodeCall(model, CompileConfig(backend="fusec", mode=None, options={"num_sms": 8, "cache": True}))
+    model._compiled_call = call
+    gen = torch.Generator().manual_seed(2)
+    with caplog.at_level(logging.INFO, logger="fusec"), torch.no_grad():
+        for length in (16, 24):
+            caches = [hf_tiny.static_cache(model, length) for _ in range(2)]
+            prompt = torch.randint(0, 128, (1, 3), generator=gen)
+            for c in caches:
+                model(input_ids=prompt, past_key_values=c, use_cache=True)
+            tok = torch.randint(0, 128, (1, 1), generator=gen)
+            a = call.step(input_ids=tok, past_key_values=caches[0], use_cache=True).logits
+            b = model(input_ids=tok, past_key_values=caches[1], use_cache=True).logits
+            assert ((a - b).norm() / b.norm()).item() < 1e-4
+    assert call.step.compiled is None and len(call.step.entries) == 2, caplog.text[-2000:]
+    assert caplog.text.count("stage precompiled   traced") == 2

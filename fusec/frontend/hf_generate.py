@@ -97,6 +97,12 @@ class HFDecodeCall:
         self.step = PrecompiledStep(module, model, self.options,
                                     fallback=lambda: torch.compile(module, **compile_kwargs(compile_config)))
 
+    def __reduce__(self) -> tuple:
+        """Pickles and copies (of the model that holds it) make a new call with nothing
+        compiled: the loaded steps' guard managers cannot be pickled, and dynamo pickles the
+        model's state when it saves a second precompiled step of the same model."""
+        return (HFDecodeCall, (self.model, self.compile_config))
+
     def plain(self) -> Callable:
         """HF's own compiled call (``torch.compile(model.__call__, **compile_config.to_dict())``,
         :func:`compile_kwargs`)."""
