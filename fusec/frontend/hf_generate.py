@@ -54,16 +54,18 @@ def compile_kwargs(compile_config: Any) -> dict[str, Any]:
 
 
 class _ModelCall(torch.nn.Module):
-    """``model(**kwargs)`` as a module of its own: the precompiled function's first argument
-    (its settings, none, key the artifact cache entry; the model's class and configuration
-    key it through :func:`fusec.frontend.precompiled.key`)."""
+    """``model(**dict(zip(names, values)))`` called as ``module(*values)``: the precompiled
+    function's first argument. Positional values, not keywords: the precompile traces and
+    checks guards on a positional signature (``fusec.generate``'s step has one too). Its
+    ``names`` key the artifact cache entry with the model's class and configuration
+    (:func:`fusec.frontend.precompiled.key`)."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, names: tuple[str, ...]):
         super().__init__()
-        self.model = model
+        self.model, self.names = model, tuple(names)
 
-    def forward(self, **kwargs: Any) -> Any:
-        return self.model(**kwargs)
+    def forward(self, *values: Any) -> Any:
+        return self.model(**dict(zip(self.names, values)))
 
 
 class HFDecodeCall:
@@ -81,21 +83,33 @@ class HFDecodeCall:
     """
 
     def __init__(self, model: torch.nn.Module, compile_config: Any):
-        from fusec.frontend.precompiled import PrecompiledStep
+        # nothing here reads the config: dynamo unpickles this object with placeholders for
+        # the values a saved step's guards do not need (:meth:`__reduce__`)
         self.model, self.compile_config = model, compile_config
-        # torch passes ``mode`` to a backend as a keyword; a precompiled step's backend gets
-        # only options, so the mode (HF's default "reduce-overhead": fusec replays the launch
-        # from a CUDA graph) travels among them
-        self.options = {**({"mode": compile_config.mode} if compile_config.mode is not None else {}),
-                        **(compile_config.options or {})}
         self._plain: Callable | None = None
         self._prepared: Any = None   # a weak reference to the cache made length-symbolic last
-        module = _ModelCall(model)
-        # without a precompiled step (the cache option off, a graph break under fullgraph): the
-        # same call through torch.compile with generate()'s config; the marks still make the
-        # cache's length symbolic from the first call
-        self.step = PrecompiledStep(module, model, self.options,
-                                    fallback=lambda: torch.compile(module, **compile_kwargs(compile_config)))
+        self.steps: dict[tuple[str, ...], Any] = {}   # one precompiled step per set of argument names
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """fusec's options: the config's ``options`` and its ``mode`` (torch passes ``mode`` to
+        a backend as a keyword; a precompiled step's backend gets only options, so the mode,
+        HF's default "reduce-overhead": fusec replays the launch from a CUDA graph, travels
+        among them)."""
+        cc = self.compile_config
+        return {**({"mode": cc.mode} if cc.mode is not None else {}), **(cc.options or {})}
+
+    def step_for(self, names: tuple[str, ...]) -> Any:
+        """The precompiled step of a call with keyword arguments ``names`` (in call order)."""
+        from fusec.frontend.precompiled import PrecompiledStep
+        if names not in self.steps:
+            module, kw = _ModelCall(self.model, names), compile_kwargs(self.compile_config)
+            # without a precompiled step (the cache option off, a graph break under fullgraph):
+            # the same call through torch.compile with generate()'s config; the marks still
+            # make the cache's length symbolic from the first call
+            self.steps[names] = PrecompiledStep(module, self.model, self.options,
+                                                fallback=lambda: torch.compile(module, **kw))
+        return self.steps[names]
 
     def __reduce__(self) -> tuple:
         """Pickles and copies (of the model that holds it) make a new call with nothing
@@ -125,7 +139,7 @@ class HFDecodeCall:
         for m in (mask.values() if isinstance(mask, dict) else (mask,)):
             if isinstance(m, torch.Tensor) and m.dim() == 4 and m.shape[-1] == rows:
                 torch._dynamo.maybe_mark_dynamic(m, 3)
-        return self.step(**kwargs)
+        return self.step_for(tuple(kwargs))(*kwargs.values())
 
 
 def _static_layers(cache: Any) -> bool:
