@@ -18,7 +18,7 @@ from fusec.frontend import warm
 from fusec.frontend.capture import aten_capture, check_decode_step, dynamo_seconds, mark_model_tensors
 from fusec.frontend.host_scalars import HostSplit, split_host_scalars
 from fusec.frontend import symbolic
-from fusec.frontend import hf_generate, hf_rope, hf_sdpa
+from fusec.frontend import hf_rope, hf_sdpa
 from fusec.frontend.counters import mark_cache_counters_dynamic
 from fusec.runtime.compiled import CompiledStep
 from fusec.config import Options
@@ -30,7 +30,6 @@ log = logging.getLogger("fusec")
 
 mark_cache_counters_dynamic()
 hf_rope.install()   # HF's dynamic/longrope RoPE updates without a graph break
-hf_generate.install()   # HF generate(): one precompiled step for every cache length
 hf_sdpa.install()   # HF's SDPA with enable_gqa, not repeat_kv, when the cache length is symbolic
 
 

@@ -17,9 +17,10 @@ as without this module. ``CompileConfig(dynamic=True)`` or ``dynamic=False`` kee
 (the user asked for it).
 
 ``import fusec`` installs it (then transformers' ``modeling_utils`` need not be imported yet), and
-so does the backend's import, which torch performs inside the first ``get_compiled_call`` when
-fusec was never imported: that generate() call and the later ones on the same model keep HF's
-path (its compiled call already exists); models compiled after it take this one.
+so does the backend's import (which imports the ``fusec`` package first), which torch performs
+inside the first ``get_compiled_call`` when fusec was never imported: that generate() call and
+the later ones on the same model keep HF's path (its compiled call already exists); models
+compiled after it take this one.
 """
 from __future__ import annotations
 
