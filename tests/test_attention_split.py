@@ -266,9 +266,10 @@ def test_reduce_lowered_without_the_knob_refuses_to_compile_with_it(tmp_path):
     from fusec.cuda.codegen import render
     from fusec.cuda.jit import compile_cuda
     from fusec.errors import JitError
-    sched = _lowered(hf_tiny.llama, torch.bfloat16, 12, 32, attention_merge="reduce")
-    assert not any("split_rows" in o.attrs for o in sched.graph.ops)   # the default lowers as before
-    compile_cuda(render(sched).source, "fusec_step.cu", cache_dir=str(tmp_path)).assert_no_spills()
+    off = {"FUSEC_ATTN_SPLIT_ROWS": 0}
+    sched = _lowered(hf_tiny.llama, torch.bfloat16, 12, 32, attention_merge="reduce", defines=off)
+    assert not any("split_rows" in o.attrs for o in sched.graph.ops)   # 0 lowers as before the knob
+    compile_cuda(render(sched, defines=off).source, "fusec_step.cu", cache_dir=str(tmp_path)).assert_no_spills()
     with pytest.raises(JitError, match="lower the step with the defines it is rendered with"):
         compile_cuda(render(sched, defines={"FUSEC_ATTN_SPLIT_ROWS": 32}).source, "fusec_step.cu",
                      cache_dir=str(tmp_path))

@@ -84,7 +84,7 @@ TABLE: tuple[Knob, ...] = (
          "shuffle step halves the values a lane keeps: 24 shuffles per warp instead of 64 on the "
          "1B, 8 instead of 16 on Qwen3-0.6B); 1B -0.008 / -0.005 ms at 127 / 2047, Qwen3-0.6B "
          "+0.002 / 0.000 (§17.5); 0: the butterfly sums (the whole GPU suite passed with 1, 2026-12-02)"),
-    Knob("FUSEC_ATTN_SPLIT_ROWS", 0,
+    Knob("FUSEC_ATTN_SPLIT_ROWS", 32,
          "R > 0: a split-KV op uses only the first min(NC, max(1, ceil(rows / R))) of its NC splits "
          "per KV head at run time (rows: the valid rows pos + 1, or the cache's L with a mask), "
          "about R rows each (at most R until all NC are active, more than R / 2 when two or more "
@@ -95,7 +95,9 @@ TABLE: tuple[Knob, ...] = (
          "through the defines option. 0: all NC splits, the machine code of before. Qwen2.5-0.5B "
          "(24 layers, cache 1024, 64 splits) on the H200 at 127 / 600 / 1023: 1.042 / 1.044 / "
          "0.980 ms with 0, 0.880 / 0.944 / 0.888 with 32, 0.891 / 0.946 / 0.897 with 64, "
-         "0.870 / 0.925 / 0.872 with 64 and attention_merge=reduce (issue 31)"),
+         "0.870 / 0.925 / 0.872 with 64 and attention_merge=reduce (issue 31); Llama-3.2-1B (8 KV "
+         "heads, 16 splits) at 127 / 2047: 0.824 / 0.864 ms with 0, 0.825 / 0.868 with 32. Default "
+         "32 since 2026-12-04 (the GPU suite passed with it: 92 of 93, the one failure elsewhere)"),
 )
 
 #: name -> default, in the order the kernel's header defines them

@@ -20,7 +20,7 @@ an argument (:meth:`fusec.cuda.codegen.Buffers.length`).
 ``attention_reduce``: one tile per range of query heads merges the chunks with the
 log-sum-exp rule: ``M = max m_c``, ``out = sum e^(m_c-M) o_c / sum e^(m_c-M) l_c``.
 
-Active splits (kernel knob ``FUSEC_ATTN_SPLIT_ROWS`` = R > 0, :func:`active_splits`; lowering
+Active splits (kernel knob ``FUSEC_ATTN_SPLIT_ROWS`` = R > 0, default 32, :func:`active_splits`; lowering
 records it as the op attr ``split_rows``, which the simulator and ``attention_reduce``'s call
 read): at a position only the first ``active = min(n_chunks, max(1, ceil((pos+1) / R)))`` splits
 of a KV head take rows, ``split_rows(c, pos, active)``: about R rows each (at most R while some
@@ -60,6 +60,7 @@ import math
 import torch
 
 from fusec.abi import Fault
+from fusec.cuda.knobs import KNOBS
 from fusec.ir.env import Env
 from fusec.ir import Graph, Op
 from fusec.ir.semantics import apply_mask
@@ -157,7 +158,7 @@ def split_attention(c: Ctx, m: dict) -> list[Op]:
         n_chunks = math.ceil(L / chunk)
     else:                    # splits of several blocks
         chunk = MAX_BLOCK
-    per_split = int(c.options.get("defines", {}).get("FUSEC_ATTN_SPLIT_ROWS", 0))
+    per_split = int(c.options.get("defines", {}).get("FUSEC_ATTN_SPLIT_ROWS", KNOBS["FUSEC_ATTN_SPLIT_ROWS"]))
     if per_split > 0:   # an idle split leaves up to per_split rows to each active one: one block
         chunk = max(chunk, min(MAX_BLOCK, math.ceil(per_split / 16) * 16))
     o_part = g.new_tensor(f"{att.name}_o_part", (nq, n_chunks, d), torch.float32)
