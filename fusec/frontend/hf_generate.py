@@ -45,12 +45,14 @@ def is_fusec_backend(backend: Any) -> bool:
 
 
 def compile_kwargs(compile_config: Any) -> dict[str, Any]:
-    """``torch.compile``'s arguments for a fusec ``CompileConfig``: its ``to_dict()`` without
-    ``mode`` when it has ``options`` (fusec takes no mode, and torch refuses both at once, so
-    HF's default ``mode="reduce-overhead"`` with fusec options would raise)."""
+    """``torch.compile``'s arguments for a fusec ``CompileConfig``: its ``to_dict()``, with
+    ``mode`` moved into fusec's ``options`` when it has options (torch refuses both at once, so
+    HF's default ``mode="reduce-overhead"`` with fusec options would raise; fusec reads the mode
+    from its options as from torch's keyword: "reduce-overhead" replays its launch from a CUDA
+    graph)."""
     kw = compile_config.to_dict()
-    if kw.get("options") is not None:
-        kw.pop("mode", None)
+    if kw.get("options") is not None and kw.get("mode") is not None:
+        kw["options"] = {"mode": kw.pop("mode"), **kw["options"]}
     return kw
 
 
