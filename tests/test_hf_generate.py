@@ -236,7 +236,8 @@ def test_generate_hook_takes_only_fusec_configs_with_dynamic_unset():
     ours = model.get_compiled_call(_compile_config(options={"num_sms": 8}))
     assert isinstance(ours, hf_generate.HFDecodeCall)
     assert model.get_compiled_call(model._last_compile_config) is ours
-    for cc in (CompileConfig(backend="eager"), _compile_config(dynamic=False), _compile_config(dynamic=True)):
+    for cc in (CompileConfig(backend="eager"), _compile_config(dynamic=False), _compile_config(dynamic=True),
+               _compile_config(dynamic=True, options={"num_sms": 8})):   # HF's default mode with options
         assert not isinstance(model.get_compiled_call(cc), hf_generate.HFDecodeCall), cc
 
 

@@ -177,10 +177,16 @@ def install() -> None:
     def get_compiled_call(self: Any, compile_config: Any) -> Callable:
         mine = self.__dict__.get("_compiled_call")
         if compile_config is None or not is_fusec_backend(getattr(compile_config, "backend", None)) \
-                or compile_config.dynamic is not None or "llama4" in getattr(self.config, "model_type", "") \
+                or "llama4" in getattr(self.config, "model_type", "") \
                 or (mine is not None and not isinstance(mine, HFDecodeCall)
                     and getattr(self, "_last_compile_config", None) == compile_config):
             return original(self, compile_config)   # not ours, or HF's call made before install()
+        if compile_config.dynamic is not None:   # HF's path, the user asked for it; mode and
+            # fusec options together (compile_kwargs), which HF's own call would refuse
+            if mine is None or self._last_compile_config != compile_config:
+                self._last_compile_config = compile_config
+                self._compiled_call = torch.compile(self.__call__, **compile_kwargs(compile_config))
+            return self._compiled_call
         if not isinstance(mine, HFDecodeCall) or self._last_compile_config != compile_config:
             self._last_compile_config = compile_config
             self._compiled_call = HFDecodeCall(self, compile_config)
