@@ -287,3 +287,20 @@ def test_a_second_precompiled_trace_of_the_same_model_is_stored(tmp_path, monkey
     step = call.step_for(names)
     assert step.compiled is None and len(step.entries) == 2, caplog.text[-2000:]
     assert caplog.text.count("stage precompiled   traced") == 2
+
+
+def test_a_call_compiled_before_import_is_kept_with_one_line(caplog):
+    """A model whose generate() decode call HF compiled before fusec's hook was installed keeps
+    that call (no second compile of the same length) and says once how to get one step for
+    every length."""
+    import logging
+
+    from fusec.frontend import hf_generate
+    hf_generate.install()
+    model = hf_tiny.llama()
+    cc = _compile_config(mode=None)
+    plain = torch.compile(model.__call__, backend="fusec")
+    model._compiled_call, model._last_compile_config = plain, cc
+    with caplog.at_level(logging.INFO, logger="fusec"):
+        assert model.get_compiled_call(cc) is plain and model.get_compiled_call(cc) is plain
+    assert caplog.text.count("compiled before fusec was imported") == 1, caplog.text

@@ -177,10 +177,16 @@ def install() -> None:
     def get_compiled_call(self: Any, compile_config: Any) -> Callable:
         mine = self.__dict__.get("_compiled_call")
         if compile_config is None or not is_fusec_backend(getattr(compile_config, "backend", None)) \
-                or "llama4" in getattr(self.config, "model_type", "") \
-                or (mine is not None and not isinstance(mine, HFDecodeCall)
-                    and getattr(self, "_last_compile_config", None) == compile_config):
-            return original(self, compile_config)   # not ours, or HF's call made before install()
+                or "llama4" in getattr(self.config, "model_type", ""):
+            return original(self, compile_config)   # not ours
+        if mine is not None and not isinstance(mine, HFDecodeCall) and compile_config.dynamic is None \
+                and getattr(self, "_last_compile_config", None) == compile_config:
+            if not self.__dict__.get("_fusec_told"):   # HF's call, made before install(): keep it
+                self.__dict__["_fusec_told"] = True
+                log.info("fusec: this model's generate() decode call was compiled before fusec was imported: "
+                         "a second prompt length compiles again; `import fusec` before the first "
+                         "generate() gives one precompiled step for every length")
+            return original(self, compile_config)
         if compile_config.dynamic is not None:   # HF's path, the user asked for it; mode and
             # fusec options together (compile_kwargs), which HF's own call would refuse
             if mine is None or self._last_compile_config != compile_config:
