@@ -370,35 +370,43 @@ __device__ __forceinline__ void rms_prologue(const TX* x, const TW* w, float eps
   __syncthreads();
 }
 
-// Log-sum-exp merge of NC split-KV partials (o_part [H][NC][D], ml [H][NC][{m, l}], fp32, read
-// from L2: other CTAs wrote them) for query heads [h0, h1): M = max m_c, w_c = exp(m_c - M)
-// (0 for an empty chunk), out = sum w_c o_c / sum w_c l_c. attention_reduce and the last-tile
-// merge of attention_partial. FUSEC_MERGE_ONE_PASS 1 (NC <= 32): a thread issues all its 2 NC
-// loads ({m, l} as one float2, o) before any arithmetic and weighs chunks without a branch
-// (exp(-inf) = 0), one L2 round trip; 0, or NC > 32 (4 or fewer KV heads on 132 SMs): the max
-// pass, then a loop whose loads follow a branch per chunk (several round trips in the PTX).
-// Same sums in the same order either way.
+// Log-sum-exp merge of split-KV partials (o_part [H][NC][D], ml [H][NC][{m, l}], fp32, read
+// from L2: other CTAs wrote them) for query heads [h0, h1), over the first na of each head's NC
+// (default all; FUSEC_ATTN_SPLIT_ROWS: the active splits, the others hold an earlier step's):
+// M = max m_c, w_c = exp(m_c - M) (0 for an empty chunk), out = sum w_c o_c / sum w_c l_c.
+// attention_reduce and the last-tile merge of attention_partial. FUSEC_MERGE_ONE_PASS 1 and
+// na <= min(NC, 32): a thread issues all its loads ({m, l} as one float2, o) before any
+// arithmetic and weighs chunks without a branch (exp(-inf) = 0), one L2 round trip; 0, or more
+// than 32 (4 or fewer KV heads on 132 SMs): the max pass, then a loop whose loads follow a
+// branch per chunk (several round trips in the PTX). Same sums in the same order either way.
 template <typename TO, int D, int NC>
 __device__ __forceinline__ void merge_split_kv(const float* __restrict__ o_part, const float* __restrict__ ml,
-                                               TO* __restrict__ out, int h0, int h1) {
-  if constexpr (FUSEC_MERGE_ONE_PASS && NC <= 32) {
+                                               TO* __restrict__ out, int h0, int h1, int na = NC) {
+  constexpr int NP = NC < 32 ? NC : 32;
+  if (FUSEC_MERGE_ONE_PASS && na <= NP) {
     for (int idx = threadIdx.x; idx < (h1 - h0) * D; idx += blockDim.x) {
       const int h = h0 + idx / D, t = idx % D;
-      float mv[NC], lv[NC], ov[NC];
+      float mv[NP], lv[NP], ov[NP];
 #pragma unroll
-      for (int c = 0; c < NC; ++c) {
-        const float2 mlc = __ldcg(reinterpret_cast<const float2*>(ml) + h * NC + c);   // {m, l}: 8-byte aligned
-        mv[c] = mlc.x;
-        lv[c] = mlc.y;
-        ov[c] = __ldcg(o_part + (h * NC + c) * D + t);
+      for (int c = 0; c < NP; ++c) {
+        if (c < na) {
+          const float2 mlc = __ldcg(reinterpret_cast<const float2*>(ml) + h * NC + c);   // {m, l}: 8-byte aligned
+          mv[c] = mlc.x;
+          lv[c] = mlc.y;
+          ov[c] = __ldcg(o_part + (h * NC + c) * D + t);
+        } else {
+          mv[c] = -INFINITY;
+          lv[c] = 0.f;
+          ov[c] = 0.f;
+        }
       }
       float m = -INFINITY;
 #pragma unroll
-      for (int c = 0; c < NC; ++c) m = fmaxf(m, mv[c]);
+      for (int c = 0; c < NP; ++c) m = fmaxf(m, mv[c]);
       float num = 0.f, den = 0.f;
 #pragma unroll
-      for (int c = 0; c < NC; ++c) {
-        const float w = expf(mv[c] == -INFINITY ? -INFINITY : mv[c] - m);   // empty chunk: 0
+      for (int c = 0; c < NP; ++c) {
+        const float w = expf(mv[c] == -INFINITY ? -INFINITY : mv[c] - m);   // empty or inactive: 0
         num += w * ov[c];
         den += w * lv[c];
       }
@@ -408,9 +416,9 @@ __device__ __forceinline__ void merge_split_kv(const float* __restrict__ o_part,
     for (int idx = threadIdx.x; idx < (h1 - h0) * D; idx += blockDim.x) {
       const int h = h0 + idx / D, t = idx % D;
       float m = -INFINITY;
-      for (int c = 0; c < NC; ++c) m = fmaxf(m, __ldcg(ml + (h * NC + c) * 2));
+      for (int c = 0; c < na; ++c) m = fmaxf(m, __ldcg(ml + (h * NC + c) * 2));
       float num = 0.f, den = 0.f;
-      for (int c = 0; c < NC; ++c) {
+      for (int c = 0; c < na; ++c) {
         const float mc = __ldcg(ml + (h * NC + c) * 2);
         const float w = mc == -INFINITY ? 0.f : expf(mc - m);
         num += w * __ldcg(o_part + (h * NC + c) * D + t);

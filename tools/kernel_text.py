@@ -4,7 +4,8 @@ Renders and compiles (NVRTC, sm_90a, no GPU needed) the tiny Llama (bf16) and ti
 decode steps on 12 SMs, with attention_merge last_tile and reduce, and with ``--big`` the
 Llama-3.2-1B step on 132 SMs. For each it records the SHA-256 of the CUBIN's ``.text.*``,
 ``.nv.shared.*`` and ``.nv.constant0.*`` ELF sections, the registers and the dynamic shared
-memory, and writes them as JSON. Compare two runs (before and after a change) with ``diff``.
+memory, and writes them as JSON (``FUSEC_DEFINES`` picks knob values for both lowering and
+rendering). Compare two runs (before and after a change) with ``diff``.
 
 Usage: .venv/bin/python tools/kernel_text.py OUT.json [--big]
 """
@@ -59,10 +60,11 @@ def main() -> int:
         step = {"input_ids": torch.randint(0, 128, (1, 1)), "past_key_values": cache, "use_cache": True}
         for merge in ("last_tile", "reduce"):
             r = compile_model(model, (), step, {"num_sms": 12, "attention_merge": merge})
-            res[f"{name}/{merge}"] = entry(render(r.schedule))
+            res[f"{name}/{merge}"] = entry(render(r.schedule, defines=r.opts.defines))
     if "--big" in sys.argv:
         model, args, kwargs = runpy.run_path(str(ROOT / "examples" / "llama_3_2_1b.py"))["build"]()
-        res["llama_3_2_1b/last_tile"] = entry(render(compile_model(model, args, kwargs, {"num_sms": 132}).schedule))
+        r = compile_model(model, args, kwargs, {"num_sms": 132})
+        res["llama_3_2_1b/last_tile"] = entry(render(r.schedule, defines=r.opts.defines))
     Path(sys.argv[1]).write_text(json.dumps(res, indent=1, sort_keys=True) + "\n")
     for k, v in res.items():
         print(f"{k}: {v['registers']} registers, {v['smem_bytes']} B dynamic shared memory, "
