@@ -33,7 +33,6 @@ import torch
 
 log = logging.getLogger("fusec")
 
-_INSTALLED = False
 
 
 def is_fusec_backend(backend: Any) -> bool:
@@ -156,15 +155,12 @@ def _static_layers(cache: Any) -> bool:
                                 and isinstance(getattr(layer, "keys", None), torch.Tensor) for layer in layers)
 
 
+@functools.cache   # once per process
 def install() -> None:
     """Wrap ``transformers.modeling_utils.PreTrainedModel.get_compiled_call`` (idempotent; a
     no-op without transformers): the compiled call for a fusec ``CompileConfig`` with
     ``dynamic`` unset is a :class:`HFDecodeCall` (kept while the config is equal, as HF keeps
     its own); every other call is HF's, as is a call HF made before this was installed."""
-    global _INSTALLED
-    if _INSTALLED:
-        return
-    _INSTALLED = True
     try:
         from transformers.modeling_utils import PreTrainedModel
     except Exception:   # noqa: BLE001 - no transformers (or a broken one): nothing to wrap

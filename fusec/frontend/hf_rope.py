@@ -42,6 +42,7 @@ decorator itself is wrapped so that each new decoration registers its polyfill.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 from typing import Any, Callable
@@ -52,7 +53,6 @@ log = logging.getLogger("fusec.frontend.hf_rope")
 
 #: ids of the ``dynamic_rope_update`` wrappers that have a polyfill (each registers once per process)
 _REGISTERED: set[int] = set()
-_INSTALLED = False
 
 
 def _state(self: Any, layer_type: str | None) -> tuple[str, str, Any]:
@@ -202,14 +202,11 @@ def _decorated(forward: Any, code: Any) -> Callable | None:
     return None
 
 
+@functools.cache   # once per process
 def install() -> None:
     """Register the polyfills for every rotary class of the transformers modules imported so far,
     and wrap ``transformers.modeling_rope_utils.dynamic_rope_update`` so that classes defined
     later register theirs. Idempotent; without transformers it does nothing."""
-    global _INSTALLED
-    if _INSTALLED:
-        return
-    _INSTALLED = True
     try:
         from transformers import modeling_rope_utils
     except Exception:   # noqa: BLE001 - no transformers (or a broken one): nothing to patch

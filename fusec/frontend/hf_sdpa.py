@@ -23,6 +23,7 @@ run the polyfill. Source: ``torch.nn.functional.scaled_dot_product_attention``'s
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Iterator
 
@@ -30,7 +31,6 @@ import torch
 
 log = logging.getLogger("fusec")
 
-_INSTALLED = False
 #: whether the trace running now is fusec's own (:func:`gqa_in_trace`); read by the polyfill
 _IN_TRACE = False
 
@@ -47,12 +47,9 @@ def gqa_in_trace() -> Iterator[None]:
         _IN_TRACE = before
 
 
+@functools.cache   # once per process
 def install() -> None:
     """Register the polyfill (idempotent; a no-op without transformers' SDPA integration)."""
-    global _INSTALLED
-    if _INSTALLED:
-        return
-    _INSTALLED = True
     try:
         from transformers.integrations import sdpa_attention
     except Exception:   # noqa: BLE001 - no transformers (or a broken one): nothing to patch
