@@ -34,7 +34,6 @@ import torch
 log = logging.getLogger("fusec")
 
 
-
 def is_fusec_backend(backend: Any) -> bool:
     """Whether a ``CompileConfig.backend`` names fusec (the registered name or its function)."""
     if isinstance(backend, str):
