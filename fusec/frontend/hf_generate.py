@@ -109,7 +109,8 @@ class HFDecodeCall:
             # the same call through torch.compile with generate()'s config; the marks still
             # make the cache's length symbolic from the first call
             self.steps[names] = PrecompiledStep(module, self.model, self.options,
-                                                fallback=lambda: torch.compile(module, **kw))
+                                                fallback=lambda: torch.compile(module, **kw),
+                                                before_trace=lambda args, _: _mark_masks(names, args))
         return self.steps[names]
 
     def __reduce__(self) -> tuple:
@@ -133,14 +134,18 @@ class HFDecodeCall:
                 return self.plain()(**kwargs)
             length_symbolic(cache)
             self._prepared = weakref.ref(cache)
-        rows = cache.layers[0].keys.shape[-2]
-        mask = kwargs.get("attention_mask")
-        # generate()'s 4-D mask spans the cache's rows (a dict of them, one per layer type, for
-        # models with ``layer_types``: Qwen3, Gemma-2/3): its length is the cache's symbol too
-        for m in (mask.values() if isinstance(mask, dict) else (mask,)):
-            if isinstance(m, torch.Tensor) and m.dim() == 4 and m.shape[-1] == rows:
-                torch._dynamo.maybe_mark_dynamic(m, 3)
         return self.step_for(tuple(kwargs))(*kwargs.values())
+
+
+def _mark_masks(names: tuple[str, ...], values: tuple) -> None:
+    """Before a trace: generate()'s 4-D mask spans the cache's rows (a dict of them, one per layer
+    type, for models with ``layer_types``: Qwen3, Gemma-2/3), so its length is the cache's symbol
+    too (``maybe_mark_dynamic``)."""
+    kw = dict(zip(names, values))
+    rows, mask = kw["past_key_values"].layers[0].keys.shape[-2], kw.get("attention_mask")
+    for m in (mask.values() if isinstance(mask, dict) else (mask,)):
+        if isinstance(m, torch.Tensor) and m.dim() == 4 and m.shape[-1] == rows:
+            torch._dynamo.maybe_mark_dynamic(m, 3)
 
 
 def _static_layers(cache: Any) -> bool:

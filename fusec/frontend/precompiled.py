@@ -323,6 +323,9 @@ class PrecompiledStep:
         fallback: makes the callable used when there is no precompiled step (the option off,
             a graph break under ``fullgraph``, a torch without the API); by default
             ``torch.compile(module, backend="fusec", options=options)``.
+        before_trace: called with the call's ``(args, kwargs)`` before any trace (and before
+            every call of the fallback): marks inputs' dims dynamic (``maybe_mark_dynamic``),
+            which a loaded or traced step's calls need not pay for.
 
     Calling it: ``step(*args, **kwargs)``, as ``module(*args, **kwargs)``. The first call with
     new input shapes loads or traces (one stage line says which and its time); later calls
@@ -330,19 +333,22 @@ class PrecompiledStep:
     """
 
     def __init__(self, module: torch.nn.Module, model: torch.nn.Module, options: dict[str, Any],
-                 fallback: Callable[[], Callable] | None = None):
+                 fallback: Callable[[], Callable] | None = None,
+                 before_trace: Callable[[tuple, dict], None] | None = None):
         # the backend's import installs what dynamo's trace of an HF model needs (the RoPE and
         # SDPA polyfills, the sliding-window counters' dynamic sources); the precompile below
         # traces with a backend of its own, so nothing else would import it before the trace
         import fusec.frontend.backend  # noqa: F401
         self.module, self.model, self.options = module, model, dict(options)
         self.fallback = fallback or (lambda: torch.compile(module, backend="fusec", options=self.options))
+        self.before_trace = before_trace or (lambda args, kwargs: None)
         self.entries: list[Any] = []        # loaded AOT functions, most recent first
         self.loaded: set[int] = set()       # ids of those deserialized from the artifact cache
         self.compiled: Callable | None = None   # the fallback, once the precompile failed
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.compiled is not None:
+        if self.compiled is not None:   # torch.compile traces again when its guards fail
+            self.before_trace(args, kwargs)
             return self.compiled(*args, **kwargs)
         inputs = (*args, *kwargs.values())
         for i, fn in enumerate(self.entries):
@@ -364,6 +370,7 @@ class PrecompiledStep:
         """A precompiled function whose guards hold for ``args`` and ``kwargs`` (its guard check
         then off: :meth:`__call__` checks first), loaded or traced and stored; None when the
         precompile is off or failed (one log line)."""
+        self.before_trace(args, kwargs)   # before the key, which reads the marks of dynamic dims
         opts = Options.from_dict(self.options)
         if not opts.cache or opts.dump_dir:
             return None
