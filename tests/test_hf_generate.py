@@ -304,3 +304,44 @@ def test_a_call_compiled_before_import_is_kept_with_one_line(caplog):
     with caplog.at_level(logging.INFO, logger="fusec"):
         assert model.get_compiled_call(cc) is plain and model.get_compiled_call(cc) is plain
     assert caplog.text.count("compiled before fusec was imported") == 1, caplog.text
+
+
+def test_a_precompiled_step_loading_builtins_by_name_is_stored_and_loaded(tmp_path, monkeypatch, caplog):
+    """generate()'s traced decode call loads the builtin ``type`` by global name (to rebuild the
+    ModelOutput). torch 2.11 saves no builtin with the step and checks, after the trace and at
+    load, that the function's globals hold every name the bytecode loads (the H200's torch fell
+    back to a plain torch.compile in every process: "Missing required external references:
+    ['type']"). Emulated here on torch 2.13 by dropping the builtins it saves: the step is traced
+    and stored, and a second PrecompiledStep loads it and gives eager's logits."""
+    import builtins
+    import dataclasses
+    import logging
+
+    from torch._dynamo.convert_frame import GraphRuntimeEnv
+    from transformers.generation import CompileConfig
+
+    from fusec.frontend.hf_generate import HFDecodeCall
+    original = GraphRuntimeEnv.forward_callable
+
+    def as_torch_2_11(self, *a, **kw):
+        used = {k: v for k, v in self.used_globals.items() if not hasattr(builtins, k)}
+        return original(dataclasses.replace(self, used_globals=used), *a, **kw)
+    monkeypatch.setattr(GraphRuntimeEnv, "forward_callable", as_torch_2_11)
+    monkeypatch.setenv("FUSEC_CACHE_DIR", str(tmp_path))
+    model = hf_tiny.llama()
+    names = ("input_ids", "past_key_values", "use_cache")
+    gen = torch.Generator().manual_seed(5)
+    with caplog.at_level(logging.INFO, logger="fusec"), torch.no_grad():
+        for _ in range(2):   # the second call object finds the first one's entry
+            call = HFDecodeCall(model, CompileConfig(backend="fusec", mode=None, options={"num_sms": 8, "cache": True}))
+            caches = [hf_tiny.static_cache(model, 16) for _ in range(2)]
+            prompt = torch.randint(0, 128, (1, 3), generator=gen)
+            for c in caches:
+                model(input_ids=prompt, past_key_values=c, use_cache=True)
+            tok = torch.randint(0, 128, (1, 1), generator=gen)
+            a = call.step_for(names)(tok, caches[0], True).logits
+            b = model(input_ids=tok, past_key_values=caches[1], use_cache=True).logits
+            assert ((a - b).norm() / b.norm()).item() < 1e-4
+            assert call.step_for(names).compiled is None, caplog.text[-2000:]
+    assert caplog.text.count("stage precompiled   traced") == 1, caplog.text[-2000:]
+    assert caplog.text.count("stage precompiled   loaded") == 1, caplog.text[-2000:]

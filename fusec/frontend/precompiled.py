@@ -32,12 +32,14 @@ settings) are checked before every call; a miss traces again for the new inputs.
 """
 from __future__ import annotations
 
+import builtins
 import contextlib
 import hashlib
 import json
 import logging
 import pickle
 import time
+import types
 from collections.abc import Iterator
 from typing import Any, Callable
 
@@ -159,9 +161,20 @@ def graph_from_bytes(data: bytes) -> torch.fx.GraphModule:
     return GraphPickler.loads(data, FakeTensorMode())
 
 
-def _run(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+def _run_code(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     """The function torch precompiles: the step module called on the step's inputs."""
     return module(*args, **kwargs)
+
+
+#: the globals of the function torch precompiles: the builtins as plain entries. Its traced
+#: bytecode may load a builtin by global name (``type``: HF's generate() path rebuilds a
+#: ModelOutput); torch 2.13 saves such names with the step, torch 2.11 only checks that the
+#: function's globals (after a trace) and the ``f_globals`` given at load hold every name the
+#: bytecode loads, and a module's globals hold no builtin. Dynamo also installs the globals it
+#: makes (``___module_collections_<id>_c0``) here.
+_RUN_GLOBALS: dict[str, Any] = {**vars(builtins), "__name__": __name__, "__builtins__": builtins}
+_run = types.FunctionType(_run_code.__code__, _RUN_GLOBALS, "_run")
+_run.__doc__ = _run_code.__doc__
 
 
 def _describe(x: Any) -> Any:
@@ -282,24 +295,33 @@ def _tensors(args: tuple) -> list[torch.Tensor]:
     return out
 
 
-def _module_refs(fn: Any) -> dict[str, str]:
-    """The modules a traced function's bytecode loads through globals that dynamo installed by
-    object id (``___module_collections_<id>_c0``, e.g. to rebuild an HF ``ModelOutput``), as
-    {global name: module name}: such a name is in this module's globals (the traced frame's)
-    only in the process that traced, so a later one gets it from the entry
-    (:func:`_import_refs`)."""
-    import types
+def _external_refs(fn: Any) -> dict[str, str]:
+    """The names a traced function's bytecode loads that a later process must give it, as
+    {global name: module name}: the modules dynamo installed by object id
+    (``___module_collections_<id>_c0``, e.g. to rebuild an HF ``ModelOutput``), which exist only
+    in the tracing process's :data:`_RUN_GLOBALS`, and the builtins it loads by name (module
+    ``"builtins"``: torch 2.11 does not save them). :func:`_import_refs` makes them again."""
     env = getattr(getattr(fn, "_artifacts", None), "runtime_env", None)
     refs = getattr(env, "external_refs", None) or ()
-    known = {**getattr(env, "used_globals", {}), **getattr(env, "import_sources", {})}
-    return {r: globals()[r].__name__ for r in sorted(refs)
-            if r not in known and isinstance(globals().get(r), types.ModuleType)}
+    imported = getattr(env, "import_sources", {})
+    used = getattr(env, "used_globals", {})
+    out = {}
+    for r in sorted(refs):
+        if r in imported:
+            continue
+        if hasattr(builtins, r) and _RUN_GLOBALS.get(r) is getattr(builtins, r):
+            out[r] = "builtins"
+        elif r not in used and isinstance(_RUN_GLOBALS.get(r), types.ModuleType):
+            out[r] = _RUN_GLOBALS[r].__name__
+    return out
 
 
-def _import_refs(modules: dict[str, str] | None) -> dict[str, Any] | None:
-    """The globals :func:`_module_refs` recorded, imported again (None when there are none)."""
+def _import_refs(refs: dict[str, str] | None) -> dict[str, Any] | None:
+    """The globals :func:`_external_refs` recorded, made again (None when there are none)."""
     import importlib
-    return {r: importlib.import_module(m) for r, m in modules.items()} if modules else None
+    if not refs:
+        return None
+    return {r: getattr(builtins, r) if m == "builtins" else importlib.import_module(m) for r, m in refs.items()}
 
 
 def _guard_failure(fn: Any, *args: Any, **kwargs: Any) -> str:
@@ -417,7 +439,7 @@ class PrecompiledStep:
                      type(e).__name__, first[:200])
             return None
         stored = cache.store(k, {"format": FORMAT, "key": k, "kind": KIND, "data": data,
-                                 "modules": _module_refs(fn)})
+                                 "modules": _external_refs(fn)})
         log.info("stage %-13s traced %s in %.2f s%s", "precompiled", k[:12], time.perf_counter() - t0,
                        f", stored ({stored / 1024:.1f} KiB)" if stored else "")
         fn.disable_guard_check()
