@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
 
 from fusec.cuda.codegen import KernelPlan, describe, render
 from fusec.config import Options
@@ -53,6 +55,19 @@ def jit_plan(plan: KernelPlan) -> CompiledKernel:
     log.info("stage %-13s NVRTC %s: %s  (%.2f s%s)", "jit", ".".join(map(str, kernel.nvrtc_version)), what,
              time.perf_counter() - t0, ", cached" if kernel.cache_hit else "")
     return kernel
+
+
+def jit_started(plan: KernelPlan) -> Callable[[], CompiledKernel]:
+    """Stage ``jit`` (:func:`jit_plan`) started on a thread of its own; returns a function that
+    waits for it and returns the kernel. NVRTC releases the GIL while it compiles, so the caller
+    meanwhile does other work (the artifact entry of the step, 0.6 s for Llama-3.2-1B on the
+    H200, beside NVRTC's 1.6 s).
+
+    Raises (from the returned function): what :func:`jit_plan` raises."""
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fusec-jit")
+    future = pool.submit(jit_plan, plan)
+    pool.shutdown(wait=False)   # the thread ends with the compile
+    return future.result
 
 
 def compile_kernel(sched: Schedule, opts: Options, dump: Dumper | None = None,

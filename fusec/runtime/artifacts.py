@@ -70,7 +70,7 @@ import pickle
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
@@ -395,13 +395,15 @@ def _stale(values: dict[str, str], g: Graph, flat_args: list[Any]) -> list[str]:
 
 
 def lowered(g: Graph, flat_args: list[Any], opts: Options, dump: Dumper, *,
-            codegen: bool) -> tuple[Schedule, Any]:
+            codegen: bool, rendered: Callable[[Any], None] | None = None) -> tuple[Schedule, Any]:
     """Stage ``artifacts`` around ``lower`` (and, with ``codegen``, the rendering of the kernel).
 
     Returns ``(schedule, plan)``: from a valid cache entry (the passes and the rendering do not
     run), else from :func:`fusec.pipeline.lower` (and :func:`fusec.cuda.build.render_plan`), and
     then stored. ``plan`` is a :class:`~fusec.cuda.codegen.KernelPlan` with ``codegen``, else None.
     An entry made without a plan (the simulator's) gets one rendered and is stored again.
+    ``rendered``: called with a plan just rendered, before its entry is stored (the CUDA step
+    starts NVRTC there, :func:`fusec.cuda.build.jit_started`).
 
     Raises:
         What lowering and rendering raise (FallbackRequired, IRError ...); never a cache error.
@@ -435,6 +437,8 @@ def lowered(g: Graph, flat_args: list[Any], opts: Options, dump: Dumper, *,
                          len(art["values"]), "" if len(art["values"]) == 1 else "s", time.perf_counter() - t0)
                 if codegen and plan is None:
                     plan = render(sched)
+                    if rendered is not None:
+                        rendered(plan)
                     _store(cache, key, sched, plan, art["values"])
                 return sched, plan if codegen else None
             else:
@@ -443,6 +447,8 @@ def lowered(g: Graph, flat_args: list[Any], opts: Options, dump: Dumper, *,
     with gc_paused():   # the passes' and the rendering's many small objects (gc_paused)
         sched = lower(g, flat_args, opts, dump, value_reads=reads)
         plan = render(sched) if codegen else None
+    if plan is not None and rendered is not None:
+        rendered(plan)
     index = {n: i for i, n in enumerate(g.inputs)}
     sched.compiled_in = {n: tensor_digest(flat_args[index[n]]) for n in sorted(reads)}
     if cache is not None and key is not None:

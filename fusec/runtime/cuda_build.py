@@ -5,12 +5,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from fusec.config import Options
-from fusec.cuda.build import jit_plan
+from fusec.cuda.build import jit_plan, jit_started
 from fusec.ir import Graph
 from fusec.ir.schedule import Schedule
 from fusec.pipeline import Dumper
@@ -32,8 +32,9 @@ def build_cuda_step(g: Graph, args: list[Any], opts: Options, dump: Dumper) -> t
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     if opts.num_sms is None:
         opts = dataclasses.replace(opts, num_sms=sms)
-    sched, plan = lowered(g, args, opts, dump, codegen=True)
-    kernel = jit_plan(plan)
+    jit: list[Callable[[], Any]] = []   # NVRTC started as soon as the kernel is rendered
+    sched, plan = lowered(g, args, opts, dump, codegen=True, rendered=lambda p: jit.append(jit_started(p)))
+    kernel = jit[0]() if jit else jit_plan(plan)
     t0 = time.perf_counter()
     from fusec.runtime.cuda_step import CudaStep   # loads the CUDA driver bindings
     step = CudaStep(sched.graph, plan, kernel, args, watchdog_s=opts.watchdog_s,
