@@ -216,3 +216,30 @@ def test_precompiled_step_lowers_as_torch_compile(cache_on, steps, monkeypatch):
     kinds = pre.schedule.graph.count_kinds()
     assert kinds == plain.schedule.graph.count_kinds() and "rms_qkv_rope" in kinds, kinds
     assert len(pre.schedule.instrs) == len(plain.schedule.instrs)
+
+
+class RangeOut(torch.nn.Module):
+    """A step whose output holds a range and a type (module level: dynamo pickles the module)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(x), range(len(x)), type(x)
+
+
+def test_a_step_returning_a_range_is_precompiled(cache_on, caplog):
+    """Dynamo rebuilds a ``range`` in a step's output by loading ``range`` by name and refuses a
+    frame whose globals shadow it: the precompiled function's globals hold every builtin but
+    ``range`` (a review found the step falling back to a plain torch.compile), and the step's
+    output equals eager's."""
+    from fusec.frontend.precompiled import PrecompiledStep
+    torch.manual_seed(0)
+    m = RangeOut().eval()
+    x = torch.randn(4, 8)
+    with caplog.at_level(logging.INFO, logger="fusec"), torch.no_grad():
+        step = PrecompiledStep(m, m, {"num_sms": 8, "cache": True})
+        got, ref = step(x), m(x)
+    assert step.compiled is None and _records(caplog, "stage precompiled   traced"), caplog.text[-1500:]
+    assert torch.allclose(got[0], ref[0], atol=1e-6) and got[1:] == ref[1:]

@@ -171,8 +171,11 @@ def _run_code(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
 #: ModelOutput); torch 2.13 saves such names with the step, torch 2.11 only checks that the
 #: function's globals (after a trace) and the ``f_globals`` given at load hold every name the
 #: bytecode loads, and a module's globals hold no builtin. Dynamo also installs the globals it
-#: makes (``___module_collections_<id>_c0``) here.
-_RUN_GLOBALS: dict[str, Any] = {**vars(builtins), "__name__": __name__, "__builtins__": builtins}
+#: makes (``___module_collections_<id>_c0``) here. Except ``range``: dynamo rebuilds a range
+#: object in a step's output by loading ``range`` by name and refuses a frame whose globals
+#: shadow it (``'range' must not be shadowed in f_globals``: no precompiled step at all).
+_RUN_GLOBALS: dict[str, Any] = {**{k: v for k, v in vars(builtins).items() if k != "range"},
+                                "__name__": __name__, "__builtins__": builtins}
 _run = types.FunctionType(_run_code.__code__, _RUN_GLOBALS, "_run")
 _run.__doc__ = _run_code.__doc__
 
