@@ -593,36 +593,3 @@ def test_entry_tensors_are_safetensors(cache_on):
         assert any(t.shape == c.shape and t.dtype == c.dtype and torch.equal(t, c.cpu()) for t in tensors.values())
     assert b"torch._utils\n_rebuild" not in data and b"_rebuild_tensor" not in data
 
-
-def test_the_kernel_compiles_while_its_entry_is_stored(cache_on):
-    """The CUDA step starts NVRTC as soon as the kernel is rendered (``lowered``'s ``rendered``
-    hook, :func:`fusec.cuda.build.jit_started`: NVRTC releases the GIL) and writes the artifact
-    entry meanwhile: the hook runs before the entry exists, and the kernel the thread compiled
-    is the one :func:`fusec.cuda.build.jit_plan` compiles."""
-    import runpy
-
-    pytest.importorskip("cuda.bindings.nvrtc")
-    from fusec.api import compile_model
-    from fusec.cuda.build import jit_plan, jit_started
-    seen = []
-    real = artifacts.lowered
-
-    def with_hook(*args, **kwargs):
-        def rendered(plan):
-            seen.append((plan, sorted(cache_on.glob("*.art")) if cache_on.exists() else [], jit_started(plan)))
-        return real(*args, **kwargs, rendered=rendered)
-    model, args, kwargs = runpy.run_path(str(Path(__file__).resolve().parent.parent / "examples" / "tiny_llama.py"))["build"]()
-    old, artifacts.lowered = artifacts.lowered, with_hook
-    try:
-        compile_model(model, args, kwargs, {"num_sms": 8, "emit_cuda": True})
-    finally:
-        artifacts.lowered = old
-    (plan, entries_then, wait), = seen
-    assert entries_then == [] and sorted(cache_on.glob("*.art")), entries_then
-    kernel = wait()
-    assert kernel.cubin.startswith(b"\x7fELF") and kernel.cubin == jit_plan(plan).cubin
-    import dataclasses
-
-    from fusec.errors import JitError
-    with pytest.raises(JitError):   # NVRTC's error reaches the caller that waits
-        jit_started(dataclasses.replace(plan, source=plan.source + "\n#error a broken kernel\n"))()

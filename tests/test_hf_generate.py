@@ -258,6 +258,23 @@ def test_generate_on_a_sliding_window_cache_keeps_hfs_compiled_call(steps):
     assert model._compiled_call._prepared is None and model._compiled_call._plain is not None
 
 
+#: generate()'s decode call's argument names, as HFDecodeCall.step_for takes them
+_NAMES = ("input_ids", "past_key_values", "use_cache")
+
+
+def _decode_step_against_eager(model, call, length: int, gen: torch.Generator) -> None:
+    """One decode step through ``call`` (an HFDecodeCall) and through eager, each on its own
+    StaticCache of ``length`` rows prefilled with the same random 3-token prompt: logits equal."""
+    caches = [hf_tiny.static_cache(model, length) for _ in range(2)]
+    prompt = torch.randint(0, 128, (1, 3), generator=gen)
+    for c in caches:
+        model(input_ids=prompt, past_key_values=c, use_cache=True)
+    tok = torch.randint(0, 128, (1, 1), generator=gen)
+    a = call.step_for(_NAMES)(tok, caches[0], True).logits
+    b = model(input_ids=tok, past_key_values=caches[1], use_cache=True).logits
+    assert ((a - b).norm() / b.norm()).item() < 1e-4
+
+
 def test_a_second_precompiled_trace_of_the_same_model_is_stored(tmp_path, monkeypatch, caplog):
     """Dynamo pickles the model's state when it saves a precompiled step; the model holds
     generate()'s decode call, whose loaded steps' guard managers cannot be pickled. The second
@@ -273,18 +290,10 @@ def test_a_second_precompiled_trace_of_the_same_model_is_stored(tmp_path, monkey
     call = HFDecodeCall(model, CompileConfig(backend="fusec", mode=None, options={"num_sms": 8, "cache": True}))
     model._compiled_call = call
     gen = torch.Generator().manual_seed(2)
-    names = ("input_ids", "past_key_values", "use_cache")
     with caplog.at_level(logging.INFO, logger="fusec"), torch.no_grad():
         for length in (16, 24):
-            caches = [hf_tiny.static_cache(model, length) for _ in range(2)]
-            prompt = torch.randint(0, 128, (1, 3), generator=gen)
-            for c in caches:
-                model(input_ids=prompt, past_key_values=c, use_cache=True)
-            tok = torch.randint(0, 128, (1, 1), generator=gen)
-            a = call.step_for(names)(tok, caches[0], True).logits
-            b = model(input_ids=tok, past_key_values=caches[1], use_cache=True).logits
-            assert ((a - b).norm() / b.norm()).item() < 1e-4
-    step = call.step_for(names)
+            _decode_step_against_eager(model, call, length, gen)
+    step = call.step_for(_NAMES)
     assert step.compiled is None and len(step.entries) == 2, caplog.text[-2000:]
     assert caplog.text.count("stage precompiled   traced") == 2
 
@@ -329,19 +338,11 @@ def test_a_precompiled_step_loading_builtins_by_name_is_stored_and_loaded(tmp_pa
     monkeypatch.setattr(GraphRuntimeEnv, "forward_callable", as_torch_2_11)
     monkeypatch.setenv("FUSEC_CACHE_DIR", str(tmp_path))
     model = hf_tiny.llama()
-    names = ("input_ids", "past_key_values", "use_cache")
     gen = torch.Generator().manual_seed(5)
     with caplog.at_level(logging.INFO, logger="fusec"), torch.no_grad():
         for _ in range(2):   # the second call object finds the first one's entry
             call = HFDecodeCall(model, CompileConfig(backend="fusec", mode=None, options={"num_sms": 8, "cache": True}))
-            caches = [hf_tiny.static_cache(model, 16) for _ in range(2)]
-            prompt = torch.randint(0, 128, (1, 3), generator=gen)
-            for c in caches:
-                model(input_ids=prompt, past_key_values=c, use_cache=True)
-            tok = torch.randint(0, 128, (1, 1), generator=gen)
-            a = call.step_for(names)(tok, caches[0], True).logits
-            b = model(input_ids=tok, past_key_values=caches[1], use_cache=True).logits
-            assert ((a - b).norm() / b.norm()).item() < 1e-4
-            assert call.step_for(names).compiled is None, caplog.text[-2000:]
+            _decode_step_against_eager(model, call, 16, gen)
+            assert call.step_for(_NAMES).compiled is None, caplog.text[-2000:]
     assert caplog.text.count("stage precompiled   traced") == 1, caplog.text[-2000:]
     assert caplog.text.count("stage precompiled   loaded") == 1, caplog.text[-2000:]
