@@ -39,23 +39,13 @@ SIM_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-4, torch.bfloat16: 5e-2,
 class CompileResult:
     """A compiled decode step: the fused IR, its schedule and a summary."""
 
-    def __init__(self, schedule: Schedule, opts: Options, simulated: str | None):
+    def __init__(self, schedule: Schedule, opts: Options, simulated: str | None, plan: Any = None,
+                 kernel: Any = None):
         self.schedule = schedule
         self.opts = opts
         self.simulated = simulated
-        self.kernel = None   # fusec.cuda.jit.CompiledKernel after emit_cuda()
-        self.cuda_source: str | None = None
-
-    def emit_cuda(self, plan: Any = None) -> None:
-        """Render the megakernel (unless ``plan``, a rendered KernelPlan, is given) and compile
-        it with NVRTC for sm_90a (no GPU needed).
-
-        Raises:
-            FallbackRequired: an op has no CUDA form; JitError: NVRTC failed.
-        """
-        from fusec.cuda.build import compile_kernel
-        plan, self.kernel = compile_kernel(self.schedule, self.opts, plan=plan)
-        self.cuda_source = plan.source
+        self.kernel = kernel   # fusec.cuda.jit.CompiledKernel with emit_cuda
+        self.cuda_source: str | None = plan.source if plan is not None else None
 
     @property
     def graph(self) -> Graph:
@@ -173,15 +163,12 @@ def compile_model(model: torch.nn.Module, args: tuple, kwargs: dict | None = Non
     if not found:
         raise CaptureError("the model call produced no graph to compile")
     g, aten_gm, flat, pre = found[0]
-    from fusec.runtime.artifacts import lowered
-    sched, plan = lowered(g, flat, opts, dump, codegen=emit_cuda)
+    from fusec.cache.artifacts import compile_graph
+    made = compile_graph(g, flat, opts, dump, target="cuda" if emit_cuda else "sim")
     simulated = None
-    if simulate:
-        simulated = simulate_step(g, aten_gm, pre, sched, opts.seed, numeric_limit)
-    result = CompileResult(sched, opts, simulated)
-    if emit_cuda:
-        result.emit_cuda(plan)
-    return result
+    if simulate:   # beside NVRTC, with emit_cuda (it compiles on a thread)
+        simulated = simulate_step(g, aten_gm, pre, made.schedule, opts.seed, numeric_limit)
+    return CompileResult(made.schedule, opts, simulated, made.plan, made.kernel() if made.kernel else None)
 
 
 def weight_bytes(g: Graph) -> int:

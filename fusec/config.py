@@ -203,7 +203,7 @@ class Options:
             from a CUDA graph that fusec records itself (:data:`MODES`). fusec does no
             autotuning: the two max-autotune modes equal the other two.
         cache: keep the lowered schedule and the rendered kernel in the artifact cache
-            (``FUSEC_CACHE_DIR/artifacts``, :mod:`fusec.runtime.artifacts`), so that another
+            (``FUSEC_CACHE_DIR/artifacts``, :mod:`fusec.cache.artifacts`), so that another
             process compiling the same graph skips the passes and the rendering.
         cache_max_mb: size cap of the artifact cache folder in MiB (least recently used
             entries are removed first).

@@ -20,7 +20,7 @@ def warn(msg: str, *args: Any) -> None:
     log.warning(msg, *args, extra={MARK: True})
 
 
-#: decode steps fusec compiled in this process (:class:`fusec.runtime.compiled.CompiledStep` built an
+#: decode steps fusec compiled in this process (:class:`fusec.frontend.compiled.CompiledStep` built an
 #: engine); :class:`FallbackWatch` reports how many while it was open
 COMPILED = [0]
 

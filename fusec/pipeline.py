@@ -1,21 +1,26 @@
 """The compiler pipeline as one list of named stages.
 
-``build_ir`` (capture -> IR) runs when dynamo hands over a graph; ``lower`` runs the passes
-with the real input values at the first call: normalize -> fold_constants -> split_linear -> recognize ->
-check_lengths -> fold_position -> fuse -> chain -> tile -> schedule. The IR checker runs after every pass and names the pass that
-broke an invariant. With ``dump_dir`` set (or ``FUSEC_DUMP``), every stage writes its
-artifact there: ``00_aten.txt``, ``01_ir.txt``, ``02_normalize.txt`` ... ``schedule.json``.
+``build_ir`` (capture -> IR) runs when dynamo hands over a graph; :func:`stages` lists what runs
+after it, at the first call, with the real input values: normalize -> fold_constants ->
+split_linear -> recognize -> check_lengths -> fold_position -> fuse -> chain -> tile -> schedule,
+then for the ``cuda`` target render -> nvrtc (started on a thread). :func:`run` runs them, each
+with its ``stage <name>`` log line; the artifact cache wraps that run once
+(:func:`fusec.cache.artifacts.compile_graph`). The IR checker runs after every graph pass and
+names the pass that broke an invariant. With ``dump_dir`` set (or ``FUSEC_DUMP``), every stage
+writes its artifact there: ``00_aten.txt``, ``01_ir.txt``, ``02_normalize.txt`` ...
+``schedule.json``, ``10_kernel.cu``.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import json
 import logging
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -25,13 +30,11 @@ from fusec.frontend.from_fx import graph_from_aten
 from fusec.ir import Graph, Role
 from fusec.ir.schedule import Schedule
 
+if TYPE_CHECKING:
+    from fusec.cuda.codegen import KernelPlan
+    from fusec.cuda.jit import CompiledKernel
+
 log = logging.getLogger("fusec")
-
-
-def _passes():
-    from fusec.passes import (chain, check_lengths, fold_constants, fold_position, fuse, normalize, recognize,
-                              schedule, split_linear, tile)
-    return normalize, fold_constants, split_linear, recognize, check_lengths, fold_position, fuse, chain, tile, schedule
 
 
 class Dumper:
@@ -145,48 +148,170 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def lower(g: Graph, flat_args: list[Any], opts: Options, dump: Dumper,
-          value_reads: set[str] | None = None) -> Schedule:
-    """Run the passes on ``g`` (a copy is made); returns the schedule.
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """One stage after ``build_ir``: ``run`` takes the previous stage's product and returns its
+    own; ``report`` dumps that product (``dump_dir``) and returns the text of its ``stage`` log
+    line, or None where the stage logs itself (``nvrtc``, from its thread, when NVRTC is done)."""
+    name: str
+    run: Callable[[Any], Any]
+    report: Callable[[Any, Dumper], str | None]
 
-    Args:
-        flat_args: real input tensors (weights are read to fold position tables and to
-            evaluate attention masks).
-        value_reads: if given, receives the names of the weights whose values the passes read
-            (:class:`ValueReads`).
-    """
-    (normalize, fold_constants, split_linear, recognize, check_lengths, fold_position, fuse, chain, tile,
-     schedule) = _passes()
-    g = g.copy()
+
+@dataclasses.dataclass
+class Lowered:
+    """What the stages made for a graph: its schedule and, for the ``cuda`` target, the kernel's
+    plan (source, buffers, instruction words) and ``kernel``, a function that waits for NVRTC's
+    CUBIN (compiling on a thread since the kernel was rendered)."""
+    schedule: Schedule
+    plan: "KernelPlan | None" = None
+    kernel: "Callable[[], CompiledKernel] | None" = None
+
+
+def stages(opts: Options, target: str = "sim", weights: Mapping[str, torch.Tensor] | None = None) -> list[Stage]:
+    """The stages after ``build_ir``, in order: the graph passes, ``tile`` and ``schedule``, and for
+    the ``cuda`` target ``render`` (the kernel's source) and ``nvrtc`` (CUBIN, started on a thread).
+    ``weights``: the small weights' values the graph passes fold (:class:`ValueReads`)."""
+    from fusec.passes import (chain, check_lengths, fold_constants, fold_position, fuse, normalize, recognize,
+                              schedule, split_linear, tile)
     num_sms = opts.num_sms or 132
-    # small weights (inv_freq ...) on the CPU: position tables and masks are evaluated there
-    weights = ValueReads({n: a.detach().cpu() for n, a in zip(g.inputs, flat_args)
-                          if g.tensors[n].role == Role.WEIGHT and g.tensors[n].numel <= position.MAX_KNOWN_WEIGHT})
-    stages: list[tuple[str, Callable[[Graph], Graph]]] = [
+    w = weights if weights is not None else {}
+    graph_passes: list[tuple[str, Callable[[Graph], Graph]]] = [
         ("normalize", normalize.run),
-        ("fold_constants", lambda g: fold_constants.run(g, weights)),
+        ("fold_constants", lambda g: fold_constants.run(g, w)),
         ("split_linear", split_linear.run),
-        ("recognize", lambda g: recognize.run(g, weights)),
+        ("recognize", lambda g: recognize.run(g, w)),
         ("check_lengths", check_lengths.run),
-        ("fold_position", lambda g: fold_position.run(g, weights)),
+        ("fold_position", lambda g: fold_position.run(g, w)),
         ("fuse", lambda g: fuse.run(g, num_sms, opts.max_fusions, opts.attention_merge, opts.defines)),
         ("chain", lambda g: chain.run(g) if opts.chain and opts.max_fusions is None else g),
     ]
-    for name, fn in stages:
-        t0 = time.perf_counter()
-        g = fn(g)
-        g.check(name)
-        dump.text(f"{name}.txt", g.dump)
-        log.info("stage %-13s %4d ops  %s  (%.2f s)", name, len(g.ops), _top(g), time.perf_counter() - t0)
-    t0 = time.perf_counter()
-    tiles = tile.run(g, num_sms)
-    sched = schedule.run(g, tiles, num_sms)
-    log.info("stage %-13s %4d instructions on %d SMs, %d counter waits  (%.2f s)", "tile+schedule",
-             len(sched.instrs), num_sms, sum(len(i.wait_ops) for i in sched.instrs), time.perf_counter() - t0)
-    dump.json("schedule.json", sched.to_json)
+    out = [Stage(name, _checked(name, fn), _graph_report(name)) for name, fn in graph_passes]
+    out += [Stage("tile", lambda g: (g, tile.run(g, num_sms)), _tiles_report),
+            Stage("schedule", lambda gt: schedule.run(gt[0], gt[1], num_sms), _schedule_report)]
+    if target == "cuda":
+        out += [Stage("render", lambda sched: _render(sched, opts), _plan_report),
+                Stage("nvrtc", lambda plan: nvrtc_started(plan), lambda kernel, dump: None)]
+    return out
+
+
+def run(x: Any, opts: Options, dump: Dumper, *, target: str = "sim", first: str = "normalize",
+        args: list[Any] | None = None, value_reads: set[str] | None = None) -> dict[str, Any]:
+    """Run :func:`stages` from ``first`` on ``x`` (that stage's input: the IR graph for
+    ``normalize``, a schedule for ``render``, a plan for ``nvrtc``); returns each stage's product
+    by name. Each stage logs one ``stage <name>`` line with its time.
+
+    Args:
+        args: the real input tensors (from ``normalize`` on): weights are read to fold position
+            tables and to evaluate attention masks.
+        value_reads: if given, receives the names of the weights whose values the passes read
+            (:class:`ValueReads`).
+    """
+    weights = ValueReads({})
+    if first == "normalize":
+        g = x = x.copy()
+        # small weights (inv_freq ...) on the CPU: position tables and masks are evaluated there
+        weights = ValueReads({n: a.detach().cpu() for n, a in zip(g.inputs, args or [])
+                              if g.tensors[n].role == Role.WEIGHT and g.tensors[n].numel <= position.MAX_KNOWN_WEIGHT})
+    todo = stages(opts, target, weights)
+    names = [s.name for s in todo]
+    products: dict[str, Any] = {}
+    with gc_paused():   # the passes' and the rendering's many small objects (gc_paused)
+        for stage in todo[names.index(first):]:
+            t0 = time.perf_counter()
+            x = products[stage.name] = stage.run(x)
+            line = stage.report(x, dump)
+            if line is not None:
+                log.info("stage %-13s %s  (%.2f s)", stage.name, line, time.perf_counter() - t0)
     if value_reads is not None:
         value_reads |= weights.read
-    return sched
+    return products
+
+
+def lower(g: Graph, flat_args: list[Any], opts: Options, dump: Dumper,
+          value_reads: set[str] | None = None) -> Schedule:
+    """The stages from ``normalize`` to ``schedule`` on ``g`` (a copy is made), without the cache;
+    returns the schedule (arguments: :func:`run`)."""
+    return run(g, opts, dump, args=flat_args, value_reads=value_reads)["schedule"]
+
+
+def _checked(name: str, fn: Callable[[Graph], Graph]) -> Callable[[Graph], Graph]:
+    def checked(g: Graph) -> Graph:
+        g = fn(g)
+        g.check(name)
+        return g
+    return checked
+
+
+def _graph_report(name: str) -> Callable[[Graph, Dumper], str]:
+    def report(g: Graph, dump: Dumper) -> str:
+        dump.text(f"{name}.txt", g.dump)
+        return f"{len(g.ops):4d} ops  {_top(g)}"
+    return report
+
+
+def _tiles_report(gt: tuple[Graph, dict[str, list[Any]]], dump: Dumper) -> str:
+    tiles = gt[1]
+    return f"{sum(map(len, tiles.values())):4d} tiles of {len(tiles)} ops"
+
+
+def _schedule_report(sched: Schedule, dump: Dumper) -> str:
+    dump.json("schedule.json", sched.to_json)
+    return (f"{len(sched.instrs):4d} instructions on {sched.num_sms} SMs, "
+            f"{sum(len(i.wait_ops) for i in sched.instrs)} counter waits")
+
+
+def _render(sched: Schedule, opts: Options) -> "KernelPlan":
+    """Stage ``render``: the megakernel's CUDA source and buffer layout.
+
+    Raises:
+        FallbackRequired: an op has no CUDA form."""
+    from fusec.cuda.codegen import render
+    return render(sched, profile=opts.profile, defines=opts.defines)
+
+
+def _plan_report(plan: "KernelPlan", dump: Dumper) -> str:
+    from fusec.cuda.codegen import describe
+    dump.text("kernel.cu", plan.source)
+    d = describe(plan)
+    return (f"{d['instructions']} instructions, {d['waits']} counter waits, {d['buffers']} buffers, "
+            f"{d['smem_bytes']} B dynamic shared memory, {d['threads']} threads, "
+            f"{len(plan.source.splitlines())} lines of CUDA")
+
+
+def nvrtc_compile(plan: "KernelPlan") -> "CompiledKernel":
+    """Stage ``nvrtc``'s work: ``plan``'s source compiled for sm_90a by NVRTC, or found in its disk
+    cache; logs the stage's line.
+
+    Raises:
+        JitError: NVRTC failed.
+    """
+    from fusec.cuda.jit import compile_cuda
+    t0 = time.perf_counter()
+    kernel = compile_cuda(plan.source, "fusec_step.cu")
+    res = kernel.resources.get("fusec_step", {})
+    if res.get("registers") is None:   # NVRTC 12.9+ found it in its own cache (CUDA_CACHE_PATH)
+        what = "no ptxas report (NVRTC's own cache)"
+    else:
+        what = (f"{res.get('registers')} registers, {res.get('stack_frame_bytes')} B stack, "
+                f"{res.get('spill_store_bytes')} B spills")
+    log.info("stage %-13s NVRTC %s: %s  (%.2f s%s)", "nvrtc", ".".join(map(str, kernel.nvrtc_version)), what,
+             time.perf_counter() - t0, ", cached" if kernel.cache_hit else "")
+    return kernel
+
+
+def nvrtc_started(plan: "KernelPlan") -> "Callable[[], CompiledKernel]":
+    """Stage ``nvrtc``: :func:`nvrtc_compile` started on a thread of its own; returns a function
+    that waits for it and returns the kernel. NVRTC releases the GIL while it compiles, so the
+    caller meanwhile does other work (the artifact entry of the step, 0.6 s for Llama-3.2-1B on
+    the H200, beside NVRTC's 1.6 s).
+
+    Raises (from the returned function): what :func:`nvrtc_compile` raises."""
+    from concurrent.futures import ThreadPoolExecutor
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fusec-nvrtc")
+    future = pool.submit(nvrtc_compile, plan)
+    pool.shutdown(wait=False)   # the thread ends with the compile
+    return future.result
 
 
 def _top(g: Graph) -> str:

@@ -26,7 +26,7 @@ if _THREADS is not None:
     torch.set_num_threads(_THREADS)
 
 sys.path.insert(0, os.path.dirname(__file__))
-# The artifact cache (fusec/runtime/artifacts.py) is off in the tests, so that no test depends on
+# The artifact cache (fusec/cache/artifacts.py) is off in the tests, so that no test depends on
 # what an earlier run left in ~/.cache/fusec; tests/test_artifact_cache.py turns it on itself.
 os.environ.setdefault("FUSEC_CACHE", "0")
 
@@ -80,9 +80,9 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def steps(monkeypatch):
-    """Every ``fusec.runtime.compiled.CompiledStep`` built while the test runs (to look at the graphs and
+    """Every ``fusec.frontend.compiled.CompiledStep`` built while the test runs (to look at the graphs and
     schedules fusec compiled behind ``torch.compile``)."""
-    from fusec.runtime.compiled import CompiledStep
+    from fusec.frontend.compiled import CompiledStep
     made: list = []
     init = CompiledStep.__init__
 

@@ -60,7 +60,7 @@ def lowered(model, **options):
 
 
 def build(g, flat, **options):
-    from fusec.runtime.cuda_build import build_cuda_step
+    from fusec.frontend.compiled import build_cuda_step
     step, sched = build_cuda_step(g, flat, Options.from_dict(options), Dumper(None))
     return step, sched
 

@@ -1,6 +1,6 @@
-"""The CUDA step's stages beside each other (fusec/runtime/cuda_build.py): NVRTC runs on a
-thread from the moment the kernel is rendered while the artifact entry is written. CPU only
-(NVRTC compiles sm_90a without a GPU)."""
+"""The CUDA target's last stages beside the cache (fusec/pipeline.py, fusec/cache/artifacts.py):
+NVRTC runs on a thread from the moment the kernel is rendered while the artifact entry is
+written. CPU only (NVRTC compiles sm_90a without a GPU)."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("cuda.bindings.nvrtc")
 
 from fusec.errors import JitError  # noqa: E402
-from fusec.runtime import artifacts  # noqa: E402
+from fusec import pipeline  # noqa: E402
 
 
 @pytest.fixture
@@ -24,25 +24,22 @@ def cache_on(tmp_path, monkeypatch):
 
 
 def test_the_kernel_compiles_while_its_entry_is_stored(cache_on, monkeypatch):
-    """The CUDA step starts NVRTC as soon as the kernel is rendered (``lowered``'s ``rendered``
-    hook, :func:`fusec.cuda.build.jit_started`: NVRTC releases the GIL) and writes the artifact
-    entry meanwhile: the hook runs before the entry exists, and the kernel the thread compiled
-    is the one :func:`fusec.cuda.build.jit_plan` compiles."""
+    """The stage ``nvrtc`` starts NVRTC on a thread as soon as the kernel is rendered
+    (:func:`fusec.pipeline.nvrtc_started`: NVRTC releases the GIL) and the cache writes the
+    artifact entry meanwhile: NVRTC starts before the entry exists, and the kernel the thread
+    compiled is the one :func:`fusec.pipeline.nvrtc_compile` compiles."""
     from fusec.api import compile_model
-    from fusec.cuda.build import jit_plan, jit_started
     seen = []
-    real = artifacts.lowered
+    real = pipeline.nvrtc_started
 
-    def with_hook(*args, **kwargs):
-        def rendered(plan):
-            seen.append((plan, sorted(cache_on.glob("*.art")) if cache_on.exists() else [], jit_started(plan)))
-        return real(*args, **kwargs, rendered=rendered)
+    def started(plan):
+        seen.append((plan, sorted(cache_on.glob("*.art")) if cache_on.exists() else []))
+        return real(plan)
     model, args, kwargs = runpy.run_path(str(Path(__file__).resolve().parent.parent / "examples" / "tiny_llama.py"))["build"]()
-    monkeypatch.setattr(artifacts, "lowered", with_hook)
-    compile_model(model, args, kwargs, {"num_sms": 8, "emit_cuda": True})
-    (plan, entries_then, wait), = seen
+    monkeypatch.setattr(pipeline, "nvrtc_started", started)
+    kernel = compile_model(model, args, kwargs, {"num_sms": 8, "emit_cuda": True}).kernel
+    (plan, entries_then), = seen
     assert entries_then == [] and sorted(cache_on.glob("*.art")), entries_then
-    kernel = wait()
-    assert kernel.cubin.startswith(b"\x7fELF") and kernel.cubin == jit_plan(plan).cubin
+    assert kernel.cubin.startswith(b"\x7fELF") and kernel.cubin == pipeline.nvrtc_compile(plan).cubin
     with pytest.raises(JitError):   # NVRTC's error reaches the caller that waits
-        jit_started(dataclasses.replace(plan, source=plan.source + "\n#error a broken kernel\n"))()
+        real(dataclasses.replace(plan, source=plan.source + "\n#error a broken kernel\n"))()

@@ -84,15 +84,15 @@ def test_family_kernels_compile_fused_and_unfused(name, tmp_path, monkeypatch):
     from fusec.api import compile_model
     from fusec.config import Options
     from fusec.pipeline import Dumper, lower
-    from fusec.runtime import artifacts
+    from fusec.cache import artifacts
     model, kw = _decode_inputs(name)
     captured = []   # compile_model's captured IR and flat inputs: one capture (~1 s) serves both
-    lowered = artifacts.lowered
+    compile_graph = artifacts.compile_graph
 
     def keep(g, flat, *args, **kwargs):
         captured.append((g, list(flat)))
-        return lowered(g, flat, *args, **kwargs)
-    monkeypatch.setattr(artifacts, "lowered", keep)
+        return compile_graph(g, flat, *args, **kwargs)
+    monkeypatch.setattr(artifacts, "compile_graph", keep)
     fused = compile_model(model, (), kw, {"num_sms": 16, "max_fusions": None}).schedule
     ((g, flat),) = captured
     unfused = lower(g, flat, Options.from_dict({"num_sms": 16, "max_fusions": 0}), Dumper(None))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import hf_tiny
-from fusec.runtime.compiled import CompiledStep
+from fusec.frontend.compiled import CompiledStep
 from fusec.fallbacks import FallbackWatch
 
 

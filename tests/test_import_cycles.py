@@ -1,7 +1,7 @@
 """No import circle in fusec (issue 30, item 9): every ``import`` of a fusec module by another,
 at module level or inside a function, forms a DAG, so that a lower stage never needs a higher
-one (the IR and its semantics below the instruction kinds, the CUDA stages below the runtime
-that caches and loads what they make)."""
+one (the IR and its semantics below the instruction kinds, the CUDA stages below the pipeline,
+the cache that wraps it and the runtime that loads what they make)."""
 from __future__ import annotations
 
 import ast
@@ -66,4 +66,17 @@ def test_the_ir_and_the_cuda_stages_import_no_higher_stage():
                                                            "fusec.cuda", "fusec.sim")))
            or (a.startswith("fusec.ir.") and a != "fusec.ir.schedule" and b.startswith("fusec.instructions"))
            or (a.startswith("fusec.cuda") and b.startswith(("fusec.runtime", "fusec.frontend")))]
+    assert not bad, bad
+
+
+def test_the_runtime_only_loads_and_launches():
+    """``fusec.runtime`` imports none of the compile stages (``fusec.pipeline``, the passes), the
+    artifact cache (``fusec.cache``) or the frontend that drives them; the pipeline and the cache
+    import nothing of the runtime."""
+    g = import_graph()
+    assert "fusec.cache.artifacts" in g and "fusec.runtime.load" in g
+    bad = [(a, b) for a, b in g.edges
+           if (a.startswith("fusec.runtime") and b.startswith(("fusec.pipeline", "fusec.passes", "fusec.cache",
+                                                               "fusec.frontend", "fusec.api")))
+           or (a.startswith(("fusec.pipeline", "fusec.cache")) and b.startswith("fusec.runtime"))]
     assert not bad, bad

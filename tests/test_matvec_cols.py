@@ -153,7 +153,7 @@ def test_kernel_compiles(dtype):
 @pytest.mark.parametrize("num_sms", [None, 5])
 def test_products_and_gpt2_on_the_gpu(num_sms, steps):
     """bf16 on the GPU, default options (and 5 SMs: several tiles per SM): the products at
-    GPT-2's widths built as a step of their own (``fusec.cuda.build``, they are no decode step)
+    GPT-2's widths built as a step of their own (``step_util.build``, they are no decode step)
     against PyTorch (1e-2 relative: bf16 outputs of fp32 sums in another order), then GPT-2
     decode steps through ``torch.compile`` against eager (5e-2 on the logits), with no fallback
     and the products as matvec_cols."""

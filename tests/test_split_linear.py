@@ -208,7 +208,7 @@ def test_artifact_entry_of_a_graph_with_views_round_trips():
     offset apart."""
     from fusec.config import Options
     from fusec.passes import recognize, schedule, split_linear, tile
-    from fusec.runtime import artifacts
+    from fusec.cache import artifacts
     g = recognize.run(split_linear.run(_fused_graph("split")), {})
     sched = schedule.run(g, tile.run(g, 4), 4)
     back = artifacts.loads(artifacts.dumps({"format": artifacts.FORMAT, "schedule": sched}))["schedule"]

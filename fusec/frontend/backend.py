@@ -20,7 +20,7 @@ from fusec.frontend.host_scalars import HostSplit, split_host_scalars
 from fusec.frontend import symbolic
 from fusec.frontend import hf_rope, hf_sdpa
 from fusec.frontend.counters import mark_cache_counters_dynamic
-from fusec.runtime.compiled import CompiledStep
+from fusec.frontend.compiled import CompiledStep
 from fusec.config import Options
 from fusec.errors import CapacityExceeded, FallbackRequired, FusecError, NotLengthPolymorphic
 from fusec.fallbacks import warn as warn_fallback

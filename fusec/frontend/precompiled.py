@@ -203,7 +203,7 @@ def _describe(x: Any) -> Any:
 def key(module: torch.nn.Module, model: torch.nn.Module, args: tuple, options: dict[str, Any],
         kwargs: dict[str, Any] | None = None) -> str:
     """The cache key (hex sha256) of precompiling ``module(*args, **kwargs)``: the toolchain
-    (:func:`fusec.runtime.artifacts.toolchain`, transformers' version), the model's class and
+    (:func:`fusec.cache.artifacts.toolchain`, transformers' version), the model's class and
     configuration (``config.to_json_string``), the code its forward may run and its hooks
     (:func:`fusec.frontend.code_fingerprint.model_code_digest`: dynamo's guards on them cannot
     be saved), the step module's class and its plain settings, each input's description (tensor
@@ -212,7 +212,7 @@ def key(module: torch.nn.Module, model: torch.nn.Module, args: tuple, options: d
     modes dynamo's tracing depends on. Not the weights' values."""
     from fusec.frontend.code_fingerprint import model_code_digest
     from fusec.frontend.warm import global_modes
-    from fusec.runtime.artifacts import toolchain
+    from fusec.cache.artifacts import toolchain
     try:
         import transformers
         tf_version = transformers.__version__
@@ -399,7 +399,7 @@ class PrecompiledStep:
         opts = Options.from_dict(self.options)
         if not opts.cache or opts.dump_dir:
             return None
-        from fusec.runtime.artifacts import FORMAT, ArtifactCache
+        from fusec.cache.artifacts import FORMAT, ArtifactCache
         cache = ArtifactCache.for_options(opts)
         try:
             from torch._dynamo.aot_compile import AOTCompiledFunction

@@ -7,7 +7,7 @@ None), :func:`remember` stores the IR in the artifact cache under a key of the *
 (:func:`dynamo_key`); a later process with the same key gets the IR back from :func:`recall`
 and builds the compiled step over dynamo's inputs directly: no AOT trace, no ``build_ir``. The
 step's schedule and kernel then come from the artifact cache as in a cold process
-(:mod:`fusec.runtime.artifacts`).
+(:mod:`fusec.cache.artifacts`).
 
 AOT's wrapping is the identity when the ATen graph takes dynamo's inputs in dynamo's order
 (nothing lifted, deduplicated or merged into a synthetic base: same count, shapes, strides and
@@ -24,7 +24,7 @@ inside the graph (the KV cache, the position counters), the warm step does too
 device type and ``requires_grad``, a digest of each ``get_attr`` constant, the global modes
 AOT's tracing depends on (:func:`global_modes`: grad, inference and autocast modes, default
 dtype and device, deterministic algorithms, matmul precision), and the versions and source
-digest that key an artifact (:func:`fusec.runtime.artifacts.artifact_key`). Weight values are
+digest that key an artifact (:func:`fusec.cache.artifacts.artifact_key`). Weight values are
 not in it: they are inputs.
 """
 from __future__ import annotations
@@ -52,7 +52,7 @@ def dynamo_key(gm: torch.fx.GraphModule, example_inputs: list[Any],
     contiguous tensor's strides and the integer inputs are left out of the key, so that one key
     serves every cache length), or a graph module that holds parameters or buffers itself (AOT
     lifts them: no warm start). ``extra``: more JSON-able parts (options that change the IR)."""
-    from fusec.runtime.artifacts import tensor_digest, toolchain
+    from fusec.cache.artifacts import tensor_digest, toolchain
     if any_autocast():
         # AOT runs such a graph with autocast off, and inside its forward compiler autocast
         # already reads off: no warm start under autocast at all
@@ -220,7 +220,7 @@ class WarmStep:
 def remember(key: str, g: Graph, bump: list[int], opts: Options) -> None:
     """Store the IR ``g`` (as ``build_ir`` made it) and the inputs whose versions the step bumps
     (:func:`mutated_inputs`) under the dynamo key ``key``."""
-    from fusec.runtime.artifacts import FORMAT, ArtifactCache
+    from fusec.cache.artifacts import FORMAT, ArtifactCache
     cache = ArtifactCache.for_options(opts)
     if cache is not None:
         cache.store(key, {"format": FORMAT, "key": key, "kind": KIND, "graph": g, "bump": list(bump)})
@@ -229,7 +229,7 @@ def remember(key: str, g: Graph, bump: list[int], opts: Options) -> None:
 def recall(key: str, opts: Options) -> tuple[Graph, list[int]] | None:
     """``(IR, inputs to bump)`` stored under ``key``, or None (no entry, or the cache off). The
     backend asks only without ``dump_dir`` (a dump runs every stage)."""
-    from fusec.runtime.artifacts import ArtifactCache
+    from fusec.cache.artifacts import ArtifactCache
     cache = ArtifactCache.for_options(opts)
     if cache is None:
         return None

@@ -76,7 +76,7 @@ class Schedule:
     queues: list[list[int]]
     graph: Graph
     #: input name -> digest (``artifacts.tensor_digest``) of each small weight whose value the
-    #: passes compiled in (``inv_freq``, Gemma's ``1 + w``), as lowered; set by ``artifacts.lowered``
+    #: passes compiled in (``inv_freq``, Gemma's ``1 + w``), as lowered; set by ``artifacts.compile_graph``
     compiled_in: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def counter_waits(self) -> list[list[tuple[int, int]]]:

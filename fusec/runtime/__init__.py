@@ -1,7 +1,8 @@
 """Runtime: what runs a compiled step.
 
-``cuda_step`` loads the CUBIN with the driver API and launches one decode step (status records,
-pointer tables, CUDA graph); ``compiled`` is the callable a compilation returns (GPU or CPU
-simulator); ``artifacts`` keeps each compiled graph's schedule and kernel source on disk for later
-processes; ``timing`` and ``profile`` time the step and draw its per-SM timeline.
+Only loads and launches what the compile stages made (:mod:`fusec.pipeline`, through the artifact
+cache :mod:`fusec.cache`), importing neither. ``load`` is stage ``load`` (the CPU simulator or the
+CUDA module); ``cuda_step`` loads the CUBIN with the driver API and launches one decode step
+(status records, pointer tables, CUDA graph); ``timing`` and ``profile`` time the step and draw
+its per-SM timeline.
 """

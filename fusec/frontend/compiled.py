@@ -1,18 +1,25 @@
-"""The callable a compilation returns: runs the decode step on its target."""
+"""The callable a compilation returns: at its first call it runs the compile stages through the
+artifact cache (:func:`fusec.cache.artifacts.compile_graph`) and has the runtime load what they
+made (:mod:`fusec.runtime.load`); then it runs the decode step on its target."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from fusec.cache.artifacts import compile_graph, tensor_digest
 from fusec.config import Options
 from fusec.errors import CapacityExceeded, FusecError, NotLengthPolymorphic
 from fusec.fallbacks import note_compiled, warn as warn_fallback
 from fusec.ir import Graph
 from fusec.pipeline import Dumper
 from fusec.ir.schedule import Schedule
+
+if TYPE_CHECKING:
+    from fusec.runtime.cuda_step import CudaStep
 
 log = logging.getLogger("fusec")
 
@@ -149,7 +156,6 @@ class CompiledStep:
         the version counter and the address are compared (reading the values would synchronize):
         a value written through ``.data`` there is not seen; ``load_state_dict`` and in-place
         ops on the parameter are."""
-        from fusec.runtime.artifacts import tensor_digest
         for k, (i, version, ptr, name, value) in enumerate(self._watched):
             x = args[i]
             if value is not None:   # a Python float dynamo passes as a new 0-d tensor at every call
@@ -188,17 +194,11 @@ class CompiledStep:
 
     def _build(self, args: list[Any]) -> Callable[[list[Any]], list[torch.Tensor]]:
         if self.target == "sim":
-            from fusec.runtime.artifacts import lowered
-            from fusec.sim import Simulator
+            from fusec.runtime import load
             if self.opts.profile:
                 log.warning("fusec: profile records GPU timelines; the simulator target has none")
-            self.schedule, _ = lowered(self.graph, args, self.opts, self.dump, codegen=False)
-            t0 = time.perf_counter()
-            sim = Simulator(self.schedule, seed=self.opts.seed, check=self.opts.check_hazards)
-            log.info("stage %-13s simulator, %d instructions on %d SMs  (%.2f s)", "load",
-                     len(self.schedule.instrs), self.schedule.num_sms, time.perf_counter() - t0)
-            return lambda a: [o.clone() for o in sim.step(a)]
-        from fusec.runtime.cuda_build import build_cuda_step
+            self.schedule = compile_graph(self.graph, args, self.opts, self.dump).schedule
+            return load.simulator(self.schedule, self.opts)
         g0 = self.graph
         dev = next(a.device for a in args if isinstance(a, torch.Tensor) and a.is_cuda)
         on_cpu = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.device.type == "cpu"]
@@ -232,3 +232,19 @@ class CompiledStep:
             out = step(*to_dev(a))
             return [o.clone() if i in fresh else o for i, o in enumerate(out)]
         return run
+
+
+def build_cuda_step(g: Graph, args: list[Any], opts: Options, dump: Dumper) -> tuple["CudaStep", Schedule]:
+    """Compile ``g`` for the GPU of its inputs (:func:`~fusec.cache.artifacts.compile_graph`,
+    target ``cuda``) and load it (:func:`fusec.runtime.load.cuda_step`); ``num_sms`` defaults to
+    that GPU's SM count.
+
+    Raises:
+        FallbackRequired: an op has no CUDA form; JitError: NVRTC failed; CudaError, FusecError.
+    """
+    from fusec.runtime import load
+    dev = next(a.device for a in args if isinstance(a, torch.Tensor) and a.is_cuda)
+    if opts.num_sms is None:
+        opts = dataclasses.replace(opts, num_sms=torch.cuda.get_device_properties(dev).multi_processor_count)
+    made = compile_graph(g, args, opts, dump, target="cuda")
+    return load.cuda_step(made.schedule, made.plan, made.kernel(), args, opts), made.schedule

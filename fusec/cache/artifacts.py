@@ -1,5 +1,6 @@
 """The artifact cache: a lowered schedule and its rendered kernel, reused by later processes.
 
+:func:`compile_graph` wraps the stage list of :mod:`fusec.pipeline` once (stage ``artifacts``).
 A process that compiles a decode step fusec compiled before (same captured graph, options and
 fusec, torch and NVRTC versions) loads the :class:`~fusec.ir.schedule.Schedule` and the
 :class:`~fusec.cuda.codegen.KernelPlan` from disk instead of running the passes and rendering
@@ -46,7 +47,7 @@ touches its file's mtime). Off with option ``cache=False`` or ``FUSEC_CACHE=0``.
 is dumped.
 
 **Trust**: loading one of fusec's entries runs no code the entry chooses: the pickle names no
-global (every ``find_class`` is refused), and :mod:`fusec.runtime.entry_codec` builds from that
+global (every ``find_class`` is refused), and :mod:`fusec.cache.entry_codec` builds from that
 plain data only fusec's IR classes (``object.__new__`` and their fields, no ``__init__``), enums,
 torch values and tensors read from safetensors, and looks ATen operators up by name without
 calling them. The checksum detects damage, not tampering: an edited entry can still describe a
@@ -70,17 +71,17 @@ import pickle
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from fusec import pipeline
+from fusec.cache import entry_codec
 from fusec.config import Options, lowering_options
-from fusec.cuda.build import render_plan
 from fusec.ir import Graph, Ref
 from fusec.ir.schedule import Schedule
-from fusec.pipeline import Dumper, gc_paused, lower
-from fusec.runtime import entry_codec
+from fusec.pipeline import Dumper, Lowered, gc_paused
 
 log = logging.getLogger("fusec")
 
@@ -211,7 +212,7 @@ class _NoGlobals(pickle.Unpickler):
 def dumps(obj: Any) -> bytes:
     """An entry's bytes: :data:`MAGIC`, the sha256 of the rest, the safetensors blob's length
     (8 bytes, little-endian), the blob (the entry's tensors), then a pickle of the entry as plain
-    data (:func:`fusec.runtime.entry_codec.encode`: no global named)."""
+    data (:func:`fusec.cache.entry_codec.encode`: no global named)."""
     from safetensors.torch import save
     with gc_paused():   # ~10^5 small containers: the cyclic GC would walk them again and again
         data, tensors = entry_codec.encode(obj)
@@ -222,7 +223,7 @@ def dumps(obj: Any) -> bytes:
 
 def loads(data: bytes) -> Any:
     """Inverse of :func:`dumps`, running no code named by the entry: the pickle names no global
-    (:class:`_NoGlobals`), and :func:`fusec.runtime.entry_codec.decode` builds only fusec's IR
+    (:class:`_NoGlobals`), and :func:`fusec.cache.entry_codec.decode` builds only fusec's IR
     classes (without calling their ``__init__``), enums, tensors and torch values, and looks
     operators up by name without calling them.
 
@@ -394,23 +395,18 @@ def _stale(values: dict[str, str], g: Graph, flat_args: list[Any]) -> list[str]:
     return bad
 
 
-def lowered(g: Graph, flat_args: list[Any], opts: Options, dump: Dumper, *,
-            codegen: bool, rendered: Callable[[Any], None] | None = None) -> tuple[Schedule, Any]:
-    """Stage ``artifacts`` around ``lower`` (and, with ``codegen``, the rendering of the kernel).
-
-    Returns ``(schedule, plan)``: from a valid cache entry (the passes and the rendering do not
-    run), else from :func:`fusec.pipeline.lower` (and :func:`fusec.cuda.build.render_plan`), and
-    then stored. ``plan`` is a :class:`~fusec.cuda.codegen.KernelPlan` with ``codegen``, else None.
-    An entry made without a plan (the simulator's) gets one rendered and is stored again.
-    ``rendered``: called with a plan just rendered, before its entry is stored (the CUDA step
-    starts NVRTC there, :func:`fusec.cuda.build.jit_started`).
+def compile_graph(g: Graph, flat_args: list[Any], opts: Options, dump: Dumper, *,
+                  target: str = "sim") -> Lowered:
+    """The stages of :func:`fusec.pipeline.stages` on ``g`` for ``target``, wrapped once by the
+    cache (stage ``artifacts``): a valid entry gives the schedule and the plan without running
+    the passes and the rendering; else the stages run and their products are stored. For the
+    ``cuda`` target the plan is rendered where the entry has none (the simulator's), and NVRTC
+    (stage ``nvrtc``) is started on a thread before the entry is stored: ``Lowered.kernel``
+    waits for it.
 
     Raises:
-        What lowering and rendering raise (FallbackRequired, IRError ...); never a cache error.
+        What the stages raise (FallbackRequired, IRError ...); never a cache error.
     """
-    def render(sched: Schedule) -> Any:
-        return render_plan(sched, opts, dump)
-
     cache = ArtifactCache.for_options(opts)
     key = None
     if cache is not None:
@@ -435,25 +431,23 @@ def lowered(g: Graph, flat_args: list[Any], opts: Options, dump: Dumper, *,
                          "artifacts", key[:12], len(sched.instrs),
                          "kernel source" if plan is not None else "no kernel source",
                          len(art["values"]), "" if len(art["values"]) == 1 else "s", time.perf_counter() - t0)
-                if codegen and plan is None:
-                    plan = render(sched)
-                    if rendered is not None:
-                        rendered(plan)
-                    _store(cache, key, sched, plan, art["values"])
-                return sched, plan if codegen else None
+                if target != "cuda":
+                    return Lowered(sched)
+                if plan is not None:   # the stages from nvrtc on
+                    return Lowered(sched, plan, pipeline.run(plan, opts, dump, target=target, first="nvrtc")["nvrtc"])
+                made = pipeline.run(sched, opts, dump, target=target, first="render")
+                _store(cache, key, sched, made["render"], art["values"])
+                return Lowered(sched, made["render"], made["nvrtc"])
             else:
                 log.info("stage %-13s miss %s  (%.2f s)", "artifacts", key[:12], time.perf_counter() - t0)
     reads: set[str] = set()
-    with gc_paused():   # the passes' and the rendering's many small objects (gc_paused)
-        sched = lower(g, flat_args, opts, dump, value_reads=reads)
-        plan = render(sched) if codegen else None
-    if plan is not None and rendered is not None:
-        rendered(plan)
+    made = pipeline.run(g, opts, dump, target=target, args=flat_args, value_reads=reads)
+    sched, plan = made["schedule"], made.get("render")
     index = {n: i for i, n in enumerate(g.inputs)}
     sched.compiled_in = {n: tensor_digest(flat_args[index[n]]) for n in sorted(reads)}
     if cache is not None and key is not None:
-        _store(cache, key, sched, plan, sched.compiled_in)
-    return sched, plan
+        _store(cache, key, sched, plan, sched.compiled_in)   # NVRTC meanwhile compiles on its thread
+    return Lowered(sched, plan, made.get("nvrtc"))
 
 
 def _store(cache: ArtifactCache, key: str, sched: Schedule, plan: Any, values: dict[str, str]) -> None:

@@ -3,7 +3,7 @@
 :func:`encode` turns an entry (dicts, lists, tuples, sets, numbers, strings, bytes, fusec's IR
 objects, enums, tensors, torch dtypes/devices/layouts/memory formats/sizes, ATen operators) into
 data made of ``dict``/``list``/``tuple``/``str``/``int``/``float``/``bytes``/``bool``/``None``
-only, plus a dict of tensors (saved as safetensors by :mod:`fusec.runtime.artifacts`). Objects
+only, plus a dict of tensors (saved as safetensors by :mod:`fusec.cache.artifacts`). Objects
 that may be shared or cyclic (IR objects, lists, dicts) go into a table and are referred to by
 index, so sharing and cycles survive: ``(0, shape, [values])`` an IR object (``shape`` indexes
 the ``shapes`` list of ``(module, class name, field names)``), ``(1, [values])`` a list,
@@ -18,7 +18,7 @@ complex, ``("il"|"id", ...)`` torch.fx's immutable list and dict.
 class defined in one of :data:`IR_MODULES` (created with ``object.__new__`` and its ``__dict__``
 filled: no ``__init__``, no ``__setstate__``); an enum member is looked up by value; an
 operator is looked up by name and never called; nothing else is named. The data itself travels
-as a pickle that names no global at all (:func:`fusec.runtime.artifacts.loads` refuses every
+as a pickle that names no global at all (:func:`fusec.cache.artifacts.loads` refuses every
 ``find_class``): with no callable reachable, unpickling it can only build containers and values
 (Python's pickle docs, "Restricting Globals").
 """
