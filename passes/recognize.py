@@ -177,6 +177,84 @@ def _kv_writes(g: Graph) -> int:
     return n
 
 
+def _roll_index(g: Graph, t: str, n: int) -> bool:
+    """Whether ``t`` is a constant equal to ``(arange(n) + 1) % n``: ``torch.roll(x, -1)`` along
+    a dim of ``n`` rows (HF's sliding-window cache, once full, rolls its rows left by one)."""
+    info = g.tensors[g.root(t)]
+    if info.role != Role.CONSTANT or info.value is None or g.tensors[t].numel != n or info.dtype != torch.int64:
+        return False
+    return torch.equal(info.value.reshape(-1), (torch.arange(n) + 1) % n)
+
+
+def _last_row_index(g: Graph, t: str, n: int) -> bool:
+    """Whether ``t`` is a one-element constant naming row ``n - 1`` (``-1`` or ``n - 1``)."""
+    info = g.tensors[g.root(t)]
+    return info.role == Role.CONSTANT and info.value is not None and g.tensors[t].numel == 1 \
+        and int(info.value.reshape(-1)[0]) in (-1, n - 1)
+
+
+def _kv_rolls(g: Graph) -> int:
+    """``copy_(cache, [copy(cache,] index_put(index_select(cache, 2, (arange(W) + 1) % W),
+    [None, None, -1], val)))`` -> ``kv_roll(src=cache) -> cache`` (rows ``[0, W-1)`` take rows
+    ``[1, W)``, in place) then ``kv_write(pos=W-1, val) -> cache``: HF's rolling sliding-window
+    update (``StaticSlidingWindowLayer`` once its window is full: ``roll(-1)``, the new row at
+    the end, ``copy_`` back), so the cache holds HF's layout after the step, and readers of the
+    functional result read the cache after the write (the attention then sees a KV cache). Only
+    when nothing else reads the cache in the step; caches of a run-time length stay as they are."""
+    prods, users = g.producers(), g.users()
+    last_row: dict[int, str] = {}
+    replace: dict[str, list[Op]] = {}
+    drop: set[str] = set()
+    for o in g.ops:
+        if o.kind != "aten.copy_.default":
+            continue
+        cache = g.root(o.outputs["mut0"])
+        info = g.tensors[cache]
+        if info.role != Role.KV_CACHE or info.sym or len(info.shape) != 4:
+            continue
+        n = info.shape[2]
+        chain = [o]
+        p = prods.get(g.root(o.inputs["in1"]))
+        if p is not None and p.kind == "aten.copy.default" and g.root(p.inputs["in0"]) == cache:
+            chain.append(p)
+            p = prods.get(g.root(p.inputs["in1"]))
+        if p is None or p.kind != "aten.index_put.default":
+            continue
+        args = p.attrs["args"]
+        idx = args[1] if len(args) > 1 else None
+        if (len(args) > 3 and args[3]) or p.attrs.get("kwargs") or not isinstance(idx, (list, tuple)) \
+                or len(idx) != 3 or idx[0] is not None or idx[1] is not None or not isinstance(idx[2], Ref) \
+                or not _last_row_index(g, p.inputs[idx[2].slot], n):
+            continue
+        val = p.inputs[args[2].slot]
+        sel = prods.get(g.root(p.inputs[args[0].slot]))
+        if sel is None or sel.kind != "aten.index_select.default" or g.root(sel.inputs["in0"]) != cache:
+            continue
+        sargs = sel.attrs["args"]
+        if sargs[1] not in (2, -2) or not _roll_index(g, sel.inputs[sargs[2].slot], n) \
+                or g.tensors[val].numel != info.shape[0] * info.shape[1] * info.shape[3] \
+                or g.tensors[val].shape[-1] != info.shape[3] or g.tensors[val].dtype != info.dtype:
+            continue
+        chain += [p, sel]
+        names = {c.name for c in chain}
+        if any(u.name not in names for u in users.get(cache, [])) or \
+                any(u.name not in names for u in users.get(g.root(sel.outputs["out"]), [])):
+            continue   # the step reads the cache (or the rolled copy) elsewhere: left as it is
+        if n not in last_row:
+            last_row[n] = g.new_tensor(f"kv_last_row_{n}", (1,), torch.int64, Role.CONSTANT,
+                                       value=torch.tensor([n - 1]))
+        replace[sel.name] = [Op(sel.name, "kv_roll", {"src": cache}, {"cache": cache}, mutates=("cache",),
+                                attrs={"shift": 1}, source=sel.source)]
+        replace[p.name] = [Op(p.name, "kv_write", {"pos": last_row[n], "val": val}, {"cache": cache},
+                              mutates=("cache",), source=p.source)]
+        for c in chain[:-1]:   # the functional results read the cache after the write
+            if c.kind != "aten.copy_.default":
+                g.tensors[c.outputs["out"]].alias_of = cache
+        drop |= {c.name for c in chain[:1] + chain[1:-2]}
+    g.ops = [x for o in g.ops if o.name not in drop for x in replace.get(o.name, [o])]
+    return len(replace) // 2
+
+
 def _cache_of(g: Graph, prods: dict, t: str) -> tuple[str, int] | None:
     """The KV cache that ``t`` reads (directly or through the GQA expand) and the repeat."""
     r = g.root(t)
@@ -307,6 +385,7 @@ def run(g: Graph, weights: dict[str, torch.Tensor] | None = None) -> Graph:
         counts[kind] = counts.get(kind, 0) + _rewrite(g, pattern, kind, slots, lits, fixed)
         dce.run(g)
     counts["layernorm"] = _layernorms(g)
+    counts["kv_roll"] = _kv_rolls(g)
     counts["kv_write"] = _kv_writes(g)
     counts["attention"] = _attention(g, weights or {})
     dce.run(g)

@@ -98,7 +98,42 @@ def test_rolled_window_stays_in_fusec(name, steps):
     masked = [o.name for o in steps[0].schedule.graph.ops if o.kind == "attention_partial" and "mask" in o.inputs]
     assert not masked, masked   # proven causal: rows 0..p read, no mask
     rolled = steps[-1].schedule
-    assert rolled is not None and rolled.graph.count_kinds().get("aten.index_select.default")
+    kinds = rolled.graph.count_kinds()
+    sliding = sum(bool(layer.is_sliding) for layer in hf_tiny.static_cache(model, 32).layers)
+    assert kinds.get("kv_roll") == 2 * sliding, kinds   # the roll as a kind, not index ops on one SM
+    assert kinds.get("attention_partial") == model.config.num_hidden_layers, kinds
+    assert not [k for k in kinds if "sdpa" in k or "index_put" in k or k == "aten.copy.default"], kinds
+    kernel = compile_cuda(render(rolled).source, "fusec_step.cu")
+    assert "warning" not in kernel.log, kernel.log
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_rolled_window_in_pieces_leaves_hf_layout(name, steps, monkeypatch):
+    """The roll in pieces over the SMs (``kv_roll``, each piece's last row from a halo saved
+    before any piece writes): with the piece size floor off, 8-row windows split into 4 pieces
+    per head on 8 SMs. 10 steps past the window: every step equals eager with the simulator's
+    hazard check on, the caches equal eager's after the steps (HF's layout, not a ring buffer),
+    and an eager step on the compiled cache then equals eager's (HF's next roll reads it); the
+    kernel compiles with NVRTC."""
+    import fusec.instructions.kv_roll as kv_roll
+    from fusec.cuda.codegen import render
+    from fusec.cuda.jit import compile_cuda
+    monkeypatch.setattr(kv_roll, "MIN_PIECE_BYTES", 0)
+    model = hf_tiny.gemma3(window=8, layers=6) if name == "gemma3" else hf_tiny.gemma2(window=8)
+    caches, fallbacks, errs = _steps_against_eager(model, 4, 10, seed=7)
+    assert not fallbacks, fallbacks
+    assert max(errs) < 1e-4, errs
+    rolled = steps[-1].schedule
+    kinds = rolled.graph.count_kinds()
+    assert kinds.get("kv_roll") and kinds.get("aten.index_select.default") == kinds["kv_roll"], kinds
+    pieces = [o.attrs["pieces"] for o in rolled.graph.ops if o.kind == "kv_roll"]
+    assert set(pieces) == {4}, pieces
+    for a, b in zip(caches[0].layers, caches[1].layers):
+        assert (a.keys - b.keys).abs().max() < 1e-5 and (a.values - b.values).abs().max() < 1e-5
+    tok = torch.randint(0, 128, (1, 1), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        a, b = (model(input_ids=tok, past_key_values=c, use_cache=True).logits for c in caches)
+    assert ((a - b).norm() / b.norm()).item() < 1e-4
     kernel = compile_cuda(render(rolled).source, "fusec_step.cu")
     assert "warning" not in kernel.log, kernel.log
 
