@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import operator
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -49,6 +50,7 @@ class CompiledStep:
         self.graph = g
         self.rebuild = rebuild
         self._skip = frozenset(g.skip_args)
+        self._keep: tuple[int, Callable[[tuple], tuple]] | None = None   # (argument count, its getter)
         self._rows_at = self._length_inputs(g)
         self.opts = opts
         self.dump = dump
@@ -93,7 +95,7 @@ class CompiledStep:
             return self.aten_gm(*args)
         full = args
         if self._skip:   # the integer sizes dynamo passes for a symbolic length: not step inputs
-            args = tuple(a for i, a in enumerate(args) if i not in self._skip)
+            args = self._kept(args)
         if self._rows_at:
             self._grow(args)
         if self.engine is not None and self._watched and self._compiled_in_changed(args):
@@ -128,6 +130,15 @@ class CompiledStep:
             except (OSError, ValueError) as e:   # a profile must never break the step
                 log.warning("fusec: timeline not written: %s", e)
         return out
+
+    def _kept(self, args: tuple) -> tuple:
+        """``args`` without the :attr:`Graph.skip_args` (a getter made once per argument count:
+        a decode step passes about 200 arguments at every call)."""
+        if self._keep is None or self._keep[0] != len(args):
+            keep = [i for i in range(len(args)) if i not in self._skip]
+            self._keep = (len(args), (lambda a: tuple(a[i] for i in keep)) if len(keep) < 2 else
+                          operator.itemgetter(*keep))
+        return self._keep[1](args)
 
     def _watch(self, args: tuple) -> list[tuple[int, int, int, str, Any]]:
         """The inputs whose values the step compiled in, with their version counters, data

@@ -33,14 +33,13 @@ settings) are checked before every call; a miss traces again for the new inputs.
 from __future__ import annotations
 
 import builtins
-import contextlib
 import hashlib
 import json
 import logging
 import pickle
 import time
 import types
-from collections.abc import Iterator
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -256,29 +255,41 @@ def aot_compile(backend: Callable, args: tuple, kwargs: dict[str, Any] | None = 
 _MARKS = ("_dynamo_dynamic_indices", "_dynamo_weak_dynamic_indices", "_has_dynamo_dim_marking")
 
 
-@contextlib.contextmanager
-def _unmarked(args: tuple, on: bool) -> Iterator[None]:
-    """With ``on``: the step inputs' tensors (and a cache object's layers' tensors) without
-    dynamo's dim markings for the duration (restored after). torch (2.11-2.13) serializes a
-    traced step's guards as if no input had been marked (``maybe_mark_dynamic``), so a loaded
-    step's guards fail on a marked tensor ('present on runtime tensor but was absent at compile
-    time') while its shape guards are the symbolic ones of the trace."""
-    if not on:
-        yield
-        return
-    saved = []
-    for t in _tensors(args):
-        kept = {a: getattr(t, a) for a in _MARKS if hasattr(t, a)}
-        if kept:
-            saved.append((t, kept))
-            for a in kept:
-                delattr(t, a)
-    try:
-        yield
-    finally:
-        for t, kept in saved:
-            for a, v in kept.items():
-                setattr(t, a, v)
+class _Marks:
+    """Dynamo's dim markings (``maybe_mark_dynamic``) taken off the step inputs' tensors, kept
+    to be put back before a trace.
+
+    torch (2.11-2.13) serializes a traced step's guards as if no input had been marked, so a
+    loaded step's guards fail on a marked tensor ('present on runtime tensor but was absent at
+    compile time'), while its shape guards are the symbolic ones of the trace; the guards of a
+    step traced in this process hold with or without the marks. The marks matter only to a
+    trace. So :class:`PrecompiledStep` takes them off once, when no kept step's guards hold for
+    a marked input, and puts them back before it traces: a steady call pays one guard check
+    and no walk over the inputs (the walk and the markings' removal and restoration at every
+    call cost 0.17-0.37 ms per call on a 2-core CPU for a 16-layer model's StaticCache)."""
+
+    def __init__(self) -> None:
+        self.taken: list[tuple[Any, dict[str, Any]]] = []   # (weak reference to the tensor, its marks)
+
+    def take(self, inputs: tuple) -> bool:
+        """Take the marks off the tensors of ``inputs``; whether there were any."""
+        self.taken = [(ref, kept) for ref, kept in self.taken if ref() is not None]
+        found = False
+        for t in _tensors(inputs):
+            d = t.__dict__
+            kept = {a: d.pop(a) for a in _MARKS if a in d}
+            if kept:
+                found = True
+                self.taken.append((weakref.ref(t), kept))
+        return found
+
+    def restore(self) -> None:
+        """Put back the marks taken off tensors that are still alive."""
+        for ref, kept in self.taken:
+            t = ref()
+            if t is not None:
+                t.__dict__.update(kept)
+        self.taken.clear()
 
 
 def _tensors(args: tuple) -> list[torch.Tensor]:
@@ -368,28 +379,34 @@ class PrecompiledStep:
         self.fallback = fallback or (lambda: torch.compile(module, backend="fusec", options=self.options))
         self.before_trace = before_trace or (lambda args, kwargs: None)
         self.entries: list[Any] = []        # loaded AOT functions, most recent first
-        self.loaded: set[int] = set()       # ids of those deserialized from the artifact cache
         self.compiled: Callable | None = None   # the fallback, once the precompile failed
+        self.marks = _Marks()                   # dim markings taken off the inputs (put back to trace)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.compiled is not None:   # torch.compile traces again when its guards fail
             self.before_trace(args, kwargs)
             return self.compiled(*args, **kwargs)
-        inputs = (*args, *kwargs.values())
         for i, fn in enumerate(self.entries):
-            with _unmarked(inputs, id(fn) in self.loaded):
+            if fn.guard_check(self.module, *args, **kwargs):
+                if i:
+                    self.entries.insert(0, self.entries.pop(i))
+                return fn(self.module, *args, **kwargs)
+        inputs = (*args, *kwargs.values())
+        if self.entries and self.marks.take(inputs):   # a loaded step's guards fail on marks
+            for i, fn in enumerate(self.entries):
                 if fn.guard_check(self.module, *args, **kwargs):
                     if i:
                         self.entries.insert(0, self.entries.pop(i))
                     return fn(self.module, *args, **kwargs)
+        self.marks.restore()   # the trace reads them
         fn = self._bind(args, kwargs)
         if fn is None:
             self.compiled = self.fallback()
             return self.compiled(*args, **kwargs)
         self.entries.insert(0, fn)
         del self.entries[MAX_ENTRIES:]
-        with _unmarked(inputs, id(fn) in self.loaded):
-            return fn(self.module, *args, **kwargs)
+        self.marks.take(inputs)
+        return fn(self.module, *args, **kwargs)
 
     def _bind(self, args: tuple, kwargs: dict[str, Any]) -> Any:
         """A precompiled function whose guards hold for ``args`` and ``kwargs`` (its guard check
@@ -415,10 +432,13 @@ class PrecompiledStep:
             try:
                 fn = AOTCompiledFunction.deserialize(art["data"], f_globals=_import_refs(art.get("modules")))
                 fn.disable_guard_check()
-                with _unmarked(inputs, True):
+                marks = _Marks()
+                marks.take(inputs)
+                try:
                     held = fn.guard_check(self.module, *args, **kwargs)
+                finally:
+                    marks.restore()
                 if held:
-                    self.loaded.add(id(fn))
                     log.info("stage %-13s loaded %s (%.1f KiB): dynamo's trace skipped, %.2f s", "precompiled",
                              k[:12], len(art["data"]) / 1024, time.perf_counter() - t0)
                     return fn
