@@ -111,6 +111,7 @@ _RULES = {
     "cache": _bool(),
     "cache_max_mb": _int(0),
     "max_cache_len": _int(1, MAX_CACHE_LEN, none=True),
+    "position_rows": _int(1, MAX_CACHE_LEN, none=True),
 }
 
 
@@ -212,6 +213,11 @@ class Options:
             (RoPE cos/sin) are built for positions ``[0, max_cache_len)``. None: the larger of
             :data:`DEFAULT_MAX_CACHE_LEN` and the first call's cache length rounded up to a power
             of two. A call with a longer cache builds the step again for twice the length.
+        position_rows: positions the position tables (RoPE cos/sin) cover at least, ``[0, rows)``;
+            None: the KV caches' rows. The backend sets it for a graph whose positions the host
+            computes (HF's sliding-window caches: a rolled window's positions pass every
+            cache's rows) to ``max_cache_len`` or :data:`DEFAULT_MAX_CACHE_LEN`; a call past it
+            runs eagerly (one line).
     """
 
     target: str | None = _opt(None)
@@ -235,6 +241,7 @@ class Options:
     cache: bool = _opt(True)
     cache_max_mb: int = _opt(4096)
     max_cache_len: int | None = _opt(None)   # the IR's capacity: in the captured graph's key already
+    position_rows: int | None = _opt(None, lowering=lambda v: v)
 
     @property
     def graph_launch(self) -> bool:

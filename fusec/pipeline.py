@@ -182,7 +182,7 @@ def stages(opts: Options, target: str = "sim", weights: Mapping[str, torch.Tenso
         ("split_linear", split_linear.run),
         ("recognize", lambda g: recognize.run(g, w)),
         ("check_lengths", check_lengths.run),
-        ("fold_position", lambda g: fold_position.run(g, w)),
+        ("fold_position", lambda g: fold_position.run(g, w, opts.position_rows)),
         ("fuse", lambda g: fuse.run(g, num_sms, opts.max_fusions, opts.attention_merge, opts.defines)),
         ("chain", lambda g: chain.run(g) if opts.chain and opts.max_fusions is None else g),
     ]

@@ -4,7 +4,8 @@ Expects: a recognized graph and the values of the weights it reads. Guarantees: 
 tensor that is computed from exactly one position counter (plus weights and constants)
 and is read by something that depends on more than that counter becomes
 ``table_lookup(table, counter)``, where ``table[p]`` is the tensor's value at position
-``p`` for every ``p`` in ``[0, L)`` (L = KV-cache length), evaluated with the graph's own
+``p`` for every ``p`` in ``[0, L)`` (L = KV-cache length, or option ``position_rows`` when
+larger: positions the host computes), evaluated with the graph's own
 ops. A table equal to the position itself becomes an alias of the counter. RoPE cos/sin
 (from ``inv_freq``, with any scaling) become two small tables; the position-only ops
 disappear from the step. Tables larger than ``position.MAX_TABLE_BYTES`` are left alone.
@@ -55,11 +56,14 @@ def _signature(g: Graph, targets: list[str], counter: str, weights: dict[str, to
     return tuple(sig)
 
 
-def run(g: Graph, weights: dict[str, torch.Tensor] | None = None) -> Graph:
+def run(g: Graph, weights: dict[str, torch.Tensor] | None = None, rows: int | None = None) -> Graph:
+    """``rows``: positions the tables cover at least (option ``position_rows``: positions the
+    host computes, which may pass every cache's rows), else the caches' rows."""
     ctrs = position.counters(g)
     length = position.cache_length(g)
     if not ctrs or length is None:
         return g
+    length = max(length, rows or 0)
     dep = position.dependence(g)
     prods = g.producers()
     # frontier: position-only tensors read by ops (or outputs) that are not position-only

@@ -30,6 +30,7 @@ BAD = {
     "cache": ["yes", 1, None],
     "cache_max_mb": [-1, 1.5, "10", None],
     "max_cache_len": [0, -64, (1 << 20) + 1, 64.0, "64"],
+    "position_rows": [0, -64, (1 << 20) + 1, 64.0, "64"],
 }
 #: option -> values that must be accepted, and what they become
 GOOD = {
@@ -42,6 +43,7 @@ GOOD = {
     "mode": [(None, None), ("reduce-overhead", "reduce-overhead")],
     "target": [(None, None), ("sim", "sim")],
     "max_cache_len": [(1, 1), (4096, 4096), (None, None)],
+    "position_rows": [(1, 1), (32768, 32768), (None, None)],
 }
 
 
@@ -175,7 +177,7 @@ def test_every_option_declares_whether_it_changes_lowering():
     assert all("lowering" in f.metadata for f in fields)
     key = config.lowering_options(config.Options.from_dict({"num_sms": 8}))
     assert set(key) == {f.name for f in fields if f.metadata["lowering"] is not None}
-    assert set(key) == {"num_sms", "max_fusions", "attention_merge", "chain", "profile", "defines"}
+    assert set(key) == {"num_sms", "max_fusions", "attention_merge", "chain", "profile", "defines", "position_rows"}
     assert config.lowering_options(config.Options.from_dict({}))["num_sms"] == 132
 
     # a class like Options with one undeclared field is refused (the check runs on Options at import)

@@ -15,10 +15,10 @@ FAMILIES = {"mistral_sw": hf_tiny.mistral_sw, "gemma2": hf_tiny.gemma2, "gemma3"
             "falcon": hf_tiny.falcon, "gpt2": hf_tiny.gpt2, "phi2": hf_tiny.phi2, "starcoder2": hf_tiny.starcoder2}
 
 
-def _steps_against_eager(model, prompt_len: int, n: int, seed: int):
-    """``n`` decode steps of ``model`` compiled with fusec and of eager ``model``, each on its own
-    StaticCache (32 rows) after the same random prompt. Returns (the two caches, the fallback
-    lines, each step's relative logits error)."""
+def _steps_against_eager(model, prompt_len: int, n: int, seed: int, **options):
+    """``n`` decode steps of ``model`` compiled with fusec (``options`` besides ``num_sms=8``) and
+    of eager ``model``, each on its own StaticCache (32 rows) after the same random prompt.
+    Returns (the two caches, the fallback lines, each step's relative logits error)."""
     from transformers import StaticCache
     gen = torch.Generator().manual_seed(seed)
     caches = [StaticCache(config=model.config, max_cache_len=32) for _ in range(2)]
@@ -28,7 +28,7 @@ def _steps_against_eager(model, prompt_len: int, n: int, seed: int):
         for c in caches:
             model(input_ids=p, past_key_values=c, use_cache=True)
         torch._dynamo.reset()
-        compiled = torch.compile(model, backend="fusec", options={"num_sms": 8})
+        compiled = torch.compile(model, backend="fusec", options={"num_sms": 8, **options})
         with FallbackWatch() as w:
             for _ in range(n):
                 tok = torch.randint(0, 128, (1, 1), generator=gen)
@@ -61,16 +61,30 @@ def test_host_counter_outputs_are_written_back(steps):
         assert (a.keys - b.keys).abs().max() < 1e-5
 
 
-def test_window_that_fills_on_every_layer_falls_back_with_one_line_and_stays_correct(steps):
-    """Mistral whose every layer has an 8-token window: once the window is full (HF rolls it), the
-    positions pass every cache's length and the kernel's position tables (they stop at the
-    longest cache): those steps run eagerly with one line that says so, and every step still
-    equals eager."""
-    _, fallbacks, errs = _steps_against_eager(hf_tiny.mistral_sw(window=8), 4, 8, seed=4)
+def test_window_that_fills_on_every_layer_stays_in_fusec(steps):
+    """Mistral whose every layer has an 8-token window (Mistral-7B-v0.1 past 4096 tokens): once
+    the window is full (HF rolls it), the positions pass every cache's rows; the position tables
+    cover option ``position_rows`` (32768 by default for a graph whose positions the host
+    computes), so 12 steps from position 4 run in fusec (the filling window's step and the
+    rolled one), every step equals eager and the caches equal eager's. Before, the tables
+    stopped at the longest cache and those steps ran eagerly."""
+    caches, fallbacks, errs = _steps_against_eager(hf_tiny.mistral_sw(window=8), 4, 12, seed=4)
+    assert not fallbacks, fallbacks
     assert max(errs) < 1e-4, errs
-    assert fallbacks and all("outside the longest KV cache's [0, 8)" in f and "sliding window" in f
-                             for f in fallbacks), fallbacks
-    assert steps, "the steps before the window filled ran in fusec"
+    assert len(steps) == 2 and steps[-1].schedule.graph.count_kinds().get("kv_roll") == 4
+    tables = [t for t in steps[-1].schedule.graph.tensors.values() if t.name.startswith("table_")]
+    assert tables and all(t.shape[0] == 32768 for t in tables), [(t.name, t.shape) for t in tables]
+    for a, b in zip(caches[0].layers, caches[1].layers):
+        assert (a.keys - b.keys).abs().max() < 1e-5 and (a.values - b.values).abs().max() < 1e-5
+
+
+def test_position_past_the_tables_runs_eagerly_with_one_line(steps):
+    """A host position past option ``position_rows`` (here 12 rows): that step runs eagerly with
+    one line naming the tables' range, and every step still equals eager."""
+    _, fallbacks, errs = _steps_against_eager(hf_tiny.mistral_sw(window=8), 4, 12, seed=4, position_rows=12)
+    assert max(errs) < 1e-4, errs
+    assert fallbacks and all("outside the kernel's position tables, [0, 12)" in f for f in fallbacks), fallbacks
+    assert steps, "the steps before position 12 ran in fusec"
 
 
 @pytest.mark.parametrize("name", ["gemma2", "gemma3"])
@@ -184,14 +198,19 @@ class _CounterModel(torch.nn.Module):
         return self.o(att.transpose(1, 2).reshape(1, 1, 64)) + self.extra(s)
 
 
+def _DIVISOR(s):   # the counter as a divisor: not split, specialized
+    return (torch.arange(64) // (s + 1)).float()
+
+
 @pytest.mark.parametrize("extra", [
     lambda s: (torch.arange(64) + 2 * s).float(),      # a position the host computes, past the cache at 16
-    lambda s: (torch.arange(64) // (s + 1)).float(),   # the counter as a divisor: not split, specialized
+    _DIVISOR,
 ], ids=["twice", "divisor"])
 def test_counter_uses_stay_correct(extra):
-    """20 steps against eager: a host-computed position outside the cache's [0, L) runs that step
-    eagerly (one line), a counter used otherwise than as an added position falls back per value
-    (eagerly: inductor gave wrong values there); every step equals eager."""
+    """20 steps against eager: a host-computed position past the cache's rows stays in fusec (the
+    position tables cover option ``position_rows``, 32768 by default for host positions: no
+    fallback), a counter used otherwise than as an added position falls back per value (eagerly:
+    inductor gave wrong values there); every step equals eager."""
     model = _CounterModel(extra).eval()
     ce, cc = _CounterCache(), _CounterCache()
     gen = torch.Generator().manual_seed(1)
@@ -205,7 +224,7 @@ def test_counter_uses_stay_correct(extra):
             assert ((a - b).norm() / b.norm()).item() < 1e-4
     torch._dynamo.reset()
     assert cc.count == ce.count == 23
-    assert w.fallbacks, "both run some steps outside fusec"
+    assert bool(w.fallbacks) == (extra is _DIVISOR), w.fallbacks
 
 
 def test_one_call_captures_after_the_backend_specialize_the_counter(steps):

@@ -21,7 +21,7 @@ from fusec.frontend import symbolic
 from fusec.frontend import hf_rope, hf_sdpa
 from fusec.frontend.counters import mark_cache_counters_dynamic
 from fusec.frontend.compiled import CompiledStep
-from fusec.config import Options
+from fusec.config import DEFAULT_MAX_CACHE_LEN, Options
 from fusec.errors import CapacityExceeded, FallbackRequired, FusecError, NotLengthPolymorphic
 from fusec.fallbacks import warn as warn_fallback
 from fusec.pipeline import Dumper, build_ir
@@ -69,6 +69,11 @@ def fusec_backend(gm: torch.fx.GraphModule, example_inputs: list[Any],
         log.info("%d Python integer input(s) computed on the host each call (%s), %d of their values "
                  "passed to the kernel as positions: one kernel for all their values", len(split.host_inputs),
                  ", ".join(names[i] for i in split.host_inputs)[:200], len(split.derived_tensors))
+        # its positions may pass every cache's rows (a rolled sliding window on every layer):
+        # the position tables cover ``position_rows`` positions, the host checks each call's
+        rows = opts.position_rows or opts.max_cache_len or DEFAULT_MAX_CACHE_LEN
+        split.bound = max(split.bound, rows)
+        opts = dataclasses.replace(opts, position_rows=rows)
         return split.wrap(_tensor_graph(split.tensor_gm, split.example_inputs(example_inputs), opts))
     return _tensor_graph(gm, example_inputs, opts)
 

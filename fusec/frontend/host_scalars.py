@@ -8,9 +8,10 @@ makes that attribute a ``SymInt`` input and the graph returns ``s + 1`` for it t
 :func:`split_host_scalars` takes the scalar arithmetic out of the graph: the host computes it
 from each call's integers (a few Python additions); a value that int64 tensor ops only add,
 subtract or multiply (the position ``arange + s``) reaches the kernel as a 0-dim device tensor
-filled each call. The kernel takes such a value for a position (its tables cover ``[0, L)``, L the
-KV-cache length), so the host checks each call's value against that range and runs an
-out-of-range call eagerly (one log line). A graph with any other use of a host value (a size, a
+filled each call. The kernel takes such a value for a position (its tables cover ``[0, bound)``:
+the backend makes that option ``position_rows``, 32768 by default, past every cache's rows, as
+a rolled sliding window's positions go), so the host checks each call's value against that range
+and runs an out-of-range call eagerly (one log line). A graph with any other use of a host value (a size, a
 comparison, a float) is not split: the backend handles it as before (it specializes on the
 value, or falls back). The megakernel is compiled once for every value of the counter.
 """
@@ -48,8 +49,9 @@ class HostSplit:
         tensor_gm: ``gm`` without them; its placeholders are ``gm``'s others, in order, then one
             per host value that a tensor op reads (the derived inputs: 0-dim int64 tensors, in
             ``derived_tensors``, which the wrapper fills each call).
-        bound: the KV-cache length L; a call whose derived values are not all in ``[0, L)`` runs
-            ``tensor_gm`` eagerly instead of the compiled step.
+        bound: the rows of the position tables (at least the KV-cache length L; the backend raises
+            it to option ``position_rows``); a call whose derived values are not all in
+            ``[0, bound)`` runs ``tensor_gm`` eagerly instead of the compiled step.
         host_fn: takes all of ``gm``'s arguments, returns the host outputs' values, then the
             derived inputs' values.
         n_outputs, n_inputs: the lengths of ``gm``'s output tuple and placeholders.
@@ -90,10 +92,9 @@ class HostSplit:
                 step = self.tensor_gm.forward   # the kernel's position tables cover [0, bound) only
                 if not warned:
                     warned.append(True)
-                    warn_fallback("fusec: a position computed on the host (%s) is outside the longest KV "
-                                  "cache's [0, %d): the kernel's position tables stop there (the sequence "
-                                  "is longer than every cache: a full cache, or a sliding window on every "
-                                  "layer); such steps run eagerly", [int(v) for v in derived], bound)
+                    warn_fallback("fusec: a position computed on the host (%s) is outside the kernel's "
+                                  "position tables, [0, %d) (option position_rows, or the longest KV "
+                                  "cache); such steps run eagerly", [int(v) for v in derived], bound)
             positions = [t.fill_(v) for t, v in zip(self.derived_tensors, derived)]
             tensors = iter(step(*[args[i] for i in keep], *positions))
             scalars = iter(values[:n_host])
