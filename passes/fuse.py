@@ -19,7 +19,8 @@ Guarantees, with the same values:
   ends that anchor's turn;
 * whatever no rule takes stays as it is and runs as a generic instruction; dead ops are removed.
 
-The rules of the kinds today (docs/pipeline.md, "Instruction kinds"), by priority: RMSNorm ->
+The rules of the kinds today (docs/pipeline.md, "Instruction kinds"), by priority: a rolled
+sliding window's ``kv_roll`` into pieces with a halo ``index_select`` before it (5); RMSNorm ->
 Q/K/V -> RoPE -> KV write into ``rms_qkv_rope`` (10); attention split into ``attention_partial``
 [+ ``attention_reduce``] (20); RMSNorm -> gate/up -> SiLU/GELU product into ``rms_gate_up_silu``
 (30), and gate/up over an un-normed vector into the same kind with its norm off (35: post-norm

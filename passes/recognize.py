@@ -200,10 +200,14 @@ def _kv_rolls(g: Graph) -> int:
     update (``StaticSlidingWindowLayer`` once its window is full: ``roll(-1)``, the new row at
     the end, ``copy_`` back), so the cache holds HF's layout after the step, and readers of the
     functional result read the cache after the write (the attention then sees a KV cache). Only
-    when nothing else reads the cache in the step; caches of a run-time length stay as they are."""
+    when nothing else reads the cache in the step; caches of a run-time length stay as they are.
+    The ``kv_roll`` ops go first in the step, in layer order (they read nothing the step makes):
+    the SMs move every window while the first layer starts, and no layer's QKV waits on its
+    roll's latency."""
     prods, users = g.producers(), g.users()
     last_row: dict[int, str] = {}
     replace: dict[str, list[Op]] = {}
+    rolls: list[Op] = []
     drop: set[str] = set()
     for o in g.ops:
         if o.kind != "aten.copy_.default":
@@ -243,16 +247,17 @@ def _kv_rolls(g: Graph) -> int:
         if n not in last_row:
             last_row[n] = g.new_tensor(f"kv_last_row_{n}", (1,), torch.int64, Role.CONSTANT,
                                        value=torch.tensor([n - 1]))
-        replace[sel.name] = [Op(sel.name, "kv_roll", {"src": cache}, {"cache": cache}, mutates=("cache",),
-                                attrs={"shift": 1}, source=sel.source)]
+        rolls.append(Op(sel.name, "kv_roll", {"src": cache}, {"cache": cache}, mutates=("cache",),
+                        attrs={"shift": 1}, source=sel.source))
+        replace[sel.name] = []
         replace[p.name] = [Op(p.name, "kv_write", {"pos": last_row[n], "val": val}, {"cache": cache},
                               mutates=("cache",), source=p.source)]
         for c in chain[:-1]:   # the functional results read the cache after the write
             if c.kind != "aten.copy_.default":
                 g.tensors[c.outputs["out"]].alias_of = cache
         drop |= {c.name for c in chain[:1] + chain[1:-2]}
-    g.ops = [x for o in g.ops if o.name not in drop for x in replace.get(o.name, [o])]
-    return len(replace) // 2
+    g.ops = rolls + [x for o in g.ops if o.name not in drop for x in replace.get(o.name, [o])]
+    return len(rolls)
 
 
 def _cache_of(g: Graph, prods: dict, t: str) -> tuple[str, int] | None:

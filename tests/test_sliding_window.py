@@ -78,6 +78,63 @@ def test_window_that_fills_on_every_layer_stays_in_fusec(steps):
         assert (a.keys - b.keys).abs().max() < 1e-5 and (a.values - b.values).abs().max() < 1e-5
 
 
+@pytest.fixture
+def splits(monkeypatch):
+    """Every host-scalar split (:class:`fusec.frontend.host_scalars.HostSplit`) the backend makes
+    while the test runs."""
+    import fusec.frontend.backend as backend
+    made: list = []
+    split = backend.split_host_scalars
+
+    def record(gm):
+        s = split(gm)
+        made.append(s)
+        return s
+    monkeypatch.setattr(backend, "split_host_scalars", record)
+    return made
+
+
+@pytest.mark.parametrize("name", ["mistral_sw", "gemma3"])
+def test_host_positions_are_device_counters_written_once(name, steps, splits):
+    """The host's positions (HF's ``s`` and, rolled, its window offset ``Max(0, s - W + 1)``,
+    which dynamo's ``is_full`` guard makes ``s - W + 1``) reach the step as one device counter
+    per host integer that the step advances itself (a STATE input, as HF's tensor counters):
+    over 12 steps through the filling and the rolled window the host writes each graph's counter
+    once (its first call), not once per step (a ``fill_`` kernel per value and step before),
+    and every step equals eager. A step on another cache (another count) writes it again and
+    stays correct."""
+    from transformers import StaticCache
+    model = hf_tiny.gemma3(window=8, layers=6) if name == "gemma3" else hf_tiny.mistral_sw(window=8)
+    caches, fallbacks, errs = _steps_against_eager(model, 4, 12, seed=9)
+    assert not fallbacks, fallbacks
+    assert max(errs) < 1e-4, errs
+    made = [s for s in splits if s is not None]
+    assert len(made) == 2 and all(s.counted == [s.counted[0]] for s in made), [s.counted for s in made]
+    assert [s.fills for s in made] == [1, 1], [s.fills for s in made]
+    for st in steps:
+        g = st.schedule.graph
+        ctr = g.inputs[-1]
+        assert g.tensors[ctr].role.name == "STATE" and g.tensors[ctr].dtype == torch.int64, g.tensors[ctr]
+    # two caches at other counts, alternately: each call finds the other's count on the device
+    pairs = [[StaticCache(config=model.config, max_cache_len=32) for _ in range(2)] for _ in range(2)]
+    gen = torch.Generator().manual_seed(10)
+    errs = []
+    with torch.no_grad():
+        for n, pair in zip((10, 12), pairs):
+            p = torch.randint(0, 128, (1, n), generator=gen)
+            for c in pair:
+                model(input_ids=p, past_key_values=c, use_cache=True)
+        compiled = torch.compile(model, backend="fusec", options={"num_sms": 8})
+        for i in range(4):
+            tok = torch.randint(0, 128, (1, 1), generator=gen)
+            a = compiled(input_ids=tok, past_key_values=pairs[i % 2][0], use_cache=True).logits
+            b = model(input_ids=tok, past_key_values=pairs[i % 2][1], use_cache=True).logits
+            errs.append(((a - b).norm() / b.norm()).item())
+    torch._dynamo.reset()
+    assert max(errs) < 1e-4, errs
+    assert splits[-1].fills == 4, splits[-1]
+
+
 def test_position_past_the_tables_runs_eagerly_with_one_line(steps):
     """A host position past option ``position_rows`` (here 12 rows): that step runs eagerly with
     one line naming the tables' range, and every step still equals eager."""

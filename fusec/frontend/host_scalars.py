@@ -7,8 +7,13 @@ and, without ``cache_position``, takes the step's position from it. After the se
 makes that attribute a ``SymInt`` input and the graph returns ``s + 1`` for it to store back.
 :func:`split_host_scalars` takes the scalar arithmetic out of the graph: the host computes it
 from each call's integers (a few Python additions); a value that int64 tensor ops only add,
-subtract or multiply (the position ``arange + s``) reaches the kernel as a 0-dim device tensor
-filled each call. The kernel takes such a value for a position (its tables cover ``[0, bound)``:
+subtract or multiply (the position ``arange + s``) reaches the kernel as a 0-dim device tensor.
+Where every such value is its integer plus a constant (HF's position ``s`` and window offset
+``s - W + 1``), that tensor is a device counter the step itself advances by one, as HF's
+tensor counters are: the tensor graph computes the values from it and adds one at its end, and
+the host writes it (one ``fill_``) only when its own count differs from what the device holds
+(the first call, another cache, a step that did not add one): a decode loop launches the step
+alone, and a CUDA graph's replays advance the positions. Other values are filled each call. The kernel takes such a value for a position (its tables cover ``[0, bound)``:
 the backend makes that option ``position_rows``, 32768 by default, past every cache's rows, as
 a rolled sliding window's positions go), so the host checks each call's value against that range
 and runs an out-of-range call eagerly (one log line). A graph with any other use of a host value (a size, a
@@ -55,7 +60,13 @@ class HostSplit:
         host_fn: takes all of ``gm``'s arguments, returns the host outputs' values, then the
             derived inputs' values.
         n_outputs, n_inputs: the lengths of ``gm``'s output tuple and placeholders.
-        derived_tensors: the 0-dim int64 device tensors of the derived inputs, in order.
+        derived_tensors: the 0-dim int64 device tensors of the derived inputs, in order; with
+            ``counted``, one device counter per host integer instead (module docstring).
+        counted: for each counter, the position (in ``gm``'s placeholders) of the host integer
+            it holds; None where the derived values are filled each call.
+        expected: the value each counter holds on the device after the steps queued so far (None:
+            unknown, written at the next call).
+        fills: how many times the wrapper wrote a counter or a derived value (``fill_``).
     """
 
     host_inputs: list[int]
@@ -67,6 +78,9 @@ class HostSplit:
     derived_tensors: list[torch.Tensor]
     bound: int
     bound_args: list[int] = dataclasses.field(default_factory=list)
+    counted: list[int] | None = None
+    expected: list[int | None] = dataclasses.field(default_factory=list)
+    fills: int = 0
 
     def example_inputs(self, example_inputs: list[Any]) -> list[Any]:
         """The tensor graph's example inputs from ``gm``'s."""
@@ -95,12 +109,31 @@ class HostSplit:
                     warn_fallback("fusec: a position computed on the host (%s) is outside the kernel's "
                                   "position tables, [0, %d) (option position_rows, or the longest KV "
                                   "cache); such steps run eagerly", [int(v) for v in derived], bound)
-            positions = [t.fill_(v) for t, v in zip(self.derived_tensors, derived)]
+            positions = self._counters(args) if self.counted is not None else self._filled(derived)
             tensors = iter(step(*[args[i] for i in keep], *positions))
+            if self.counted is not None:   # the step (compiled or eager) added one to each counter
+                self.expected = [int(args[i]) + 1 for i in self.counted]
             scalars = iter(values[:n_host])
             return tuple(next(scalars) if i in host_at else next(tensors) for i in range(self.n_outputs))
 
         return run
+
+    def _filled(self, derived: list[Any]) -> list[torch.Tensor]:
+        self.fills += len(derived)
+        return [t.fill_(v) for t, v in zip(self.derived_tensors, derived)]
+
+    def _counters(self, args: tuple) -> list[torch.Tensor]:
+        """The device counters, each written only where the host's integer differs from what the
+        device holds (``expected``); unknown until the step has run."""
+        want = [int(args[i]) for i in self.counted]
+        if len(self.expected) != len(want):
+            self.expected = [None] * len(want)
+        for k, (t, v) in enumerate(zip(self.derived_tensors, want)):
+            if self.expected[k] != v:
+                t.fill_(v)
+                self.fills += 1
+        self.expected = [None] * len(want)
+        return self.derived_tensors
 
 
 def split_host_scalars(gm: torch.fx.GraphModule) -> HostSplit | None:
@@ -155,6 +188,7 @@ def split_host_scalars(gm: torch.fx.GraphModule) -> HostSplit | None:
         elif n.name in host or n.name in sizes:
             env[n.name] = hg.node_copy(n, lambda a: env[a.name])
     hg.output(tuple([env[outs[i].name] for i in host_outputs] + [env[n.name] for n in derived]))
+    counted = _affine(derived, placeholders, host)
     host_fn = torch.fx.GraphModule(torch.nn.Module(), hg)
 
     tg = copy.deepcopy(gm.graph)
@@ -163,12 +197,15 @@ def split_host_scalars(gm: torch.fx.GraphModule) -> HostSplit | None:
     to_host = set(host_outputs)
     t_out.args = (type(outs)(o for i, o in enumerate(t_out.args[0]) if i not in to_host),)
     last = [n for n in tg.nodes if n.op == "placeholder"][-1]
-    for n, buf in zip(derived, buffers):
-        with tg.inserting_after(last):
-            ph = tg.placeholder(f"host_{n.name}")
-        ph.meta["example_value"] = buf
-        by_name[n.name].replace_all_uses_with(ph)
-        last = ph
+    if counted is not None:
+        buffers, counters = _count_on_device(tg, last, t_out, derived, counted, buffers, by_name)
+    else:
+        for n, buf in zip(derived, buffers):
+            with tg.inserting_after(last):
+                ph = tg.placeholder(f"host_{n.name}")
+            ph.meta["example_value"] = buf
+            by_name[n.name].replace_all_uses_with(ph)
+            last = ph
     for name, value in pinned.items():   # a constant wherever this graph runs
         old_node = by_name[name]
         for u in list(old_node.users):
@@ -179,7 +216,81 @@ def split_host_scalars(gm: torch.fx.GraphModule) -> HostSplit | None:
             tg.erase_node(n)
     tensor_gm = torch.fx.GraphModule(gm, tg)
     return HostSplit(host_inputs, host_outputs, tensor_gm, host_fn, len(outs), len(placeholders),
-                     buffers, bound or 0, bound_args)
+                     buffers, bound or 0, bound_args, counters if counted is not None else None)
+
+
+def _affine(derived: list[torch.fx.Node], placeholders: list[torch.fx.Node],
+            host: set[str]) -> list[tuple[int, int]] | None:
+    """For each derived value, (the position of the host integer ``s`` among ``placeholders``,
+    ``c``) when the value is ``s + c`` (HF's position ``s``, its window offset ``s - W + 1``);
+    None if any is not."""
+    by_symbol = {}
+    for i, p in enumerate(placeholders):
+        v = _example(p)
+        if p.name in host and isinstance(v, torch.SymInt) and v.node.expr.is_Symbol:
+            by_symbol[v.node.expr] = i
+    out = []
+    for n in derived:
+        v = _example(n)
+        e = _without_max(v.node.expr, v.node.shape_env) if isinstance(v, torch.SymInt) else None
+        if e is None or len(e.free_symbols) != 1:
+            return None
+        s = next(iter(e.free_symbols))
+        c = e - s
+        if s not in by_symbol or not c.is_Integer:
+            return None
+        out.append((by_symbol[s], int(c)))
+    return out or None
+
+
+def _without_max(expr: Any, shape_env: Any) -> Any:
+    """``expr`` with each ``Max(a, b)`` / ``Min(a, b)`` replaced by the argument that dynamo's
+    guards make the larger (smaller) wherever this graph runs (HF's rolled window, guarded
+    ``s >= W``: ``Max(0, s - W + 1)`` is ``s - W + 1``), or None where they do not decide."""
+    def pick(e: Any) -> Any:
+        if len(e.args) != 2:
+            raise ValueError(e)
+        a, b = e.args
+        try:
+            r = shape_env.bound_sympy(a - b)
+        except Exception as exc:   # noqa: BLE001 - an expression sympy cannot bound: undecided
+            raise ValueError(e) from exc
+        big, small = (a, b) if r.lower >= 0 else (b, a) if r.upper <= 0 else (None, None)
+        if big is None:
+            raise ValueError(e)
+        return big if "Max" in type(e).__name__ else small
+    try:
+        return expr.replace(lambda e: type(e).__name__ in ("Max", "Min"), pick)
+    except ValueError:
+        return None
+
+
+def _count_on_device(tg: torch.fx.Graph, last: torch.fx.Node, t_out: torch.fx.Node, derived: list[torch.fx.Node],
+                     counted: list[tuple[int, int]], buffers: list[torch.Tensor],
+                     by_name: dict[str, torch.fx.Node]) -> tuple[list[torch.Tensor], list[int]]:
+    """In the tensor graph ``tg``: one counter placeholder per host integer (after ``last``),
+    each derived value ``counter + c``, and ``counter.add_(1)`` before the output ``t_out``.
+    Returns the counters' example tensors and their host integers' positions."""
+    counters: list[int] = []
+    phs: dict[int, torch.fx.Node] = {}
+    bufs: list[torch.Tensor] = []
+    for (i, _), buf in zip(counted, buffers):
+        if i not in phs:
+            with tg.inserting_after(last):
+                phs[i] = last = tg.placeholder(f"host_counter_{len(counters)}")
+            last.meta["example_value"] = buf
+            counters.append(i)
+            bufs.append(buf)
+    for n, (i, c) in zip(derived, counted):
+        with tg.inserting_after(last):
+            val = phs[i] if c == 0 else tg.call_function(operator.add, (phs[i], c))
+        if c:
+            last = val
+        by_name[n.name].replace_all_uses_with(val)
+    for ph in phs.values():
+        with tg.inserting_before(t_out):
+            tg.call_function(torch.Tensor.add_, (ph, 1))
+    return bufs, counters
 
 
 def _pinned(n: torch.fx.Node) -> int | None:

@@ -26,9 +26,11 @@ from fusec.instructions.base import Instruction, Region, Tile, register, split_r
 from fusec.instructions.call import P0, P1, P2, Call, Int, Ptr, Type
 from fusec.instructions.rule import Ctx, Fusion, Rule
 
-#: a piece moves at least this many bytes (a smaller tile costs more in its wait and dispatch
-#: than its copy saves): Gemma-3-1B's 256 KiB K cache of a sliding layer in 16 pieces
-MIN_PIECE_BYTES = 8192
+#: a piece moves at least this many bytes: the rolls run first in the step (``recognize``), off
+#: the layers' path, so fewer and larger tiles (each costs about 2 us to dispatch and wait) beat
+#: more SMs: Gemma-3-1B's 256 KiB K cache of a sliding layer in 8 pieces, Mistral-7B's 8 MiB in
+#: 16 per head (128 tiles)
+MIN_PIECE_BYTES = 32768
 
 
 def _layout(op: Op, g: Graph) -> tuple[int, int, int, int]:
