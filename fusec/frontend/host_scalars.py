@@ -111,8 +111,10 @@ class HostSplit:
                                   "cache); such steps run eagerly", [int(v) for v in derived], bound)
             positions = self._counters(args) if self.counted is not None else self._filled(derived)
             tensors = iter(step(*[args[i] for i in keep], *positions))
-            if self.counted is not None:   # the step (compiled or eager) added one to each counter
+            if self.counted is not None and not _capturing():   # the step added one to each counter
                 self.expected = [int(args[i]) + 1 for i in self.counted]
+            # (a CUDA graph's capture ran nothing and its replays run no Python: unknown, the
+            # next call outside a capture writes the counters from the host's integers)
             scalars = iter(values[:n_host])
             return tuple(next(scalars) if i in host_at else next(tensors) for i in range(self.n_outputs))
 
@@ -134,6 +136,11 @@ class HostSplit:
                 self.fills += 1
         self.expected = [None] * len(want)
         return self.derived_tensors
+
+
+def _capturing() -> bool:
+    """Whether torch's current CUDA stream is capturing a graph."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def split_host_scalars(gm: torch.fx.GraphModule) -> HostSplit | None:
