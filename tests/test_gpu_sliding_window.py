@@ -23,12 +23,15 @@ pytestmark = pytest.mark.gpu
 
 
 def _kernels(fn) -> tuple[object, list[str]]:
-    """``fn()``'s result and the names of the CUDA kernels it launched."""
+    """``fn()``'s result and the names of the CUDA kernels it launched (no copies or memsets)."""
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         out = fn()
         torch.cuda.synchronize()
-    return out, [ev.name for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA]
+    # (a token tensor at a new address moves its pointer-table entry: a 4-byte driver memset,
+    # not a kernel, left out as test_gpu.py's one-kernel test does)
+    return out, [ev.name for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA
+                 and "memset" not in ev.name.lower() and "memcpy" not in ev.name.lower()]
 
 
 @pytest.mark.parametrize("name,mode", [("gemma3", None), ("mistral_sw", None), ("gemma3", "reduce-overhead")])
