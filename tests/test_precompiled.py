@@ -270,3 +270,33 @@ def test_a_loaded_step_walks_its_inputs_once(cache_on, monkeypatch):
     assert marks.take((rows,)) and not hasattr(rows, "_dynamo_weak_dynamic_indices")
     marks.restore()
     assert rows._dynamo_weak_dynamic_indices == {2}
+
+
+def test_two_decode_calls_on_one_cache_keep_the_length_symbolic(cache_on, caplog):
+    """HF generate()'s decode calls with other keyword arguments are two precompiled steps on
+    one cache: the first takes the cache's dim markings off (its loaded guards need them off);
+    the second's trace must still see them, so that it serves a new cache length without
+    tracing again (a review found the second step traced per length)."""
+    from transformers.generation import CompileConfig
+
+    from fusec.frontend.hf_generate import HFDecodeCall
+    caplog.set_level(logging.INFO, logger="fusec")
+    model = hf_tiny.llama(seed=5)
+    call = HFDecodeCall(model, CompileConfig(backend="fusec", mode=None, options=OPTS))
+    gen = torch.Generator().manual_seed(0)
+
+    def step(rows, extra, cache=None):
+        if cache is None:
+            cache = hf_tiny.static_cache(model, rows)
+            model(input_ids=torch.randint(0, 128, (1, 3), generator=gen), past_key_values=cache, use_cache=True)
+        tok = torch.randint(0, 128, (1, 1), generator=gen)
+        with torch.no_grad():
+            return call(input_ids=tok, past_key_values=cache, use_cache=True, **extra), cache
+
+    with FallbackWatch() as w:
+        _, cache = step(16, {})
+        step(16, {"return_dict": True}, cache=cache)
+        traced = len(_records(caplog, "stage precompiled   traced"))
+        step(48, {"return_dict": True})
+    assert not w.fallbacks, w.fallbacks
+    assert traced == 2 and len(_records(caplog, "stage precompiled   traced")) == 2, caplog.text[-2000:]

@@ -266,7 +266,10 @@ class _Marks:
     trace. So :class:`PrecompiledStep` takes them off once, when no kept step's guards hold for
     a marked input, and puts them back before it traces: a steady call pays one guard check
     and no walk over the inputs (the walk and the markings' removal and restoration at every
-    call cost 0.17-0.37 ms per call on a 2-core CPU for a 16-layer model's StaticCache)."""
+    call cost 0.17-0.37 ms per call on a 2-core CPU for a 16-layer model's StaticCache). One
+    record for the process (:data:`_TAKEN`): a step that traces puts back the marks another
+    step took off an input they share (HF generate()'s calls with other keyword arguments on
+    one cache)."""
 
     def __init__(self) -> None:
         self.taken: list[tuple[Any, dict[str, Any]]] = []   # (weak reference to the tensor, its marks)
@@ -290,6 +293,10 @@ class _Marks:
             if t is not None:
                 t.__dict__.update(kept)
         self.taken.clear()
+
+
+#: the marks taken off step inputs by every :class:`PrecompiledStep` of the process
+_TAKEN = _Marks()
 
 
 def _tensors(args: tuple) -> list[torch.Tensor]:
@@ -380,7 +387,7 @@ class PrecompiledStep:
         self.before_trace = before_trace or (lambda args, kwargs: None)
         self.entries: list[Any] = []        # loaded AOT functions, most recent first
         self.compiled: Callable | None = None   # the fallback, once the precompile failed
-        self.marks = _Marks()                   # dim markings taken off the inputs (put back to trace)
+        self.marks = _TAKEN                     # dim markings taken off inputs (put back to trace)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.compiled is not None:   # torch.compile traces again when its guards fail

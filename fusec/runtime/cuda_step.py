@@ -368,20 +368,23 @@ class CudaStep:
         self._rest = [(name, i) for name, i in self.input_pos.items() if name in self._staging]
         self._fast_seen = [self.seen[i] for i in idx]
         self._fast_all = list(range(len(idx)))
-        # the input objects of the last call whose table update completed (None: the next
-        # call takes the full check; a call that raised may have written some entries)
-        self._fast_objs: tuple | None = self._fast_get(flat_args)
+        # the ids of the input objects of the last call whose table update completed (None: the
+        # next call takes the full check; a call that raised may have written some entries).
+        # Ids, not the objects: a step kept on the model must not keep the last call's KV cache
+        # alive (a new object at a freed one's id and at the same address is taken as
+        # unchanged: its layout is not checked again)
+        self._fast_ids: list[int] | None = list(map(id, self._fast_get(flat_args)))
 
     def _unmoved(self, args: Sequence[Any]) -> bool:
-        """Whether every input without a staging buffer is the same tensor object as at the
-        last call, at the same address, with the same run-time lengths: then none of their
+        """Whether every input without a staging buffer is the same tensor object (its id) as at
+        the last call, at the same address, with the same run-time lengths: then none of their
         table entries changes (the weights and KV caches of a decode loop, about 200 inputs for
         a 16-layer model, compared in C: one by one in Python they cost about 0.2 ms per call).
         A parameter rebound through ``.data`` keeps its object and moves its address: seen
         here. A new object (a view at the same address) takes the full check; an in-place
         change of an object's strides (``transpose_``) at the same address is not seen."""
-        sub, last = self._fast_get(args), self._fast_objs
-        if last is None or len(sub) != len(last) or not all(map(operator.is_, sub, last)):
+        sub = self._fast_get(args)
+        if self._fast_ids is None or list(map(id, sub)) != self._fast_ids:
             return False
         if _PTRS_EQUAL is not None:
             if not _PTRS_EQUAL(list(sub), self._fast_seen, self._fast_all):
@@ -395,10 +398,10 @@ class CudaStep:
         if self._unmoved(args):
             self._update_each(args, stream, self._rest)
             return
-        self._fast_objs = None
+        self._fast_ids = None
         self._update_each(args, stream, self.input_pos.items())
         self._fast_seen = [self.seen[i] for i in self._fast_idx]
-        self._fast_objs = self._fast_get(args)
+        self._fast_ids = list(map(id, self._fast_get(args)))
 
     def _update_each(self, args: Sequence[Any], stream: Any, inputs: Any) -> None:
         """Input by input (``(name, index)`` pairs): a moved, restrided, resized or staged
