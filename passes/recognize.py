@@ -299,9 +299,13 @@ def _attention(g: Graph, weights: dict[str, torch.Tensor]) -> int:
             if (mask, rows) not in checked:
                 checked[mask, rows] = _causal_counter(g, mask, dep, ctrs, weights, rows)
             ins = {"q": q, "k": kc[0], "v": vc[0], "pos": checked[mask, rows]}
-            if rows != position.cache_length(g) and _write_position(g, new_ops, kc[0]) is None:
-                ins["pos"] = None   # a shorter cache the step does not write at its position: the
-                #                     proof over its rows does not bound the step's positions
+            wp = _write_position(g, new_ops, kc[0])
+            fixed_row = wp is not None and position.only_counter(dep, g, wp, ctrs) is None
+            if fixed_row or (rows != position.cache_length(g) and wp is None):
+                ins["pos"] = None   # a cache the step does not write at its position: the proof
+                #                     over its rows does not bound the step's positions (a rolled
+                #                     window writes its last row, a constant: with W = 1 its one-row
+                #                     mask is all True, "causal" at p = 0, while p runs past it)
             mask_kind = 0
             if ins["pos"] is None:   # a mask fusec cannot prove causal: the attention reads it
                 ins["pos"], ins["mask"] = _write_position(g, new_ops, kc[0]), mask

@@ -306,3 +306,21 @@ def test_one_call_captures_after_the_backend_specialize_the_counter(steps):
                                     "use_cache": True}, {"num_sms": 8})
     assert res.schedule.instrs
     assert CACHE_COUNTER_SOURCES in torch.compiler.config.dynamic_sources
+
+
+@pytest.mark.parametrize("name", ["gemma2", "mistral_sw"])
+def test_one_row_window_past_its_window_equals_eager(name, steps):
+    """A window of one row (``sliding_window=1``) past its window, 6 steps from position 3: HF's
+    window offset ``s - W + 1`` is the position ``s`` itself, so both host values are the one
+    device counter, and the rolled cache's one-row mask (all True) equals the causal mask at
+    position 0, the only position its rows hold. The cache is written at a constant row (the
+    roll's last row), which does not bound the position: ``recognize`` keeps the mask (it read
+    position ``s``, out of the cache's one row, an IndexFaultError, before). Logits and every
+    layer's K/V cache equal eager's, with no fallback line."""
+    model = hf_tiny.gemma2(window=1) if name == "gemma2" else hf_tiny.mistral_sw(window=1)
+    caches, fallbacks, errs = _steps_against_eager(model, 3, 6, seed=12)
+    assert not fallbacks, fallbacks
+    assert max(errs) < 1e-4, errs
+    assert steps
+    for a, b in zip(caches[0].layers, caches[1].layers):
+        assert (a.keys - b.keys).abs().max() < 1e-5 and (a.values - b.values).abs().max() < 1e-5
