@@ -22,11 +22,15 @@ ROOT = Path(__file__).resolve().parent.parent
 OPTS = {"num_sms": 8, "check_hazards": False}
 
 #: one process of the two-process test: a tiny Llama with the seed it is given (other weights
-#: than the process before), fusec.generate against HF generate(), what the log said
+#: than the process before), fusec.generate against HF generate(), what the log said; first, before
+#: anything is compiled, the code digest of ``hf_tiny.llama(seed=1)`` (for the digest test: two new
+#: processes agree, without two more processes that import torch and transformers)
 CHILD = textwrap.dedent("""
     import json, logging, sys, torch
     import fusec, hf_tiny
     from fusec.fallbacks import FallbackWatch
+    from fusec.frontend.code_fingerprint import model_code_digest
+    digest = model_code_digest(hf_tiny.llama(seed=1))
     lines = []
     class Keep(logging.Handler):
         def emit(self, r): lines.append(r.getMessage())
@@ -38,7 +42,7 @@ CHILD = textwrap.dedent("""
         out = fusec.generate(model, prompt, n, eos_token_id=[], options={"num_sms": 8, "check_hazards": False})
     ref = model.generate(prompt, max_new_tokens=n, do_sample=False, cache_implementation="static",
                          pad_token_id=0, eos_token_id=None)
-    print(json.dumps({"equal": torch.equal(out, ref), "fallbacks": w.fallbacks, "log": lines}))
+    print(json.dumps({"equal": torch.equal(out, ref), "fallbacks": w.fallbacks, "log": lines, "digest": digest}))
 """)
 
 
@@ -59,20 +63,29 @@ def _said(res: dict, what: str) -> bool:
 
 def _two_processes(tmp_path: Path, device: str, n: int) -> list[dict]:
     first = _child(tmp_path, 3, device, n)
+    second = _child(tmp_path, 4, device, n)
+    return [first, second]
+
+
+def _second_loaded_what_the_first_traced(first: dict, second: dict) -> None:
     assert first["equal"] and not first["fallbacks"], first
     assert _said(first, "traced") and not _said(first, "loaded"), first["log"]
-    second = _child(tmp_path, 4, device, n)
     assert second["equal"] and not second["fallbacks"], second
     assert _said(second, "loaded") and not _said(second, "traced"), second["log"]
     # fusec's own warm start behind it: the IR from the artifact cache, no AOT trace
     assert any("warm start" in line for line in second["log"]), second["log"]
-    return [first, second]
 
 
-def test_second_process_loads_the_precompiled_step(tmp_path):
+@pytest.fixture(scope="module")
+def cpu_processes(tmp_path_factory) -> list[dict]:
+    """The two CPU processes (8 tokens each), shared by the two tests that need new processes."""
+    return _two_processes(tmp_path_factory.mktemp("two_processes"), "cpu", 8)
+
+
+def test_second_process_loads_the_precompiled_step(cpu_processes):
     """A second process (other random weights) loads the step the first traced (dynamo's trace
     skipped), fusec compiles it from its artifact cache, and its tokens equal HF generate()'s."""
-    _two_processes(tmp_path, "cpu", 8)
+    _second_loaded_what_the_first_traced(*cpu_processes)
 
 
 @pytest.mark.gpu
@@ -80,7 +93,9 @@ def test_second_process_loads_the_precompiled_step(tmp_path):
 def test_second_process_loads_the_precompiled_step_gpu(tmp_path):
     """The same on the GPU: the megakernel of a loaded step against HF generate() (fp32), 40
     tokens: 2 plain steps, then chunks of 16 replayed from a CUDA graph of the loaded step."""
-    for res in _two_processes(tmp_path, "cuda", 40):
+    runs = _two_processes(tmp_path, "cuda", 40)
+    _second_loaded_what_the_first_traced(*runs)
+    for res in runs:
         assert any("replayed from a CUDA graph" in line for line in res["log"]), res["log"]
 
 
@@ -151,7 +166,7 @@ def test_precompile_failure_uses_torch_compile(cache_on, caplog, monkeypatch):
     assert not list(cache_on.glob("*.precompiled.art"))
 
 
-def test_code_digest_sees_patches_hooks_and_registries(monkeypatch):
+def test_code_digest_sees_patches_hooks_and_registries(monkeypatch, cpu_processes):
     """The key's code digest changes with a hook, a patched class forward, a rebound module
     function or a registered attention function (dynamo's guards on them cannot be saved), and
     not with other weights; it is the same in another process (no addresses in it)."""
@@ -183,17 +198,11 @@ def test_code_digest_sees_patches_hooks_and_registries(monkeypatch):
     finally:
         AttentionInterface.register("sdpa", before)
     assert model_code_digest(model) == base
-    code = ("import hf_tiny; from fusec.frontend.code_fingerprint import model_code_digest; "
-            "print(model_code_digest(hf_tiny.llama(seed=1)))")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
-    # two new processes agree (not necessarily this one: after test_eager_attention.py's
-    # torch.compile of a model called with output_attentions=True, this process's digest differs;
-    # which global state it sees is not yet found; a differing digest is a cache miss, the safe side)
-    digests = []
-    for _ in range(2):
-        p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-        assert p.returncode == 0, p.stderr[-2000:]
-        digests.append(p.stdout.strip().splitlines()[-1])
+    # two new processes agree (the two-process test's, before they compile anything; not
+    # necessarily this one: after test_eager_attention.py's torch.compile of a model called with
+    # output_attentions=True, this process's digest differs; which global state it sees is not
+    # yet found; a differing digest is a cache miss, the safe side)
+    digests = [res["digest"] for res in cpu_processes]
     assert digests[0] == digests[1] and len(digests[0]) == 64
 
 
