@@ -52,9 +52,33 @@ def _qwen2_gqa7():
     return m
 
 
+def _llama_8_2():
+    return hf_tiny.llama(heads=8, kv_heads=2, head_dim=8)
+
+
 #: model -> (factory, SMs: 16 splits per KV head at capacity 256)
 ACTIVE_MODELS = {"llama": (lambda: hf_tiny.llama(heads=4, kv_heads=2), 32), "qwen2_gqa7": (_qwen2_gqa7, 32),
                  "mha": (lambda: hf_tiny.llama(heads=4, kv_heads=4), 64)}
+
+#: key -> (model, its capture): the tests that lower one capture with other options share it (a
+#: dynamo and AOT trace, a second or more each; lowering copies the graph)
+_CAPTURED: dict = {}
+
+
+def _shared(key, capture):
+    if key not in _CAPTURED:
+        _CAPTURED[key] = capture()
+    return _CAPTURED[key]
+
+
+def _polymorphic(key, factory, cap: int):
+    """(model, :func:`test_runtime_length.polymorphic_capture` of it at capacity ``cap``), shared."""
+    from test_runtime_length import polymorphic_capture
+
+    def capture():
+        model = factory()
+        return model, polymorphic_capture(model, cap)
+    return _shared(("polymorphic", key, cap), capture)
 
 
 def _split_rows_define(r: int) -> dict:
@@ -141,10 +165,10 @@ def test_active_splits_match_eager_at_every_cache_length(model_name, r, merge):
     from fusec.fallbacks import FallbackWatch
     from test_runtime_length import _run_lengths, polymorphic_step
     factory, num_sms = ACTIVE_MODELS[model_name]
-    model = factory()
     with FallbackWatch() as w:
-        sched, flat, cap_cache, ids = polymorphic_step(model, 256, num_sms=num_sms, attention_merge=merge,
-                                                       **_split_rows_define(r))
+        model, captured = _polymorphic(model_name, factory, 256)
+        sched, flat, cap_cache, ids = polymorphic_step(model, 256, num_sms=num_sms, captured=captured,
+                                                       attention_merge=merge, **_split_rows_define(r))
     assert not w.fallbacks, w.fallbacks
     ops = sched.graph.ops
     att = [o for o in ops if o.kind == "attention_partial"]
@@ -164,7 +188,7 @@ def test_active_splits_through_torch_compile_with_a_mask(merge, steps):
     95 (the last row), without and with a 4-D additive mask over the cache (mask_kind 2: the
     3 active splits of all 96 rows), against eager; no fallback."""
     from fusec.fallbacks import FallbackWatch
-    model = hf_tiny.llama(heads=8, kv_heads=2, head_dim=8)
+    model = _llama_8_2()
     vocab, length = model.config.vocab_size, 96
     gen = torch.Generator().manual_seed(7)
     torch._dynamo.reset()
@@ -196,23 +220,33 @@ def test_active_splits_through_torch_compile_with_a_mask(merge, steps):
 
 def _lowered(factory, dtype, num_sms, length, masked=False, **options):
     """The schedule of one decode step of a tiny HF model (bf16 or fp32) after a 3-token prefill
-    of a ``length``-row StaticCache; ``masked``: the call passes a 4-D additive mask (mask_kind 2)."""
-    from fusec.api import compile_model
-    model = factory().to(dtype)
-    cache = hf_tiny.static_cache(model, length)
-    with torch.no_grad():
-        model(input_ids=torch.randint(0, 128, (1, 3)), past_key_values=cache, use_cache=True)
-    kw = {"input_ids": torch.randint(0, 128, (1, 1)), "past_key_values": cache, "use_cache": True}
-    if masked:
-        m = torch.full((1, 1, 1, length), float("-inf"), dtype=dtype)
-        m[..., :4] = 0.0
-        kw.update(attention_mask=m, cache_position=torch.tensor([3]))
-    return compile_model(model, (), kw, {"num_sms": num_sms, **options}).schedule
+    of a ``length``-row StaticCache, lowered with ``num_sms`` and ``options``; ``masked``: the
+    call passes a 4-D additive mask (mask_kind 2). The capture is shared by the calls with the
+    same factory, dtype, length and mask."""
+    from fusec.pipeline import Dumper, lower
+    from fusec.config import Options
+    import step_util
+
+    def capture():
+        model = factory().to(dtype)
+        cache = hf_tiny.static_cache(model, length)
+        with torch.no_grad():
+            model(input_ids=torch.randint(0, 128, (1, 3)), past_key_values=cache, use_cache=True)
+        kw = {"input_ids": torch.randint(0, 128, (1, 1)), "past_key_values": cache, "use_cache": True}
+        if masked:
+            m = torch.full((1, 1, 1, length), float("-inf"), dtype=dtype)
+            m[..., :4] = 0.0
+            kw.update(attention_mask=m, cache_position=torch.tensor([3]))
+        _, g, flat = step_util.capture(model, kw)
+        return model, g, flat
+    _, g, flat = _shared(("step", factory, dtype, length, masked), capture)
+    return lower(g, flat, Options.from_dict({"num_sms": num_sms, **options}), Dumper(None))
 
 
 def _poly_llama(**options):
     from test_runtime_length import polymorphic_step
-    return polymorphic_step(hf_tiny.llama(heads=4, kv_heads=2).to(torch.bfloat16), 4096, num_sms=32, **options)[0]
+    model, captured = _polymorphic("llama_bf16", lambda: hf_tiny.llama(heads=4, kv_heads=2).to(torch.bfloat16), 4096)
+    return polymorphic_step(model, 4096, num_sms=32, captured=captured, **options)[0]
 
 
 #: name -> (lowers a schedule with the given options, FUSEC_ATTN_SPLIT_ROWS, extra defines)
@@ -226,8 +260,7 @@ NVRTC_CASES = {
     # R past the largest block: active splits of several blocks (MB)
     "qwen2_gqa7_blocks": (lambda **o: _lowered(_qwen2_gqa7, torch.bfloat16, 132, 1024, **o), 320, {}),
     # a mask: the rows [0, L) over the active splits (mask_kind 2), the reduce's MK
-    "masked_llama_fp32": (lambda **o: _lowered(lambda: hf_tiny.llama(heads=8, kv_heads=2, head_dim=8),
-                                               torch.float32, 64, 96, masked=True, **o), 32, {}),
+    "masked_llama_fp32": (lambda **o: _lowered(_llama_8_2, torch.float32, 64, 96, masked=True, **o), 32, {}),
 }
 
 

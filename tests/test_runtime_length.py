@@ -39,16 +39,25 @@ def _cache_tensors(cache) -> list[torch.Tensor]:
     return out
 
 
-def polymorphic_step(model, cap: int, num_sms: int, **options):
-    """(schedule, flat inputs of the capture, the capture's cache, token-id input index) of a
-    decode step of ``model`` traced with a cache of ``cap`` rows and lowered length-polymorphic."""
+def polymorphic_capture(model, cap: int) -> tuple:
+    """(IR graph marked polymorphic, flat inputs of the capture, the capture's cache, token-id
+    input index) of a decode step of ``model`` traced with a cache of ``cap`` rows."""
     prompt = torch.randint(0, model.config.vocab_size, (1, 3), generator=torch.Generator().manual_seed(1))
     cache = _prefilled(model, cap, prompt)
     tok = torch.zeros(1, 1, dtype=torch.long)
     _, g, flat = step_util.capture(model, {"input_ids": tok, "past_key_values": cache, "use_cache": True})
     mark_polymorphic(g, cap)
-    sched = lower(g, flat, Options.from_dict({"num_sms": num_sms, **options}), Dumper(None))
     ids = next(k for k, a in enumerate(flat) if isinstance(a, torch.Tensor) and a.data_ptr() == tok.data_ptr())
+    return g, flat, cache, ids
+
+
+def polymorphic_step(model, cap: int, num_sms: int, captured: tuple | None = None, **options):
+    """(schedule, flat inputs of the capture, the capture's cache, token-id input index) of a
+    decode step of ``model`` traced with a cache of ``cap`` rows and lowered length-polymorphic;
+    ``captured``: :func:`polymorphic_capture` of that model and capacity, made before (lowering
+    copies the graph: captures are shared by tests that lower one model with other options)."""
+    g, flat, cache, ids = captured if captured is not None else polymorphic_capture(model, cap)
+    sched = lower(g, flat, Options.from_dict({"num_sms": num_sms, **options}), Dumper(None))
     return sched, flat, cache, ids
 
 
@@ -120,13 +129,14 @@ def test_splits_of_several_blocks_rescale_as_one_softmax():
     the generic (unfused) attention too."""
     from fusec.instructions.attention import AttentionPartial
     model = hf_tiny.llama(heads=4, kv_heads=2)
-    sched, flat, cap_cache, ids = polymorphic_step(model, 1024, num_sms=4)
+    captured = polymorphic_capture(model, 1024)   # one trace, lowered twice
+    sched, flat, cap_cache, ids = polymorphic_step(model, 1024, num_sms=4, captured=captured)
     att = [op for op in sched.graph.ops if op.kind == "attention_partial"]
     assert att and all(op.attrs["chunk"] == 256 and op.attrs["n_chunks"] == 2 for op in att)
     assert all(AttentionPartial.multi_block(op, sched.graph) for op in att)
     _run_lengths(model, sched, flat, cap_cache, ids, [700, 1024], lambda n: [n - 1, 600])
     # no fused kinds: the generic kv_write / attention over the run-time length
-    sched, flat, cap_cache, ids = polymorphic_step(model, 1024, num_sms=4, max_fusions=0)
+    sched, flat, cap_cache, ids = polymorphic_step(model, 1024, num_sms=4, captured=captured, max_fusions=0)
     assert "attention" in sched.graph.count_kinds() and "kv_write" in sched.graph.count_kinds()
     _run_lengths(model, sched, flat, cap_cache, ids, [40, 700], lambda n: [n - 1])
 
