@@ -236,6 +236,7 @@ def _step(n_sms=4, check_watchdog=True, graph_launch=False, staging_a=False):
     step._staging = {"a": torch.empty(4)} if staging_a else {}
     step._told_staging = False
     step._init_lengths()
+    step._init_unmoved()
     a, b = torch.zeros(4), torch.zeros(4)
     step._update_inputs([a, b], ("stream", 7))   # the first call's table
     return step, a, b
@@ -478,6 +479,7 @@ def _poly_step():
     step._staging = {}
     step._told_staging = False
     step._init_lengths()
+    step._init_unmoved()
     return step
 
 

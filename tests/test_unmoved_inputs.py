@@ -33,5 +33,5 @@ def test_only_the_same_objects_at_the_same_addresses_skip_the_check():
     assert s._unmoved([w, k, kv, ids])
     assert not s._unmoved([w, k.view(4), kv, ids])                      # a view at the same address
     assert not s._unmoved([w, k, kv[:3], ids])                           # another run-time length
-    s._fast_ids = None                                                   # a call that raised midway
+    s._fast_refs = None                                                  # a call that raised midway
     assert not s._unmoved([w, k, kv, ids])

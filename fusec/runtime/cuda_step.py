@@ -68,6 +68,14 @@ log = logging.getLogger("fusec.runtime.cuda_step")
 #: C++ comparison where the build has it (CUDA builds: its CUDA-graph trees use it), else mapped
 _PTRS_EQUAL = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
 _DATA_PTR = torch.Tensor.data_ptr
+def _refs(objs: Sequence[Any]) -> list[Any] | None:
+    """Weak references to ``objs`` (None if one cannot have any: no fast check then)."""
+    try:
+        return [weakref.ref(o) for o in objs]
+    except TypeError:
+        return None
+
+
 #: index in the launch's parameter array of the pointer table (a captured launch passes its own)
 _BUFS_PARAM = [p.name for p in kernel_params(False)].index("bufs_g")
 
@@ -357,9 +365,10 @@ class CudaStep:
                                      f"of one call must have one length")
         return {k: got[sym][0] if sym in got else self.g.lengths[sym] for sym, k in self._len_slot.items()}
 
-    def _init_unmoved(self, flat_args: Sequence[Any]) -> None:
+    def _init_unmoved(self, flat_args: Sequence[Any] | None = None) -> None:
         """The inputs :meth:`_unmoved` compares at once: all but those with a staging buffer
-        (token ids, masks, positions: few, checked one by one)."""
+        (token ids, masks, positions: few, checked one by one); ``flat_args``: the inputs the
+        table holds now (None: the first call takes the full check)."""
         idx = [i for name, i in self.input_pos.items() if name not in self._staging]
         self._fast_get = (operator.itemgetter(*idx) if len(idx) > 1 else
                           (lambda a: (a[idx[0]],)) if idx else (lambda a: ()))
@@ -368,23 +377,22 @@ class CudaStep:
         self._rest = [(name, i) for name, i in self.input_pos.items() if name in self._staging]
         self._fast_seen = [self.seen[i] for i in idx]
         self._fast_all = list(range(len(idx)))
-        # the ids of the input objects of the last call whose table update completed (None: the
-        # next call takes the full check; a call that raised may have written some entries).
-        # Ids, not the objects: a step kept on the model must not keep the last call's KV cache
-        # alive (a new object at a freed one's id and at the same address is taken as
-        # unchanged: its layout is not checked again)
-        self._fast_ids: list[int] | None = list(map(id, self._fast_get(flat_args)))
+        # weak references to the input objects of the last call whose table update completed
+        # (None: the next call takes the full check; a call that raised may have written some
+        # entries). Weak: a step kept on the model must not keep the last call's KV cache alive;
+        # not ids: a new view made at a freed one's id and address must be checked
+        self._fast_refs: list[Any] | None = None if flat_args is None else _refs(self._fast_get(flat_args))
 
     def _unmoved(self, args: Sequence[Any]) -> bool:
-        """Whether every input without a staging buffer is the same tensor object (its id) as at
-        the last call, at the same address, with the same run-time lengths: then none of their
+        """Whether every input without a staging buffer is the same tensor object as at the
+        last call, at the same address, with the same run-time lengths: then none of their
         table entries changes (the weights and KV caches of a decode loop, about 200 inputs for
         a 16-layer model, compared in C: one by one in Python they cost about 0.2 ms per call).
         A parameter rebound through ``.data`` keeps its object and moves its address: seen
         here. A new object (a view at the same address) takes the full check; an in-place
         change of an object's strides (``transpose_``) at the same address is not seen."""
-        sub = self._fast_get(args)
-        if self._fast_ids is None or list(map(id, sub)) != self._fast_ids:
+        sub, refs = self._fast_get(args), self._fast_refs
+        if refs is None or len(refs) != len(sub) or any(r() is not t for r, t in zip(refs, sub)):
             return False
         if _PTRS_EQUAL is not None:
             if not _PTRS_EQUAL(list(sub), self._fast_seen, self._fast_all):
@@ -398,10 +406,10 @@ class CudaStep:
         if self._unmoved(args):
             self._update_each(args, stream, self._rest)
             return
-        self._fast_ids = None
+        self._fast_refs = None
         self._update_each(args, stream, self.input_pos.items())
         self._fast_seen = [self.seen[i] for i in self._fast_idx]
-        self._fast_ids = list(map(id, self._fast_get(args)))
+        self._fast_refs = _refs(self._fast_get(args))
 
     def _update_each(self, args: Sequence[Any], stream: Any, inputs: Any) -> None:
         """Input by input (``(name, index)`` pairs): a moved, restrided, resized or staged
