@@ -8,33 +8,45 @@ import pytest
 import torch
 
 import hf_tiny
-from fusec.api import compile_model
+from fusec.api import CompileResult
+from fusec.config import Options
+from fusec.pipeline import Dumper, lower
 from fusec.cuda.codegen import WORD, render
 from fusec.cuda.knobs import LATENCY_KNOBS_OFF
 from fusec.cuda.jit import compile_cuda, compile_ptx
 
 
 _STEPS: dict = {}
+_CAPTURES: dict = {}
 
 
 def _tiny_decode_step(factory, dtype, num_sms, **options):
-    """compile_model result of one decode step of a tiny HF model after a 3-token prefill.
+    """What compile_model returns (schedule and graph) for one decode step of a tiny HF model
+    after a 3-token prefill, lowered with ``num_sms`` and ``options``.
 
-    Tests that ask for the same factory, dtype, SM count and options share one compile (a
-    capture costs about a second; these tests only render the schedule, which reads it)."""
+    Tests that ask for the same factory and dtype share one capture (a dynamo and AOT trace,
+    about a second; lowering copies its graph), and those with the same SM count and options
+    one lowering too (these tests only render the schedule, which reads it)."""
     key = (factory, dtype, num_sms, tuple(sorted(options.items())))
     if key not in _STEPS:
-        _STEPS[key] = _compile_decode_step(factory, dtype, num_sms, **options)
+        if (factory, dtype) not in _CAPTURES:
+            _CAPTURES[factory, dtype] = _capture_decode_step(factory, dtype)
+        g, flat = _CAPTURES[factory, dtype]
+        opts = Options.from_dict({"num_sms": num_sms, **options})
+        _STEPS[key] = CompileResult(lower(g, flat, opts, Dumper(None)), opts, None)
     return _STEPS[key]
 
 
-def _compile_decode_step(factory, dtype, num_sms, **options):
+def _capture_decode_step(factory, dtype):
+    """(IR graph, flat inputs) of the step (step_util.capture: compile_model's capture)."""
+    import step_util
     model = factory().to(dtype)
     cache = hf_tiny.static_cache(model, 32)
     with torch.no_grad():
         model(input_ids=torch.randint(0, 128, (1, 3)), past_key_values=cache, use_cache=True)
-    return compile_model(model, (), {"input_ids": torch.randint(0, 128, (1, 1)),
-                                     "past_key_values": cache, "use_cache": True}, {"num_sms": num_sms, **options})
+    _, g, flat = step_util.capture(model, {"input_ids": torch.randint(0, 128, (1, 1)),
+                                           "past_key_values": cache, "use_cache": True})
+    return g, flat
 
 
 @pytest.mark.parametrize("factory,dtype", [(hf_tiny.llama, torch.bfloat16), (hf_tiny.qwen3, torch.float32)])
