@@ -299,7 +299,8 @@ def bench_family(name: str, args: argparse.Namespace) -> dict[str, Any]:
             return model(input_ids=tok, past_key_values=ecache).logits
         _, ref, row["eager_ms"], row["eager_loop_mean_ms"] = time_engine(eager_step, toks)
         torch._dynamo.reset()
-        compiled = torch.compile(model, backend="fusec")
+        compiled = torch.compile(model, backend="fusec", options=args.options) if args.options else \
+            torch.compile(model, backend="fusec")
         with FallbackWatch() as w:
             row["compile_s"], out, row["fusec_ms"], row["fusec_loop_mean_ms"] = time_engine(fusec_step, toks)
             row["rel_err"] = rel_err(out, ref)
@@ -351,6 +352,8 @@ def dry_run(names: list[str], args: argparse.Namespace) -> int:
 def print_table(rows: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
     def f(v: Any, spec: str) -> str:
         return format(v, spec) if isinstance(v, float) else format("-", ">" + spec.split(".")[0])
+    if args.options:
+        print(f"\nNON-DEFAULT fusec options: {json.dumps(args.options)}")
     print(f"\nbf16 decode step, batch 1, StaticCache {args.max_cache_len}, prefill {args.prefill}; median of "
           f"{args.steps} plain-loop calls (graph: CUDA-graph replays of the compiled call); floor: the bytes "
           f"a step reads / {args.bandwidth / 1e12:.2f} TB/s; share = floor / fusec graph")
@@ -401,6 +404,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bandwidth", type=float, default=H200_READ_BANDWIDTH,
                     help="read bandwidth in B/s for the floor (default %(default).3g: the H200's)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--options", type=json.loads, default=None,
+                    help="fusec options as JSON (NOT the default configuration: recorded in the JSON and the table title)")
     ap.add_argument("--out", type=Path, default=ROOT / "build" / "families-bench.json")
     ap.add_argument("--dry-run", action="store_true",
                     help="CPU: build each model on the meta device, print layers, sizes and floor")
@@ -432,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
         "config": args.config, "layers": "full" if args.layers is None else args.layers, "steps": args.steps,
         "max_cache_len": args.max_cache_len, "prefill": args.prefill, "warmup": WARMUP, "peer": args.peer,
         "bandwidth": args.bandwidth, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-        "transformers": transformers.__version__}, "families": {}}
+        "transformers": transformers.__version__, "options": args.options}, "families": {}}
     rows = results["families"]
     for name in names:
         t0 = time.perf_counter()

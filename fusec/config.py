@@ -107,6 +107,7 @@ _RULES = {
     "profile_step": _int(1),
     "attention_merge": _choice(ATTENTION_MERGES),
     "chain": _bool(),
+    "prologue": _bool(),
     "mode": _choice([m for m in MODES if m is not None], none=True),
     "cache": _bool(),
     "cache_max_mb": _int(0),
@@ -195,6 +196,11 @@ class Options:
             one CTA (:mod:`fusec.passes.chain`) instead of one dependency level each. False
             keeps one instruction per op (for measuring the difference); so does a set
             ``max_fusions`` (bisecting the fusions).
+        prologue: fold the small vector ops in front of a matvec kind (a post-norm and its
+            residual add, a scaled residual, an embedding scale) into that kind, each of its tiles
+            computing them in its shared memory (:mod:`fusec.passes.prologue`), instead of a
+            dependency level of their own. False keeps them (for measuring the difference); so
+            does a set ``max_fusions``.
         defines: ``#define`` name -> value for the kernel source: the tuning knobs of
             :data:`fusec.cuda.knobs.KNOBS` (``FUSEC_LOADS_IN_FLIGHT``, ``FUSEC_ATTN_SINGLE``)
             and their defaults.
@@ -235,6 +241,7 @@ class Options:
     profile_step: int = _opt(3)
     attention_merge: str = _opt("last_tile", lowering=lambda v: v)
     chain: bool = _opt(True, lowering=bool)
+    prologue: bool = _opt(True, lowering=bool)
     defines: dict[str, Any] = _opt(None, factory=dict,
                                    lowering=lambda v: sorted((str(k), str(x)) for k, x in v.items()))
     mode: str | None = _opt(None)

@@ -2,13 +2,13 @@
 
 ``build_ir`` (capture -> IR) runs when dynamo hands over a graph; :func:`stages` lists what runs
 after it, at the first call, with the real input values: normalize -> fold_constants ->
-split_linear -> recognize -> check_lengths -> fold_position -> fuse -> chain -> tile -> schedule,
+split_linear -> recognize -> check_lengths -> fold_position -> fuse -> chain -> prologue -> tile -> schedule,
 then for the ``cuda`` target render -> nvrtc (started on a thread). :func:`run` runs them, each
 with its ``stage <name>`` log line; the artifact cache wraps that run once
 (:func:`fusec.cache.artifacts.compile_graph`). The IR checker runs after every graph pass and
 names the pass that broke an invariant. With ``dump_dir`` set (or ``FUSEC_DUMP``), every stage
 writes its artifact there: ``00_aten.txt``, ``01_ir.txt``, ``02_normalize.txt`` ...
-``schedule.json``, ``10_kernel.cu``.
+``schedule.json``, ``11_kernel.cu``.
 """
 from __future__ import annotations
 
@@ -172,8 +172,8 @@ def stages(opts: Options, target: str = "sim", weights: Mapping[str, torch.Tenso
     """The stages after ``build_ir``, in order: the graph passes, ``tile`` and ``schedule``, and for
     the ``cuda`` target ``render`` (the kernel's source) and ``nvrtc`` (CUBIN, started on a thread).
     ``weights``: the small weights' values the graph passes fold (:class:`ValueReads`)."""
-    from fusec.passes import (chain, check_lengths, fold_constants, fold_position, fuse, normalize, recognize,
-                              schedule, split_linear, tile)
+    from fusec.passes import (chain, check_lengths, fold_constants, fold_position, fuse, normalize, prologue,
+                              recognize, schedule, split_linear, tile)
     num_sms = opts.num_sms or 132
     w = weights if weights is not None else {}
     graph_passes: list[tuple[str, Callable[[Graph], Graph]]] = [
@@ -185,6 +185,7 @@ def stages(opts: Options, target: str = "sim", weights: Mapping[str, torch.Tenso
         ("fold_position", lambda g: fold_position.run(g, w, opts.position_rows)),
         ("fuse", lambda g: fuse.run(g, num_sms, opts.max_fusions, opts.attention_merge, opts.defines)),
         ("chain", lambda g: chain.run(g) if opts.chain and opts.max_fusions is None else g),
+        ("prologue", lambda g: prologue.run(g) if opts.prologue and opts.max_fusions is None else g),
     ]
     out = [Stage(name, _checked(name, fn), _graph_report(name)) for name, fn in graph_passes]
     out += [Stage("tile", lambda g: (g, tile.run(g, num_sms)), _tiles_report),

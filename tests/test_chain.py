@@ -97,8 +97,9 @@ def test_two_dependencies_at_the_same_depth_start_no_chain():
 
 
 def _olmo2_layers(chain: bool):
-    """The lowered bf16 OLMo-2 (its RoPE computes in fp32: a cast before the cache) of 2 layers."""
-    return step_util.lowered(hf_tiny.olmo2().to(torch.bfloat16), chain=chain)
+    """The lowered bf16 OLMo-2 (its RoPE computes in fp32: a cast before the cache) of 2 layers,
+    its post-norm chains left standing (``prologue`` off: tests/test_prologue.py folds them)."""
+    return step_util.lowered(hf_tiny.olmo2().to(torch.bfloat16), chain=chain, prologue=False)
 
 
 def test_olmo2_norm_rope_cast_write_and_post_norm_add_are_chains():

@@ -177,7 +177,8 @@ def test_every_option_declares_whether_it_changes_lowering():
     assert all("lowering" in f.metadata for f in fields)
     key = config.lowering_options(config.Options.from_dict({"num_sms": 8}))
     assert set(key) == {f.name for f in fields if f.metadata["lowering"] is not None}
-    assert set(key) == {"num_sms", "max_fusions", "attention_merge", "chain", "profile", "defines", "position_rows"}
+    assert set(key) == {"num_sms", "max_fusions", "attention_merge", "chain", "prologue", "profile", "defines",
+                        "position_rows"}
     assert config.lowering_options(config.Options.from_dict({}))["num_sms"] == 132
 
     # a class like Options with one undeclared field is refused (the check runs on Options at import)

@@ -16,7 +16,7 @@ from fusec.pipeline import Dumper
 from step_util import neg_mul_graph
 
 PASSES = ["normalize", "fold_constants", "split_linear", "recognize", "check_lengths", "fold_position", "fuse",
-          "chain", "tile", "schedule"]
+          "chain", "prologue", "tile", "schedule"]
 
 
 @pytest.fixture
@@ -52,7 +52,7 @@ def test_every_stage_logs_and_dumps(tmp_path, caplog, fake_nvrtc, monkeypatch):
     assert [n for n in logged if n != "nvrtc"] == ["artifacts"] + PASSES + ["render", "artifacts"], logged
     assert logged.count("nvrtc") == 1 and logged.index("nvrtc") > logged.index("render"), logged
     names = sorted(p.name for p in (tmp_path / "dump").iterdir())
-    assert names == sorted([f"{i:02d}_{n}.txt" for i, n in enumerate(PASSES[:8])] + ["08_kernel.cu", "schedule.json"])
+    assert names == sorted([f"{i:02d}_{n}.txt" for i, n in enumerate(PASSES[:9])] + ["09_kernel.cu", "schedule.json"])
 
 
 def test_a_second_compile_runs_no_stage(tmp_path, caplog, fake_nvrtc, monkeypatch):

@@ -211,6 +211,7 @@ def render(s: Schedule, title: str = "", threads: int = THREADS, profile: bool =
                 gen_helpers.append(gen["helpers"])
         early = mod.early(args).strip() if hasattr(mod, "early") else ""
         call = cls.call.text(op, args) if cls.call is not None else mod.call(args).strip()
+        call = args.get("pre", "") + call   # a folded prologue's statements (fusec/instructions/prologue.py)
         cases.append({"op": k, "name": op.name, "kind": op.kind, "layer": op.layer,
                       "call": call, "early": early})
         smem = max(smem, cls.smem_floats(op, g))

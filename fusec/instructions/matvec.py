@@ -14,6 +14,7 @@ from fusec.ir.pattern import opt, sem, var
 from fusec.instructions.base import Instruction, Tile, register
 from fusec.instructions.call import P0, P1, SMEM, Call, Flag, Int, Ptr, Type
 from fusec.instructions.matvec_rows import row_tiles, rows_dot
+from fusec.instructions.prologue import STAGED, TakesPrologue, adjust_tiles, vec_inputs
 from fusec.instructions.rule import Rule
 
 
@@ -25,7 +26,7 @@ def _one_vector(g: Graph, m: dict) -> bool:
 
 
 @register
-class Matvec(Instruction):
+class Matvec(TakesPrologue, Instruction):
     name = "matvec"
     #: any linear layer no other rule took (it keeps the linear's name)
     rules = (Rule(sem("linear", x=var("x"), w=var("w"), b=opt(var("b"))), inputs={"x": "x", "w": "w", "b": "b"},
@@ -34,15 +35,15 @@ class Matvec(Instruction):
     @classmethod
     def tiles(cls, op: Op, g: Graph, want: int) -> list[Tile]:
         rows = g.tensors[op.inputs["w"]].shape[0]
-        return row_tiles(op, g, want, [op.inputs["w"]], [op.inputs["x"]],
-                         [op.inputs["b"]] if "b" in op.inputs else [], op.outputs["out"], rows)
+        return adjust_tiles(op, g, row_tiles(op, g, want, [op.inputs["w"]], vec_inputs(op, g, False),
+                                             [op.inputs["b"]] if "b" in op.inputs else [], op.outputs["out"], rows))
 
     call = Call("matvec", targs=(Type("tx", "x"), Type("tw", "w"), Type("tb", "b", "w"), Type("to", "out"),
-                                 Int("K", lambda op, g: g.tensors[op.inputs["w"]].shape[1]), Flag("bias", has="b")),
+                                 Int("K", lambda op, g: g.tensors[op.inputs["w"]].shape[1]), Flag("bias", has="b"), STAGED),
                 args=(Ptr("x"), Ptr("w"), Ptr("b"), Ptr("out"), P0, P1, SMEM))
 
     @classmethod
-    def smem_floats(cls, op: Op, g: Graph) -> int:
+    def own_smem(cls, op: Op, g: Graph) -> int:
         return g.tensors[op.inputs["w"]].shape[1]
 
     @classmethod

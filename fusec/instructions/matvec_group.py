@@ -20,7 +20,8 @@ from fusec.ir.env import Env
 from fusec.ir import Graph, Op, Role
 from fusec.instructions.base import Instruction, Region, Tile, register, split_range
 from fusec.instructions.call import P0, P1, SMEM, Call, Flag, Int, Ptr, Type
-from fusec.instructions.matvec_rows import elt
+from fusec.instructions.matvec_rows import elt, staged
+from fusec.instructions.prologue import STAGED, TakesPrologue, adjust_tiles, vec_inputs, xin
 from fusec.instructions.rule import Ctx, Fusion, Rule
 
 #: at most this many sibling linears in one op (q/k/v: 3; gate/up: 2)
@@ -98,20 +99,21 @@ def _rows(j: int):
 
 
 @register
-class MatvecGroup(Instruction):
+class MatvecGroup(TakesPrologue, Instruction):
     name = "matvec_group"
     #: before the single-linear ``matvec`` rule (70), after the norm-fused kinds
     rules = (Rule(match=_siblings, anchors=("linear",), priority=65),)
 
     @classmethod
     def tiles(cls, op: Op, g: Graph, want: int) -> list[Tile]:
-        """About ``want`` tiles over the rows of all W_j together, each reading x whole."""
-        x = op.inputs["x"]
-        K = g.tensors[x].numel
+        """About ``want`` tiles over the rows of all W_j together, each reading x whole (with a
+        folded prologue: its inputs)."""
+        K = g.tensors[xin(op)].numel
+        vec = vec_inputs(op, g, False)
         tiles = []
         for i, (r0, r1) in enumerate(split_range(sum(op.attrs["rows"]), want)):
-            reads, writes = [Region.whole(g, x)], []
-            wbytes, abytes = 0, g.tensors[x].nbytes
+            reads, writes = [Region.whole(g, v) for v in vec], []
+            wbytes, abytes = 0, sum(g.tensors[v].nbytes for v in vec)
             for j, lo, hi in _segments(op, r0, r1):
                 w, out = op.inputs[f"w{j}"], op.outputs[f"out{j}"]
                 reads.append(Region.of(g, w, lo * K, hi * K))
@@ -122,23 +124,23 @@ class MatvecGroup(Instruction):
                 writes.append(Region.of(g, out, lo, hi))
                 abytes += (hi - lo) * elt(g, out)
             tiles.append(Tile(op.name, i, {"rows": [r0, r1]}, reads, writes, wbytes, abytes))
-        return tiles
+        return adjust_tiles(op, g, tiles)
 
     call = Call("matvec_group",
                 targs=(Type("tx", "x"), Type("tw", "w0"), Type("tb", "b0", "w0"), Type("to", "out0"),
-                       Int("K", lambda op, g: g.tensors[op.inputs["x"]].numel), Flag("bias", has="b0"),
-                       _rows(0), _rows(1), _rows(2), _rows(3)),
+                       Int("K", lambda op, g: g.tensors[xin(op)].numel), Flag("bias", has="b0"),
+                       _rows(0), _rows(1), _rows(2), _rows(3), STAGED),
                 args=(Ptr("x"), Ptr("w0"), Ptr("w1"), Ptr("w2"), Ptr("w3"), Ptr("b0"), Ptr("b1"), Ptr("b2"),
                       Ptr("b3"), Ptr("out0"), Ptr("out1"), Ptr("out2"), Ptr("out3"), P0, P1, SMEM))
 
     @classmethod
-    def smem_floats(cls, op: Op, g: Graph) -> int:
-        return g.tensors[op.inputs["x"]].numel
+    def own_smem(cls, op: Op, g: Graph) -> int:
+        return g.tensors[xin(op)].numel
 
     @classmethod
     def run_tile(cls, op: Op, tile: Tile, env: Env) -> None:
         r0, r1 = tile.params["rows"]
-        x = env.read(op.inputs["x"]).reshape(-1).float()
+        x = staged(op, env, False)
         for j, lo, hi in _segments(op, r0, r1):
             y = env.read(op.inputs[f"w{j}"])[lo:hi].float() @ x
             if f"b{j}" in op.inputs:

@@ -8,6 +8,7 @@ from fusec.ir import Graph, Op
 from fusec.ir.semantics import rms_normalize
 from fusec.instructions.base import Region, Tile, split_range
 from fusec.instructions.call import Expr, Flag, Int, Type
+from fusec.instructions import prologue
 
 
 def elt(g: Graph, t: str) -> int:
@@ -47,8 +48,17 @@ def row_tiles(op: Op, g: Graph, want: int, weights: list[str], vec_inputs: list[
 
 def rows_dot(op: Op, env: Env, r0: int, r1: int) -> torch.Tensor:
     """``W[r0:r1] @ x`` in fp32 (unrounded) for a row-tiled matvec kind (inputs ``w``, ``x``)."""
-    x = env.read(op.inputs["x"]).reshape(-1).float()
-    return env.read(op.inputs["w"])[r0:r1].float() @ x
+    return env.read(op.inputs["w"])[r0:r1].float() @ staged(op, env, False)
+
+
+def staged(op: Op, env: Env, norm: bool) -> torch.Tensor:
+    """The vector a row-tiled kind stages, fp32 [H]: its folded prologue's result
+    (:mod:`fusec.instructions.prologue`), else RMSNorm(x) (``norm``), else x."""
+    if prologue.has(op):
+        return prologue.run(op, env)
+    if norm:
+        return rms_prologue(op, env)
+    return env.read(op.inputs["x"]).reshape(-1).float()
 
 
 def rms_attrs(g: Graph, rms: Op) -> dict:
@@ -60,12 +70,12 @@ def rms_attrs(g: Graph, rms: Op) -> dict:
 def rms_types(w: str, out: str = "out") -> tuple:
     """The template arguments the RMSNorm-prologue kinds start with: TX, TNW, TN (the norm's
     output dtype), TW (weight ``w``), TO (output ``out``)."""
-    return (Type("tx", "x"), Type("tnw", "norm_w"), Expr("tn", lambda op, g, bufs: bufs.cname(op.attrs["norm_dtype"])),
+    return (Type("tx", "x"), Type("tnw", "norm_w", otherwise="float"), Expr("tn", lambda op, g, bufs: bufs.cname(op.attrs["norm_dtype"])),
             Type("tw", w), Type("to", out))
 
 
 #: H: the hidden size (elements of x)
-HIDDEN = Int("H", lambda op, g: g.tensors[op.inputs["x"]].numel)
+HIDDEN = Int("H", lambda op, g: g.tensors[prologue.xin(op)].numel)
 
 
 #: WF32: the norm weight applied in fp32 (Gemma); C++ default false

@@ -18,7 +18,8 @@ from fusec.ir import Graph, Op, Role
 from fusec.ir.pattern import ABSENT, sem, var
 from fusec.instructions.base import Instruction, Tile, register
 from fusec.instructions.call import P0, P1, RED, SMEM, Call, Expr, Flag, Float, Int, Ptr, Type
-from fusec.instructions.matvec_rows import HIDDEN, WF32, rms_attrs, rms_prologue, row_tiles
+from fusec.instructions.matvec_rows import HIDDEN, WF32, rms_attrs, row_tiles, staged
+from fusec.instructions.prologue import STAGED, TakesPrologue, adjust_tiles, vec_inputs, xin
 from fusec.instructions.rule import Rule
 
 
@@ -58,11 +59,11 @@ def _plain_ok(g: Graph, m: dict) -> bool:
 def _staged(op: Op, g: Graph, bufs) -> str:
     """TN, the C type of the vector in shared memory that the rows dot with: the norm's output
     dtype, or x's own."""
-    return bufs.cname(op.attrs["norm_dtype"]) if _normed(op) else bufs.ctype(op.inputs["x"])
+    return bufs.cname(op.attrs["norm_dtype"]) if _normed(op) else bufs.ctype(xin(op))
 
 
 @register
-class RmsGateUpSilu(Instruction):
+class RmsGateUpSilu(TakesPrologue, Instruction):
     name = "rms_gate_up_silu"
     #: RMSNorm -> gate and up linears (no bias, one input) -> SiLU or GELU product (30); the
     #: same without the norm (35: a normed input keeps its norm in the op; a pair that reads a
@@ -82,22 +83,23 @@ class RmsGateUpSilu(Instruction):
     @classmethod
     def tiles(cls, op: Op, g: Graph, want: int) -> list[Tile]:
         rows = g.tensors[op.inputs["wg"]].shape[0]
-        vec = [op.inputs["x"], op.inputs["norm_w"]] if _normed(op) else [op.inputs["x"]]
-        return row_tiles(op, g, want, [op.inputs["wg"], op.inputs["wu"]], vec, [], op.outputs["out"], rows)
+        vec = vec_inputs(op, g, _normed(op))
+        return adjust_tiles(op, g, row_tiles(op, g, want, [op.inputs["wg"], op.inputs["wu"]], vec, [],
+                                             op.outputs["out"], rows))
 
     #: without the norm: TNW float, TN = TX, norm_w nullptr, eps 0 (unused), NORM false
     call = Call("rms_gate_up_silu",
                 targs=(Type("tx", "x"), Type("tnw", "norm_w", otherwise="float"), Expr("tn", _staged),
                        Type("tw", "wg"), Type("to", "out"), HIDDEN, WF32,
                        Int("act", lambda op, g: ACTS.index(op.attrs.get("act", "silu")), default=0),
-                       Flag("norm", fn=_normed, default="true")),
+                       Flag("norm", fn=_normed, default="true"), STAGED),
                 args=(Ptr("x"), Ptr("norm_w"), Float("eps", "eps", fallback=0.0), Ptr("wg"), Ptr("wu"), Ptr("out"),
                       P0, P1, SMEM, RED),
                 numbering=("x", "norm_w", "out", "wg", "wu"))
 
     @classmethod
-    def smem_floats(cls, op: Op, g: Graph) -> int:
-        return g.tensors[op.inputs["x"]].numel
+    def own_smem(cls, op: Op, g: Graph) -> int:
+        return g.tensors[xin(op)].numel
 
     @classmethod
     def run_tile(cls, op: Op, tile: Tile, env: Env) -> None:
@@ -106,7 +108,7 @@ class RmsGateUpSilu(Instruction):
         SiLU unrounded (as the ``silu_mul`` semantics), GELU rounded; the product rounded once."""
         r0, r1 = tile.params["rows"]
         dt = env.g.tensors[op.outputs["out"]].dtype
-        n = rms_prologue(op, env) if _normed(op) else env.read(op.inputs["x"]).reshape(-1).float()
+        n = staged(op, env, _normed(op))
         gate = (env.read(op.inputs["wg"])[r0:r1].float() @ n).to(dt).float()
         up = (env.read(op.inputs["wu"])[r0:r1].float() @ n).to(dt).float()
         act = op.attrs.get("act", "silu")

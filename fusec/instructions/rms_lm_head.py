@@ -22,7 +22,8 @@ from fusec.ir import Graph, Op
 from fusec.ir.pattern import ABSENT, op, sem, var
 from fusec.instructions.base import Instruction, Region, Tile, register, split_range
 from fusec.instructions.call import P0, P1, RED, SMEM, Call, Expr, Float, Int, Local, Ptr
-from fusec.instructions.matvec_rows import HIDDEN, WF32, rms_attrs, rms_prologue, rms_types, row_tiles
+from fusec.instructions.matvec_rows import HIDDEN, WF32, rms_attrs, rms_types, row_tiles, staged
+from fusec.instructions.prologue import STAGED, TakesPrologue, adjust_tiles, vec_inputs, xin
 from fusec.instructions.rule import Ctx, Rule
 
 
@@ -55,7 +56,7 @@ def _add_token(c: Ctx, m: dict) -> list:
 
 
 @register
-class RmsLmHead(Instruction):
+class RmsLmHead(TakesPrologue, Instruction):
     name = "rms_lm_head"
     rules = (
         #: RMSNorm -> one linear (no bias): the final norm and the LM head, or any such pair
@@ -73,8 +74,8 @@ class RmsLmHead(Instruction):
         rows = g.tensors[op.inputs["w"]].shape[0]
         if "token" in op.outputs:
             want = min(want, g.tensors[op.outputs["cand"]].shape[0])
-        tiles = row_tiles(op, g, want, [op.inputs["w"]], [op.inputs["x"], op.inputs["norm_w"]], [],
-                          op.outputs["out"], rows)
+        tiles = adjust_tiles(op, g, row_tiles(op, g, want, [op.inputs["w"]], vec_inputs(op, g, True), [],
+                                              op.outputs["out"], rows))
         if "token" in op.outputs:
             nt = len(tiles)
             for i, t in enumerate(tiles):
@@ -89,16 +90,16 @@ class RmsLmHead(Instruction):
         return [*tile.params["rows"], tile.params.get("index", 0)]
 
     call = Call(lambda op: "rms_lm_head_argmax" if _argmax(op) else "rms_lm_head",
-                targs=(*rms_types("w"), HIDDEN, Int("NT", n_tiles, when=_argmax), WF32),
-                args=(Ptr("x"), Ptr("norm_w"), Float("eps", "eps"), Ptr("w"), Ptr("out"),
+                targs=(*rms_types("w"), HIDDEN, Int("NT", n_tiles, when=_argmax), WF32, STAGED),
+                args=(Ptr("x"), Ptr("norm_w"), Float("eps", "eps", fallback=0.0), Ptr("w"), Ptr("out"),
                       Ptr("cand", when=_argmax), Ptr("token", when=_argmax),
                       Expr("ticket", lambda op, g, bufs: bufs.counters(op.name, 1), when=_argmax),
                       P0, P1, Local("in.p2", when=_argmax), SMEM, RED),
                 numbering=("x", "norm_w", "out", "w", "cand", "token"))
 
     @classmethod
-    def smem_floats(cls, op: Op, g: Graph) -> int:
-        return g.tensors[op.inputs["x"]].numel
+    def own_smem(cls, op: Op, g: Graph) -> int:
+        return g.tensors[xin(op)].numel
 
     @classmethod
     def runtime_regions(cls, op: Op, tile: Tile, env: Env):
@@ -121,7 +122,7 @@ class RmsLmHead(Instruction):
     def run_tile(cls, op: Op, tile: Tile, env: Env) -> None:
         r0, r1 = tile.params["rows"]
         dt = env.g.tensors[op.outputs["out"]].dtype
-        n = rms_prologue(op, env)
+        n = staged(op, env, True)
         logits = (env.read(op.inputs["w"])[r0:r1].float() @ n).to(dt)
         env.flat(op.outputs["out"])[r0:r1] = logits
         if "token" not in op.outputs:

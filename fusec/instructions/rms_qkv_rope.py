@@ -31,12 +31,19 @@ from fusec.ir import Graph, Op
 from fusec.ir.semantics import rms_normalize
 from fusec.instructions.base import Instruction, Region, Tile, register, split_range
 from fusec.instructions.call import P0, P1, P2, RED, SMEM, Call, Expr, Flag, Float, Int, Ptr, Type
-from fusec.instructions.matvec_rows import HIDDEN, WF32, elt, rms_attrs, rms_prologue, rms_types
+from fusec.instructions.matvec_rows import HIDDEN, WF32, elt, rms_attrs, rms_types, staged
+from fusec.instructions.prologue import STAGED, TakesPrologue, adjust_tiles, externals, has, xin
 from fusec.instructions.rule import Ctx, Fusion, Rule
 
 
 def _bias_or_wf32(op: Op) -> bool:
     return "bq" in op.inputs or bool(op.attrs.get("w_fp32"))
+
+
+def _explicit(op: Op) -> bool:
+    """BIAS and TB are written out: a later template argument (WF32, STAGED) differs from its
+    default."""
+    return _bias_or_wf32(op) or has(op)
 
 
 def match_qkv(c: Ctx, att: Op) -> Fusion | None:
@@ -118,7 +125,7 @@ def match_qkv(c: Ctx, att: Op) -> Fusion | None:
 
 
 @register
-class RmsQkvRope(Instruction):
+class RmsQkvRope(TakesPrologue, Instruction):
     name = "rms_qkv_rope"
     #: first of all rules: it needs the ``attention`` op (to find the q and the caches) unsplit
     rules = (Rule(match=match_qkv, anchors=("attention",), priority=10),)
@@ -170,6 +177,8 @@ class RmsQkvRope(Instruction):
         hid = g.tensors[op.inputs["wq"]].shape[1]
         vec = [op.inputs[s] for s in ("x", "norm_w", "cos_table", "sin_table", "rope_pos", "kv_pos",
                                       "q_norm_w", "k_norm_w", "bq", "bk", "bv") if s in op.inputs]
+        if has(op):   # a folded prologue: its inputs instead of x and the norm's weight
+            vec = externals(op) + vec
         pieces = cls._pieces(op, g, want)
         vec_bytes = sum(g.tensors[v].nbytes for v in vec if g.tensors[g.root(v)].role.value != "constant")
         tiles = []
@@ -191,11 +200,11 @@ class RmsQkvRope(Instruction):
                     reads.append(Region.of(g, op.outputs["qk_part"], h * d, (h + 1) * d))
                 if piece or out != "q":   # the whole head (or its cache rows)
                     writes.append(cls._head_out(op, g, h))
-            abytes = vec_bytes + (2 * (u1 - u0) * 4 + (d * 4 + d * elt(g, op.inputs["x"])) // pieces if split
-                                  else 2 * (u1 - u0) * 2 * elt(g, op.inputs["x"]))
+            abytes = vec_bytes + (2 * (u1 - u0) * 4 + (d * 4 + d * elt(g, xin(op))) // pieces if split
+                                  else 2 * (u1 - u0) * 2 * elt(g, xin(op)))
             tiles.append(Tile(op.name, i, {"units": [u0, u1], "pieces": pieces}, _merge(reads), _merge(writes),
                               wbytes, abytes))
-        return tiles
+        return adjust_tiles(op, g, tiles)
 
     @classmethod
     def _head_out(cls, op: Op, g: Graph, h: int, pos: int | None = None, L: int | None = None) -> Region:
@@ -217,13 +226,13 @@ class RmsQkvRope(Instruction):
 
     call = Call("rms_qkv_rope",
                 targs=(*rms_types("wq", "q"), Type("tt", "cos_table"), Type("tc", "kcache"),
-                       Type("thn", "q_norm_w", "norm_w"), HIDDEN, Int("NQ", lambda op, g: op.attrs["n_q"]),
+                       Type("thn", "q_norm_w", "norm_w", otherwise="float"), HIDDEN, Int("NQ", lambda op, g: op.attrs["n_q"]),
                        Int("NKV", lambda op, g: op.attrs["n_kv"]), Int("D", lambda op, g: op.attrs["head_dim"]),
                        Int("RP", lambda op, g: g.tensors[op.inputs["cos_table"]].shape[0]),
                        Flag("headnorm", has="q_norm_w"),
-                       # BIAS and TB are passed for the bias and the fp32-weight-norm variants
-                       Flag("bias", has="bq", when=_bias_or_wf32), Type("tb", "bq", "wq", when=_bias_or_wf32), WF32),
-                args=(Ptr("x"), Ptr("norm_w"), Float("eps", "eps"), Ptr("wq"), Ptr("wk"), Ptr("wv"),
+                       # BIAS and TB are passed for the bias, fp32-weight-norm and staged variants
+                       Flag("bias", has="bq", when=_explicit), Type("tb", "bq", "wq", when=_explicit), WF32, STAGED),
+                args=(Ptr("x"), Ptr("norm_w"), Float("eps", "eps", fallback=0.0), Ptr("wq"), Ptr("wk"), Ptr("wv"),
                       Ptr("cos_table"), Ptr("sin_table"), Ptr("rope_pos"), Ptr("kv_pos"), Ptr("q"), Ptr("kcache"),
                       Ptr("vcache"), Ptr("q_norm_w"), Ptr("k_norm_w"), Float("qk_eps", "qk_eps", 0.0),
                       # the caches' rows: a literal, or the run-time length's slot
@@ -244,8 +253,8 @@ class RmsQkvRope(Instruction):
         return super().cuda_args(op, g, bufs)
 
     @classmethod
-    def smem_floats(cls, op: Op, g: Graph) -> int:
-        return g.tensors[op.inputs["x"]].numel + op.attrs["head_dim"]
+    def own_smem(cls, op: Op, g: Graph) -> int:
+        return g.tensors[xin(op)].numel + op.attrs["head_dim"]
 
     @staticmethod
     def _head(op: Op, h: int, nq: int, nkv: int) -> tuple[str, str, int]:
@@ -317,7 +326,7 @@ class RmsQkvRope(Instruction):
             raise index_fault(op, "RoPE position", rp, rows, Fault.ROPE_POS)
         if not 0 <= kv_pos < L:
             raise index_fault(op, "KV-cache write position", kv_pos, L, Fault.KV_POS)
-        n = rms_prologue(op, env)
+        n = staged(op, env, True)
         cos = env.read(op.inputs["cos_table"])[rp].reshape(-1).float()
         sin = env.read(op.inputs["sin_table"])[rp].reshape(-1).float()
         split = cls._split(op, tile)

@@ -138,7 +138,7 @@ class Op:
     def describe(self) -> str:
         ins = ", ".join(f"{k}={v}" for k, v in self.inputs.items())
         outs = ", ".join(f"{k}={v}" for k, v in self.outputs.items())
-        shown = {k: v for k, v in self.attrs.items() if k not in ("target", "args", "kwargs", "group", "ops")}
+        shown = {k: v for k, v in self.attrs.items() if k not in ("target", "args", "kwargs", "group", "ops", "pre")}
         at = " " + " ".join(f"{k}={_fmt(v)}" for k, v in shown.items()) if shown else ""
         lay = f" L{self.layer}" if self.layer is not None else ""
         return f"{self.name}: {self.kind}({ins}) -> ({outs}){at}{lay}"
@@ -286,10 +286,14 @@ class Graph:
 
     def count_kinds(self, members: bool = True) -> dict[str, int]:
         """Ops per kind as they compute: a ``chain`` op's member ops counted by their own kinds
-        (the chain not at all); ``members=False``: the graph's own ops (a chain as one)."""
+        (the chain not at all), a folded prologue's members (``pre``) beside the op that runs
+        them; ``members=False``: the graph's own ops (a chain as one, a prologue not at all)."""
         out: dict[str, int] = {}
         for op in self.ops:
-            for o in (op.attrs["ops"] if members and op.kind == "chain" else [op]):
+            ops = [op]
+            if members:
+                ops = op.attrs["ops"] if op.kind == "chain" else [*op.attrs.get("pre", ()), op]
+            for o in ops:
                 out[o.kind] = out.get(o.kind, 0) + 1
         return dict(sorted(out.items()))
 

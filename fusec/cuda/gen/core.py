@@ -226,7 +226,11 @@ class Ctx:
         return self.g.tensors[self.g.root(t)].role in (Role.WEIGHT, Role.CONSTANT, Role.INPUT)
 
     def load(self, t: str, off: str) -> str:
-        """C expression loading element ``off`` of ``t`` in its own type."""
+        """C expression loading element ``off`` of ``t`` in its own type (a plain load where the
+        buffers put ``t`` in shared memory: a folded prologue's intermediates)."""
+        in_smem = getattr(self.bufs, "in_smem", None)
+        if in_smem is not None and in_smem(t):
+            return f"{self.ptr(t)}[{off}]"
         fn = "gx_ldg" if self.readonly(t) else "gx_ldcg"
         return f"{fn}({self.ptr(t)} + ({off}))"
 

@@ -1,0 +1,125 @@
+"""The small vector ops in front of a matvec kind fold into it (passes/prologue.py,
+fusec/instructions/prologue.py): which ops fold in the post-norm and scaled-residual families,
+that the fold changes no value (the simulator against the same step with the fold off, and
+against eager), that Llama's kernel is untouched, and the folded kernel through NVRTC. The GPU
+runs the folds in every family test (tests/test_gpu_families.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_tiny
+import step_util
+from fusec.fallbacks import FallbackWatch
+from fusec.instructions import KINDS
+
+
+def _folds(s) -> list[tuple[str, str]]:
+    return [(o.kind, o.attrs["pre_steps"]) for o in s.graph.ops if "pre" in o.attrs]
+
+
+@pytest.mark.parametrize("factory, want", [
+    # post-norm: h = r + RMSNorm(o) before the MLP (norm off) and before the next layer's q/k/v;
+    # the last one before the final norm and the LM head (its norm the prologue's last member)
+    (hf_tiny.olmo2, [("rms_gate_up_silu", "rmsnorm > add"), ("matvec_group", "rmsnorm > add"),
+                     ("rms_gate_up_silu", "rmsnorm > add"), ("rms_lm_head", "rmsnorm > add > rmsnorm")]),
+    # pre- and post-norms: the embedding scale and the input norm before layer 0's q/k/v, each
+    # post-norm, its add and the next pre-norm before the MLP and the next q/k/v
+    (hf_tiny.gemma2, [("matvec_group", "mul > rmsnorm")]
+     + [("rms_gate_up_silu", "rmsnorm > add > rmsnorm"), ("matvec_group", "rmsnorm > add > rmsnorm")]
+     + [("rms_gate_up_silu", "rmsnorm > add > rmsnorm"), ("rms_lm_head", "rmsnorm > add > rmsnorm")]),
+    # the embedding multiplier before layer 0's norm, and a scaled residual h = r + o * m before
+    # each norm (rms_qkv_rope's, rms_gate_up_silu's, the final one)
+    (hf_tiny.granite, [("rms_qkv_rope", "mul > rmsnorm")]
+     + [("rms_gate_up_silu", "mul > add > rmsnorm"), ("rms_qkv_rope", "mul > add > rmsnorm")]
+     + [("rms_gate_up_silu", "mul > add > rmsnorm"), ("rms_lm_head", "mul > add > rmsnorm")]),
+])
+def test_residual_ops_fold_into_the_matvec_that_reads_them(factory, want):
+    """2-layer bf16 models: the ops between two fused kinds are the reading kind's prologue (in
+    program order), and no chain of them is left; with ``prologue`` off they stay chains."""
+    on = step_util.lowered(factory().to(torch.bfloat16))
+    off = step_util.lowered(factory().to(torch.bfloat16), prologue=False)
+    assert _folds(on) == want
+    assert not _folds(off)
+    assert len(on.graph.ops) == len(off.graph.ops) - len(want)
+    # the residual stream the later ops read is written by one tile: the one whose instruction
+    # word's p0 (its first row or unit) is 0
+    for op in on.graph.ops:
+        if "pre" in op.attrs and op.attrs["pre_keep"]:
+            writers = [t for t in on.instrs if t.op == op.name and op.attrs["pre_keep"][0] in
+                       {w.tensor for w in t.tile.writes}]
+            assert len(writers) == 1 and KINDS[op.kind].encode(op, writers[0].tile)[0] == 0
+
+
+def test_llama_has_nothing_to_fold_and_its_kernel_is_unchanged():
+    """Llama's layer is its fused kinds only: no fold, and the rendered kernel is the same text
+    with the fold on and off."""
+    from fusec.cuda.codegen import render
+    on = step_util.lowered(hf_tiny.llama().to(torch.bfloat16))
+    off = step_util.lowered(hf_tiny.llama().to(torch.bfloat16), prologue=False)
+    assert not _folds(on)
+    assert render(on).source == render(off).source
+
+
+@pytest.mark.parametrize("factory", [hf_tiny.olmo2, hf_tiny.gemma3, hf_tiny.granite])
+def test_folded_steps_equal_the_unfolded_ones_and_eager(factory):
+    """Six decode steps through ``torch.compile(backend="fusec")`` on the simulator (hazards
+    checked every step), bf16, default options against ``prologue`` off: the same logits bit for
+    bit (each member is the same op with the same rounding), both within bf16 tolerance of
+    eager, no fallback."""
+    from transformers import StaticCache
+    model = factory().to(torch.bfloat16)
+    gen = torch.Generator().manual_seed(11)
+    caches = [StaticCache(config=model.config, max_cache_len=32) for _ in range(3)]
+    p = torch.randint(0, 128, (1, 5), generator=gen)
+    with torch.no_grad():
+        for c in caches:
+            model(input_ids=p, past_key_values=c, use_cache=True)
+    outs: dict[str, list[torch.Tensor]] = {}
+    toks = [torch.randint(0, 128, (1, 1), generator=gen) for _ in range(6)]
+    with FallbackWatch() as w, torch.no_grad():
+        for name, cache, opts in (("on", caches[0], {"num_sms": 16}),
+                                  ("off", caches[1], {"num_sms": 16, "prologue": False})):
+            torch._dynamo.reset()
+            compiled = torch.compile(model, backend="fusec", options=opts)
+            outs[name] = [compiled(input_ids=t, past_key_values=cache, use_cache=True).logits for t in toks]
+        eager = [model(input_ids=t, past_key_values=caches[2], use_cache=True).logits for t in toks]
+    torch._dynamo.reset()
+    assert not w.fallbacks and w.compiled >= 2, w.fallbacks
+    for a, b, e in zip(outs["on"], outs["off"], eager):
+        assert torch.equal(a, b)
+        assert 0 < step_util.rel(a.float(), e.float()) < 2e-2
+
+
+def test_folded_kernel_stages_its_inputs_once_and_compiles():
+    """The folded op's case stages the members' inputs into shared memory in one loop, calls the
+    members on shared memory, copies the residual out on the tile whose rows start at 0, and
+    calls its kind with ``STAGED``; the kernel compiles with NVRTC for sm_90a."""
+    from fusec.cuda.codegen import render
+    from fusec.cuda.jit import compile_cuda
+    plan = render(step_util.lowered(hf_tiny.gemma2().to(torch.bfloat16)))
+    cases = [ln for ln in plan.source.splitlines() if "rms_gate_up_silu<" in ln and "gx_rmsnorm" in ln]
+    assert cases, "no folded rms_gate_up_silu case"
+    case = cases[0]
+    assert case.index("__ldcg(reinterpret_cast<const uint4*>") < case.index("gx_rmsnorm") < case.index("rms_gate_up_silu<")
+    assert "(char*)smem +" in case and "if (in.p0 == 0)" in case
+    assert ", true>(" in case   # STAGED
+    compile_cuda(plan.source, "fusec_step.cu")
+
+
+def test_a_reader_between_keeps_the_ops_where_they_are():
+    """An op between the chain and its matvec reads the chain's output: folding would move the
+    chain's work after that reader, so it stays (checked on OLMo-2 with a reader inserted)."""
+    from fusec.ir import Op, Ref
+    from fusec.passes import prologue
+    s = step_util.lowered(hf_tiny.olmo2().to(torch.float32), prologue=False)
+    g = s.graph
+    k = next(i for i, o in enumerate(g.ops) if o.kind == "rms_gate_up_silu")
+    x = g.ops[k].inputs["x"]
+    out = g.new_tensor("probe", g.tensors[x].shape, g.tensors[x].dtype)
+    g.ops.insert(k, Op("probe_neg", "aten.neg.default", {"in0": x}, {"out": out},
+                       attrs={"target": torch.ops.aten.neg.default, "args": (Ref("in0"),), "kwargs": {}}))
+    g.outputs.append(out)
+    prologue.run(g)
+    g.check("prologue")
+    assert "pre" not in g.ops[k + 1].attrs and g.ops[k + 1].kind == "rms_gate_up_silu"
