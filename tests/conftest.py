@@ -82,12 +82,5 @@ def pytest_collection_modifyitems(config, items):
 def steps(monkeypatch):
     """Every ``fusec.frontend.compiled.CompiledStep`` built while the test runs (to look at the graphs and
     schedules fusec compiled behind ``torch.compile``)."""
-    from fusec.frontend.compiled import CompiledStep
-    made: list = []
-    init = CompiledStep.__init__
-
-    def record(self, *a, **kw):
-        init(self, *a, **kw)
-        made.append(self)
-    monkeypatch.setattr(CompiledStep, "__init__", record)
-    return made
+    import step_util
+    return step_util.record_compiled_steps(monkeypatch)

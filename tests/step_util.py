@@ -25,6 +25,20 @@ def neg_mul_graph() -> Graph:
     return g
 
 
+def record_compiled_steps(monkeypatch) -> list:
+    """Every ``fusec.frontend.compiled.CompiledStep`` built from now on while ``monkeypatch``
+    holds (a list that grows as they are made)."""
+    from fusec.frontend.compiled import CompiledStep
+    made: list = []
+    init = CompiledStep.__init__
+
+    def record(self, *a, **kw):
+        init(self, *a, **kw)
+        made.append(self)
+    monkeypatch.setattr(CompiledStep, "__init__", record)
+    return made
+
+
 def capture(model, kwargs):
     """(aten graph module, IR graph, flat inputs) of one call of ``model(**kwargs)``."""
     got = []

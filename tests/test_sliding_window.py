@@ -61,14 +61,14 @@ def test_host_counter_outputs_are_written_back(steps):
         assert (a.keys - b.keys).abs().max() < 1e-5
 
 
-def test_window_that_fills_on_every_layer_stays_in_fusec(steps):
+def test_window_that_fills_on_every_layer_stays_in_fusec(windowed_run):
     """Mistral whose every layer has an 8-token window (Mistral-7B-v0.1 past 4096 tokens): once
     the window is full (HF rolls it), the positions pass every cache's rows; the position tables
     cover option ``position_rows`` (32768 by default for a graph whose positions the host
     computes), so 12 steps from position 4 run in fusec (the filling window's step and the
     rolled one), every step equals eager and the caches equal eager's. Before, the tables
     stopped at the longest cache and those steps ran eagerly."""
-    caches, fallbacks, errs = _steps_against_eager(hf_tiny.mistral_sw(window=8), 4, 12, seed=4)
+    _, caches, fallbacks, errs, steps, _ = windowed_run("mistral_sw")
     assert not fallbacks, fallbacks
     assert max(errs) < 1e-4, errs
     assert len(steps) == 2 and steps[-1].schedule.graph.count_kinds().get("kv_roll") == 4
@@ -78,10 +78,9 @@ def test_window_that_fills_on_every_layer_stays_in_fusec(steps):
         assert (a.keys - b.keys).abs().max() < 1e-5 and (a.values - b.values).abs().max() < 1e-5
 
 
-@pytest.fixture
-def splits(monkeypatch):
+def _record_splits(monkeypatch) -> list:
     """Every host-scalar split (:class:`fusec.frontend.host_scalars.HostSplit`) the backend makes
-    while the test runs."""
+    from now on while ``monkeypatch`` holds."""
     import fusec.frontend.backend as backend
     made: list = []
     split = backend.split_host_scalars
@@ -94,8 +93,42 @@ def splits(monkeypatch):
     return made
 
 
+@pytest.fixture
+def splits(monkeypatch):
+    """Every host-scalar split the backend makes while the test runs."""
+    return _record_splits(monkeypatch)
+
+
+#: the 8-token-window models of the window tests below, by name
+_WINDOWED = {"mistral_sw": lambda: hf_tiny.mistral_sw(window=8), "gemma2": lambda: hf_tiny.gemma2(window=8),
+             "gemma3": lambda: hf_tiny.gemma3(window=8, layers=6)}
+
+
+@pytest.fixture(scope="module")
+def windowed_run():
+    """``run(name)``: 12 steps from position 4 of the 8-token-window model ``name`` (Mistral, or
+    Gemma-2/3 with Gemma-3's five sliding layers to one full) against eager, as
+    :func:`_steps_against_eager` (seed 9): (the model, the two caches, the fallback lines, each
+    step's error, the CompiledSteps made, the host-scalar splits made). Made once per model in
+    this file (the window, rolled-window and host-position tests read the same run; none of them
+    writes to it)."""
+    import step_util
+    runs: dict = {}
+
+    def run(name):
+        if name not in runs:
+            with pytest.MonkeyPatch.context() as m:
+                made = step_util.record_compiled_steps(m)
+                split = _record_splits(m)
+                model = _WINDOWED[name]()
+                caches, fallbacks, errs = _steps_against_eager(model, 4, 12, seed=9)
+            runs[name] = (model, caches, tuple(fallbacks), tuple(errs), tuple(made), tuple(split))
+        return runs[name]
+    return run
+
+
 @pytest.mark.parametrize("name", ["mistral_sw", "gemma3"])
-def test_host_positions_are_device_counters_written_once(name, steps, splits):
+def test_host_positions_are_device_counters_written_once(name, windowed_run, monkeypatch):
     """The host's positions (HF's ``s`` and, rolled, its window offset ``Max(0, s - W + 1)``,
     which dynamo's ``is_full`` guard makes ``s - W + 1``) reach the step as one device counter
     per host integer that the step advances itself (a STATE input, as HF's tensor counters):
@@ -104,8 +137,7 @@ def test_host_positions_are_device_counters_written_once(name, steps, splits):
     and every step equals eager. A step on another cache (another count) writes it again and
     stays correct."""
     from transformers import StaticCache
-    model = hf_tiny.gemma3(window=8, layers=6) if name == "gemma3" else hf_tiny.mistral_sw(window=8)
-    caches, fallbacks, errs = _steps_against_eager(model, 4, 12, seed=9)
+    model, caches, fallbacks, errs, steps, splits = windowed_run(name)
     assert not fallbacks, fallbacks
     assert max(errs) < 1e-4, errs
     made = [s for s in splits if s is not None]
@@ -116,6 +148,7 @@ def test_host_positions_are_device_counters_written_once(name, steps, splits):
         ctr = g.inputs[-1]
         assert g.tensors[ctr].role.name == "STATE" and g.tensors[ctr].dtype == torch.int64, g.tensors[ctr]
     # two caches at other counts, alternately: each call finds the other's count on the device
+    splits = _record_splits(monkeypatch)
     pairs = [[StaticCache(config=model.config, max_cache_len=32) for _ in range(2)] for _ in range(2)]
     gen = torch.Generator().manual_seed(10)
     errs = []
@@ -145,7 +178,7 @@ def test_position_past_the_tables_runs_eagerly_with_one_line(steps):
 
 
 @pytest.mark.parametrize("name", ["gemma2", "gemma3"])
-def test_rolled_window_stays_in_fusec(name, steps):
+def test_rolled_window_stays_in_fusec(name, windowed_run):
     """Gemma-2 (alternating) and Gemma-3 (five sliding layers to one full, as published) with an
     8-token window in a 32-row StaticCache: 12 steps from position 4 pass the window, where HF
     rolls the sliding layers' caches (``roll``: an index by ``(arange + 1) % W``, folded to a
@@ -158,8 +191,7 @@ def test_rolled_window_stays_in_fusec(name, steps):
     read); before, the sliding layers' SDPA ran as one generated op on one SM.""" 
     from fusec.cuda.codegen import render
     from fusec.cuda.jit import compile_cuda
-    model = hf_tiny.gemma3(window=8, layers=6) if name == "gemma3" else hf_tiny.gemma2(window=8)
-    _, fallbacks, errs = _steps_against_eager(model, 4, 12, seed=6)
+    model, _, fallbacks, errs, steps, _ = windowed_run(name)
     assert not fallbacks, fallbacks
     assert max(errs) < 1e-4 and min(errs) > 0, errs
     assert len(steps) == 2, len(steps)
