@@ -13,7 +13,8 @@ Rule, for each op ``K`` of a kind with ``takes_prologue`` (program order) and no
   and so may K's own RMSNorm where K has one (it becomes the last member);
 * ``x`` has the size and dtype of that root (a reshape of it at most);
 * no op between ``P`` and ``K`` (program order) reads what ``P`` writes, or writes what ``P``
-  reads or writes (``P``'s work moves to K's place);
+  reads or writes (``P``'s work moves to K's place); K reads no member's output but ``x`` (its
+  other inputs are read from global memory, where only K's writer tile writes them);
 * the members' outputs and their external inputs fit
   :data:`fusec.instructions.prologue.MAX_SCRATCH_BYTES` of shared memory.
 
@@ -74,7 +75,7 @@ def _fold(g: Graph, op: Op) -> bool:
     attrs = dict(op.attrs)
     norm = None
     if "norm_w" in op.inputs and attrs.get("norm", True):
-        norm = _norm_member(g, op, root)
+        norm = _norm_member(g, op, x)   # over x as K reads it: its last dim is the norm's
         if not can_member(norm, g):
             g.tensors.pop(norm.outputs["out"], None)
             return False
@@ -93,7 +94,9 @@ def _fold(g: Graph, op: Op) -> bool:
         for t in m.fresh_outputs():
             written.add(g.root(t))
             outs.append(t)
-    if scratch_bytes(g, members, ext, root) > MAX_SCRATCH_BYTES or any(g.root(t) in written for t in ext):
+    # K's other inputs must be there before K: a member's output is written by K's writer tile only
+    if scratch_bytes(g, members, ext, root) > MAX_SCRATCH_BYTES or any(g.root(t) in written for t in ext) \
+            or any(g.root(t) in written for t in inputs.values()):
         if norm is not None:
             g.tensors.pop(norm.outputs["out"], None)   # the norm member's output: unused
         return False
@@ -115,8 +118,9 @@ def _fold(g: Graph, op: Op) -> bool:
 
 
 def _norm_member(g: Graph, op: Op, x: str) -> Op:
-    """The consumer's own RMSNorm as an ``rmsnorm`` op over ``x`` into a new tensor of the norm's
-    output dtype (its ``norm_dtype``)."""
+    """The consumer's own RMSNorm as an ``rmsnorm`` op over ``x`` (the consumer's input as it reads
+    it: the norm is over its last dim, which a member's output of another shape need not share)
+    into a new tensor of ``x``'s shape and the norm's output dtype (its ``norm_dtype``)."""
     info = g.tensors[x]
     out = g.new_tensor(f"{op.name}_normed", info.shape, op.attrs["norm_dtype"])
     return Op(g.fresh_name("rmsnorm"), "rmsnorm", {"x": x, "w": op.inputs["norm_w"]}, {"out": out},

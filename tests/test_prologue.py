@@ -123,3 +123,66 @@ def test_a_reader_between_keeps_the_ops_where_they_are():
     prologue.run(g)
     g.check("prologue")
     assert "pre" not in g.ops[k + 1].attrs and g.ops[k + 1].kind == "rms_gate_up_silu"
+
+
+def test_a_norm_over_a_reshaped_member_output_norms_the_consumers_last_dim():
+    """The consumer's own RMSNorm folds in as a member over ``x`` as the consumer reads it: a
+    member whose output has another shape (here ``[.., 4, H/4]``, reshaped to ``[.., H]`` for the
+    final norm) must not make the norm run over its last dim (H/4). Llama with a scale in front
+    of its final norm, fp32, two steps: folded, unfolded and eager agree."""
+    from torch import nn
+    from transformers import StaticCache
+
+    class ScaledNorm(nn.Module):
+        def __init__(self, norm):
+            super().__init__()
+            self.norm = norm
+
+        def forward(self, x):
+            return self.norm((x.view(*x.shape[:-1], 4, x.shape[-1] // 4) * 2.0).view(x.shape))
+
+    model = hf_tiny.llama()
+    model.model.norm.weight.data.normal_(generator=torch.Generator().manual_seed(2))
+    model.model.norm = ScaledNorm(model.model.norm)
+    on = step_util.lowered(model)
+    assert _folds(on)[-1] == ("rms_lm_head", "mul > rmsnorm")
+    norm = next(o for o in on.graph.ops if o.kind == "rms_lm_head").attrs["pre"][-1]
+    assert on.graph.tensors[norm.outputs["out"]].shape[-1] == 64
+    gen = torch.Generator().manual_seed(4)
+    caches = [StaticCache(config=model.config, max_cache_len=32) for _ in range(3)]
+    p = torch.randint(0, 128, (1, 5), generator=gen)
+    toks = [torch.randint(0, 128, (1, 1), generator=gen) for _ in range(2)]
+    outs = []
+    with FallbackWatch() as w, torch.no_grad():
+        for c in caches:
+            model(input_ids=p, past_key_values=c)
+        for cache, opts in ((caches[0], {"num_sms": 4}), (caches[1], {"num_sms": 4, "prologue": False})):
+            torch._dynamo.reset()
+            compiled = torch.compile(model, backend="fusec", options=opts)
+            outs.append([compiled(input_ids=t, past_key_values=cache).logits for t in toks])
+        eager = [model(input_ids=t, past_key_values=caches[2]).logits for t in toks]
+    torch._dynamo.reset()
+    assert not w.fallbacks and w.compiled >= 2, w.fallbacks
+    for a, b, e in zip(*outs, eager):
+        assert torch.equal(a, b) and step_util.rel(a, e) < 1e-5
+
+
+def test_a_consumer_reading_a_member_output_besides_x_keeps_the_ops_where_they_are():
+    """K reads a member's output through another input (here a matvec's bias is the post-norm's
+    output, its x the residual add's): only K's writer tile would write it, while every tile
+    reads it, so nothing folds (before, the fold left K reading it before any op wrote it)."""
+    from fusec.ir import Op
+    from fusec.passes import prologue
+    s = step_util.lowered(hf_tiny.olmo2().to(torch.float32), prologue=False)
+    g = s.graph
+    k = next(i for i, o in enumerate(g.ops) if o.kind == "rms_gate_up_silu")
+    x = g.ops[k].inputs["x"]
+    chain = g.producers()[g.root(x)]
+    normed = next(m.outputs["out"] for m in chain.attrs["ops"] if m.kind == "rmsnorm")
+    w = next(o.inputs["w"] for o in g.ops if o.kind == "matvec" and g.tensors[o.inputs["w"]].shape == (64, 64))
+    out = g.new_tensor("probe_out", (1, 1, 64), torch.float32)
+    g.ops.insert(k, Op("probe_mv", "matvec", {"x": x, "w": w, "b": normed}, {"out": out}))
+    g.outputs.append(out)
+    prologue.run(g)
+    g.check("prologue")
+    assert "pre" not in g.ops[k].attrs and g.ops[k].name == "probe_mv"
