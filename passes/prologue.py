@@ -15,6 +15,8 @@ Rule, for each op ``K`` of a kind with ``takes_prologue`` (program order) and no
 * no op between ``P`` and ``K`` (program order) reads what ``P`` writes, or writes what ``P``
   reads or writes (``P``'s work moves to K's place); K reads no member's output but ``x`` (its
   other inputs are read from global memory, where only K's writer tile writes them);
+* every op outside ``P`` and ``K`` that reads an output of ``P`` reads something ``K`` makes too,
+  directly or through other ops (it waits for ``K`` already: folding adds no level to its path);
 * the members' outputs and their external inputs fit
   :data:`fusec.instructions.prologue.MAX_SCRATCH_BYTES` of shared memory.
 
@@ -105,6 +107,14 @@ def _fold(g: Graph, op: Op) -> bool:
     inner = {p.name, op.name}
     graph_out = {g.root(t) for t in g.outputs}
     keep = [t for t in outs if t in graph_out or any(u.name not in inner for u in users.get(t, []))]
+    # a kept output's other readers must wait for K already (they read what K makes, directly
+    # or not): one that did not (a parallel block's MLP reading the LayerNorm that K's q/k/v
+    # read too) would now wait for all of K, a level later than before
+    after = _downstream(g, op)
+    if any(u.name not in inner and u.name not in after for t in keep for u in users.get(t, [])):
+        if norm is not None:
+            g.tensors.pop(norm.outputs["out"], None)
+        return False
     new_inputs = {**inputs, **{f"pre_in{i}": t for i, t in enumerate(ext)}}
     new_outputs = dict(op.outputs)
     new_outputs["x"] = root
@@ -115,6 +125,18 @@ def _fold(g: Graph, op: Op) -> bool:
     op.inputs, op.outputs, op.attrs = new_inputs, new_outputs, attrs
     g.ops = [o for o in g.ops if o is not p]
     return True
+
+
+def _downstream(g: Graph, op: Op) -> set[str]:
+    """Names of the ops after ``op`` (program order) that read what it writes, directly or
+    through other such ops: those that wait for ``op`` already."""
+    made = {g.root(t) for t in op.writes()}
+    out: set[str] = set()
+    for o in g.ops[g.ops.index(op) + 1:]:
+        if any(g.root(t) in made for t in o.reads()):
+            out.add(o.name)
+            made |= {g.root(t) for t in o.writes()}
+    return out
 
 
 def _norm_member(g: Graph, op: Op, x: str) -> Op:

@@ -14,11 +14,12 @@ tile's prologue, as Llama's RMSNorm always was (``rms_prologue``).
 
 The table of what may fold (one rule, not one kind per family):
 
-* **members**: generic elementwise or reduction ops (ATen ops and the semantic ``rmsnorm``),
-  each with a CUDA form from :mod:`fusec.cuda.gen`, no in-place update, static sizes, no tensor
-  of more than :data:`MAX_ELEMS` elements; every fresh output a buffer of its own (no view);
+* **members**: generic elementwise or reduction ops (ATen ops and the semantic ``rmsnorm``) and
+  ``layernorm`` ops (:data:`MEMBER_KINDS`), each with a CUDA form from :mod:`fusec.cuda.gen`, no
+  in-place update, static sizes, no tensor of more than :data:`MAX_ELEMS` elements; every fresh
+  output a buffer of its own (no view);
 * **consumers**: kinds whose class sets ``takes_prologue`` (``matvec``, ``matvec_group``,
-  ``rms_gate_up_silu``, ``rms_lm_head``): row-tiled kinds that stage their input vector ``x``
+  ``rms_qkv_rope``, ``rms_gate_up_silu``, ``rms_lm_head``): row-tiled kinds that stage their input vector ``x``
   in shared memory first; their template takes ``STAGED`` (x already there);
 * **a consumer's own RMSNorm** (``norm_w`` and ``eps``: ``rms_gate_up_silu`` with its norm,
   ``rms_lm_head``) becomes the prologue's last member, an ``rmsnorm`` op into a new tensor of the
@@ -53,6 +54,9 @@ MAX_ELEMS = 16384
 MAX_SCRATCH_BYTES = 64 * 1024
 #: the generic kinds a member may be (:func:`fusec.instructions.generic.generic_kind`)
 MEMBER_CLASSES = ("elementwise", "reduce")
+#: instruction kinds that may be members too: one-tile kinds whose op has a generated CUDA form
+#: (:mod:`fusec.cuda.gen`) as well as its own template
+MEMBER_KINDS = ("layernorm",)
 
 
 def has(op: Op) -> bool:
@@ -75,9 +79,10 @@ def can_member(m: Op, g: Graph) -> bool:
     from fusec.instructions.base import KINDS
     from fusec.instructions.generic import generic_kind
     from fusec.cuda.gen import supported
-    if m.kind in KINDS or m.mutates or m.kind == "table_lookup" or not supported(m.kind):
+    if (m.kind in KINDS and m.kind not in MEMBER_KINDS) or m.mutates or m.kind == "table_lookup" \
+            or not supported(m.kind):
         return False
-    if generic_kind(m) not in MEMBER_CLASSES:
+    if m.kind not in MEMBER_KINDS and generic_kind(m) not in MEMBER_CLASSES:
         return False
     for t in list(m.reads()) + list(m.writes()):
         info = g.tensors[t]

@@ -58,6 +58,31 @@ def _rmsnorm(ctx: Ctx) -> None:
              "  }", "}")
 
 
+@emitter("layernorm")
+def _layernorm(ctx: Ctx) -> None:
+    """The ``layernorm`` kind's op as a generated function (the form a folded prologue calls on
+    shared memory, :mod:`fusec.instructions.prologue`): out = (x - mean) * rsqrt(var + eps)
+    [* w] [+ b] over all of x (one row, :class:`fusec.instructions.layernorm.LayerNorm`), mean
+    and biased variance in fp32 by block reductions, one rounding, as templates/layernorm.cu.j2."""
+    x, out = ctx.op.inputs["x"], ctx.out
+    w, b = ctx.op.inputs.get("w"), ctx.op.inputs.get("b")
+    H = ctx.numel(x)
+    if ctx.numel(out) != H or any(t is not None and ctx.numel(t) != H for t in (w, b)):
+        raise ctx.fail(f"layernorm of {ctx.shape(x)} into {ctx.shape(out)}")
+    eps = literal(float(ctx.op.attrs["eps"]), "float")
+    xv = ctx.load_as(x, "k", "float")
+    y = f"({xv} - mu) * rs"
+    if w is not None:
+        y = f"{y} * {ctx.load_as(w, 'k', 'float')}"
+    if b is not None:
+        y = f"{y} + {ctx.load_as(b, 'k', 'float')}"
+    ctx.emit("float s = 0.f;", f"for (int k = threadIdx.x; k < {H}; k += GX_NTHREADS) s += {xv};",
+             f"const float mu = gx_block_reduce(s, GxSum()) / {H}.f;", "float q = 0.f;",
+             f"for (int k = threadIdx.x; k < {H}; k += GX_NTHREADS) {{", f"  const float d = {xv} - mu;",
+             "  q += d * d;", "}", f"const float rs = rsqrtf(gx_block_reduce(q, GxSum()) / {H}.f + {eps});",
+             f"for (int k = threadIdx.x; k < {H}; k += GX_NTHREADS) {{", f"  {ctx.store(out, 'k', y, 'float')}", "}")
+
+
 @emitter("rope")
 def _rope(ctx: Ctx) -> None:
     """Half-split RoPE: out = x * cos + cat(-x2, x1) * sin (fp32), cos/sin broadcast to x."""

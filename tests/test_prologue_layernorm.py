@@ -1,0 +1,82 @@
+"""LayerNorm in a folded prologue (fusec/instructions/prologue.py ``MEMBER_KINDS``): the
+``layernorm`` op's generated CUDA form (fusec/cuda/gen/semantic.py) against PyTorch on the host,
+the LayerNorm families' folds, and their decode on the simulator against the unfolded step
+and eager. The GPU runs them in tests/test_gpu_families.py (gpt_neox, falcon, phi2, stablelm,
+olmo, starcoder2, gpt2)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_tiny
+import step_util
+from fusec.fallbacks import FallbackWatch
+from gen_host import check_graph, compiler
+
+
+@pytest.mark.skipif(compiler() is None, reason="needs a host C++ compiler")
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_layernorm_generated_form_matches_torch_on_the_host(dtype, tol, tmp_path):
+    """Every ``layernorm`` op of GPT-NeoX (weight and bias) and OLMo (no weight, no bias), run by
+    its generated function on the host from PyTorch's inputs."""
+    from fusec.config import Options
+    from fusec.pipeline import Dumper, lower
+    import test_families as fam
+    for factory in (hf_tiny.gpt_neox, fam.olmo):
+        model = factory().to(dtype)
+        _, g, flat = step_util.capture(model, _decode_kwargs(model))
+        g = lower(g, flat, Options.from_dict({"num_sms": 8, "prologue": False, "chain": False}), Dumper(None)).graph
+        (tmp_path / factory.__name__).mkdir()
+        with torch.no_grad():
+            # a folder per library: dlopen would hand back the first one loaded from a path
+            res = check_graph(g, flat, select=lambda op: op.kind == "layernorm", workdir=tmp_path / factory.__name__)
+        assert res and all(r.max_err <= tol for r in res), res
+
+
+def _decode_kwargs(model):
+    cache = hf_tiny.static_cache(model, 32)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, 128, (1, 4), generator=gen), past_key_values=cache, use_cache=True)
+    return {"input_ids": torch.randint(0, 128, (1, 1), generator=gen), "past_key_values": cache, "use_cache": True}
+
+
+@pytest.mark.parametrize("factory", [hf_tiny.gpt_neox, hf_tiny.falcon])
+def test_layernorm_folds_and_decodes_like_unfolded_and_eager(factory):
+    """GPT-NeoX (two LayerNorms per layer, parallel residual) and Falcon: a LayerNorm is a
+    prologue member; six decode steps on the simulator equal the step with the fold off bit for
+    bit, and eager within bf16 tolerance, no fallback."""
+    from transformers import StaticCache
+    on = step_util.lowered(factory().to(torch.bfloat16))
+    assert any("layernorm" in o.attrs["pre_steps"] for o in on.graph.ops if "pre" in o.attrs)
+    model = factory().to(torch.bfloat16)
+    gen = torch.Generator().manual_seed(7)
+    caches = [StaticCache(config=model.config, max_cache_len=32) for _ in range(3)]
+    p = torch.randint(0, 128, (1, 5), generator=gen)
+    with torch.no_grad():
+        for c in caches:
+            model(input_ids=p, past_key_values=c, use_cache=True)
+    toks = [torch.randint(0, 128, (1, 1), generator=gen) for _ in range(6)]
+    outs = {}
+    with FallbackWatch() as w, torch.no_grad():
+        for name, cache, opts in (("on", caches[0], {"num_sms": 16}),
+                                  ("off", caches[1], {"num_sms": 16, "prologue": False})):
+            torch._dynamo.reset()
+            compiled = torch.compile(model, backend="fusec", options=opts)
+            outs[name] = [compiled(input_ids=t, past_key_values=cache, use_cache=True).logits for t in toks]
+        eager = [model(input_ids=t, past_key_values=caches[2], use_cache=True).logits for t in toks]
+    torch._dynamo.reset()
+    assert not w.fallbacks and w.compiled >= 2, w.fallbacks
+    for a, b, e in zip(outs["on"], outs["off"], eager):
+        assert torch.equal(a, b)
+        assert 0 < step_util.rel(a.float(), e.float()) < 2e-2
+
+
+def test_a_norm_read_by_two_parallel_blocks_stays_a_level_of_its_own():
+    """Cohere's parallel block: one LayerNorm (decomposed into ATen ops) feeds both the q/k/v and
+    the MLP. Folded into the q/k/v, the MLP would wait for all of the q/k/v (a level more on its
+    path), so it stays; only the final norm before the LM head folds."""
+    import test_families as fam
+    s = step_util.lowered(fam.cohere().to(torch.bfloat16))
+    folds = [o.kind for o in s.graph.ops if "pre" in o.attrs]
+    assert folds == ["matvec"], folds   # the LM head (tied embedding, a plain linear)
