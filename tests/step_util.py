@@ -133,3 +133,28 @@ def steps_against_eager(model, vocab: int, seed: int, n: int = 6, device: str = 
             errs.append(((a - b).norm() / b.norm()).item())
     torch._dynamo.reset()
     return errs, w
+
+
+def on_off_eager(model, off: dict, seed: int, n: int = 6, num_sms: int = 16):
+    """``n`` decode steps of ``model`` (CPU, simulator) through ``torch.compile(backend="fusec")``
+    with default options, through it with the options ``off`` added, and eagerly, each on its
+    own 32-row StaticCache after the same random 5-token prompt: (the three lists of logits,
+    the FallbackWatch). For a pass that must change no value: the first two equal bit for bit."""
+    from transformers import StaticCache
+    from fusec.fallbacks import FallbackWatch
+    gen = torch.Generator().manual_seed(seed)
+    caches = [StaticCache(config=model.config, max_cache_len=32) for _ in range(3)]
+    p = torch.randint(0, 128, (1, 5), generator=gen)
+    with torch.no_grad():
+        for c in caches:
+            model(input_ids=p, past_key_values=c, use_cache=True)
+    toks = [torch.randint(0, 128, (1, 1), generator=gen) for _ in range(n)]
+    outs = []
+    with FallbackWatch() as w, torch.no_grad():
+        for cache, opts in ((caches[0], {"num_sms": num_sms}), (caches[1], {"num_sms": num_sms, **off})):
+            torch._dynamo.reset()
+            compiled = torch.compile(model, backend="fusec", options=opts)
+            outs.append([compiled(input_ids=t, past_key_values=cache, use_cache=True).logits for t in toks])
+        outs.append([model(input_ids=t, past_key_values=caches[2], use_cache=True).logits for t in toks])
+    torch._dynamo.reset()
+    return outs, w

@@ -67,26 +67,9 @@ def test_folded_steps_equal_the_unfolded_ones_and_eager(factory):
     checked every step), bf16, default options against ``prologue`` off: the same logits bit for
     bit (each member is the same op with the same rounding), both within bf16 tolerance of
     eager, no fallback."""
-    from transformers import StaticCache
-    model = factory().to(torch.bfloat16)
-    gen = torch.Generator().manual_seed(11)
-    caches = [StaticCache(config=model.config, max_cache_len=32) for _ in range(3)]
-    p = torch.randint(0, 128, (1, 5), generator=gen)
-    with torch.no_grad():
-        for c in caches:
-            model(input_ids=p, past_key_values=c, use_cache=True)
-    outs: dict[str, list[torch.Tensor]] = {}
-    toks = [torch.randint(0, 128, (1, 1), generator=gen) for _ in range(6)]
-    with FallbackWatch() as w, torch.no_grad():
-        for name, cache, opts in (("on", caches[0], {"num_sms": 16}),
-                                  ("off", caches[1], {"num_sms": 16, "prologue": False})):
-            torch._dynamo.reset()
-            compiled = torch.compile(model, backend="fusec", options=opts)
-            outs[name] = [compiled(input_ids=t, past_key_values=cache, use_cache=True).logits for t in toks]
-        eager = [model(input_ids=t, past_key_values=caches[2], use_cache=True).logits for t in toks]
-    torch._dynamo.reset()
+    (on, off, eager), w = step_util.on_off_eager(factory().to(torch.bfloat16), {"prologue": False}, seed=11)
     assert not w.fallbacks and w.compiled >= 2, w.fallbacks
-    for a, b, e in zip(outs["on"], outs["off"], eager):
+    for a, b, e in zip(on, off, eager):
         assert torch.equal(a, b)
         assert 0 < step_util.rel(a.float(), e.float()) < 2e-2
 

@@ -10,7 +10,6 @@ import torch
 
 import hf_tiny
 import step_util
-from fusec.fallbacks import FallbackWatch
 from gen_host import check_graph, compiler
 
 
@@ -46,28 +45,11 @@ def test_layernorm_folds_and_decodes_like_unfolded_and_eager(factory):
     """GPT-NeoX (two LayerNorms per layer, parallel residual) and Falcon: a LayerNorm is a
     prologue member; six decode steps on the simulator equal the step with the fold off bit for
     bit, and eager within bf16 tolerance, no fallback."""
-    from transformers import StaticCache
-    on = step_util.lowered(factory().to(torch.bfloat16))
-    assert any("layernorm" in o.attrs["pre_steps"] for o in on.graph.ops if "pre" in o.attrs)
-    model = factory().to(torch.bfloat16)
-    gen = torch.Generator().manual_seed(7)
-    caches = [StaticCache(config=model.config, max_cache_len=32) for _ in range(3)]
-    p = torch.randint(0, 128, (1, 5), generator=gen)
-    with torch.no_grad():
-        for c in caches:
-            model(input_ids=p, past_key_values=c, use_cache=True)
-    toks = [torch.randint(0, 128, (1, 1), generator=gen) for _ in range(6)]
-    outs = {}
-    with FallbackWatch() as w, torch.no_grad():
-        for name, cache, opts in (("on", caches[0], {"num_sms": 16}),
-                                  ("off", caches[1], {"num_sms": 16, "prologue": False})):
-            torch._dynamo.reset()
-            compiled = torch.compile(model, backend="fusec", options=opts)
-            outs[name] = [compiled(input_ids=t, past_key_values=cache, use_cache=True).logits for t in toks]
-        eager = [model(input_ids=t, past_key_values=caches[2], use_cache=True).logits for t in toks]
-    torch._dynamo.reset()
+    s = step_util.lowered(factory().to(torch.bfloat16))
+    assert any("layernorm" in o.attrs["pre_steps"] for o in s.graph.ops if "pre" in o.attrs)
+    (on, off, eager), w = step_util.on_off_eager(factory().to(torch.bfloat16), {"prologue": False}, seed=7)
     assert not w.fallbacks and w.compiled >= 2, w.fallbacks
-    for a, b, e in zip(outs["on"], outs["off"], eager):
+    for a, b, e in zip(on, off, eager):
         assert torch.equal(a, b)
         assert 0 < step_util.rel(a.float(), e.float()) < 2e-2
 
