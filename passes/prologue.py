@@ -13,7 +13,8 @@ Rule, for each op ``K`` of a kind with ``takes_prologue`` (program order) and no
   and so may K's own RMSNorm where K has one (it becomes the last member);
 * ``x`` has the size and dtype of that root (a reshape of it at most);
 * no op between ``P`` and ``K`` (program order) reads what ``P`` writes, or writes what ``P``
-  reads or writes (``P``'s work moves to K's place); K reads no member's output but ``x`` (its
+  reads or writes (``P``'s work moves to K's place); no member reads what K writes (a KV cache
+  K updates in place: other tiles of K may have written it); K reads no member's output but ``x`` (its
   other inputs are read from global memory, where only K's writer tile writes them);
 * every op outside ``P`` and ``K`` that reads an output of ``P`` reads something ``K`` makes too,
   directly or through other ops (it waits for ``K`` already: folding adds no level to its path);
@@ -98,7 +99,8 @@ def _fold(g: Graph, op: Op) -> bool:
             outs.append(t)
     # K's other inputs must be there before K: a member's output is written by K's writer tile only
     if scratch_bytes(g, members, ext, root) > MAX_SCRATCH_BYTES or any(g.root(t) in written for t in ext) \
-            or any(g.root(t) in written for t in inputs.values()):
+            or any(g.root(t) in written for t in inputs.values()) \
+            or any(g.root(t) in {g.root(w) for w in op.writes()} for t in ext):   # K updates it in place
         if norm is not None:
             g.tensors.pop(norm.outputs["out"], None)   # the norm member's output: unused
         return False
