@@ -183,19 +183,22 @@ class Generic(Instruction):
         if "rows" not in tile.params:
             run_op(op, env)
             return
-        # a range tile: the op computed whole, then only elements [lo, hi) of its output written
-        # (the rest keeps what it held: poison at the first step), as the kernel's tile does
+        # a range tile: the op computed whole (once per step, for all its tiles: ``Env.memo``),
+        # then only elements [lo, hi) of its output written (the rest keeps what it held: poison
+        # at the first step), as the kernel's tile does
         out = op.outputs["out"]
-        root = env.g.root(out)
-        kept = env.bufs.get(root)
-        kept_values = kept.clone() if kept is not None else None
-        run_op(op, env)
-        full = env.read(out).reshape(-1).clone()
-        if kept is not None:
-            env.bufs[root] = kept
-            kept.copy_(kept_values)
-        else:
-            env.bufs.pop(root, None)
+        full = env.memo.get(op.name)
+        if full is None:
+            root = env.g.root(out)
+            kept = env.bufs.get(root)
+            kept_values = kept.clone() if kept is not None else None
+            run_op(op, env)
+            full = env.memo[op.name] = env.read(out).reshape(-1).clone()
+            if kept is not None:
+                env.bufs[root] = kept
+                kept.copy_(kept_values)
+            else:
+                env.bufs.pop(root, None)
         lo, hi = tile.params["rows"]
         env.flat(out)[lo:hi] = full[lo:hi]
 

@@ -40,6 +40,11 @@ class Env:
         self.tickets: dict[Any, int] = {}
         self.ticket_log: list[tuple[Any, int | None]] = []
         self.current: int | None = None
+        #: what one op computes whole for all its tiles, once per step (op name -> value): a
+        #: ranged generic op's full output, a folded prologue's staged vector. An op's inputs do
+        #: not change while its tiles run (its readers' writers wait for all of them), so every
+        #: tile would compute the same
+        self.memo: dict[str, Any] = {}
         #: run-time size of each length symbol (from the inputs; the capacity when no input has it)
         self.lengths: dict[str, int] = {}
         seen: dict[str, str] = {}   # symbol -> the input its size came from
