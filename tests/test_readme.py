@@ -29,7 +29,7 @@ BLOCKS = _blocks()
 @pytest.fixture(scope="module")
 def namespace(tmp_path_factory):
     """One namespace for every block; the blocks run in a temporary folder (the torch.compile
-    example dumps into ./dump) with their own artifact cache."""
+    example dumps into ./build/dump) with their own artifact cache."""
     import os
     import torch._dynamo
     d = tmp_path_factory.mktemp("readme")
