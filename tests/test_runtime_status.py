@@ -13,9 +13,11 @@ import pytest
 import torch
 
 from fusec.runtime import cuda_step as runtime
+from fusec.runtime import driver as cu
 from fusec.errors import FusecError, IndexFaultError, WatchdogError
 from fusec.abi import ST_HEAD, Status
-from fusec.runtime.cuda_step import CudaStep, status_error
+from fusec.runtime.cuda_step import CudaStep
+from fusec.runtime.status import status_error
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "tiny_llama.py"
 
@@ -192,7 +194,7 @@ class FakeDriver:
 @pytest.fixture
 def fake(monkeypatch):
     drv = FakeDriver()
-    monkeypatch.setattr(runtime, "_driver", lambda: drv)
+    monkeypatch.setattr(cu, "driver", lambda: drv)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(cuda_stream=7))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: drv.calls.append(("sync",)))
     return drv

@@ -47,20 +47,21 @@ host<->device copy.
 from __future__ import annotations
 
 import ctypes
-import functools
 import logging
 import operator
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from fusec.abi import PROF_MARKS, ST_HEAD, WD_HEAD, WD_REC, WORD, Claim, Fault, Prof, Status, WdRecord, kernel_params
+from fusec.abi import PROF_MARKS, ST_HEAD, WD_HEAD, WD_REC, WORD, Prof, Status, kernel_params
 from fusec.cuda.codegen import LEN_PREFIX, KernelPlan
-from fusec.errors import CudaError, FusecError, IndexFaultError, KernelRecordError, WatchdogError
+from fusec.errors import CudaError, FusecError, KernelRecordError
 from fusec.ir import Graph, Role
 from fusec.cuda.jit import CompiledKernel
+from fusec.runtime import driver as cu
+from fusec.runtime.status import status_error
 
 log = logging.getLogger("fusec.runtime.cuda_step")
 
@@ -68,6 +69,8 @@ log = logging.getLogger("fusec.runtime.cuda_step")
 #: C++ comparison where the build has it (CUDA builds: its CUDA-graph trees use it), else mapped
 _PTRS_EQUAL = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
 _DATA_PTR = torch.Tensor.data_ptr
+
+
 def _refs(objs: Sequence[Any]) -> list[Any] | None:
     """Weak references to ``objs`` (None if one cannot have any: no fast check then)."""
     try:
@@ -78,105 +81,6 @@ def _refs(objs: Sequence[Any]) -> list[Any] | None:
 
 #: index in the launch's parameter array of the pointer table (a captured launch passes its own)
 _BUFS_PARAM = [p.name for p in kernel_params(False)].index("bufs_g")
-
-
-def status_error(head: Sequence[int], records: Sequence[Sequence[int]],
-                 op_name: Callable[[int], str]) -> KernelRecordError | None:
-    """The error a status record stands for, or None when it records nothing.
-
-    Args:
-        head: the ``ST_HEAD`` int64 header words of the host-mapped status (:class:`fusec.abi.Status`).
-        records: one row of ``WD_REC`` ints per SM (:class:`fusec.abi.WdRecord`); a row whose
-            ``CLAIMED`` is ``Claim.RECORD`` is a record.
-        op_name: the op's name for an opcode.
-
-    A watchdog record wins over a fault. The root cause is the record with the smallest
-    instruction id (waits point backwards, so its producer is the one that never came) among
-    the records of the step that fired: those with the smallest target (the step's epoch;
-    a later step, queued before the host noticed, stops at its first wait).
-    """
-    if head[Status.WATCHDOG]:
-        recs = [{f.name.lower(): r[f] for f in WdRecord if f != WdRecord.CLAIMED}
-                for r in records if r[WdRecord.CLAIMED] == Claim.RECORD]
-        if not recs:
-            return WatchdogError("megakernel watchdog fired but recorded no wait", {})
-        step = min(r["target"] for r in recs)
-        recs = [r for r in recs if r["target"] == step]
-        f = dict(min(recs, key=lambda r: r["instruction"]))
-        f["op_name"] = op_name(f["op"])
-        f["stuck_sms"] = len(recs)
-        return WatchdogError(
-            f"megakernel watchdog: SM {f['sm']} queue[{f['queue_index']}] op {f['op']} ({f['op_name']}) "
-            f"instruction #{f['instruction']} waited past the timeout on counter {f['counter']} "
-            f"(op {f['counter']}'s tiles): value {f['value']} in step {f['target']} ({len(recs)} SMs stuck)", f)
-    if head[Status.FAULT]:
-        code, value, bound = (int(head[k]) for k in (Status.CODE, Status.VALUE, Status.BOUND))
-        what = Fault(code).doc if code in list(Fault) else f"index (code {code})"
-        return IndexFaultError(f"megakernel: {what} {value} out of range [0, {bound}); the step's "
-                               f"outputs are invalid", {"code": code, "value": value, "bound": bound})
-    return None
-
-
-@functools.cache
-def _driver():
-    """cuda-python's driver module (imported once, on first use: the CPU path never needs it)."""
-    from cuda.bindings import driver
-    return driver
-
-
-def _ck(res: Any, what: str) -> Any:
-    drv = _driver()
-    err = res[0] if isinstance(res, tuple) else res
-    if err != drv.CUresult.CUDA_SUCCESS:
-        _, name = drv.cuGetErrorName(err)
-        raise CudaError(f"{what} failed: {name.decode() if isinstance(name, bytes) else name}")
-    if isinstance(res, tuple):
-        return res[1] if len(res) == 2 else res[1:]
-    return None
-
-
-class _Owned:
-    """Driver resources of one CudaStep (page-locked host memory, device memory, a graph exec),
-    released together by its finalizer, in the CUDA context they were made in; errors are
-    ignored there (a finalizer may run at interpreter exit)."""
-
-    def __init__(self, ctx: Any):
-        self.ctx = ctx
-        self.host: list[int] = []
-        self.dev: list[int] = []
-        self.graphs: list[Any] = []
-        self.streams: list[Any] = []
-
-    def release(self) -> None:
-        try:
-            drv = _driver()
-            drv.cuCtxPushCurrent(self.ctx)
-            for g in self.graphs:
-                drv.cuGraphExecDestroy(g)
-            for st in self.streams:
-                drv.cuStreamDestroy(st)
-            for p in self.dev:
-                drv.cuMemFree(p)
-            for p in self.host:
-                drv.cuMemFreeHost(p)
-            drv.cuCtxPopCurrent()
-        except Exception:   # noqa: BLE001 - nothing to do about it at teardown
-            pass
-        self.graphs, self.streams, self.dev, self.host = [], [], [], []
-
-
-class _RelaxedCapture:
-    """This thread's stream-capture mode relaxed for a moment: lets a call made during a capture
-    fill (and if needed allocate) its private pointer table outside the graph, work the
-    capture does not record (:meth:`CudaStep._launch_captured`)."""
-
-    def __enter__(self) -> None:
-        drv = _driver()
-        self.prev = _ck(drv.cuThreadExchangeStreamCaptureMode(
-            drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED), "cuThreadExchangeStreamCaptureMode")
-
-    def __exit__(self, *exc: Any) -> None:
-        _driver().cuThreadExchangeStreamCaptureMode(self.prev)
 
 
 class CudaStep:
@@ -193,7 +97,7 @@ class CudaStep:
 
     def __init__(self, g: Graph, plan: KernelPlan, kernel: CompiledKernel, flat_args: list[Any],
                  watchdog_s: float = 2.0, check_watchdog: bool = True, graph_launch: bool = False):
-        drv = _driver()
+        drv = cu.driver()
         self.g, self.plan = g, plan
         self.check_watchdog = check_watchdog
         self.graph_launch = graph_launch
@@ -201,15 +105,15 @@ class CudaStep:
         self.device = dev
         torch.cuda.set_device(dev)
         torch.cuda.current_stream(dev)  # make torch's primary context current
-        _ck(drv.cuInit(0), "cuInit")
-        self._owned = _Owned(_ck(drv.cuCtxGetCurrent(), "cuCtxGetCurrent"))
+        cu.check(drv.cuInit(0), "cuInit")
+        self._owned = cu.Owned(cu.check(drv.cuCtxGetCurrent(), "cuCtxGetCurrent"))
         weakref.finalize(self, self._owned.release)
-        self.module = _ck(drv.cuModuleLoadData(kernel.cubin), "cuModuleLoadData")
-        self.func = _ck(drv.cuModuleGetFunction(self.module, b"fusec_step"), "cuModuleGetFunction")
-        _ck(drv.cuFuncSetAttribute(self.func,
+        self.module = cu.check(drv.cuModuleLoadData(kernel.cubin), "cuModuleLoadData")
+        self.func = cu.check(drv.cuModuleGetFunction(self.module, b"fusec_step"), "cuModuleGetFunction")
+        cu.check(drv.cuFuncSetAttribute(self.func,
                                    drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                    plan.smem_bytes), "cuFuncSetAttribute(max dynamic shared memory)")
-        per_sm = _ck(drv.cuOccupancyMaxActiveBlocksPerMultiprocessor(self.func, plan.threads, plan.smem_bytes),
+        per_sm = cu.check(drv.cuOccupancyMaxActiveBlocksPerMultiprocessor(self.func, plan.threads, plan.smem_bytes),
                      "cuOccupancyMaxActiveBlocksPerMultiprocessor")
         sms = torch.cuda.get_device_properties(dev).multi_processor_count
         if per_sm < 1 or plan.num_sms > per_sm * sms:
@@ -235,7 +139,7 @@ class CudaStep:
         self._status_host = host
         self._head = (ctypes.c_int64 * ST_HEAD).from_address(host)
         self._recs = (ctypes.c_int32 * (WD_REC * plan.num_sms)).from_address(host + 8 * ST_HEAD)
-        status_dev = int(_ck(drv.cuMemHostGetDevicePointer(host, 0), "cuMemHostGetDevicePointer"))
+        status_dev = int(cu.check(drv.cuMemHostGetDevicePointer(host, 0), "cuMemHostGetDevicePointer"))
         self.input_pos = {name: g.inputs.index(name) for name in plan.buffers if name in g.inputs}
         self.slot = {name: k for k, name in enumerate(plan.buffers)}
         self.owned: dict[str, torch.Tensor] = {}
@@ -282,7 +186,7 @@ class CudaStep:
         self._frozen: dict[tuple[int, ...], int] = {}
         self._grow_tables(4)
         self._stage = self._host_alloc(self._table_bytes, drv.CU_MEMHOSTALLOC_PORTABLE)
-        self._side = _ck(drv.cuStreamCreate(drv.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
+        self._side = cu.check(drv.cuStreamCreate(drv.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
         self._owned.streams.append(self._side)
         # the launch's parameter values, by the kernel's parameter names (fusec.abi.PARAMS)
         vals = {name: ctypes.c_void_p(t.data_ptr()) for name, t in
@@ -290,9 +194,9 @@ class CudaStep:
                  ("counters", self.counters), ("epochs", self.epochs), ("bufs_g", self.bufs), ("wd", self.wd))}
         vals["timeout_ns"] = ctypes.c_ulonglong(int(watchdog_s * 1e9))
         for sym_name, value in ((b"fusec_fault", self.fault.data_ptr()), (b"fusec_status", status_dev)):
-            sym, _ = _ck(drv.cuModuleGetGlobal(self.module, sym_name), f"cuModuleGetGlobal({sym_name.decode()})")
+            sym, _ = cu.check(drv.cuModuleGetGlobal(self.module, sym_name), f"cuModuleGetGlobal({sym_name.decode()})")
             addr = ctypes.c_uint64(value)   # the kernel's status pointers, set once
-            _ck(drv.cuMemcpyHtoD(sym, ctypes.addressof(addr), 8), f"cuMemcpyHtoD({sym_name.decode()})")
+            cu.check(drv.cuMemcpyHtoD(sym, ctypes.addressof(addr), 8), f"cuMemcpyHtoD({sym_name.decode()})")
         self.prof: torch.Tensor | None = None
         if plan.profile:   # (SM, fetched, waits satisfied, done, marks...) per instruction, globaltimer ns
             self.prof = torch.zeros(len(plan.words) // WORD, len(Prof) + PROF_MARKS, dtype=torch.int64, device=dev)
@@ -317,25 +221,25 @@ class CudaStep:
         return (ctypes.c_void_p * len(vals))(*[ctypes.addressof(v) for v in vals])
 
     def _host_alloc(self, nbytes: int, flags: int) -> int:
-        host = int(_ck(_driver().cuMemHostAlloc(nbytes, flags), "cuMemHostAlloc"))
+        host = int(cu.check(cu.driver().cuMemHostAlloc(nbytes, flags), "cuMemHostAlloc"))
         self._owned.host.append(host)
         return host
 
     def _grow_tables(self, n: int) -> None:
         """n more device pointer tables for captured launches."""
-        dev = int(_ck(_driver().cuMemAlloc(n * self._table_bytes), "cuMemAlloc(pointer tables)"))
+        dev = int(cu.check(cu.driver().cuMemAlloc(n * self._table_bytes), "cuMemAlloc(pointer tables)"))
         self._owned.dev.append(dev)
         self._tables += [dev + k * self._table_bytes for k in reversed(range(n))]
 
     def _write_ptr(self, k: int, p: int, stream: Any) -> None:
         """bufs[k] = p, stream-ordered: a 4-byte memset per changed half (capturable, no staging)."""
-        drv = _driver()
+        drv = cu.driver()
         old, addr = self.ptrs[k], self._bufs_addr + 8 * k
         self.ptrs[k] = p
         for half in (0, 1):
             v = (p >> (32 * half)) & 0xFFFFFFFF
             if v != (old >> (32 * half)) & 0xFFFFFFFF:
-                _ck(drv.cuMemsetD32Async(addr + 4 * half, v, 1, stream), "cuMemsetD32Async(pointer table)")
+                cu.check(drv.cuMemsetD32Async(addr + 4 * half, v, 1, stream), "cuMemsetD32Async(pointer table)")
 
     def _init_lengths(self) -> None:
         """The run-time lengths' bookkeeping: the length slots (symbol -> index in ``bufs``) and
@@ -493,7 +397,7 @@ class CudaStep:
             for d, (n, m) in enumerate(zip(shape, info.shape)))
 
     def _launch(self, params: Any, stream: Any) -> None:
-        _ck(_driver().cuLaunchCooperativeKernel(self.func, self.plan.num_sms, 1, 1, self.plan.threads, 1, 1,
+        cu.check(cu.driver().cuLaunchCooperativeKernel(self.func, self.plan.num_sms, 1, 1, self.plan.threads, 1, 1,
                                                 self.plan.smem_bytes, stream, ctypes.addressof(params)),
             "cuLaunchCooperativeKernel")
 
@@ -504,7 +408,7 @@ class CudaStep:
         waited for, in relaxed capture mode): the graph holds the kernel node (after the copy
         of an input passed as an unaligned view, :meth:`_input_ptr`) and bakes the tensors seen
         at capture time."""
-        drv = _driver()
+        drv = cu.driver()
         ptrs = list(self.ptrs)
         for name, i in self.input_pos.items():
             ptrs[self.slot[name]] = self._input_ptr(name, args[i])
@@ -513,14 +417,14 @@ class CudaStep:
         key = tuple(ptrs)
         dev = self._frozen.get(key)
         if dev is None:
-            with _RelaxedCapture():
+            with cu.RelaxedCapture():
                 if not self._tables:
                     self._grow_tables(2 * len(self._owned.dev) + 2)
                 dev = self._tables.pop()
                 (ctypes.c_uint64 * len(ptrs)).from_address(self._stage)[:] = ptrs
-                _ck(drv.cuMemcpyHtoDAsync(dev, self._stage, self._table_bytes, self._side),
+                cu.check(drv.cuMemcpyHtoDAsync(dev, self._stage, self._table_bytes, self._side),
                     "cuMemcpyHtoDAsync(pointer table)")
-                _ck(drv.cuStreamSynchronize(self._side), "cuStreamSynchronize(side stream)")
+                cu.check(drv.cuStreamSynchronize(self._side), "cuStreamSynchronize(side stream)")
             self._frozen[key] = dev
         vals = list(self._vals)
         vals[_BUFS_PARAM] = ctypes.c_void_p(dev)
@@ -529,17 +433,17 @@ class CudaStep:
     def _record_graph(self) -> None:
         """Record and instantiate a graph of one launch (stream capture on a side stream); on
         failure log one line and keep launching directly."""
-        drv = _driver()
+        drv = cu.driver()
         self._graph_tried = True
         side, graph = self._side, None
         try:
-            _ck(drv.cuStreamBeginCapture(side, drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
+            cu.check(drv.cuStreamBeginCapture(side, drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
                 "cuStreamBeginCapture")
             launched = drv.cuLaunchCooperativeKernel(self.func, self.plan.num_sms, 1, 1, self.plan.threads, 1, 1,
                                                      self.plan.smem_bytes, side, ctypes.addressof(self._params))
-            graph = _ck(drv.cuStreamEndCapture(side), "cuStreamEndCapture")
-            _ck(launched, "cuLaunchCooperativeKernel (captured)")
-            self._graph = _ck(drv.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
+            graph = cu.check(drv.cuStreamEndCapture(side), "cuStreamEndCapture")
+            cu.check(launched, "cuLaunchCooperativeKernel (captured)")
+            self._graph = cu.check(drv.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
             self._owned.graphs.append(self._graph)
         except CudaError as e:
             self._graph = None
@@ -549,9 +453,9 @@ class CudaStep:
                 drv.cuGraphDestroy(graph)
 
     def __call__(self, *args: Any) -> list[torch.Tensor]:
-        drv = _driver()
+        drv = cu.driver()
         stream = drv.CUstream(torch.cuda.current_stream(self.device).cuda_stream)
-        capturing = _ck(drv.cuStreamIsCapturing(stream), "cuStreamIsCapturing")
+        capturing = cu.check(drv.cuStreamIsCapturing(stream), "cuStreamIsCapturing")
         if capturing != drv.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE:
             self._launch_captured(args, stream)
         else:
@@ -561,7 +465,7 @@ class CudaStep:
             if self.graph_launch and not self._graph_tried:
                 self._record_graph()
             if self._graph is not None:
-                _ck(drv.cuGraphLaunch(self._graph, stream), "cuGraphLaunch")
+                cu.check(drv.cuGraphLaunch(self._graph, stream), "cuGraphLaunch")
             else:
                 self._launch(self._params, stream)
         return [o if isinstance(o, torch.Tensor) else args[o[0]].view(o[1]) for o in self._outs]
