@@ -35,7 +35,7 @@ class Matvec(TakesPrologue, Instruction):
     @classmethod
     def tiles(cls, op: Op, g: Graph, want: int) -> list[Tile]:
         rows = g.tensors[op.inputs["w"]].shape[0]
-        return adjust_tiles(op, g, row_tiles(op, g, want, [op.inputs["w"]], vec_inputs(op, g, False),
+        return adjust_tiles(op, g, row_tiles(op, g, want, [op.inputs["w"]], vec_inputs(op, False),
                                              [op.inputs["b"]] if "b" in op.inputs else [], op.outputs["out"], rows))
 
     call = Call("matvec", targs=(Type("tx", "x"), Type("tw", "w"), Type("tb", "b", "w"), Type("to", "out"),

@@ -109,7 +109,7 @@ class MatvecGroup(TakesPrologue, Instruction):
         """About ``want`` tiles over the rows of all W_j together, each reading x whole (with a
         folded prologue: its inputs)."""
         K = g.tensors[xin(op)].numel
-        vec = vec_inputs(op, g, False)
+        vec = vec_inputs(op, False)
         tiles = []
         for i, (r0, r1) in enumerate(split_range(sum(op.attrs["rows"]), want)):
             reads, writes = [Region.whole(g, v) for v in vec], []

@@ -96,7 +96,7 @@ def externals(op: Op) -> list[str]:
     return [t for s, t in op.inputs.items() if s.startswith("pre_in")]
 
 
-def vec_inputs(op: Op, g: Graph, norm: bool) -> list[str]:
+def vec_inputs(op: Op, norm: bool) -> list[str]:
     """What every tile of a consumer reads whole: x (and ``norm_w`` if ``norm``), or with a
     prologue the members' external inputs."""
     if has(op):

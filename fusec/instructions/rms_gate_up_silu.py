@@ -83,7 +83,7 @@ class RmsGateUpSilu(TakesPrologue, Instruction):
     @classmethod
     def tiles(cls, op: Op, g: Graph, want: int) -> list[Tile]:
         rows = g.tensors[op.inputs["wg"]].shape[0]
-        vec = vec_inputs(op, g, _normed(op))
+        vec = vec_inputs(op, _normed(op))
         return adjust_tiles(op, g, row_tiles(op, g, want, [op.inputs["wg"], op.inputs["wu"]], vec, [],
                                              op.outputs["out"], rows))
 

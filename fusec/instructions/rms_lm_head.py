@@ -74,7 +74,7 @@ class RmsLmHead(TakesPrologue, Instruction):
         rows = g.tensors[op.inputs["w"]].shape[0]
         if "token" in op.outputs:
             want = min(want, g.tensors[op.outputs["cand"]].shape[0])
-        tiles = adjust_tiles(op, g, row_tiles(op, g, want, [op.inputs["w"]], vec_inputs(op, g, True), [],
+        tiles = adjust_tiles(op, g, row_tiles(op, g, want, [op.inputs["w"]], vec_inputs(op, True), [],
                                               op.outputs["out"], rows))
         if "token" in op.outputs:
             nt = len(tiles)
