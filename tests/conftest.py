@@ -40,8 +40,8 @@ INDEPENDENT_FILES = ("test_fuzz_configs.py",)
 def pytest_xdist_make_scheduler(config, log):
     """``--dist loadfile``, but the tests of :data:`INDEPENDENT_FILES` are scheduled one by one.
     xdist hands out the files with the most tests first, so these single tests come last and
-    fill both workers to the end: as one file on one worker, the 200 fuzz configurations (a
-    third of the suite's CPU time) would bound ``make test`` once the rest takes less."""
+    fill both workers to the end: as one file on one worker, the 96 fuzz configurations (an
+    eighth of the suite's CPU time) would bound ``make test`` once the rest takes less."""
     if config.getvalue("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
