@@ -50,11 +50,37 @@ def test_layernorm_folds_and_decodes_like_unfolded_and_eager(factory):
     step_util.assert_option_changes_no_value(factory().to(torch.bfloat16), {"prologue": False}, seed=7)
 
 
-def test_a_norm_read_by_two_parallel_blocks_stays_a_level_of_its_own():
+def test_a_norm_read_by_two_parallel_blocks_folds_into_both():
     """Cohere's parallel block: one LayerNorm (decomposed into ATen ops) feeds both the q/k/v and
-    the MLP. Folded into the q/k/v, the MLP would wait for all of the q/k/v (a level more on its
-    path), so it stays; only the final norm before the LM head folds."""
+    the MLP. Folded into the q/k/v alone, the MLP would wait for all of the q/k/v; so each of
+    the two computes it in its own prologue (the MLP on tensors of its own), none of the norm's
+    ops stands alone, and decode equals the unfolded step bit for bit and eager."""
     import test_families as fam
     s = step_util.lowered(fam.cohere().to(torch.bfloat16))
-    folds = [o.kind for o in s.graph.ops if "pre" in o.attrs]
-    assert folds == ["matvec"], folds   # the LM head (tied embedding, a plain linear)
+    folds = [(o.kind, o.attrs["pre_steps"]) for o in s.graph.ops if "pre" in o.attrs]
+    norm = "_to_copy > mean > sub > pow > mean > sub > add > rsqrt > mul > mul > _to_copy"
+    n = fam.cohere().config.num_hidden_layers
+    assert folds == [("matvec_group", norm), ("rms_gate_up_silu", norm)] * n + [("matvec", norm)], folds
+    mlp = [o for o in s.graph.ops if o.kind == "rms_gate_up_silu"]
+    qkv = [o for o in s.graph.ops if o.kind == "matvec_group"]
+    for a, b in zip(qkv, mlp):   # the MLP's copy: tensors of its own, written by no other op
+        mine = {t for m in b.attrs["pre"] for t in m.fresh_outputs()}
+        theirs = {t for m in a.attrs["pre"] for t in m.fresh_outputs()}
+        assert mine and not mine & theirs
+        assert b.attrs["pre_keep"] == [] and a.attrs["pre_keep"] == []
+    standalone = {o.kind for o in s.graph.ops if o.kind.startswith("aten.") and o.layer is not None}
+    assert not standalone & {"aten.mean.dim", "aten.rsqrt.default", "aten.pow.Tensor_Scalar"}, standalone
+    step_util.assert_option_changes_no_value(fam.cohere().to(torch.bfloat16), {"prologue": False}, seed=5)
+
+
+def test_the_parallel_residual_folds_into_both_layernorms():
+    """GPT-NeoX (parallel residual, two LayerNorms per layer): the residual sum ``attn + mlp + h``
+    feeds the next layer's q/k/v LayerNorm and its MLP's LayerNorm. It folds into the q/k/v,
+    whose writer tile writes the sum (the layer after reads it), and a copy of the adds heads the
+    MLP's prologue before its own LayerNorm: no chain of adds stands between the layers."""
+    s = step_util.lowered(hf_tiny.gpt_neox().to(torch.bfloat16))
+    ops = s.graph.ops
+    assert not [o for o in ops if o.kind == "chain" and "layernorm" in o.attrs["steps"]]
+    folds = [(o.attrs["pre_steps"], len(o.attrs["pre_keep"])) for o in ops if "pre" in o.attrs]
+    assert ("add > add > layernorm", 1) in folds, folds        # the q/k/v: it writes the sum
+    assert ("add > add > layernorm > layernorm", 0) in folds, folds   # the MLP: its own copy

@@ -127,13 +127,26 @@ def writer_tile(op: Op, tile: Tile) -> bool:
 def run(op: Op, env: Env) -> torch.Tensor:
     """The members, in order, then the staged vector ``x`` in fp32, flat. Each tile of the
     consumer computes the same (its inputs do not change while the consumer runs), so the
-    simulator runs the members for the first tile of a step and keeps the vector (``Env.memo``)."""
+    simulator runs the members for the first tile of a step and keeps the vector (``Env.memo``).
+
+    As on the GPU, only the kept outputs (``pre_keep``) reach global memory: the others' buffers
+    are put back as they were before the members ran (gone, or the previous step's values), so
+    a reader that should not see them reads poison or a stale value, as it would on the GPU."""
     from fusec.ir.semantics import run_op
     key = f"{op.name}:pre"
     if key not in env.memo:
+        g = env.g
+        kept = {g.root(t) for t in op.attrs["pre_keep"]}
+        local = {g.root(t) for m in op.attrs["pre"] for t in m.fresh_outputs()} - kept
+        saved = {r: env.bufs[r].clone() if r in env.bufs else None for r in local}
         for m in op.attrs["pre"]:
             run_op(m, env)
-        env.memo[key] = env.read(op.outputs["x"]).reshape(-1).float()
+        env.memo[key] = env.read(op.outputs["x"]).reshape(-1).float().clone()
+        for r, before in saved.items():
+            if before is None:
+                env.bufs.pop(r, None)
+            else:
+                env.bufs[r] = before
     return env.memo[key]
 
 
