@@ -28,7 +28,8 @@ that the q/k/v's LayerNorm reads too (GPT-NeoX). Folded into ``K`` alone, ``R`` 
 of ``K``. Where every such ``R`` is itself a consumer kind that reads ``P``'s outputs only as its
 ``x`` (no prologue yet) or through its prologue's inputs, ``P`` folds into ``K`` (whose writer
 tile writes what later ops read) and a copy of its members, on tensors of their own, becomes the
-front of each ``R``'s prologue (its tiles compute them too and write nothing of them). The same
+front of each ``R``'s prologue (its tiles compute them too and write nothing of them; a member
+whose outputs ``R`` does not use is left out of the copy). The same
 conditions hold between ``P`` and each ``R`` as between ``P`` and ``K``; what is read after both
 stays written by ``K``, so every other reader must still wait for ``K``.
 
@@ -224,7 +225,24 @@ def _replica(g: Graph, p: Op, members: list[Op], r: Op) -> _Replica | None:
             inputs.pop("norm_w")
             attrs.pop("eps", None)
             attrs.update(norm=False, w_fp32=False)
-    pre = copies + tail
+    # only what r uses: a copy member none of whose outputs r reads (the q/k/v's own LayerNorm in
+    # GPT-NeoX's copy for the MLP) is left out
+    needed = {x_root} | {g.root(t) for m in tail for t in m.reads()}
+    kept_copies: list[Op] = []
+    for m in reversed(copies):
+        if any(g.root(t) in needed for t in m.fresh_outputs()):
+            kept_copies.insert(0, m)
+            needed |= {g.root(t) for t in m.reads()}
+    used: set[str] = set()
+    for t in {t for m in kept_copies + tail for t in m.reads() + m.writes()} | {x_root}:
+        while t is not None and t not in used:   # a tensor and what it is a view of
+            used.add(t)
+            t = g.tensors[t].alias_of
+    for t in [t for t in new if t not in used]:
+        new.remove(t)
+        g.tensors.pop(t, None)
+    pre = kept_copies + tail
+    copies = kept_copies
     ext, outs, written = _io(g, pre)
     r_writes = {g.root(w) for w in r.writes()}
     if not all(can_member(m, g) for m in copies) or scratch_bytes(g, pre, ext, x_root) > MAX_SCRATCH_BYTES \
