@@ -88,3 +88,27 @@ def test_the_parallel_residual_folds_into_both_layernorms():
     assert len(qkv) == 1 and len(mlp) == 1, [(o.name, o.attrs["pre_keep"]) for o in folded]
     norm_w = [[m.inputs for m in o.attrs["pre"] if m.kind == "layernorm"][0] for o in (qkv[0], mlp[0])]
     assert norm_w[0] != norm_w[1]   # each its own LayerNorm's weights
+
+
+def test_a_layernorm_family_reaches_rms_qkv_rope():
+    """StarCoder2 (LayerNorm with bias, q/k/v biases, full RoPE): its q/k/v, RoPE and KV writes
+    are one ``rms_qkv_rope`` per layer that does not norm x itself (``norm`` False): the
+    LayerNorm in front folds in as its prologue, and with the fold off the kind stages the
+    LayerNorm's output as it is (the NORM=false instantiation). No RoPE or KV write stands
+    alone; both steps decode alike and like eager, no fallback; both kernels compile for sm_90a
+    without warnings or spills."""
+    from fusec.cuda.codegen import render
+    from fusec.cuda.jit import compile_cuda
+    for options in ({}, {"prologue": False}):
+        s = step_util.lowered(hf_tiny.starcoder2().to(torch.bfloat16), **options)
+        kinds = s.graph.count_kinds(members=False)
+        qkv = [o for o in s.graph.ops if o.kind == "rms_qkv_rope"]
+        assert len(qkv) == hf_tiny.starcoder2().config.num_hidden_layers, kinds
+        every = s.graph.count_kinds()   # chain members by their kinds too
+        assert not {"rope", "kv_write"} & set(every), every
+        assert all(o.attrs["norm"] is False and "norm_w" not in o.inputs and "bq" in o.inputs for o in qkv)
+        assert all(("pre" in o.attrs) == ("prologue" not in options) for o in qkv)
+        kernel = compile_cuda(render(s).source, "fusec_step.cu")
+        assert "warning" not in kernel.log, kernel.log
+        kernel.assert_no_spills()
+    step_util.assert_option_changes_no_value(hf_tiny.starcoder2().to(torch.bfloat16), {"prologue": False}, seed=11)

@@ -40,16 +40,24 @@ def _bias_or_wf32(op: Op) -> bool:
     return "bq" in op.inputs or bool(op.attrs.get("w_fp32"))
 
 
+def _normed(op: Op) -> bool:
+    """Whether the kind norms x itself (RMSNorm): False when the q/k/v read a vector that no
+    ``rmsnorm`` makes (a LayerNorm, which the ``prologue`` pass folds in, or no norm)."""
+    return op.attrs.get("norm", True)
+
+
 def _explicit(op: Op) -> bool:
-    """BIAS and TB are written out: a later template argument (WF32, STAGED) differs from its
-    default."""
-    return _bias_or_wf32(op) or has(op)
+    """BIAS and TB are written out: a later template argument (WF32, NORM, STAGED) differs from
+    its default."""
+    return _bias_or_wf32(op) or has(op) or not _normed(op)
 
 
 def match_qkv(c: Ctx, att: Op) -> Fusion | None:
     """At an ``attention``: its q is ``rope(linear(...))``, its k/v caches' last ``kv_write``s
     before it (one position) write ``rope(linear(...))`` and ``linear(...)``, the three linears
-    read one ``rmsnorm``'s output, q and k optionally through a per-head ``rmsnorm`` each (both
+    read one vector (an ``rmsnorm``'s output, the norm then part of the kind; else the vector as
+    it is, ``norm`` False: a LayerNorm in front folds in as the kind's prologue, or static-size
+    x that no op updates in place), q and k optionally through a per-head ``rmsnorm`` each (both
     or neither), with biases on all three or none, and q and k rotated by the same cos/sin
     ``table_lookup``s. Procedural: the caches are found by program order, and the optional
     parts make several shapes of one subgraph."""
@@ -87,9 +95,13 @@ def match_qkv(c: Ctx, att: Op) -> Fusion | None:
     if len({g.root(l.inputs["x"]) for l in lins.values()}) != 1:
         return None
     rms = c.prod(lins["q"].inputs["x"], "rmsnorm")
-    if rms is None:
-        return None
-    inner.append(rms)
+    if rms is not None:
+        inner.append(rms)
+    else:
+        x_root = g.root(lins["q"].inputs["x"])
+        if g.tensors[lins["q"].inputs["x"]].sym or g.tensors[x_root].sym \
+                or any(g.root(o.outputs[s]) == x_root for o in g.ops for s in o.mutates):
+            return None
     cos_k, sin_k = (c.prod(rope_k.inputs[s], "table_lookup") for s in ("cos", "sin"))
     cos_q, sin_q = (c.prod(rope_q.inputs[s], "table_lookup") for s in ("cos", "sin"))
     if None in (cos_k, sin_k, cos_q, sin_q) or cos_k is not cos_q or sin_k is not sin_q \
@@ -101,14 +113,19 @@ def match_qkv(c: Ctx, att: Op) -> Fusion | None:
     nkv = kc.shape[1]
     if kc.shape[0] != 1 or g.tensors[lins["k"].inputs["w"]].shape[0] != nkv * d or nq % nkv:
         return None
+    # a per-head norm: over each head's D values (OLMo-2 norms the whole projection: no match)
+    if any(g.tensors[hn.inputs["w"]].numel != d or g.tensors[hn.inputs["x"]].shape[-1] != d for hn in norms.values()):
+        return None
 
     def build() -> list[Op]:
-        ins = {"x": rms.inputs["x"], "norm_w": rms.inputs["w"], "wq": lins["q"].inputs["w"],
-               "wk": lins["k"].inputs["w"], "wv": lins["v"].inputs["w"],
-               "cos_table": cos_q.inputs["table"], "sin_table": sin_q.inputs["table"],
-               "rope_pos": cos_q.inputs["pos"], "kv_pos": wk.inputs["pos"]}
-        attrs = {**rms_attrs(g, rms), "dtype": g.tensors[rope_q.outputs["out"]].dtype, "n_q": nq, "n_kv": nkv,
-                 "head_dim": d, "w_fp32": rms.attrs.get("w_fp32", False)}
+        ins = {"x": rms.inputs["x"], "norm_w": rms.inputs["w"]} if rms is not None else {"x": lins["q"].inputs["x"]}
+        ins.update({"wq": lins["q"].inputs["w"], "wk": lins["k"].inputs["w"], "wv": lins["v"].inputs["w"],
+                    "cos_table": cos_q.inputs["table"], "sin_table": sin_q.inputs["table"],
+                    "rope_pos": cos_q.inputs["pos"], "kv_pos": wk.inputs["pos"]})
+        # without an rmsnorm: x as the linears read it, staged in its own dtype (TN = TX)
+        norm = {**rms_attrs(g, rms), "w_fp32": rms.attrs.get("w_fp32", False)} if rms is not None else \
+            {"norm": False, "norm_dtype": g.tensors[ins["x"]].dtype, "w_fp32": False}
+        attrs = {**norm, "dtype": g.tensors[rope_q.outputs["out"]].dtype, "n_q": nq, "n_kv": nkv, "head_dim": d}
         if all(biased):
             ins["bq"], ins["bk"], ins["bv"] = (lins[h].inputs["b"] for h in "qkv")
         outs = {"q": rope_q.outputs["out"], "kcache": wk.outputs["cache"], "vcache": wv.outputs["cache"]}
@@ -231,7 +248,8 @@ class RmsQkvRope(TakesPrologue, Instruction):
                        Int("RP", lambda op, g: g.tensors[op.inputs["cos_table"]].shape[0]),
                        Flag("headnorm", has="q_norm_w"),
                        # BIAS and TB are passed for the bias, fp32-weight-norm and staged variants
-                       Flag("bias", has="bq", when=_explicit), Type("tb", "bq", "wq", when=_explicit), WF32, STAGED),
+                       Flag("bias", has="bq", when=_explicit), Type("tb", "bq", "wq", when=_explicit), WF32,
+                       Flag("norm", fn=_normed, default="true"), STAGED),
                 args=(Ptr("x"), Ptr("norm_w"), Float("eps", "eps", fallback=0.0), Ptr("wq"), Ptr("wk"), Ptr("wv"),
                       Ptr("cos_table"), Ptr("sin_table"), Ptr("rope_pos"), Ptr("kv_pos"), Ptr("q"), Ptr("kcache"),
                       Ptr("vcache"), Ptr("q_norm_w"), Ptr("k_norm_w"), Float("qk_eps", "qk_eps", 0.0),
@@ -326,7 +344,7 @@ class RmsQkvRope(TakesPrologue, Instruction):
             raise index_fault(op, "RoPE position", rp, rows, Fault.ROPE_POS)
         if not 0 <= kv_pos < L:
             raise index_fault(op, "KV-cache write position", kv_pos, L, Fault.KV_POS)
-        n = staged(op, env, True)
+        n = staged(op, env, _normed(op))
         cos = env.read(op.inputs["cos_table"])[rp].reshape(-1).float()
         sin = env.read(op.inputs["sin_table"])[rp].reshape(-1).float()
         split = cls._split(op, tile)
