@@ -1,7 +1,8 @@
 """rms_qkv_rope: RMSNorm + Q/K/V rows + (per-head q/k RMSNorm) + RoPE + KV-cache append.
 
 One tile owns a range of heads over the concatenation [q heads | k heads | v heads]. It
-recomputes the RMSNorm of x (a few KB), multiplies its weight rows, applies the optional
+recomputes the RMSNorm of x (a few KB; with ``norm`` False, where no RMSNorm makes the q/k/v's
+input, it stages x as it is, or a folded prologue computes it: a LayerNorm), multiplies its weight rows, applies the optional
 per-head RMSNorm (Qwen3 ``q_norm``/``k_norm``) and RoPE (Su et al. 2021, half-split layout,
 cos/sin looked up at the position in tables folded at compile time), then writes q heads to
 ``q`` and k/v heads into row ``kv_pos`` of the KV caches.
