@@ -41,6 +41,7 @@ dependency level is added; every other op is untouched.
 from __future__ import annotations
 
 import logging
+from typing import NamedTuple
 
 from fusec.instructions.base import KINDS
 from fusec.instructions.prologue import MAX_SCRATCH_BYTES, can_member, scratch_bytes
@@ -74,74 +75,87 @@ def _fold(g: Graph, op: Op, parallel: bool = False) -> bool:
     the parallel readers. False (nothing changed) where a condition fails."""
     x = op.inputs["x"]
     root = g.root(x)
-    prods = g.producers()
-    p = prods.get(root)
+    p = g.producers().get(root)
     if p is None or p is op:
         return False
-    members = list(p.attrs["ops"]) if p.kind == "chain" else [p]
-    if not all(can_member(m, g) for m in members):
-        return False
+    p_members = list(p.attrs["ops"]) if p.kind == "chain" else [p]
     final = g.tensors[root]
-    if final.numel != g.tensors[x].numel or final.dtype != g.tensors[x].dtype:
-        return False
-    if not _movable(g, p, op):
+    if not all(can_member(m, g) for m in p_members) or final.numel != g.tensors[x].numel \
+            or final.dtype != g.tensors[x].dtype or not _movable(g, p, op):
         return False
     inputs = {s: t for s, t in op.inputs.items() if s != "x"}
     attrs = dict(op.attrs)
-    norm = None
-    if "norm_w" in op.inputs and attrs.get("norm", True):
-        norm = _norm_member(g, op, x)   # over x as K reads it: its last dim is the norm's
-        if not can_member(norm, g):
-            g.tensors.pop(norm.outputs["out"], None)
-            return False
-        members.append(norm)
-        root = norm.outputs["out"]
-        del inputs["norm_w"]
-        attrs.pop("eps", None)
-        attrs.update(norm=False, w_fp32=False)
-    ext, outs, written = _io(g, members)
-    # K's other inputs must be there before K: a member's output is written by K's writer tile only
-    if scratch_bytes(g, members, ext, root) > MAX_SCRATCH_BYTES or any(g.root(t) in written for t in ext) \
-            or any(g.root(t) in written for t in inputs.values()) \
-            or any(g.root(t) in {g.root(w) for w in op.writes()} for t in ext):   # K updates it in place
-        if norm is not None:
-            g.tensors.pop(norm.outputs["out"], None)   # the norm member's output: unused
-        return False
+    norm = _own_norm(g, op, x, inputs, attrs)   # over x as K reads it: its last dim is the norm's
+    members = p_members + ([norm] if norm else [])
+    io = _prologue_io(g, op, members, norm.outputs["out"] if norm else root, inputs)
     # read after the fold by an op other than P, or returned: the writer tile keeps them
     users = g.users()
     inner = {p.name, op.name}
     graph_out = {g.root(t) for t in g.outputs}
-    keep = [t for t in outs if t in graph_out or any(u.name not in inner for u in users.get(t, []))]
+    keep = [t for t in (io[2] if io else []) if t in graph_out or any(u.name not in inner for u in users.get(t, []))]
     # a kept output's other readers must wait for K already (they read what K makes, directly
     # or not): one that did not (a parallel block's MLP reading the LayerNorm that K's q/k/v
-    # read too) would now wait for all of K, a level later than before
-    after = _downstream(g, op)
+    # read too) would now wait for all of K, a level later than before, unless it is a parallel
+    # reader that computes its own copy
+    after = _downstream(g, op) if io else set()
     others = list({u.name: u for t in keep for u in users.get(t, []) if u.name not in inner and u.name not in after}
                   .values())
-    replicas = [_replica(g, p, members[:len(members) - (norm is not None)], r) for r in others] \
-        if parallel else [None]
-    if others and (not parallel or any(r is None for r in replicas)):
-        if norm is not None:
-            g.tensors.pop(norm.outputs["out"], None)
+    replicas = [_replica(g, p, p_members, r) for r in others] if io and parallel else []
+    if io is None or (others and (not parallel or None in replicas)):
+        _drop(g, [norm.outputs["out"]] if norm else [])
         for plan in replicas:
             if plan is not None:
-                plan.discard(g)
+                _drop(g, plan.new)
         return False
     if others:   # what only the parallel readers read: they compute it themselves now
-        names = {r.name for r in others}
-        keep = [t for t in keep if t in graph_out or any(u.name not in inner | names for u in users.get(t, []))]
+        names = inner | {r.name for r in others}
+        keep = [t for t in keep if t in graph_out or any(u.name not in names for u in users.get(t, []))]
         for plan in replicas:
-            plan.install(g)
-    new_inputs = {**inputs, **{f"pre_in{i}": t for i, t in enumerate(ext)}}
-    new_outputs = dict(op.outputs)
-    new_outputs["x"] = root
-    for i, t in enumerate(t for t in outs if t != root):
-        new_outputs[f"pre_out{i}"] = t
-    attrs.update(pre=members, pre_keep=keep,
-                 pre_steps=" > ".join(_step_name(m) for m in members))
-    op.inputs, op.outputs, op.attrs = new_inputs, new_outputs, attrs
+            plan.r.inputs, plan.r.outputs, plan.r.attrs = plan.inputs, plan.outputs, plan.attrs
+    attrs.update(pre=members, pre_keep=keep, pre_steps=" > ".join(_step_name(m) for m in members))
+    op.inputs, op.outputs, op.attrs = io[0], io[1], attrs
     g.ops = [o for o in g.ops if o is not p]
     return True
+
+
+def _own_norm(g: Graph, op: Op, x: str, inputs: dict[str, str], attrs: dict) -> Op | None:
+    """The consumer's own RMSNorm over ``x`` as a new last member (``inputs`` and ``attrs`` made
+    those of the kind without it), or None where the consumer norms nothing."""
+    if "norm_w" not in op.inputs or not attrs.get("norm", True):
+        return None
+    norm = _norm_member(g, op, x)
+    del inputs["norm_w"]
+    attrs.pop("eps", None)
+    attrs.update(norm=False, w_fp32=False)
+    return norm
+
+
+def _prologue_io(g: Graph, op: Op, pre: list[Op], x_root: str,
+                 inputs: dict[str, str]) -> tuple[dict[str, str], dict[str, str], list[str]] | None:
+    """(``op``'s inputs, its outputs and the members' fresh outputs) with the prologue ``pre``
+    whose last result is its staged ``x_root``; ``inputs``: its other inputs. None where the
+    prologue may not be: a member without a CUDA form, more shared memory than
+    :data:`MAX_SCRATCH_BYTES`, a member reading what a later one writes, an input of ``op``
+    that a member makes (only the writer tile writes it), or one that ``op`` updates in place
+    (other tiles of ``op`` may have written it)."""
+    ext, outs, written = _io(g, pre)
+    writes = {g.root(w) for w in op.writes()}
+    if not all(can_member(m, g) for m in pre) or scratch_bytes(g, pre, ext, x_root) > MAX_SCRATCH_BYTES \
+            or any(g.root(t) in written for t in ext) or any(g.root(t) in written for t in inputs.values()) \
+            or any(g.root(t) in writes for t in ext):
+        return None
+    new_inputs = {**inputs, **{f"pre_in{i}": t for i, t in enumerate(ext)}}
+    new_outputs = {s: t for s, t in op.outputs.items() if not s.startswith("pre_out") and s != "x"}
+    new_outputs["x"] = x_root
+    for i, t in enumerate(t for t in outs if g.root(t) != x_root):
+        new_outputs[f"pre_out{i}"] = t
+    return new_inputs, new_outputs, outs
+
+
+def _drop(g: Graph, tensors: list[str]) -> None:
+    """Forget tensors a plan made and did not use."""
+    for t in tensors:
+        g.tensors.pop(t, None)
 
 
 def _movable(g: Graph, p: Op, consumer: Op, reads: bool = True) -> bool:
@@ -160,22 +174,14 @@ def _movable(g: Graph, p: Op, consumer: Op, reads: bool = True) -> bool:
     return True
 
 
-class _Replica:
-    """A copy of ``P``'s members for a parallel reader ``r``, on tensors of their own, planned
-    (tensors made) but not installed: :meth:`install` makes them the front of ``r``'s prologue,
-    :meth:`discard` drops the tensors."""
-
-    def __init__(self, r: Op, members: list[Op], new: list[str], inputs: dict[str, str],
-                 outputs: dict[str, str], attrs: dict):
-        self.r, self.members, self.new = r, members, new
-        self.inputs, self.outputs, self.attrs = inputs, outputs, attrs
-
-    def install(self, g: Graph) -> None:
-        self.r.inputs, self.r.outputs, self.r.attrs = self.inputs, self.outputs, self.attrs
-
-    def discard(self, g: Graph) -> None:
-        for t in self.new:
-            g.tensors.pop(t, None)
+class _Replica(NamedTuple):
+    """A parallel reader ``r``'s new inputs, outputs and attributes with a copy of ``P``'s
+    members heading its prologue; ``new``: the tensors the copy made (dropped if not installed)."""
+    r: Op
+    new: list[str]
+    inputs: dict[str, str]
+    outputs: dict[str, str]
+    attrs: dict
 
 
 def _replica(g: Graph, p: Op, members: list[Op], r: Op) -> _Replica | None:
@@ -188,6 +194,10 @@ def _replica(g: Graph, p: Op, members: list[Op], r: Op) -> _Replica | None:
     has_pre = "pre" in r.attrs
     if not slots or any(not (s.startswith("pre_in") if has_pre else s == "x") for s in slots):
         return None
+    if not has_pre:
+        xt = r.inputs["x"]
+        if g.tensors[xt].numel != g.tensors[g.root(xt)].numel or g.tensors[xt].dtype != g.tensors[g.root(xt)].dtype:
+            return None
     new: list[str] = []
     names: dict[str, str] = {}
 
@@ -205,60 +215,39 @@ def _replica(g: Graph, p: Op, members: list[Op], r: Op) -> _Replica | None:
     copies = [Op(g.fresh_name(f"{r.name}_{m.name}"), m.kind, {s: mapped(t) for s, t in m.inputs.items()},
                  {s: mapped(t) for s, t in m.outputs.items()}, dict(m.attrs), m.mutates, m.source, r.layer)
               for m in members]
-    plan = _Replica(r, [], new, {}, {}, {})
     attrs = dict(r.attrs)
     inputs = {s: t for s, t in r.inputs.items() if not s.startswith("pre_in") and s != "x"}
-    if has_pre:
+    if has_pre:   # r's own members, reading the copy's tensors
         tail = [Op(m.name, m.kind, {s: mapped(t) for s, t in m.inputs.items()}, dict(m.outputs), m.attrs,
                    m.mutates, m.source, m.layer) for m in r.attrs["pre"]]
         x_root = g.root(r.outputs["x"])
     else:
-        xt = r.inputs["x"]
-        if g.tensors[xt].numel != g.tensors[g.root(xt)].numel or g.tensors[xt].dtype != g.tensors[g.root(xt)].dtype:
-            plan.discard(g)
-            return None
-        tail, x_root = [], g.root(mapped(xt))
-        if "norm_w" in r.inputs and attrs.get("norm", True):
-            norm = _norm_member(g, r, mapped(xt))
-            new.append(norm.outputs["out"])
-            tail, x_root = [norm], norm.outputs["out"]
-            inputs.pop("norm_w")
-            attrs.pop("eps", None)
-            attrs.update(norm=False, w_fp32=False)
+        norm = _own_norm(g, r, mapped(r.inputs["x"]), inputs, attrs)
+        tail, x_root = ([norm], norm.outputs["out"]) if norm else ([], g.root(mapped(r.inputs["x"])))
+        if norm:
+            new.append(x_root)
     # only what r uses: a copy member none of whose outputs r reads (the q/k/v's own LayerNorm in
-    # GPT-NeoX's copy for the MLP) is left out
+    # GPT-NeoX's copy for the MLP) is left out, and so are its tensors
     needed = {x_root} | {g.root(t) for m in tail for t in m.reads()}
-    kept_copies: list[Op] = []
-    for m in reversed(copies):
+    for m in reversed(copies[:]):
         if any(g.root(t) in needed for t in m.fresh_outputs()):
-            kept_copies.insert(0, m)
             needed |= {g.root(t) for t in m.reads()}
+        else:
+            copies.remove(m)
     used: set[str] = set()
-    for t in {t for m in kept_copies + tail for t in m.reads() + m.writes()} | {x_root}:
+    for t in {t for m in copies + tail for t in m.reads() + m.writes()} | {x_root}:
         while t is not None and t not in used:   # a tensor and what it is a view of
             used.add(t)
             t = g.tensors[t].alias_of
-    for t in [t for t in new if t not in used]:
-        new.remove(t)
-        g.tensors.pop(t, None)
-    pre = kept_copies + tail
-    copies = kept_copies
-    ext, outs, written = _io(g, pre)
-    r_writes = {g.root(w) for w in r.writes()}
-    if not all(can_member(m, g) for m in copies) or scratch_bytes(g, pre, ext, x_root) > MAX_SCRATCH_BYTES \
-            or any(g.root(t) in written for t in ext) or any(g.root(t) in written for t in inputs.values()) \
-            or any(g.root(t) in r_writes for t in ext):
-        plan.discard(g)
+    _drop(g, [t for t in new if t not in used])
+    new = [t for t in new if t in used]
+    io = _prologue_io(g, r, copies + tail, x_root, inputs)
+    if io is None:
+        _drop(g, new)
         return None
-    plan.inputs = {**inputs, **{f"pre_in{i}": t for i, t in enumerate(ext)}}
-    plan.outputs = {s: t for s, t in r.outputs.items() if not s.startswith("pre_out") and s != "x"}
-    plan.outputs["x"] = x_root
-    for i, t in enumerate(t for t in outs if g.root(t) != x_root):
-        plan.outputs[f"pre_out{i}"] = t
-    attrs.update(pre=pre, pre_keep=list(r.attrs.get("pre_keep", [])),
-                 pre_steps=" > ".join(_step_name(m) for m in pre))
-    plan.attrs = attrs
-    return plan
+    attrs.update(pre=copies + tail, pre_keep=list(r.attrs.get("pre_keep", [])),
+                 pre_steps=" > ".join(_step_name(m) for m in copies + tail))
+    return _Replica(r, new, io[0], io[1], attrs)
 
 
 def _io(g: Graph, members: list[Op]) -> tuple[list[str], list[str], set[str]]:
