@@ -44,6 +44,7 @@ import logging
 from typing import NamedTuple
 
 from fusec.instructions.base import KINDS
+from fusec.instructions.matvec_rows import normed
 from fusec.instructions.prologue import MAX_SCRATCH_BYTES, can_member, scratch_bytes
 from fusec.ir import Graph, Op
 
@@ -121,7 +122,7 @@ def _fold(g: Graph, op: Op, parallel: bool = False) -> bool:
 def _own_norm(g: Graph, op: Op, x: str, inputs: dict[str, str], attrs: dict) -> Op | None:
     """The consumer's own RMSNorm over ``x`` as a new last member (``inputs`` and ``attrs`` made
     those of the kind without it), or None where the consumer norms nothing."""
-    if "norm_w" not in op.inputs or not attrs.get("norm", True):
+    if "norm_w" not in op.inputs or not normed(op):
         return None
     norm = _norm_member(g, op, x)
     del inputs["norm_w"]

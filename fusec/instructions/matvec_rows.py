@@ -82,6 +82,16 @@ HIDDEN = Int("H", lambda op, g: g.tensors[prologue.xin(op)].numel)
 WF32 = Flag("wf32", fn=lambda op: op.attrs.get("w_fp32", False), default="false")
 
 
+def normed(op: Op) -> bool:
+    """Whether an RMSNorm-prologue kind norms x itself (attr ``norm``, default True): False where
+    no RMSNorm makes its input (a post-norm MLP, a LayerNorm folded in as its prologue)."""
+    return op.attrs.get("norm", True)
+
+
+#: NORM: the kind norms x itself (:func:`normed`); false: x staged as it is; C++ default true
+NORM = Flag("norm", fn=normed, default="true")
+
+
 def rms_prologue(op: Op, env: Env):
     """RMSNorm of ``op.inputs["x"]`` with ``norm_w``/``eps``, recomputed per tile; fp32 [H]."""
     x = env.read(op.inputs["x"]).reshape(-1)

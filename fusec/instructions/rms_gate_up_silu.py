@@ -17,8 +17,8 @@ from fusec.ir.env import Env
 from fusec.ir import Graph, Op, Role
 from fusec.ir.pattern import ABSENT, sem, var
 from fusec.instructions.base import Instruction, Tile, register
-from fusec.instructions.call import P0, P1, RED, SMEM, Call, Expr, Flag, Float, Int, Ptr, Type
-from fusec.instructions.matvec_rows import HIDDEN, WF32, rms_attrs, row_tiles, staged
+from fusec.instructions.call import P0, P1, RED, SMEM, Call, Expr, Float, Int, Ptr, Type
+from fusec.instructions.matvec_rows import HIDDEN, NORM, WF32, normed, rms_attrs, row_tiles, staged
 from fusec.instructions.prologue import STAGED, TakesPrologue, adjust_tiles, vec_inputs, xin
 from fusec.instructions.rule import Rule
 
@@ -28,11 +28,6 @@ ACTS = ("silu", "gelu_tanh", "gelu")
 
 _GLU = ("silu_mul", "gelu_mul")
 _NORMED = sem("rmsnorm", "rms", x=var("x"), w=var("norm_w"))
-
-
-def _normed(op: Op) -> bool:
-    """True if the op normalizes x first (attr ``norm``, default True)."""
-    return op.attrs.get("norm", True)
 
 
 def _plain_ok(g: Graph, m: dict) -> bool:
@@ -59,7 +54,7 @@ def _plain_ok(g: Graph, m: dict) -> bool:
 def _staged(op: Op, g: Graph, bufs) -> str:
     """TN, the C type of the vector in shared memory that the rows dot with: the norm's output
     dtype, or x's own."""
-    return bufs.cname(op.attrs["norm_dtype"]) if _normed(op) else bufs.ctype(xin(op))
+    return bufs.cname(op.attrs["norm_dtype"]) if normed(op) else bufs.ctype(xin(op))
 
 
 @register
@@ -83,7 +78,7 @@ class RmsGateUpSilu(TakesPrologue, Instruction):
     @classmethod
     def tiles(cls, op: Op, g: Graph, want: int) -> list[Tile]:
         rows = g.tensors[op.inputs["wg"]].shape[0]
-        vec = vec_inputs(op, _normed(op))
+        vec = vec_inputs(op, normed(op))
         return adjust_tiles(op, g, row_tiles(op, g, want, [op.inputs["wg"], op.inputs["wu"]], vec, [],
                                              op.outputs["out"], rows))
 
@@ -92,7 +87,7 @@ class RmsGateUpSilu(TakesPrologue, Instruction):
                 targs=(Type("tx", "x"), Type("tnw", "norm_w", otherwise="float"), Expr("tn", _staged),
                        Type("tw", "wg"), Type("to", "out"), HIDDEN, WF32,
                        Int("act", lambda op, g: ACTS.index(op.attrs.get("act", "silu")), default=0),
-                       Flag("norm", fn=_normed, default="true"), STAGED),
+                       NORM, STAGED),
                 args=(Ptr("x"), Ptr("norm_w"), Float("eps", "eps", fallback=0.0), Ptr("wg"), Ptr("wu"), Ptr("out"),
                       P0, P1, SMEM, RED),
                 numbering=("x", "norm_w", "out", "wg", "wu"))
@@ -108,7 +103,7 @@ class RmsGateUpSilu(TakesPrologue, Instruction):
         SiLU unrounded (as the ``silu_mul`` semantics), GELU rounded; the product rounded once."""
         r0, r1 = tile.params["rows"]
         dt = env.g.tensors[op.outputs["out"]].dtype
-        n = staged(op, env, _normed(op))
+        n = staged(op, env, normed(op))
         gate = (env.read(op.inputs["wg"])[r0:r1].float() @ n).to(dt).float()
         up = (env.read(op.inputs["wu"])[r0:r1].float() @ n).to(dt).float()
         act = op.attrs.get("act", "silu")

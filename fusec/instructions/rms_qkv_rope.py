@@ -32,7 +32,7 @@ from fusec.ir import Graph, Op
 from fusec.ir.semantics import rms_normalize
 from fusec.instructions.base import Instruction, Region, Tile, register, split_range
 from fusec.instructions.call import P0, P1, P2, RED, SMEM, Call, Expr, Flag, Float, Int, Ptr, Type
-from fusec.instructions.matvec_rows import HIDDEN, WF32, elt, rms_attrs, rms_types, staged
+from fusec.instructions.matvec_rows import HIDDEN, NORM, WF32, elt, normed, rms_attrs, rms_types, staged
 from fusec.instructions.prologue import STAGED, TakesPrologue, adjust_tiles, externals, has, xin
 from fusec.instructions.rule import Ctx, Fusion, Rule
 
@@ -41,16 +41,10 @@ def _bias_or_wf32(op: Op) -> bool:
     return "bq" in op.inputs or bool(op.attrs.get("w_fp32"))
 
 
-def _normed(op: Op) -> bool:
-    """Whether the kind norms x itself (RMSNorm): False when the q/k/v read a vector that no
-    ``rmsnorm`` makes (a LayerNorm, which the ``prologue`` pass folds in, or no norm)."""
-    return op.attrs.get("norm", True)
-
-
 def _explicit(op: Op) -> bool:
     """BIAS and TB are written out: a later template argument (WF32, NORM, STAGED) differs from
     its default."""
-    return _bias_or_wf32(op) or has(op) or not _normed(op)
+    return _bias_or_wf32(op) or has(op) or not normed(op)
 
 
 def match_qkv(c: Ctx, att: Op) -> Fusion | None:
@@ -250,7 +244,7 @@ class RmsQkvRope(TakesPrologue, Instruction):
                        Flag("headnorm", has="q_norm_w"),
                        # BIAS and TB are passed for the bias, fp32-weight-norm and staged variants
                        Flag("bias", has="bq", when=_explicit), Type("tb", "bq", "wq", when=_explicit), WF32,
-                       Flag("norm", fn=_normed, default="true"), STAGED),
+                       NORM, STAGED),
                 args=(Ptr("x"), Ptr("norm_w"), Float("eps", "eps", fallback=0.0), Ptr("wq"), Ptr("wk"), Ptr("wv"),
                       Ptr("cos_table"), Ptr("sin_table"), Ptr("rope_pos"), Ptr("kv_pos"), Ptr("q"), Ptr("kcache"),
                       Ptr("vcache"), Ptr("q_norm_w"), Ptr("k_norm_w"), Float("qk_eps", "qk_eps", 0.0),
@@ -345,7 +339,7 @@ class RmsQkvRope(TakesPrologue, Instruction):
             raise index_fault(op, "RoPE position", rp, rows, Fault.ROPE_POS)
         if not 0 <= kv_pos < L:
             raise index_fault(op, "KV-cache write position", kv_pos, L, Fault.KV_POS)
-        n = staged(op, env, _normed(op))
+        n = staged(op, env, normed(op))
         cos = env.read(op.inputs["cos_table"])[rp].reshape(-1).float()
         sin = env.read(op.inputs["sin_table"])[rp].reshape(-1).float()
         split = cls._split(op, tile)
