@@ -189,16 +189,9 @@ class Generic(Instruction):
         out = op.outputs["out"]
         full = env.memo.get(op.name)
         if full is None:
-            root = env.g.root(out)
-            kept = env.bufs.get(root)
-            kept_values = kept.clone() if kept is not None else None
-            run_op(op, env)
-            full = env.memo[op.name] = env.read(out).reshape(-1).clone()
-            if kept is not None:
-                env.bufs[root] = kept
-                kept.copy_(kept_values)
-            else:
-                env.bufs.pop(root, None)
+            with env.scratch([env.g.root(out)]):
+                run_op(op, env)
+                full = env.memo[op.name] = env.read(out).reshape(-1).clone()
         lo, hi = tile.params["rows"]
         env.flat(out)[lo:hi] = full[lo:hi]
 

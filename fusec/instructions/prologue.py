@@ -137,16 +137,10 @@ def run(op: Op, env: Env) -> torch.Tensor:
     if key not in env.memo:
         g = env.g
         kept = {g.root(t) for t in op.attrs["pre_keep"]}
-        local = {g.root(t) for m in op.attrs["pre"] for t in m.fresh_outputs()} - kept
-        saved = {r: env.bufs[r].clone() if r in env.bufs else None for r in local}
-        for m in op.attrs["pre"]:
-            run_op(m, env)
-        env.memo[key] = env.read(op.outputs["x"]).reshape(-1).float().clone()
-        for r, before in saved.items():
-            if before is None:
-                env.bufs.pop(r, None)
-            else:
-                env.bufs[r] = before
+        with env.scratch({g.root(t) for m in op.attrs["pre"] for t in m.fresh_outputs()} - kept):
+            for m in op.attrs["pre"]:
+                run_op(m, env)
+            env.memo[key] = env.read(op.outputs["x"]).reshape(-1).float().clone()
     return env.memo[key]
 
 

@@ -12,7 +12,8 @@ alias is read in that shape. Fresh buffers never have symbolic dims.
 """
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterable, Iterator
 
 import torch
 
@@ -122,6 +123,22 @@ class Env:
             _, start, stop = self.g.span(name)
             return buf.view(-1)[start:stop]
         return buf.view(-1)
+
+    @contextlib.contextmanager
+    def scratch(self, roots: Iterable[str]) -> Iterator[None]:
+        """Inside, ops may write the root buffers ``roots``; after, each is as it was before (gone,
+        or its earlier values in the same tensor): what one tile computes for itself (a whole
+        ranged op, a folded prologue's intermediates) reaches no other reader, as on the GPU."""
+        saved = {r: (self.bufs[r], self.bufs[r].clone()) if r in self.bufs else (None, None) for r in roots}
+        try:
+            yield
+        finally:
+            for r, (buf, values) in saved.items():
+                if buf is None:
+                    self.bufs.pop(r, None)
+                else:
+                    self.bufs[r] = buf
+                    buf.copy_(values)
 
     def set(self, name: str, value: torch.Tensor) -> None:
         """Store a whole-op result for the fresh tensor ``name``."""
