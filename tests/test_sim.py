@@ -61,12 +61,12 @@ def test_last_tile_merge_needs_its_ticket_edges(monkeypatch):
     real = AttentionPartial.run_tile.__func__
 
     def spy(cls, op, tile, env):
-        nc, key = op.attrs["n_chunks"], (op.name, tile.params["kv_head"])
+        nc, key = op.attrs["n_chunks"], (op.name, tile.params["group"])
         assert nc > 1
         last = env.peek_ticket(key) % nc == nc - 1
         real(cls, op, tile, env)
         if last:
-            merged.append(tile.params["kv_head"])
+            merged.append(tile.params["group"])
     monkeypatch.setattr(AttentionPartial, "run_tile", classmethod(spy))
     compile_model(model, *step, opts)
     assert sorted(merged) == [0, 1]

@@ -1,6 +1,10 @@
 """Split-KV decode attention (flash-decoding, Dao et al. 2023) with grouped-query attention.
 
-``attention_partial``: one tile per (KV head g, split c). The valid rows ``[0, pos]`` are
+``attention_partial``: one tile per (query-head group g, split c). A group is a KV head's GQA
+group of query heads, or a part of it: a group of more than :data:`MAX_TILE_HEADS` query heads
+(Falcon-7B's 71 over one KV head, StarCoder2-3B's 12) is cut into ``q_groups`` equal parts
+(:func:`q_groups`), each its own tile group that reads the KV head's rows again (from L2), so that
+no tile computes dozens of heads one after another while the other SMs idle. The valid rows ``[0, pos]`` are
 split evenly over the ``n_chunks`` tiles of a KV head at run time: tile c takes rows
 ``[c*(pos+1)//n_chunks, (c+1)*(pos+1)//n_chunks)`` (:func:`split_rows`), so every tile has work
 once ``pos + 1 >= n_chunks`` whatever the position. For each query head of g's group it
@@ -139,9 +143,27 @@ def _merges(op: Op) -> bool:
 #: rows runs over several blocks
 MAX_BLOCK = 256
 
+#: the most query heads one split-KV tile computes: its scores and value accumulators per head are
+#: registers and shared memory, and its heads run one after another (a tile of Falcon-7B's 71 heads
+#: took 35 µs and its merge 48 µs on the H200, docs/performance.md)
+MAX_TILE_HEADS = 8
+
+
+def q_groups(rep: int) -> int:
+    """The parts a GQA group of ``rep`` query heads is cut into: the fewest, ``k``, that divide
+    ``rep`` with at most :data:`MAX_TILE_HEADS` heads each (1 for ``rep <= 8``; 12 -> 2 of 6,
+    71 -> 71 of 1). Equal parts keep the template's heads per tile a constant."""
+    return next(k for k in range(1, rep + 1) if rep % k == 0 and rep // k <= MAX_TILE_HEADS)
+
+
+def _kv_head(op: Op, gi: int) -> int:
+    """The KV head whose cache rows query-head group ``gi`` reads."""
+    return gi // op.attrs.get("q_groups", 1)
+
 
 def split_attention(c: Ctx, m: dict) -> list[Op]:
-    """``attention`` -> ``attention_partial`` (about ``min(ceil(L/16), num_sms // Hkv)`` splits,
+    """``attention`` -> ``attention_partial`` (about ``min(ceil(L/16), num_sms // groups)`` splits
+    per query-head group, ``groups = Hkv * q_groups(Hq / Hkv)``,
     blocks of a multiple of 16 rows, at most :data:`MAX_BLOCK`; L the cache's rows, its capacity
     for a run-time length) whose last tile per KV head merges (``attention_merge="last_tile"``),
     or ``attention_partial`` + ``attention_reduce`` (``"reduce"``). A non-zero
@@ -152,7 +174,8 @@ def split_attention(c: Ctx, m: dict) -> list[Op]:
     kc = g.tensors[g.root(att.inputs["k"])]
     _, nkv, L, d = kc.shape
     nq = g.tensors[att.inputs["q"]].numel // d
-    n_chunks = max(1, min(math.ceil(L / 16), c.options["num_sms"] // nkv))
+    hs = q_groups(nq // nkv)
+    n_chunks = max(1, min(math.ceil(L / 16), c.options["num_sms"] // (nkv * hs)))
     chunk = math.ceil(math.ceil(L / n_chunks) / 16) * 16
     if chunk <= MAX_BLOCK:   # a split is one block: as few splits as hold L
         n_chunks = math.ceil(L / chunk)
@@ -167,6 +190,8 @@ def split_attention(c: Ctx, m: dict) -> list[Op]:
              "chunk": chunk, "n_chunks": n_chunks, "mask_kind": att.attrs.get("mask_kind", 0)}
     if per_split > 0:   # only then: the default graph (and its dump) as before the knob
         attrs["split_rows"] = per_split
+    if hs > 1:          # likewise: a group of at most MAX_TILE_HEADS query heads is one tile group
+        attrs["q_groups"] = hs
     ins = {"q": att.inputs["q"], "kcache": att.inputs["k"], "vcache": att.inputs["v"],
            "pos": att.inputs["pos"]}
     if "mask" in att.inputs:
@@ -192,10 +217,11 @@ class AttentionPartial(Instruction):
 
     @classmethod
     def _dims(cls, op: Op, g: Graph):
-        """(n_q, n_kv, head_dim, chunk, n_chunks, L): L the cache's rows in the graph (the
-        capacity of a run-time length; :meth:`_rows` at run time)."""
+        """(n_q, groups, head_dim, chunk, n_chunks, L): ``groups`` the query-head groups
+        (``n_kv * q_groups``; a group's tiles share one KV head, :func:`_kv_head`), L the cache's
+        rows in the graph (the capacity of a run-time length; :meth:`_rows` at run time)."""
         a = op.attrs
-        return a["n_q"], a["n_kv"], a["head_dim"], a["chunk"], a["n_chunks"], \
+        return a["n_q"], a["n_kv"] * a.get("q_groups", 1), a["head_dim"], a["chunk"], a["n_chunks"], \
             g.tensors[op.inputs["kcache"]].shape[2]
 
     @staticmethod
@@ -208,23 +234,24 @@ class AttentionPartial(Instruction):
         """Whether a split may hold more rows than one block (``chunk``): then the template
         loops over blocks (MB), and keeps each head's running m, l and rescale factor in shared
         memory. With active splits one may hold up to ``split_rows`` rows."""
-        nq, nkv, d, chunk, nc, L = cls._dims(op, g)
+        nq, ng, d, chunk, nc, L = cls._dims(op, g)
         return max(-(-L // nc), _per_split(op)) > chunk
 
     @classmethod
     def tiles(cls, op: Op, g: Graph, want: int) -> list[Tile]:
-        nq, nkv, d, chunk, nc, L = cls._dims(op, g)
-        rep = nq // nkv
+        nq, ng, d, chunk, nc, L = cls._dims(op, g)
+        rep = nq // ng
         tiles = []
-        for gi in range(nkv):
+        for gi in range(ng):
             for c in range(nc):
                 # the rows depend on the run-time position: declare the whole head
                 reads = [Region.of(g, op.inputs["q"], gi * rep * d, (gi + 1) * rep * d),
                          Region.whole(g, op.inputs["pos"])]
                 if "mask" in op.inputs:
                     reads.append(Region.whole(g, op.inputs["mask"]))
+                kh = _kv_head(op, gi)
                 for cache in ("kcache", "vcache"):
-                    reads.append(Region.of(g, op.inputs[cache], gi * L * d, (gi + 1) * L * d))
+                    reads.append(Region.of(g, op.inputs[cache], kh * L * d, (kh + 1) * L * d))
                 writes = cls._part_writes(op, g, gi, c, rep, d, nc)
                 # at the longest position (at most COST_ROWS: a long capacity is not the usual length)
                 kv = 2 * -(-min(L, COST_ROWS) // nc) * d * elt(g, op.inputs["kcache"])
@@ -233,26 +260,30 @@ class AttentionPartial(Instruction):
                     reads += cls._group_parts(op, g, gi, rep, d, nc)
                     writes = writes + [cls._group_out(op, g, gi, rep, d)]
                     merge = rep * (nc * (d + 2) * 4 + d * elt(g, op.outputs["out"])) // nc
-                tiles.append(Tile(op.name, len(tiles), {"kv_head": gi, "chunk": c},
+                tiles.append(Tile(op.name, len(tiles), {"group": gi, "chunk": c},
                                   reads, writes, 0, kv + rep * d * (2 + 4) + rep * 8 + merge))
         return tiles
 
     @classmethod
     def encode(cls, op: Op, tile: Tile) -> list[int]:
         p = tile.params
-        return [p["kv_head"], p["chunk"], 0, 0]
+        return [p["group"], p["chunk"], 0, 0]
 
     call = Call(lambda op: "attention_partial_merge" if _merges(op) else "attention_partial",
                 targs=(Type("tq", "q"), Type("tc", "kcache"), Type("to", "out", when=_merges),
-                       *(Int(k, lambda op, g, a=a: op.attrs[a]) for k, a in
-                         (("NQ", "n_q"), ("NKV", "n_kv"), ("D", "head_dim"))),
+                       Int("NQ", lambda op, g: op.attrs["n_q"]),
+                       # NKV: the query-head groups, KS of which share a KV head
+                       Int("NKV", lambda op, g: AttentionPartial._dims(op, g)[1]),
+                       Int("D", lambda op, g: op.attrs["head_dim"]),
                        Int("CH", lambda op, g: op.attrs["chunk"]), Int("NC", lambda op, g: op.attrs["n_chunks"]),
+                       Int("KS", lambda op, g: op.attrs.get("q_groups", 1)),
                        Expr("MB", lambda op, g, bufs: "true" if AttentionPartial.multi_block(op, g) else "false"),
                        Int("MK", lambda op, g: op.attrs.get("mask_kind", 0), default=0),
                        Type("tm", "mask", when=lambda op: "mask" in op.inputs)),
                 args=(Ptr("q"), Ptr("kcache"), Ptr("vcache"), Ptr("pos"), Ptr("o_part"), Ptr("ml_part"),
                       Ptr("out", when=_merges),
-                      Expr("tickets", lambda op, g, bufs: bufs.counters(op.name, op.attrs["n_kv"]), when=_merges),
+                      Expr("tickets", lambda op, g, bufs: bufs.counters(op.name, AttentionPartial._dims(op, g)[1]),
+                           when=_merges),
                       # the cache's rows: a literal, or the run-time length's slot
                       Expr("L", lambda op, g, bufs: bufs.length(op.inputs["kcache"], 2)),
                       Float("scale", "scale"), P0, P1, SMEM, Ptr("mask", default="nullptr")),
@@ -266,8 +297,8 @@ class AttentionPartial(Instruction):
 
     @classmethod
     def smem_floats(cls, op: Op, g: Graph) -> int:
-        nq, nkv, d, chunk, nc, L = cls._dims(op, g)
-        rep = nq // nkv
+        nq, ng, d, chunk, nc, L = cls._dims(op, g)
+        rep = nq // ng
         esize = g.tensors[op.inputs["kcache"]].dtype.itemsize
         vec = d % (16 // esize) == 0 and 32 % (d // (16 // esize)) == 0
         # q [rep, d], scores [rep, chunk]; over several blocks each head's running m, l and
@@ -309,9 +340,9 @@ class AttentionPartial(Instruction):
 
     @classmethod
     def runtime_regions(cls, op, tile, env):
-        nq, nkv, d, chunk, nc, _ = cls._dims(op, env.g)
+        nq, ng, d, chunk, nc, _ = cls._dims(op, env.g)
         L = cls._rows(op, env)
-        rep, gi = nq // nkv, tile.params["kv_head"]
+        rep, gi = nq // ng, tile.params["group"]
         pos = cls._pos(op, env)
         active = active_splits(pos, nc, _per_split(op))
         reads = tile.reads[:3] if "mask" in op.inputs else tile.reads[:2]
@@ -319,7 +350,7 @@ class AttentionPartial(Instruction):
             return reads, []
         r0, r1 = split_rows(tile.params["chunk"], pos, active)
         if r1 > r0:
-            base = gi * L * d
+            base = _kv_head(op, gi) * L * d
             reads += [Region.of(env.g, op.inputs[c], base + r0 * d, base + r1 * d) for c in ("kcache", "vcache")]
         return reads, cls._part_writes(op, env.g, gi, tile.params["chunk"], rep, d, nc)
 
@@ -329,8 +360,8 @@ class AttentionPartial(Instruction):
         ticket is the group's last of the step."""
         if "out" not in op.outputs:
             return [], []
-        nq, nkv, d, chunk, nc, L = cls._dims(op, env.g)
-        rep, gi = nq // nkv, tile.params["kv_head"]
+        nq, ng, d, chunk, nc, L = cls._dims(op, env.g)
+        rep, gi = nq // ng, tile.params["group"]
         if not cls._is_last(op, env, gi, nc, peek=True):
             return [], []
         active = active_splits(cls._pos(op, env), nc, _per_split(op))
@@ -339,16 +370,16 @@ class AttentionPartial(Instruction):
 
     @staticmethod
     def _is_last(op: Op, env: Env, gi: int, nc: int, peek: bool = False) -> bool:
-        """Whether this tile's ticket of KV head ``gi`` is the step's last (takes it unless ``peek``)."""
+        """Whether this tile's ticket of query-head group ``gi`` is the step's last (takes it unless ``peek``)."""
         key = (op.name, gi)
         t = env.peek_ticket(key) if peek else env.take_ticket(key)
         return t % nc == nc - 1
 
     @classmethod
     def run_tile(cls, op: Op, tile: Tile, env: Env) -> None:
-        nq, nkv, d, chunk, nc, L = cls._dims(op, env.g)
-        rep = nq // nkv
-        gi = tile.params["kv_head"]
+        nq, ng, d, chunk, nc, L = cls._dims(op, env.g)
+        rep = nq // ng
+        gi = tile.params["group"]
         cls._partial(op, tile, env)
         if "out" in op.outputs and cls._is_last(op, env, gi, nc):
             hs = slice(gi * rep, (gi + 1) * rep)
@@ -363,9 +394,9 @@ class AttentionPartial(Instruction):
         """The tile's split: its rows in blocks of ``chunk`` with the online-softmax rescaling,
         as the template (one block: m, l and o of its rows). A split past the active ones
         (:func:`active_splits`) writes nothing."""
-        nq, nkv, d, chunk, nc, _ = cls._dims(op, env.g)
-        rep = nq // nkv
-        gi, c = tile.params["kv_head"], tile.params["chunk"]
+        nq, ng, d, chunk, nc, _ = cls._dims(op, env.g)
+        rep = nq // ng
+        gi, c = tile.params["group"], tile.params["chunk"]
         pos = cls._pos(op, env)
         active = active_splits(pos, nc, _per_split(op))
         if c >= active:
@@ -387,7 +418,8 @@ class AttentionPartial(Instruction):
         mask_all = env.read(op.inputs["mask"]).reshape(-1) if "mask" in op.inputs else None
         for b0 in range(r0, r1, chunk):
             b1 = min(b0 + chunk, r1)
-            k, v = kc[0, gi, b0:b1].float(), vc[0, gi, b0:b1].float()
+            kh = _kv_head(op, gi)
+            k, v = kc[0, kh, b0:b1].float(), vc[0, kh, b0:b1].float()
             mask = mask_all[b0:b1] if mask_all is not None else None
             s = apply_mask((q @ k.T) * op.attrs["scale"], mask, op.attrs.get("mask_kind", 0))
             mb = s.max(-1).values
