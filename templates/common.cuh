@@ -164,11 +164,13 @@ __device__ __forceinline__ void lds_vec(const TS* p, float (&f)[V]) {
 // codegen (fusec.cuda.knobs holds all of them, their defaults and meaning).
 
 // Batch shape of a matvec over R rows of length K: B loads of 16 bytes per row and lane in flight.
+// A row is NK full steps of a warp (32 x 16 bytes) and TAIL 16-byte chunks past them (K = 4544:
+// 17 steps and 24 chunks), one each for lanes [0, TAIL).
 template <typename TW, int K, int R>
 struct MatvecBatch {
   static constexpr int V = 16 / sizeof(TW), STEP = 32 * V;
-  static constexpr bool VEC = K % STEP == 0;      // the batched path runs
-  static constexpr int NK = K / STEP;
+  static constexpr bool VEC = K % V == 0;         // the batched path runs
+  static constexpr int NK = K / STEP, TAIL = (K % STEP) / V;
   static constexpr int B0 = FUSEC_LOADS_IN_FLIGHT / R > 0 ? FUSEC_LOADS_IN_FLIGHT / R : 1;
   static constexpr int B = NK < B0 ? (NK > 0 ? NK : 1) : B0;
   static constexpr int NB = NK / B;
@@ -208,9 +210,12 @@ __device__ __forceinline__ void dot_batch(const TW* const (&w)[R], const TS* __r
 
 // R rows of a matvec by one warp: out[r] = dot(w[r][0:K], xs[0:K]) (fp32 accumulation), every
 // lane gets the sums. xs is the input vector in shared memory in its own dtype TS (exact);
-// weights stream with 16-byte loads, FUSEC_LOADS_IN_FLIGHT per lane in flight when K is a
-// multiple of a warp's step (32 x 16 bytes), one per row otherwise; scalar loads if K is not a
-// multiple of 16 bytes.
+// weights stream with 16-byte loads, FUSEC_LOADS_IN_FLIGHT per lane in flight, when K is a
+// multiple of 16 bytes (scalar loads otherwise). A row's chunks past its last full warp step (K
+// not a multiple of 32 x 16 bytes: Falcon-7B's 4544, Qwen2.5-0.5B's 896) are loaded before the
+// batches and added after them: each lane sums its chunks in the order of a plain strided loop
+// (the code before this path took one or two loads per lane in flight there: 2.4-3.1 TB/s on
+// Falcon-7B's 4544-wide rows on the H200, docs/performance.md).
 template <typename TW, typename TS, int K, int R>
 __device__ __forceinline__ void dot_rows(const TW* const (&w)[R], const TS* __restrict__ xs, int lane,
                                          float (&out)[R]) {
@@ -221,15 +226,21 @@ __device__ __forceinline__ void dot_rows(const TW* const (&w)[R], const TS* __re
   for (int r = 0; r < R; ++r) acc[r] = 0.f;
   if constexpr (M::VEC) {
     constexpr int B = M::B, NB = M::NB;
+    [[maybe_unused]] uint4 tail[R][1];
+    const int kt = M::NK * STEP + lane * V;   // the lane's chunk past the full steps
+    if constexpr (M::TAIL > 0) {              // in flight during the batches
+#pragma unroll
+      for (int r = 0; r < R; ++r) tail[r][0] = lane < M::TAIL ? ld_stream(w[r] + kt) : make_uint4(0u, 0u, 0u, 0u);
+    }
 #pragma unroll 1
     for (int i = 0; i < NB; ++i) dot_batch<TW, TS, R, B>(w, xs, i * B * STEP + lane * V, acc);
     if constexpr (M::NK % B != 0) {
 #pragma unroll
       for (int i = NB * B; i < M::NK; ++i) dot_batch<TW, TS, R, 1>(w, xs, i * STEP + lane * V, acc);
     }
-  } else if constexpr (K % V == 0) {   // 16-byte loads, K not a multiple of a warp's step
-#pragma unroll 2
-    for (int k = lane * V; k < K; k += STEP) dot_batch<TW, TS, R, 1>(w, xs, k, acc);
+    if constexpr (M::TAIL > 0) {
+      if (lane < M::TAIL) fma_batch<TW, TS, R, 1>(tail, xs, kt, acc);
+    }
   } else {
 #pragma unroll
     for (int r = 0; r < R; ++r)
