@@ -18,6 +18,16 @@ Rule (one pass over the ops in program order): an op that may join a chain
   writes or writes what the group reads or writes: the group moves to the op's place;
 * the chain stays within :data:`fusec.instructions.chain.CHAIN_MAX_BYTES`.
 
+Ranged chains: ops split into output ranges (:func:`fusec.instructions.chain.range_class`: an
+elementwise op of n output elements) group by the same rule among themselves, never with the
+one-tile ops: an op joins a group of the same n that it reads only at the element it writes
+(every input the group wrote has n elements, its root too: the same range), with no byte bound
+(each tile moves its range's share, as the ops did). Where its deepest dependencies are several
+such groups of the same n, they merge into one with the op when every group but the one whose
+last member is latest is read by nothing but the op (Phi-2's ``0.5 * x`` beside the ``pow >
+... > tanh > add`` run, both read by the final multiplication): they move to the op's place,
+and no reader waits longer. The chain keeps the ops' ranges: the levels go, the tiles stay.
+
 Expects: a fused graph (after ``fuse``). Guarantees: the same values; every group of two or more
 ops is one ``chain`` op at the place of its last member, its members in program order in
 ``attrs["ops"]``, its inputs what they read from outside the chain, its outputs everything they
@@ -27,7 +37,7 @@ from __future__ import annotations
 
 import logging
 
-from fusec.instructions.chain import CHAIN_MAX_BYTES, Chain, can_join, member_bytes
+from fusec.instructions.chain import CHAIN_MAX_BYTES, Chain, can_join, member_bytes, range_class
 from fusec.ir import Graph, Op
 
 log = logging.getLogger("fusec.passes.chain")
@@ -37,10 +47,10 @@ MAX_GAP = 64
 
 
 class _Group:
-    def __init__(self, first: int, depth: int, joinable: bool, nbytes: int):
+    def __init__(self, first: int, depth: int, joinable: bool | int, nbytes: int):
         self.members = [first]
         self.depth = depth
-        self.joinable = joinable
+        self.joinable = joinable        # False, True (one-tile members) or n (a ranged chain's)
         self.nbytes = nbytes
         self.reads: set[str] = set()    # roots the group reads / writes
         self.writes: set[str] = set()
@@ -51,6 +61,11 @@ def run(g: Graph) -> Graph:
     group_of: list[_Group] = []
     last_write: dict[str, _Group] = {}          # root -> the group that wrote it last
     readers: dict[str, list[_Group]] = {}       # root -> groups that read it since that write
+    read_by: dict[str, set[int]] = {}           # root -> every op that reads it (program order)
+    for k, op in enumerate(ops):
+        for t in op.reads():
+            read_by.setdefault(g.root(t), set()).add(k)
+    outs = {g.root(t) for t in g.outputs}
     for i, op in enumerate(ops):
         reads = {g.root(t) for t in op.reads()}
         writes = {g.root(t) for t in op.writes()}
@@ -62,12 +77,17 @@ def run(g: Graph) -> Graph:
         for r in writes:
             for x in readers.get(r, ()):
                 deps[id(x)] = x
-        joinable = can_join(op, g)
-        nbytes = member_bytes(op, g) if joinable else 0
-        target = _target(ops, i, op, g, list(deps.values()), reads, writes, nbytes) if joinable else None
-        if target is None:
+        joinable = _joinable(op, g)
+        nbytes = member_bytes(op, g) if joinable is True else 0
+        found = _target(ops, i, op, g, list(deps.values()), joinable, nbytes) if joinable else None
+        if found is not None and len(found) > 1 and not _only_read_by(found[1:], i, read_by, outs):
+            found = None
+        if found is None:
             target = _Group(i, 1 + max((d.depth for d in deps.values()), default=0), joinable, nbytes)
         else:
+            target = found[0]
+            for other in found[1:]:   # a ranged group merged in: its members now run in target
+                _absorb(target, other, group_of, last_write, readers)
             target.members.append(i)
             target.nbytes += nbytes
         target.reads |= reads
@@ -93,25 +113,66 @@ def run(g: Graph) -> Graph:
     return g
 
 
-def _target(ops: list[Op], i: int, op: Op, g: Graph, deps: list[_Group], reads: set[str],
-            writes: set[str], nbytes: int) -> _Group | None:
-    """The group ``op`` joins, or None (module docstring, "Rule")."""
+def _target(ops: list[Op], i: int, op: Op, g: Graph, deps: list[_Group], joinable: bool | int,
+            nbytes: int) -> list[_Group] | None:
+    """The group ``op`` joins, then the ranged groups merged into it (their readers unchecked:
+    :func:`_only_read_by`), or None (module docstring, "Rule")."""
     if not deps:
         return None
     deepest = max(d.depth for d in deps)
     top = [d for d in deps if d.depth == deepest]
-    if len(top) != 1:
+    if len(top) != 1 and (joinable is True or any(d.joinable != joinable for d in top)):
         return None
-    gr = top[0]
-    last = gr.members[-1]
-    if not gr.joinable or i - last > MAX_GAP or gr.nbytes + nbytes > CHAIN_MAX_BYTES:
+    top.sort(key=lambda d: d.members[-1], reverse=True)   # the group of the latest member first
+    if sum(d.nbytes for d in top) + nbytes > CHAIN_MAX_BYTES:
         return None
-    for between in ops[last + 1:i]:
-        b_reads = {g.root(t) for t in between.reads()}
-        b_writes = {g.root(t) for t in between.writes()}
-        if b_reads & gr.writes or b_writes & (gr.reads | gr.writes):
+    for gr in top:
+        last = gr.members[-1]
+        if gr.joinable is False or gr.joinable != joinable or i - last > MAX_GAP:
             return None
-    return gr
+        if gr.joinable is not True:   # ranged: what the group wrote is read at the element written
+            n = gr.joinable
+            if any(g.root(t) in gr.writes and (g.tensors[t].numel != n or g.tensors[g.root(t)].numel != n)
+                   for t in op.reads()):
+                return None
+        for between in ops[last + 1:i]:
+            b_reads = {g.root(t) for t in between.reads()}
+            b_writes = {g.root(t) for t in between.writes()}
+            if b_reads & gr.writes or b_writes & (gr.reads | gr.writes):
+                return None
+    return top
+
+
+def _only_read_by(groups: list[_Group], i: int, read_by: dict[str, set[int]], outs: set[str]) -> bool:
+    """Whether what ``groups`` write is read only by their own members and op ``i``, and is no
+    graph output: merged into op ``i``'s chain, no other reader waits longer."""
+    for gr in groups:
+        own = set(gr.members) | {i}
+        if any(r in outs or read_by.get(r, set()) - own for r in gr.writes):
+            return False
+    return True
+
+
+def _absorb(target: _Group, other: _Group, group_of: list[_Group], last_write: dict[str, _Group],
+            readers: dict[str, list[_Group]]) -> None:
+    """Merge ``other`` into ``target`` (members in program order) and point every record of
+    ``other`` at ``target``."""
+    target.members = sorted(target.members + other.members)
+    target.nbytes += other.nbytes
+    target.reads |= other.reads
+    target.writes |= other.writes
+    for k in other.members:
+        group_of[k] = target
+    for r, w in last_write.items():
+        if w is other:
+            last_write[r] = target
+    for r, xs in readers.items():
+        readers[r] = [target if x is other else x for x in xs]
+
+
+def _joinable(op: Op, g: Graph) -> bool | int:
+    """True (a one-tile member), n (a ranged member of n elements) or False."""
+    return True if can_join(op, g) else (range_class(op, g) or False)
 
 
 def _chain_op(g: Graph, members: list[Op]) -> Op:
@@ -130,5 +191,9 @@ def _chain_op(g: Graph, members: list[Op]) -> Op:
                 mutates.append(f"m{k}_{slot}")
             written.add(g.root(t))
     steps = " > ".join(m.kind.split(".")[1] if m.kind.count(".") >= 2 else m.kind for m in members)
+    attrs = {"ops": members, "steps": steps}
+    n = range_class(members[0], g)
+    if n is not None:   # a ranged chain (every member ranged alike: the pass groups no others)
+        attrs["ranged"] = n
     return Op(g.fresh_name(Chain.name), Chain.name, inputs, outputs,
-              attrs={"ops": members, "steps": steps}, mutates=tuple(mutates), source=members[0].source)
+              attrs=attrs, mutates=tuple(mutates), source=members[0].source)

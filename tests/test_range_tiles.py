@@ -34,17 +34,26 @@ def _inputs(model, gen):
             "use_cache": True}
 
 
+def _split_ops(g) -> list:
+    """The ops split into ranges: ranged ops standing alone and ranged chains' members
+    (tests/test_chain_ranged.py)."""
+    return [m for o in g.ops for m in (o.attrs["ops"] if o.attrs.get("ranged") else [o]) if ranged(m, g)]
+
+
 def test_large_elementwise_ops_split_into_disjoint_output_ranges():
+    """The softcap's ops split (as one ranged chain of the same ranges since the chain pass takes
+    them); each split op or chain has min(SMs, n / RANGE_CHUNK) tiles, disjoint and covering n."""
     from fusec.api import compile_model
     gen = torch.Generator().manual_seed(0)
     model = _gemma2()
     res = compile_model(model, (), _inputs(model, gen), {"num_sms": 16})
     g, s = res.graph, res.schedule
-    split = [o for o in g.ops if ranged(o, g)]
+    split = _split_ops(g)
     kinds = {o.kind.split(".")[1] if o.kind.startswith("aten.") else o.kind for o in split}
     assert {"div", "tanh", "mul"} <= kinds, kinds           # the softcap: logits / 30, tanh, * 30
-    for o in split:
-        n = g.tensors[o.outputs["out"]].numel
+    units = [o for o in g.ops if ranged(o, g) or o.attrs.get("ranged")]
+    for o in units:
+        n = o.attrs["ranged"] if o.kind == "chain" else g.tensors[o.outputs["out"]].numel
         tiles = sorted((i.tile for i in s.instrs if i.op == o.name), key=lambda t: t.params["rows"])
         assert len(tiles) == min(16, n // RANGE_CHUNK) >= 2
         assert tiles[0].params["rows"][0] == 0 and tiles[-1].params["rows"][1] == n
@@ -124,7 +133,7 @@ def test_split_ops_generated_code_on_the_host_and_nvrtc(tmp_path):
     low = lower(g, flat, Options.from_dict({"num_sms": 16}), Dumper(None)).graph
     with torch.no_grad():
         checks = check_graph(low, flat, workdir=tmp_path)
-    split = {o.name for o in low.ops if ranged(o, low)}
+    split = {o.name for o in _split_ops(low)}
     assert split and split <= {r.op for r in checks}
     assert all(r.max_err <= 1e-5 for r in checks), [r for r in checks if not r.max_err <= 1e-5]
 
@@ -157,5 +166,5 @@ def test_the_simulator_computes_a_ranged_op_once_per_step(monkeypatch):
     model = _gemma2()
     res = compile_model(model, (), _inputs(model, torch.Generator().manual_seed(2)), {"num_sms": 16, "simulate": True})
     assert "match eager" in res.simulated, res.simulated
-    split = [o.name for o in res.graph.ops if ranged(o, res.graph)]
+    split = [o.name for o in _split_ops(res.graph)]
     assert split and all(calls.get(n) == 1 for n in split), {n: calls.get(n) for n in split}

@@ -9,6 +9,13 @@ are called one after the other by the whole CTA with ``__syncthreads()`` between
 member reads what the one before it wrote (global memory, same CTA: the barrier orders it). The
 ``chain`` pass (:mod:`fusec.passes.chain`) decides which ops form a chain; this kind runs it.
 
+A ranged chain (attr ``ranged``: the element count n) is a sequence of elementwise ops each split
+into output ranges (:func:`fusec.instructions.generic.ranged`), all of n elements, where a
+member reads what an earlier one wrote only at the element it writes (an input of n elements:
+the same range). It is split into the same ranges as its members would be, and tile i runs every
+member over range i: Phi-2's written-out tanh-GELU (eight ops over the MLP's 10240 elements) is
+one level of five tiles instead of eight levels.
+
 Source: the members' own semantics (each an ATen op or a semantic op, :mod:`fusec.ir.semantics`,
 and its generated CUDA form, :mod:`fusec.cuda.gen`); numerics are the members' exactly (every
 intermediate is still written in its own dtype). Shapes: the members'. Attributes: ``ops`` the
@@ -21,7 +28,7 @@ from typing import Any
 from fusec.ir.env import Env
 from fusec.ir import Graph, Op
 from fusec.instructions.base import Instruction, Region, Tile, register
-from fusec.instructions.generic import Generic, generic_kind, ranged
+from fusec.instructions.generic import Generic, generic_kind, range_splits, ranged
 from fusec.instructions.layernorm import LayerNorm
 
 #: a member moves at most this many bytes (its inputs but a mutated buffer, one row of a
@@ -65,6 +72,12 @@ def can_join(op: Op, g: Graph) -> bool:
     return member_bytes(op, g) <= MEMBER_MAX_BYTES
 
 
+def range_class(op: Op, g: Graph) -> int | None:
+    """The element count n of ``op`` if it may be a ranged chain's member (a :func:`ranged`
+    elementwise op, one fresh output of n elements), else None."""
+    return g.tensors[op.outputs["out"]].numel if ranged(op, g) else None
+
+
 def _kinds() -> dict[str, Any]:
     from fusec.instructions.base import KINDS
     return KINDS
@@ -88,27 +101,61 @@ class Chain(Instruction):
 
     @classmethod
     def tiles(cls, op: Op, g: Graph, want: int) -> list[Tile]:
+        if op.attrs.get("ranged"):
+            return [cls._union(op, g, i, [Generic.range_tile(m, g, i, lo, hi) for m in op.attrs["ops"]])
+                    for i, (lo, hi) in enumerate(range_splits(op.attrs["ops"][0], g, want))]
+        return [cls._union(op, g, 0, [_member_tile(m, g) for m in op.attrs["ops"]])]
+
+    @staticmethod
+    def _union(op: Op, g: Graph, i: int, member_tiles: list[Tile]) -> Tile:
+        """Tile ``i`` of the chain from its members' tiles: what they read from outside the
+        chain, everything they write; a ranged chain's tile keeps its range (``rows``)."""
         reads: list[Region] = []
         writes: list[Region] = []
         written: set[str] = set()
         wbytes = abytes = 0
-        for m in op.attrs["ops"]:
-            t = _member_tile(m, g)
+        for t in member_tiles:
             reads += [r for r in t.reads if r.tensor not in written and r not in reads]
             writes += [w for w in t.writes if w not in writes]
             written |= {w.tensor for w in t.writes}
             wbytes += t.weight_bytes
             abytes += t.act_bytes
-        return [Tile(op.name, 0, {}, reads, writes, wbytes, abytes)]
+        params = {"rows": member_tiles[0].params["rows"]} if op.attrs.get("ranged") else {}
+        return Tile(op.name, i, params, reads, writes, wbytes, abytes)
 
     @classmethod
     def run_tile(cls, op: Op, tile: Tile, env: Env) -> None:
+        if op.attrs.get("ranged"):
+            cls._run_range(op, tile, env)
+            return
         for m in op.attrs["ops"]:
             k = _member_class(m)
             k.run_tile(m, _member_tile(m, env.g), env)
 
+    @staticmethod
+    def _run_range(op: Op, tile: Tile, env: Env) -> None:
+        """A ranged chain's tile: every member's range of the members run whole in order (once
+        per step for all tiles, ``Env.memo``: a member reads an earlier one at the element it
+        writes, so the ranges of the whole run are the tiles' own), the rest of each output
+        keeping what it held, as the kernel's tile does."""
+        from fusec.ir.semantics import run_op
+        members = op.attrs["ops"]
+        full = env.memo.get(op.name)
+        if full is None:
+            with env.scratch([env.g.root(m.outputs["out"]) for m in members]):
+                full = {}
+                for m in members:
+                    run_op(m, env)
+                    full[m.name] = env.read(m.outputs["out"]).reshape(-1).clone()
+            env.memo[op.name] = full
+        lo, hi = tile.params["rows"]
+        for m in members:
+            env.flat(m.outputs["out"])[lo:hi] = full[m.name][lo:hi]
+
     @classmethod
     def runtime_regions(cls, op: Op, tile: Tile, env: Env) -> tuple[list[Region], list[Region]]:
+        if op.attrs.get("ranged"):   # static regions: the tile's own
+            return tile.reads, tile.writes
         reads: list[Region] = []
         writes: list[Region] = []
         written: set[str] = set()

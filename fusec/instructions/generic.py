@@ -41,7 +41,7 @@ _DATA = {
 
 #: ops whose CUDA form is one elementwise loop over their output (``fusec.cuda.gen.pointwise
 #: .elementwise``), by ATen base name or semantic kind: :func:`ranged` may split them by ranges
-_RANGE_ATEN = {"add", "sub", "mul", "div", "true_divide", "exp", "rsqrt", "sqrt", "sigmoid", "silu", "tanh",
+_RANGE_ATEN = {"add", "sub", "mul", "div", "true_divide", "exp", "rsqrt", "sqrt", "pow", "sigmoid", "silu", "tanh",
                "cos", "sin", "erf", "log", "expm1", "log1p", "reciprocal", "gelu", "relu", "leaky_relu",
                "neg", "abs", "sign", "_to_copy", "convert_element_type", "clone"}
 _RANGE_SEMANTIC = {"silu_mul", "gelu_mul"}
@@ -70,6 +70,13 @@ def ranged(op: Op, g: Graph) -> bool:
     if out.numel < 2 * RANGE_CHUNK or out.sym:
         return False
     return not any(g.tensors[t].sym for t in op.reads())
+
+
+def range_splits(op: Op, g: Graph, want: int) -> list[tuple[int, int]]:
+    """The output ranges of a :func:`ranged` op's tiles: about ``want`` (at least
+    ``RANGE_CHUNK`` elements each), contiguous, in order."""
+    n = g.tensors[op.outputs["out"]].numel
+    return split_range(n, max(1, min(want, n // RANGE_CHUNK)))
 
 
 def aten_category(target: Any) -> str | None:
@@ -127,23 +134,26 @@ class Generic(Instruction):
 
     @classmethod
     def _range_tiles(cls, op: Op, g: Graph, want: int) -> list[Tile]:
+        return [cls.range_tile(op, g, i, lo, hi) for i, (lo, hi) in enumerate(range_splits(op, g, want))]
+
+    @classmethod
+    def range_tile(cls, op: Op, g: Graph, i: int, lo: int, hi: int) -> Tile:
+        """Tile ``i`` of a :func:`ranged` op: output elements ``[lo, hi)``, the same range of
+        every input of the output's element count, all of a broadcast one."""
         out = op.outputs["out"]
         n = g.tensors[out].numel
-        tiles = []
-        for i, (lo, hi) in enumerate(split_range(n, max(1, min(want, n // RANGE_CHUNK)))):
-            reads, wbytes, abytes = [], 0, 0
-            for t in dict.fromkeys(op.reads()):
-                info = g.tensors[t]
-                r = Region.of(g, t, lo, hi) if info.numel == n else Region.whole(g, t)
-                reads.append(r)
-                b = (r.stop - r.start) * info.dtype.itemsize
-                if cls.is_weight(g, t):
-                    wbytes += b
-                else:
-                    abytes += b
-            abytes += (hi - lo) * g.tensors[out].dtype.itemsize
-            tiles.append(Tile(op.name, i, {"rows": (lo, hi)}, reads, [Region.of(g, out, lo, hi)], wbytes, abytes))
-        return tiles
+        reads, wbytes, abytes = [], 0, 0
+        for t in dict.fromkeys(op.reads()):
+            info = g.tensors[t]
+            r = Region.of(g, t, lo, hi) if info.numel == n else Region.whole(g, t)
+            reads.append(r)
+            b = (r.stop - r.start) * info.dtype.itemsize
+            if cls.is_weight(g, t):
+                wbytes += b
+            else:
+                abytes += b
+        abytes += (hi - lo) * g.tensors[out].dtype.itemsize
+        return Tile(op.name, i, {"rows": (lo, hi)}, reads, [Region.of(g, out, lo, hi)], wbytes, abytes)
 
     @classmethod
     def cuda_args(cls, op: Op, g: Graph, bufs) -> dict[str, Any]:

@@ -1,0 +1,137 @@
+"""Ranged chains (passes/chain.py, fusec/instructions/chain.py): dependent elementwise ops split
+into output ranges run as one ``chain`` of the same ranges, tile i running every member over
+range i. The rule on hand-made graphs; Phi-2's written-out tanh-GELU and Gemma-2's final logit
+softcap as one level each; their decode against eager on the simulator; the kernel through NVRTC.
+The GPU runs them in tests/test_range_tiles.py's GPU test and every Phi-2 / Gemma-2 family test."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_tiny
+from fusec.fallbacks import FallbackWatch
+from fusec.instructions.generic import RANGE_CHUNK
+from fusec.ir import Graph, Op, Ref, Role, TensorInfo
+from fusec.ir.semantics import execute
+
+N = 4 * RANGE_CHUNK
+
+
+def _op(name: str, kind: str, ins: list[str], dst: str) -> Op:
+    target = getattr(torch.ops.aten, kind.split(".")[1]).__getattr__(kind.split(".")[2])
+    return Op(name, kind, {f"in{k}": t for k, t in enumerate(ins)}, {"out": dst},
+              attrs={"target": target, "args": tuple(Ref(f"in{k}") for k in range(len(ins))), "kwargs": {}})
+
+
+def _graph(slice_reader: bool) -> Graph:
+    """x [N] -> neg (a) -> y -> sigmoid (b) -> z, then c = z * (z or z's first half, broadcast
+    over two rows when ``slice_reader``) -> w; fp32."""
+    g = Graph()
+    g.add_tensor(TensorInfo("x", (N,), torch.float32, Role.INPUT, input_index=0))
+    for t in ("y", "z"):
+        g.add_tensor(TensorInfo(t, (N,), torch.float32, Role.INTERMEDIATE))
+    g.add_tensor(TensorInfo("w", (2, N // 2) if slice_reader else (N,), torch.float32, Role.OUTPUT))
+    ops = [_op("a", "aten.neg.default", ["x"], "y"), _op("b", "aten.sigmoid.default", ["y"], "z")]
+    if slice_reader:
+        g.add_tensor(TensorInfo("z2", (2, N // 2), torch.float32, Role.INTERMEDIATE, alias_of="z"))
+        g.add_tensor(TensorInfo("zh", (1, N // 2), torch.float32, Role.INTERMEDIATE, alias_of="z", offset=0))
+        ops.append(_op("c", "aten.mul.Tensor", ["z2", "zh"], "w"))
+    else:
+        ops.append(_op("c", "aten.mul.Tensor", ["z", "z"], "w"))
+    g.inputs, g.outputs, g.ops = ["x"], ["w"], ops
+    return g
+
+
+def test_dependent_ranged_ops_become_one_ranged_chain_with_the_same_values():
+    from fusec.instructions.chain import Chain
+    from fusec.passes import chain
+    g = _graph(slice_reader=False)
+    x = torch.randn(N, generator=torch.Generator().manual_seed(0))
+    (want,) = execute(g.copy(), [x])
+    g = chain.run(g)
+    g.check("chain")
+    (op,) = g.ops
+    assert op.kind == "chain" and op.attrs["ranged"] == N and op.attrs["steps"] == "neg > sigmoid > mul"
+    (got,) = execute(g, [x])
+    assert torch.equal(got, want)
+    tiles = Chain.tiles(op, g, 16)
+    assert [t.params["rows"] for t in tiles] == [(i * RANGE_CHUNK, (i + 1) * RANGE_CHUNK) for i in range(4)]
+    for t in tiles:   # reads x's range only (y, z are the chain's own), writes every member's range
+        lo, hi = t.params["rows"]
+        assert [(r.tensor, r.start, r.stop) for r in t.reads] == [("x", lo, hi)]
+        assert sorted((r.tensor, r.start, r.stop) for r in t.writes) == [(n, lo, hi) for n in ("w", "y", "z")]
+
+
+def test_a_member_that_reads_another_range_stays_out():
+    """``c`` reads z's first half broadcast over both rows: its tile 3 would read what tile 0
+    writes, so ``c`` runs as its own ranged op after the chain of a and b."""
+    from fusec.passes import chain
+    g = _graph(slice_reader=True)
+    x = torch.randn(N, generator=torch.Generator().manual_seed(1))
+    (want,) = execute(g.copy(), [x])
+    g = chain.run(g)
+    g.check("chain")
+    assert [o.kind for o in g.ops] == ["chain", "aten.mul.Tensor"]
+    assert [m.name for m in g.ops[0].attrs["ops"]] == ["a", "b"]
+    (got,) = execute(g, [x])
+    assert torch.equal(got, want)
+
+
+def _phi2():
+    """A tiny Phi-2 (gelu_new written out as eight ops) with an MLP of 4 * RANGE_CHUNK, fp32."""
+    return hf_tiny._small(__import__("transformers").PhiConfig, __import__("transformers").PhiForCausalLM, 0,
+                          partial_rotary_factor=0.5, intermediate_size=N, hidden_act="gelu_new")
+
+
+def _gemma2():
+    from test_range_tiles import _gemma2 as gemma2
+    return gemma2()
+
+
+@pytest.mark.parametrize("name,factory,steps", [
+    ("phi2", _phi2, "mul > pow > mul > add > mul > tanh > add > mul"),
+    ("gemma2", _gemma2, "div > tanh > mul"),
+])
+def test_families_run_their_elementwise_sequences_as_one_level(name, factory, steps):
+    """Lowered at 16 SMs: the sequence is one ranged chain of 4 tiles (no member left standing),
+    and decode through torch.compile after prefills of 3 and 11 tokens equals eager (fp32,
+    relative error <= 1e-4, hazard check on), no fallback."""
+    import step_util
+    model = factory()
+    low = step_util.lowered(model, num_sms=16)
+    ranged = [o for o in low.graph.ops if o.kind == "chain" and o.attrs.get("ranged")]
+    assert any(o.attrs["steps"] == steps for o in ranged), [o.attrs["steps"] for o in ranged]
+    assert all(sum(i.op == o.name for i in low.instrs) == min(16, o.attrs["ranged"] // RANGE_CHUNK)
+               for o in ranged)
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(6)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fusec", options={"num_sms": 16})
+    with FallbackWatch() as w, torch.no_grad():
+        for prompt_len in (3, 11):
+            ours, ref = hf_tiny.static_cache(model, 32), hf_tiny.static_cache(model, 32)
+            prompt = torch.randint(0, vocab, (1, prompt_len), generator=gen)
+            for c in (ours, ref):
+                model(input_ids=prompt, past_key_values=c, use_cache=True)
+            for _ in range(2):
+                tok = torch.randint(0, vocab, (1, 1), generator=gen)
+                a = compiled(input_ids=tok, past_key_values=ours, use_cache=True).logits.double()
+                b = model(input_ids=tok, past_key_values=ref, use_cache=True).logits.double()
+                rel = ((a - b).norm() / b.norm()).item()
+                assert rel <= 1e-4, f"{name} prompt {prompt_len}: relative error {rel:.2e}"
+    torch._dynamo.reset()
+    assert not w.fallbacks and w.compiled >= 1, w.fallbacks
+
+
+def test_ranged_chain_kernel_passes_the_range_to_every_member_and_compiles(tmp_path):
+    """The Phi-2 chain's case calls its eight generated functions with the instruction word's
+    range (``in.p0, in.p1``) between barriers; the kernel compiles with NVRTC for sm_90a."""
+    pytest.importorskip("cuda.bindings.nvrtc")
+    import step_util
+    from fusec.cuda.codegen import render
+    from fusec.cuda.jit import compile_cuda
+    low = step_util.lowered(_phi2(), num_sms=16)
+    src = render(low).source
+    calls = [line for line in src.split("\n") if "in.p0, in.p1); __syncthreads();" in line]
+    assert calls and max(line.count("in.p0, in.p1)") for line in calls) == 8, calls
+    compile_cuda(src, "fusec_step.cu", cache_dir=str(tmp_path)).assert_no_spills()
