@@ -211,11 +211,13 @@ __device__ __forceinline__ void dot_batch(const TW* const (&w)[R], const TS* __r
 // R rows of a matvec by one warp: out[r] = dot(w[r][0:K], xs[0:K]) (fp32 accumulation), every
 // lane gets the sums. xs is the input vector in shared memory in its own dtype TS (exact);
 // weights stream with 16-byte loads, FUSEC_LOADS_IN_FLIGHT per lane in flight, when K is a
-// multiple of 16 bytes (scalar loads otherwise). A row's chunks past its last full warp step (K
-// not a multiple of 32 x 16 bytes: Falcon-7B's 4544, Qwen2.5-0.5B's 896) are loaded before the
-// batches and added after them: each lane sums its chunks in the order of a plain strided loop
-// (the code before this path took one or two loads per lane in flight there: 2.4-3.1 TB/s on
-// Falcon-7B's 4544-wide rows on the H200, docs/performance.md).
+// multiple of 16 bytes (scalar loads otherwise): batches of B full warp steps, then the steps
+// left and, where K is not a multiple of a warp's step (32 x 16 bytes: Falcon-7B's 4544,
+// Qwen2.5-0.5B's 896 in bf16), the lane chunks past the last full step, loaded together. Each
+// lane sums its chunks in the order of a plain strided loop (the code before this path took one
+// or two loads per lane in flight for such K: 2.4-3.1 TB/s on Falcon-7B's 4544-wide rows on the
+// H200, docs/performance.md). The chunks past the full steps are loaded with the steps left,
+// not before the batches: held through them, they spilled at the 128-register cap (fp32, 4544).
 template <typename TW, typename TS, int K, int R>
 __device__ __forceinline__ void dot_rows(const TW* const (&w)[R], const TS* __restrict__ xs, int lane,
                                          float (&out)[R]) {
@@ -225,21 +227,28 @@ __device__ __forceinline__ void dot_rows(const TW* const (&w)[R], const TS* __re
 #pragma unroll
   for (int r = 0; r < R; ++r) acc[r] = 0.f;
   if constexpr (M::VEC) {
-    constexpr int B = M::B, NB = M::NB;
-    [[maybe_unused]] uint4 tail[R][1];
-    const int kt = M::NK * STEP + lane * V;   // the lane's chunk past the full steps
-    if constexpr (M::TAIL > 0) {              // in flight during the batches
-#pragma unroll
-      for (int r = 0; r < R; ++r) tail[r][0] = lane < M::TAIL ? ld_stream(w[r] + kt) : make_uint4(0u, 0u, 0u, 0u);
-    }
+    constexpr int B = M::B, NB = M::NB, NR = M::NK - NB * B;   // NR full steps after the batches
 #pragma unroll 1
     for (int i = 0; i < NB; ++i) dot_batch<TW, TS, R, B>(w, xs, i * B * STEP + lane * V, acc);
-    if constexpr (M::NK % B != 0) {
+    if constexpr (NR > 0 || M::TAIL > 0) {
+      uint4 raw[R][NR + 1];                     // the steps left, then the lane's chunk past them
 #pragma unroll
-      for (int i = NB * B; i < M::NK; ++i) dot_batch<TW, TS, R, 1>(w, xs, i * STEP + lane * V, acc);
-    }
-    if constexpr (M::TAIL > 0) {
-      if (lane < M::TAIL) fma_batch<TW, TS, R, 1>(tail, xs, kt, acc);
+      for (int b = 0; b < NR; ++b)
+#pragma unroll
+        for (int r = 0; r < R; ++r) raw[r][b] = ld_stream(w[r] + (NB * B + b) * STEP + lane * V);
+      const int kt = M::NK * STEP + lane * V;
+      if constexpr (M::TAIL > 0) {
+#pragma unroll
+        for (int r = 0; r < R; ++r) raw[r][NR] = lane < M::TAIL ? ld_stream(w[r] + kt) : make_uint4(0u, 0u, 0u, 0u);
+      }
+#pragma unroll
+      for (int b = 0; b < NR + (M::TAIL > 0 ? 1 : 0); ++b) {
+        if (b == NR && lane >= M::TAIL) break;   // past the row (a lane without a chunk there)
+        uint4 one[R][1];
+#pragma unroll
+        for (int r = 0; r < R; ++r) one[r][0] = raw[r][b];
+        fma_batch<TW, TS, R, 1>(one, xs, b < NR ? (NB * B + b) * STEP + lane * V : kt, acc);
+      }
     }
   } else {
 #pragma unroll
