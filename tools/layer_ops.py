@@ -1,8 +1,8 @@
 """The ops of one decoder layer after lowering, per family, on the CPU (no GPU, no weights read).
 
 Each family of ``benchmarks/families.py`` at its published widths with 3 layers (bf16, random
-weights), one decode step captured after a 4-token prefill of a 64-row StaticCache, lowered for
-132 SMs with default options; prints layer 1's ops in program order with their tile counts and
+weights), one decode step through ``torch.compile(backend="fusec")`` after a 4-token prefill of
+a 64-row StaticCache, lowered for 132 SMs with default options; prints layer 1's ops in program order with their tile counts and
 what a chain or a folded prologue holds. An op of one tile that is not a fused kind is a
 dependency level on one SM: where a family's layer costs more than Llama's six ops.
 
@@ -19,28 +19,34 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests")]
 
 
 def layer_ops(family: str, layers: int = 3, num_sms: int = 132) -> tuple[str, list[tuple[str, int, str]]]:
-    """(label, [(kind, tiles, chain steps or prologue members), ...]) of layer 1 of ``family``."""
+    """(label, [(kind, tiles, chain steps or prologue members), ...]) of layer 1 of ``family``,
+    as ``torch.compile(model, backend="fusec")`` lowers it on a user's call (host counters
+    dynamic, as for HF generate; the step runs once on the simulator)."""
+    import pytest
     import torch
     import families
     import hf_tiny
     import step_util
-    from fusec.config import Options
-    from fusec.pipeline import Dumper, lower
     model, label = families.build(family, "published", "cpu", layers=layers)
     cache = hf_tiny.static_cache(model, 64)
     gen = torch.Generator().manual_seed(1)
     vocab = min(100, model.config.vocab_size)
     with torch.no_grad():
         model(input_ids=torch.randint(0, vocab, (1, 4), generator=gen), past_key_values=cache, use_cache=True)
-    kw = {"input_ids": torch.randint(0, vocab, (1, 1), generator=gen), "past_key_values": cache, "use_cache": True}
-    _, g, flat = step_util.capture(model, kw)
-    sched = lower(g, flat, Options.from_dict({"num_sms": num_sms}), Dumper(None))
+    torch._dynamo.reset()
+    with pytest.MonkeyPatch.context() as mp, torch.no_grad():
+        made = step_util.record_compiled_steps(mp)
+        torch.compile(model, backend="fusec", options={"num_sms": num_sms})(
+            input_ids=torch.randint(0, vocab, (1, 1), generator=gen), past_key_values=cache, use_cache=True)
+    torch._dynamo.reset()
+    if not made:
+        raise RuntimeError(f"{family}: fusec compiled no step (a fallback: see the log)")
+    sched = made[-1].schedule
     tiles: dict[str, int] = {}
     for ins in sched.instrs:
         tiles[ins.op] = tiles.get(ins.op, 0) + 1
     rows = [(o.kind, tiles.get(o.name, 0), o.attrs.get("steps") or o.attrs.get("pre_steps") or "")
             for o in sched.graph.ops if o.layer == 1]
-    torch._dynamo.reset()
     return label, rows
 
 
