@@ -135,6 +135,34 @@ def steps_against_eager(model, vocab: int, seed: int, n: int = 6, device: str = 
     return errs, w
 
 
+def prompts_against_eager(model, options: dict, prompt_lens, steps: int = 2, cache_len: int = 64,
+                          seed: int = 5) -> tuple[dict[int, float], object]:
+    """``torch.compile(model, backend="fusec", options=options)`` (CPU, simulator) against eager
+    after prefills of each of ``prompt_lens`` random tokens, each pair on its own StaticCache of
+    ``cache_len`` rows, ``steps`` decode steps each: ({prompt length: largest relative logits
+    error}, the FallbackWatch of the compiled calls)."""
+    import hf_tiny
+    from fusec.fallbacks import FallbackWatch
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(seed)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fusec", options=options)
+    errs: dict[int, float] = {}
+    with FallbackWatch() as w, torch.no_grad():
+        for n in prompt_lens:
+            ours, ref = hf_tiny.static_cache(model, cache_len), hf_tiny.static_cache(model, cache_len)
+            prompt = torch.randint(0, vocab, (1, n), generator=gen)
+            for c in (ours, ref):
+                model(input_ids=prompt, past_key_values=c, use_cache=True)
+            for _ in range(steps):
+                tok = torch.randint(0, vocab, (1, 1), generator=gen)
+                a = compiled(input_ids=tok, past_key_values=ours, use_cache=True).logits.double()
+                b = model(input_ids=tok, past_key_values=ref, use_cache=True).logits.double()
+                errs[n] = max(errs.get(n, 0.0), ((a - b).norm() / b.norm()).item())
+    torch._dynamo.reset()
+    return errs, w
+
+
 def assert_option_changes_no_value(model, off: dict, seed: int, n: int = 6, num_sms: int = 16,
                                    tol: float = 2e-2) -> None:
     """``n`` decode steps of ``model`` (CPU, simulator) through ``torch.compile(backend="fusec")``

@@ -45,26 +45,10 @@ MODELS = {
 def test_decode_of_cut_groups_equals_eager(name, merge, steps):
     """torch.compile(backend="fusec") decode after prefills of 3, 17 and 40 tokens (StaticCache
     of 64), two steps each, against eager: the attention op carries q_groups, no fallback."""
-    from fusec.fallbacks import FallbackWatch
+    import step_util
     factory, rep, parts = MODELS[name]
-    model = factory()
-    vocab = model.config.vocab_size
-    gen = torch.Generator().manual_seed(5)
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend="fusec", options={"num_sms": 24, "attention_merge": merge})
-    with FallbackWatch() as w, torch.no_grad():
-        for prompt_len in (3, 17, 40):
-            ours, ref = hf_tiny.static_cache(model, 64), hf_tiny.static_cache(model, 64)
-            prompt = torch.randint(0, vocab, (1, prompt_len), generator=gen)
-            for c in (ours, ref):
-                model(input_ids=prompt, past_key_values=c, use_cache=True)
-            for _ in range(2):
-                tok = torch.randint(0, vocab, (1, 1), generator=gen)
-                a = compiled(input_ids=tok, past_key_values=ours, use_cache=True).logits
-                b = model(input_ids=tok, past_key_values=ref, use_cache=True).logits
-                rel = ((a - b).norm() / b.norm()).item()
-                assert rel < 1e-4, f"prompt {prompt_len}: relative error {rel:.2e}"
-    torch._dynamo.reset()
+    errs, w = step_util.prompts_against_eager(factory(), {"num_sms": 24, "attention_merge": merge}, (3, 17, 40))
+    assert max(errs.values()) < 1e-4, errs
     assert not w.fallbacks, w.fallbacks
     assert w.compiled >= 1
     att = [o for st in steps for o in st.schedule.graph.ops if o.kind == "attention_partial"]

@@ -9,8 +9,7 @@ import pytest
 import torch
 
 import hf_tiny
-from fusec.fallbacks import FallbackWatch
-from fusec.instructions.generic import RANGE_CHUNK
+from fusec.instructions.generic import RANGE_CHUNK, ranged as ranged_op
 from fusec.ir import Graph, Op, Ref, Role, TensorInfo
 from fusec.ir.semantics import execute
 
@@ -79,8 +78,9 @@ def test_a_member_that_reads_another_range_stays_out():
 
 def _phi2():
     """A tiny Phi-2 (gelu_new written out as eight ops) with an MLP of 4 * RANGE_CHUNK, fp32."""
-    return hf_tiny._small(__import__("transformers").PhiConfig, __import__("transformers").PhiForCausalLM, 0,
-                          partial_rotary_factor=0.5, intermediate_size=N, hidden_act="gelu_new")
+    from transformers import PhiConfig, PhiForCausalLM
+    return hf_tiny._small(PhiConfig, PhiForCausalLM, 0, partial_rotary_factor=0.5, intermediate_size=N,
+                          hidden_act="gelu_new")
 
 
 def _gemma2():
@@ -101,25 +101,11 @@ def test_families_run_their_elementwise_sequences_as_one_level(name, factory, st
     low = step_util.lowered(model, num_sms=16)
     ranged = [o for o in low.graph.ops if o.kind == "chain" and o.attrs.get("ranged")]
     assert any(o.attrs["steps"] == steps for o in ranged), [o.attrs["steps"] for o in ranged]
+    assert not any(ranged_op(o, low.graph) for o in low.graph.ops)   # no range-split op stands alone
     assert all(sum(i.op == o.name for i in low.instrs) == min(16, o.attrs["ranged"] // RANGE_CHUNK)
                for o in ranged)
-    vocab = model.config.vocab_size
-    gen = torch.Generator().manual_seed(6)
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend="fusec", options={"num_sms": 16})
-    with FallbackWatch() as w, torch.no_grad():
-        for prompt_len in (3, 11):
-            ours, ref = hf_tiny.static_cache(model, 32), hf_tiny.static_cache(model, 32)
-            prompt = torch.randint(0, vocab, (1, prompt_len), generator=gen)
-            for c in (ours, ref):
-                model(input_ids=prompt, past_key_values=c, use_cache=True)
-            for _ in range(2):
-                tok = torch.randint(0, vocab, (1, 1), generator=gen)
-                a = compiled(input_ids=tok, past_key_values=ours, use_cache=True).logits.double()
-                b = model(input_ids=tok, past_key_values=ref, use_cache=True).logits.double()
-                rel = ((a - b).norm() / b.norm()).item()
-                assert rel <= 1e-4, f"{name} prompt {prompt_len}: relative error {rel:.2e}"
-    torch._dynamo.reset()
+    errs, w = step_util.prompts_against_eager(model, {"num_sms": 16}, (3, 11), cache_len=32, seed=6)
+    assert max(errs.values()) <= 1e-4, (name, errs)
     assert not w.fallbacks and w.compiled >= 1, w.fallbacks
 
 
