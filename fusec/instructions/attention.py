@@ -4,8 +4,8 @@
 group of query heads, or a part of it: a group of more than :data:`MAX_TILE_HEADS` query heads
 (Falcon-7B's 71 over one KV head, StarCoder2-3B's 12) is cut into ``q_groups`` equal parts
 (:func:`q_groups`), each its own tile group that reads the KV head's rows again (from L2), so that
-no tile computes dozens of heads one after another while the other SMs idle. The valid rows ``[0, pos]`` are
-split evenly over the ``n_chunks`` tiles of a KV head at run time: tile c takes rows
+no tile computes dozens of heads one after another while the other SMs idle. The valid rows
+``[0, pos]`` are split evenly over the ``n_chunks`` tiles of a group at run time: tile c takes rows
 ``[c*(pos+1)//n_chunks, (c+1)*(pos+1)//n_chunks)`` (:func:`split_rows`), so every tile has work
 once ``pos + 1 >= n_chunks`` whatever the position. For each query head of g's group it
 computes the running max ``m``, the sum of exponentials ``l`` and the unnormalized output
@@ -27,7 +27,7 @@ log-sum-exp rule: ``M = max m_c``, ``out = sum e^(m_c-M) o_c / sum e^(m_c-M) l_c
 Active splits (kernel knob ``FUSEC_ATTN_SPLIT_ROWS`` = R > 0, default 32, :func:`active_splits`; lowering
 records it as the op attr ``split_rows``, which the simulator and ``attention_reduce``'s call
 read): at a position only the first ``active = min(n_chunks, max(1, ceil((pos+1) / R)))`` splits
-of a KV head take rows, ``split_rows(c, pos, active)``: about R rows each (at most R while some
+of a group take rows, ``split_rows(c, pos, active)``: about R rows each (at most R while some
 splits are idle, at least ``R // 2`` when two or more work), so that a short cache needs no
 ``n_chunks``-way merge; the block (``chunk``) grows to hold R rows (at most :data:`MAX_BLOCK`,
 past it the block loop). A split ``c >= active`` reads its position and nothing of K or V,
@@ -41,7 +41,7 @@ machine code of before the knob.
 
 Last-tile merge (``attention_partial`` with an ``out`` output, option
 ``attention_merge="last_tile"``): no reduce op. Each tile, after its partial stores, takes an
-atomic ticket of its KV head (a barrier, then one acquire-release ``atom.inc``); the tile that
+atomic ticket of its group (a barrier, then one acquire-release ``atom.inc``); the tile that
 takes the ``n_chunks``-th ticket of the step merges the group's chunks into ``out`` itself. One grid-wide
 level less per layer. The tickets live in spare counters
 (:meth:`fusec.cuda.codegen.Buffers.counters`), are zero at load and after a reset, and count
@@ -95,7 +95,7 @@ def split_rows(c: int, pos: int, n_chunks: int) -> tuple[int, int]:
 
 
 def active_splits(pos: int, n_chunks: int, per_split: int = 0) -> int:
-    """How many of a KV head's ``n_chunks`` splits take rows at position ``pos`` (the first ones):
+    """How many of a group's ``n_chunks`` splits take rows at position ``pos`` (the first ones):
     all of them with ``per_split`` 0 (knob ``FUSEC_ATTN_SPLIT_ROWS`` off), else
     ``min(n_chunks, max(1, ceil((pos + 1) / per_split)))``: an active split holds at most
     ``per_split`` rows unless all ``n_chunks`` are active, and at least ``per_split // 2`` when
@@ -165,7 +165,7 @@ def split_attention(c: Ctx, m: dict) -> list[Op]:
     """``attention`` -> ``attention_partial`` (about ``min(ceil(L/16), num_sms // groups)`` splits
     per query-head group, ``groups = Hkv * q_groups(Hq / Hkv)``,
     blocks of a multiple of 16 rows, at most :data:`MAX_BLOCK`; L the cache's rows, its capacity
-    for a run-time length) whose last tile per KV head merges (``attention_merge="last_tile"``),
+    for a run-time length) whose last tile per group merges (``attention_merge="last_tile"``),
     or ``attention_partial`` + ``attention_reduce`` (``"reduce"``). A non-zero
     ``FUSEC_ATTN_SPLIT_ROWS`` among the ``defines`` becomes the attr ``split_rows`` of both (and
     the reduce's input ``pos``), and the block grows to hold it (a multiple of 16, at most
@@ -309,7 +309,7 @@ class AttentionPartial(Instruction):
 
     @staticmethod
     def _group_parts(op, g, gi, rep, d, nc):
-        """The partials of KV head ``gi``'s query heads, all chunks."""
+        """The partials of query-head group ``gi``'s heads, all chunks."""
         h0, h1 = gi * rep, (gi + 1) * rep
         return [Region.of(g, op.outputs["o_part"], h0 * nc * d, h1 * nc * d),
                 Region.of(g, op.outputs["ml_part"], h0 * nc * 2, h1 * nc * 2)]
