@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import logging
 
-from fusec.instructions.chain import CHAIN_MAX_BYTES, Chain, can_join, member_bytes, range_class
+from fusec.instructions.chain import CHAIN_MAX_BYTES, Chain, can_join, member_bytes, range_class, step_name
 from fusec.ir import Graph, Op
 
 log = logging.getLogger("fusec.passes.chain")
@@ -190,7 +190,7 @@ def _chain_op(g: Graph, members: list[Op]) -> Op:
             if slot in m.mutates:
                 mutates.append(f"m{k}_{slot}")
             written.add(g.root(t))
-    steps = " > ".join(m.kind.split(".")[1] if m.kind.count(".") >= 2 else m.kind for m in members)
+    steps = " > ".join(step_name(m) for m in members)
     attrs = {"ops": members, "steps": steps}
     n = range_class(members[0], g)
     if n is not None:   # a ranged chain (every member ranged alike: the pass groups no others)

@@ -44,6 +44,7 @@ import logging
 from typing import NamedTuple
 
 from fusec.instructions.base import KINDS
+from fusec.instructions.chain import step_name
 from fusec.instructions.matvec_rows import normed
 from fusec.instructions.prologue import MAX_SCRATCH_BYTES, can_member, scratch_bytes
 from fusec.ir import Graph, Op
@@ -113,7 +114,7 @@ def _fold(g: Graph, op: Op, parallel: bool = False) -> bool:
         keep = [t for t in keep if t in graph_out or any(u.name not in names for u in users.get(t, []))]
         for plan in replicas:
             plan.r.inputs, plan.r.outputs, plan.r.attrs = plan.inputs, plan.outputs, plan.attrs
-    attrs.update(pre=members, pre_keep=keep, pre_steps=" > ".join(_step_name(m) for m in members))
+    attrs.update(pre=members, pre_keep=keep, pre_steps=" > ".join(step_name(m) for m in members))
     op.inputs, op.outputs, op.attrs = io[0], io[1], attrs
     g.ops = [o for o in g.ops if o is not p]
     return True
@@ -247,7 +248,7 @@ def _replica(g: Graph, p: Op, members: list[Op], r: Op) -> _Replica | None:
         _drop(g, new)
         return None
     attrs.update(pre=copies + tail, pre_keep=list(r.attrs.get("pre_keep", [])),
-                 pre_steps=" > ".join(_step_name(m) for m in copies + tail))
+                 pre_steps=" > ".join(step_name(m) for m in copies + tail))
     return _Replica(r, new, io[0], io[1], attrs)
 
 
@@ -265,10 +266,6 @@ def _io(g: Graph, members: list[Op]) -> tuple[list[str], list[str], set[str]]:
             written.add(g.root(t))
             outs.append(t)
     return ext, outs, written
-
-
-def _step_name(m: Op) -> str:
-    return m.kind.split(".")[1] if m.kind.count(".") >= 2 else m.kind
 
 
 def _downstream(g: Graph, op: Op) -> set[str]:

@@ -28,7 +28,7 @@ from typing import Any
 from fusec.ir.env import Env
 from fusec.ir import Graph, Op
 from fusec.instructions.base import Instruction, Region, Tile, register
-from fusec.instructions.generic import Generic, generic_kind, range_splits, ranged
+from fusec.instructions.generic import Generic, generic_kind, range_splits, ranged, run_ranges
 from fusec.instructions.layernorm import LayerNorm
 
 #: a member moves at most this many bytes (its inputs but a mutated buffer, one row of a
@@ -70,6 +70,11 @@ def can_join(op: Op, g: Graph) -> bool:
     if any(g.tensors[t].sym for t in list(op.reads()) + list(op.writes())):
         return False
     return member_bytes(op, g) <= MEMBER_MAX_BYTES
+
+
+def step_name(m: Op) -> str:
+    """A member's kind as dumps name it: an ATen op's base name (``aten.mul.Tensor`` -> ``mul``)."""
+    return m.kind.split(".")[1] if m.kind.count(".") >= 2 else m.kind
 
 
 def range_class(op: Op, g: Graph) -> int | None:
@@ -125,32 +130,12 @@ class Chain(Instruction):
 
     @classmethod
     def run_tile(cls, op: Op, tile: Tile, env: Env) -> None:
-        if op.attrs.get("ranged"):
-            cls._run_range(op, tile, env)
+        if op.attrs.get("ranged"):   # every member's range of the members run whole, once per step
+            run_ranges(op.attrs["ops"], env, op.name, *tile.params["rows"])
             return
         for m in op.attrs["ops"]:
             k = _member_class(m)
             k.run_tile(m, _member_tile(m, env.g), env)
-
-    @staticmethod
-    def _run_range(op: Op, tile: Tile, env: Env) -> None:
-        """A ranged chain's tile: every member's range of the members run whole in order (once
-        per step for all tiles, ``Env.memo``: a member reads an earlier one at the element it
-        writes, so the ranges of the whole run are the tiles' own), the rest of each output
-        keeping what it held, as the kernel's tile does."""
-        from fusec.ir.semantics import run_op
-        members = op.attrs["ops"]
-        full = env.memo.get(op.name)
-        if full is None:
-            with env.scratch([env.g.root(m.outputs["out"]) for m in members]):
-                full = {}
-                for m in members:
-                    run_op(m, env)
-                    full[m.name] = env.read(m.outputs["out"]).reshape(-1).clone()
-            env.memo[op.name] = full
-        lo, hi = tile.params["rows"]
-        for m in members:
-            env.flat(m.outputs["out"])[lo:hi] = full[m.name][lo:hi]
 
     @classmethod
     def runtime_regions(cls, op: Op, tile: Tile, env: Env) -> tuple[list[Region], list[Region]]:

@@ -79,6 +79,25 @@ def range_splits(op: Op, g: Graph, want: int) -> list[tuple[int, int]]:
     return split_range(n, max(1, min(want, n // RANGE_CHUNK)))
 
 
+def run_ranges(ops: list[Op], env: Env, key: str, lo: int, hi: int) -> None:
+    """Elements ``[lo, hi)`` of the outputs of :func:`ranged` ``ops`` (one op, or a ranged
+    chain's members, each reading an earlier one at the element it writes), as the kernel's tile
+    writes them: the ops computed whole in order, once per step for all the tiles (``Env.memo``
+    under ``key``), and only the range written; the rest of each output keeps what it held
+    (poison at the first step)."""
+    from fusec.ir.semantics import run_op
+    full = env.memo.get(key)
+    if full is None:
+        full = {}
+        with env.scratch([env.g.root(op.outputs["out"]) for op in ops]):
+            for op in ops:
+                run_op(op, env)
+                full[op.name] = env.read(op.outputs["out"]).reshape(-1).clone()
+        env.memo[key] = full
+    for op in ops:
+        env.flat(op.outputs["out"])[lo:hi] = full[op.name][lo:hi]
+
+
 def aten_category(target: Any) -> str | None:
     """``'elementwise' | 'reduce' | 'matvec' | 'data' | 'attention'``, or None if unplaceable.
 
@@ -193,17 +212,7 @@ class Generic(Instruction):
         if "rows" not in tile.params:
             run_op(op, env)
             return
-        # a range tile: the op computed whole (once per step, for all its tiles: ``Env.memo``),
-        # then only elements [lo, hi) of its output written (the rest keeps what it held: poison
-        # at the first step), as the kernel's tile does
-        out = op.outputs["out"]
-        full = env.memo.get(op.name)
-        if full is None:
-            with env.scratch([env.g.root(out)]):
-                run_op(op, env)
-                full = env.memo[op.name] = env.read(out).reshape(-1).clone()
-        lo, hi = tile.params["rows"]
-        env.flat(out)[lo:hi] = full[lo:hi]
+        run_ranges([op], env, op.name, *tile.params["rows"])
 
 
 def generic_kind(op: Op) -> str:
