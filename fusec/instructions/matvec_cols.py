@@ -11,6 +11,14 @@ rounding. Shapes: x [K] (leading dims of size 1), W [K, N], b [N], residual [N],
 Tiles are column groups of ``NCH`` 16-byte chunks, at most :data:`TARGET_GROUPS` of them,
 spread over every SM (the generic form runs the whole product on one SM); a tile reads its
 columns' segment of every row (template ``matvec_cols.cu.j2``: one group per tile).
+
+Prologue: like the row-tiled kinds, ``matvec_cols`` takes a folded prologue
+(:mod:`fusec.instructions.prologue`, the ``prologue`` pass): GPT-2's LayerNorms (``ln_1`` before
+``c_attn``, ``ln_2`` before ``c_fc``), or an RMSNorm or other small vector ops in front of a
+``Conv1D``, are recomputed by every tile from their inputs (a few KB) into the staged ``x``
+(shared memory, in x's dtype: each member's output rounded to its dtype as eager does), and no
+longer stand alone as a dependency level on one SM. The writer tile is the one whose first
+column is 0.
 """
 from __future__ import annotations
 
@@ -21,7 +29,8 @@ from fusec.ir import Graph, Op
 from fusec.ir.pattern import lit, op, var
 from fusec.instructions.base import Instruction, Region, Tile, register, split_range
 from fusec.instructions.call import P0, P1, SMEM, Call, Flag, Int, Ptr, Type
-from fusec.instructions.matvec_rows import elt
+from fusec.instructions.matvec_rows import elt, staged
+from fusec.instructions.prologue import STAGED, TakesPrologue, adjust_tiles, vec_inputs, xin
 from fusec.instructions.rule import Rule
 
 #: column groups per matrix the chunk width aims at (about one per SM)
@@ -90,7 +99,7 @@ def _gelu_new_ok(g: Graph, m: dict) -> bool:
 
 
 @register
-class MatvecCols(Instruction):
+class MatvecCols(TakesPrologue, Instruction):
     name = "matvec_cols"
     rules = (Rule(GELU_NEW, inputs={"x": "x", "w": "w", "b": "b"}, outputs={"out": "_anchor.out"},
                   attrs=lambda g, m: {"act": "gelu_new"}, check=_gelu_new_ok, priority=43),
@@ -107,21 +116,25 @@ class MatvecCols(Instruction):
 
     @classmethod
     def tiles(cls, op: Op, g: Graph, want: int) -> list[Tile]:
-        w, x, out = op.inputs["w"], op.inputs["x"], op.outputs["out"]
+        """One tile per column group (at most :data:`TARGET_GROUPS`), each reading every row of
+        W, x whole (with a folded prologue: the members' inputs; the writer tile also writes
+        the kept outputs) and its columns of the bias and residual."""
+        w, out = op.inputs["w"], op.outputs["out"]
         K, N = g.tensors[w].shape
         group = chunks_per_group(g, w) * (16 // elt(g, w))
+        vec = vec_inputs(op, False)
         tiles = []
         # one column group per tile (at most TARGET_GROUPS): on fewer SMs an SM takes several tiles
         for i, (c0, c1) in enumerate(split_range(N, -(-N // group), group)):
-            reads = [Region.whole(g, w), Region.whole(g, x)]
-            abytes = g.tensors[x].nbytes + (c1 - c0) * elt(g, out)
+            reads = [Region.whole(g, w)] + [Region.whole(g, v) for v in vec]
+            abytes = sum(g.tensors[v].nbytes for v in vec) + (c1 - c0) * elt(g, out)
             for s in ("b", "residual"):
                 if s in op.inputs:
                     reads.append(Region.of(g, op.inputs[s], c0, c1))
                     abytes += (c1 - c0) * elt(g, op.inputs[s])
             tiles.append(Tile(op.name, i, {"cols": [c0, c1]}, reads, [Region.of(g, out, c0, c1)],
                               K * (c1 - c0) * elt(g, w), abytes))
-        return tiles
+        return adjust_tiles(op, g, tiles)
 
     @classmethod
     def encode(cls, op: Op, tile: Tile) -> list[int]:
@@ -133,20 +146,22 @@ class MatvecCols(Instruction):
                                       Int("N", lambda op, g: g.tensors[op.inputs["w"]].shape[1]),
                                       Int("NCH", lambda op, g: chunks_per_group(g, op.inputs["w"])),
                                       Flag("bias", has="b"), Flag("add_res", has="residual"),
-                                      Int("ACT", lambda op, g: 1 if op.attrs.get("act") == "gelu_new" else 0)),
+                                      Int("ACT", lambda op, g: 1 if op.attrs.get("act") == "gelu_new" else 0),
+                                      STAGED),
                 args=(Ptr("x"), Ptr("w"), Ptr("b"), Ptr("res", "residual"), Ptr("out"), P0, P1, SMEM))
 
     @classmethod
-    def smem_floats(cls, op: Op, g: Graph) -> int:
-        """The staged x (rounded up to 16 bytes), then one group's sums per warp (at most 32)."""
+    def own_smem(cls, op: Op, g: Graph) -> int:
+        """The staged x (rounded up to 16 bytes), then one group's sums per warp (at most 32);
+        a folded prologue's intermediates come after them (:class:`TakesPrologue`)."""
         w = op.inputs["w"]
         K = g.tensors[w].shape[0]
-        return (K * elt(g, op.inputs["x"]) + 15) // 16 * 4 + 32 * chunks_per_group(g, w) * (16 // elt(g, w))
+        return (K * elt(g, xin(op)) + 15) // 16 * 4 + 32 * chunks_per_group(g, w) * (16 // elt(g, w))
 
     @classmethod
     def run_tile(cls, op: Op, tile: Tile, env: Env) -> None:
         c0, c1 = tile.params["cols"]
-        x = env.read(op.inputs["x"]).reshape(-1).float()
+        x = staged(op, env, False)   # x, or the folded prologue's result (rounded as eager rounds it)
         y = x @ env.read(op.inputs["w"])[:, c0:c1].float()
         dt = env.g.tensors[op.outputs["out"]].dtype
         if "b" in op.inputs:

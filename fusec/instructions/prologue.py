@@ -19,8 +19,9 @@ The table of what may fold (one rule, not one kind per family):
   in-place update, static sizes, no tensor of more than :data:`MAX_ELEMS` elements; every fresh
   output a buffer of its own (no view);
 * **consumers**: kinds whose class sets ``takes_prologue`` (``matvec``, ``matvec_group``,
-  ``rms_qkv_rope``, ``rms_gate_up_silu``, ``rms_lm_head``): row-tiled kinds that stage their input vector ``x``
-  in shared memory first; their template takes ``STAGED`` (x already there);
+  ``rms_qkv_rope``, ``rms_gate_up_silu``, ``rms_lm_head``, and the column-tiled ``matvec_cols``:
+  GPT-2's LayerNorms): kinds that stage their whole input vector ``x`` in shared memory first;
+  their template takes ``STAGED`` (x already there);
 * **a consumer's own RMSNorm** (``norm_w`` and ``eps``: ``rms_gate_up_silu`` with its norm,
   ``rms_lm_head``) becomes the prologue's last member, an ``rmsnorm`` op into a new tensor of the
   norm's output dtype; the kind then runs as without a norm over that staged vector.
@@ -119,7 +120,7 @@ def adjust_tiles(op: Op, g: Graph, tiles: list[Tile]) -> list[Tile]:
 
 def writer_tile(op: Op, tile: Tile) -> bool:
     """The tile that writes the kept outputs: the one whose instruction word's p0 (its first
-    row) is 0."""
+    row, or ``matvec_cols``'s first column) is 0."""
     from fusec.instructions.base import KINDS
     return KINDS[op.kind].encode(op, tile)[0] == 0
 
