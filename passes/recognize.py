@@ -9,7 +9,7 @@ with the same values, by one op each:
   as ``rmsnorm`` with ``w_fp32``
 * ``silu_mul(gate, up)``    ``gate * sigmoid(gate) * up``
 * ``gelu_mul(gate, up; act)``  ``gelu(gate) * up`` (GeGLU; ``act`` "gelu_tanh" or "gelu")
-* ``layernorm(x[, w][, b]; eps)``  ``native_layer_norm`` over the last dim, statistics unread
+* ``layernorm(x[, w][, b]; eps)``  ``native_layer_norm`` over the last dim of one row, statistics unread
 * ``rope(x, cos, sin)``     ``x * cos + cat(-x2, x1) * sin`` (``rotate_half``)
 * ``kv_write(pos, val) -> cache``  ``copy_(cache, index_put(cache, [None, None, pos], val))``;
   readers of the functional result read the cache buffer after the write
@@ -17,7 +17,8 @@ with the same values, by one op each:
   through the GQA ``repeat_kv`` expand. With a mask that equals ``kv_index <= pos`` for every
   position (checked by evaluating the mask at every position of the cache) the mask is dropped
   (``mask_kind`` 0). Any other mask over the ``L`` cache rows (HF generate()'s precomputed 4-D
-  bool mask, a mask built from a user's ``attention_mask``) is read by the attention:
+  bool mask, a mask built from a user's ``attention_mask``; in a batch, [B, 1, 1, L] with one
+  row per sequence, from left-padded prompts) is read by the attention:
   ``mask_kind`` 1 (bool, True attends) or 2 (additive float); the attention then reads every
   cache row and the mask decides (``pos``, the row the step's ``kv_write`` wrote, only orders it
   after the write)
@@ -120,8 +121,9 @@ def _rope_ok(g: Graph, b: dict) -> bool:
 
 
 def _layernorms(g: Graph) -> int:
-    """``aten.native_layer_norm(x, [H], w, b, eps)`` whose mean and rstd nobody reads ->
-    ``layernorm(x[, w][, b]; eps)`` over the last dim."""
+    """``aten.native_layer_norm(x, [H], w, b, eps)`` over one row (x of H elements) whose mean
+    and rstd nobody reads -> ``layernorm(x[, w][, b]; eps)``. Several rows (a batch of
+    sequences) stay ATen: the ``layernorm`` kind normalizes all of x as one row."""
     users = g.users()
     n = 0
     new_ops = []
@@ -132,7 +134,8 @@ def _layernorms(g: Graph) -> int:
         x, shape, w, b, eps = (list(o.attrs["args"]) + [None] * 5)[:5]
         xs = o.inputs[x.slot] if isinstance(x, Ref) else None
         stats_read = any(users.get(g.root(o.outputs[s])) for s in ("out1", "out2") if s in o.outputs)
-        if xs is None or list(shape) != [g.tensors[xs].shape[-1]] or stats_read or eps is None:
+        if xs is None or list(shape) != [g.tensors[xs].shape[-1]] or stats_read or eps is None \
+                or g.tensors[xs].numel != g.tensors[xs].shape[-1]:   # the kind takes one row (batch 1)
             new_ops.append(o)
             continue
         ins = {"x": xs}
@@ -309,7 +312,7 @@ def _attention(g: Graph, weights: dict[str, torch.Tensor]) -> int:
             mask_kind = 0
             if ins["pos"] is None:   # a mask fusec cannot prove causal: the attention reads it
                 ins["pos"], ins["mask"] = _write_position(g, new_ops, kc[0]), mask
-                mask_kind = _mask_kind(g, mask, rows)
+                mask_kind = _mask_kind(g, mask, rows, g.tensors[q].shape[0])
         if mask_kind is None or ins["pos"] is None:
             log.info("attention %s left generic (mask or cache layout not recognized)", o.name)
             new_ops.append(o)
@@ -335,12 +338,14 @@ def _write_position(g: Graph, ops_before: list[Op], cache: str) -> str | None:
     return None
 
 
-def _mask_kind(g: Graph, mask: str, length: int) -> int | None:
+def _mask_kind(g: Graph, mask: str, length: int, batch: int = 1) -> int | None:
     """1 for a bool mask (True: attend), 2 for an additive float mask, over the ``length`` rows
-    of the attention's cache only (numel == length: one mask for every head of a batch-1 decode
-    step); None otherwise."""
+    of the attention's cache only: one mask for every head (numel == length), or with a batch of
+    ``batch`` sequences one row per sequence ([batch, 1, 1, length]: HF's mask from a left-padded
+    ``attention_mask``); None otherwise."""
     info = g.tensors[mask]
-    if info.numel != length or info.shape[-1] != length:
+    if info.shape[-1] != length or info.numel not in (length, batch * length) \
+            or (info.numel != length and (len(info.shape) != 4 or info.shape[0] != batch)):
         return None
     if info.dtype == torch.bool:
         return 1

@@ -128,8 +128,9 @@ def test_call_patterns_run_fusec(steps):
         compile_cuda(render(s.schedule).source, "fusec_step.cu")
 
 
-def test_dynamic_cache_and_batch_say_what_to_change():
-    """What fusec cannot compile gets one fallback line each that says what to change."""
+def test_dynamic_cache_says_what_to_change():
+    """A DynamicCache, which fusec cannot compile, gets one fallback line per graph that says what
+    to change (a batch of sequences no longer falls back: tests/test_batch_decode.py)."""
     from transformers import DynamicCache
     model = hf_tiny.llama()
     torch._dynamo.reset()

@@ -41,15 +41,17 @@ def _val(node: Any) -> Any:
 
 
 def check_decode_step(gm: torch.fx.GraphModule) -> None:
-    """Raise :class:`NotDecodeStepError` unless every attention call sees one query token and
-    reads a static KV cache.
+    """Raise :class:`NotDecodeStepError` unless every attention call sees one query token per
+    sequence and reads a static KV cache.
 
-    A decode step (batch 1, one new token) has at least one SDPA call, or eager attention that
-    :func:`fusec.frontend.eager_attention.rewrite_eager_attention` makes one, whose query is
-    [1, heads, 1, head_dim]; a prefill has more than one query position. A key that is a
-    ``torch.cat`` of the past keys and the new one (HF ``DynamicCache``) changes shape every
-    step: the message says to use a StaticCache. Eager attention that is not SDPA (its weights
-    returned, logit softcapping): the message says why, at the model's source line.
+    A decode step (a batch of B sequences, one new token each) has at least one SDPA call, or
+    eager attention that :func:`fusec.frontend.eager_attention.rewrite_eager_attention` makes
+    one, whose query is [B, heads, 1, head_dim] with B a fixed size (any B >= 1; docs/batch.md
+    says which kinds take B > 1 and which ops then stay generic); a prefill has more than one
+    query position, and a batch size that varies between calls (a symbolic dim 0) is refused.
+    A key that is a ``torch.cat`` of the past keys and the new one (HF ``DynamicCache``) changes
+    shape every step: the message says to use a StaticCache. Eager attention that is not SDPA
+    (its weights returned, logit softcapping): the message says why, at the model's source line.
     """
     eager, refused = find_eager_attention(gm)
     if refused:
@@ -65,14 +67,13 @@ def check_decode_step(gm: torch.fx.GraphModule) -> None:
         if q is None:
             continue
         n += 1
-        if q.dim() != 4 or q.shape[0] != 1 or q.shape[2] != 1:
+        if q.dim() != 4 or not isinstance(q.shape[0], int) or q.shape[2] != 1:
             shape = ", ".join(str(d) if isinstance(d, int) else f"{d} (varies between calls)" for d in q.shape)
-            what = ((f"batch {q.shape[0]}" if isinstance(q.shape[0], int) else "a batch size that varies")
-                    if q.dim() == 4 and q.shape[0] != 1 else
+            what = ("a batch size that varies" if q.dim() == 4 and not isinstance(q.shape[0], int) else
                     f"{q.shape[2]} query tokens" if q.dim() == 4 else f"a {q.dim()}-D query")
             raise NotDecodeStepError(
                 f"not a single-token decode step ({what}): attention query has shape ({shape}) "
-                f"(batch and query length must be 1) at {node_source(node) or node.name}")
+                f"(the query length must be 1, the batch a fixed size) at {node_source(node) or node.name}")
     if n == 0:
         raise NotDecodeStepError("not a decode step: the graph has no attention call")
     for _, _, key in calls:

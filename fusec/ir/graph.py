@@ -297,6 +297,22 @@ class Graph:
                 out[o.kind] = out.get(o.kind, 0) + 1
         return dict(sorted(out.items()))
 
+    def batch(self) -> int:
+        """The decode step's batch B: the largest dim 0 of its attention queries (``attention``
+        and ``fusec.sdpa`` ops' ``q``, [B, Hq, 1, D]); 1 for a graph without attention. The
+        capture accepts a step only where every query has one token per sequence and a fixed
+        B (:func:`fusec.frontend.capture.check_decode_step`); docs/batch.md."""
+        b = 1
+        for op in self.ops:
+            q = None
+            if op.kind == "attention":
+                q = op.inputs.get("q")
+            elif op.kind == "fusec.sdpa.default" and isinstance(op.attrs.get("args", (None,))[0], Ref):
+                q = op.inputs.get(op.attrs["args"][0].slot)
+            if q is not None and len(self.tensors[q].shape) == 4:
+                b = max(b, int(self.tensors[q].shape[0]))
+        return b
+
     # -- checking and printing ----------------------------------------------------------
     def check(self, stage: str = "") -> None:
         """Raise :class:`IRError` naming ``stage`` if an invariant does not hold.

@@ -88,9 +88,11 @@ def _rmsnorm(op: Op, env: Env) -> None:
 
 @semantic("linear")
 def _linear(op: Op, env: Env) -> None:
-    x = env.read(op.inputs["x"]).reshape(-1).float()
+    """``y = x @ w^T (+ b)``: x [..., K] (one row per sequence of a batch, or one vector), w
+    [N, K]; fp32, rounded once."""
     w = env.read(op.inputs["w"]).float()
-    y = w @ x
+    x = env.read(op.inputs["x"]).reshape(-1, w.shape[1]).float()
+    y = x @ w.T
     if "b" in op.inputs:
         y = y + env.read(op.inputs["b"]).float()
     info = env.g.tensors[op.outputs["out"]]
@@ -139,15 +141,22 @@ def _kv_write(op: Op, env: Env) -> None:
 
 @semantic("attention")
 def _attention(op: Op, env: Env) -> None:
+    """Decode attention of each sequence b of the batch: q [B, Hq, 1, D] over its own cache rows
+    k, v [B, Hkv, L, D]; a mask of L elements serves every sequence, one of B * L elements
+    ([B, 1, 1, L]) gives each its own row."""
     info = env.g.tensors[op.outputs["out"]]
-    k = env.read(op.inputs["k"])[0]
-    v = env.read(op.inputs["v"])[0]
-    q = env.read(op.inputs["q"]).reshape(-1, k.shape[-1])
+    kb, vb = env.read(op.inputs["k"]), env.read(op.inputs["v"])
+    B = kb.shape[0]
+    qb = env.read(op.inputs["q"]).reshape(B, -1, kb.shape[-1])
     mask = env.read(op.inputs["mask"]) if "mask" in op.inputs else None
     # a mask decides over every cache row; without one the step attends rows [0, pos]
-    length = k.shape[1] if mask is not None else \
-        _in_range(op, "attention position", int(env.read(op.inputs["pos"]).reshape(-1)[0]), k.shape[1], Fault.ATTN_POS) + 1
-    o = attend(q, k, v, length, op.attrs["scale"], mask, op.attrs.get("mask_kind", 0))
+    length = kb.shape[2] if mask is not None else \
+        _in_range(op, "attention position", int(env.read(op.inputs["pos"]).reshape(-1)[0]), kb.shape[2], Fault.ATTN_POS) + 1
+    if mask is not None:
+        mask = mask.reshape(-1, kb.shape[2])
+    o = torch.stack([attend(qb[b], kb[b], vb[b], length, op.attrs["scale"],
+                            None if mask is None else mask[b % mask.shape[0]], op.attrs.get("mask_kind", 0))
+                     for b in range(B)])
     env.set(op.outputs["out"], o.to(info.dtype).reshape(info.shape))
 
 

@@ -193,32 +193,40 @@ def _attend_rows(ctx: Ctx, *, rows: int, D: int, Dv: int, q_off: str, k_row: str
 @emitter("attention")
 def _attention(ctx: Ctx) -> None:
     """Decode attention over cache rows 0..pos (GQA), or over every row with a mask (mask_kind 1:
-    bool, 2: additive; the mask decides), one warp per query head; an out-of-range pos is fault
-    ATTN_POS. The cache's rows L may be a run-time length (:meth:`Ctx.length`)."""
+    bool, 2: additive; the mask decides), one warp per (sequence, query head); an out-of-range
+    pos is fault ATTN_POS. A batch of B sequences: q [B, Hq, 1, D] over caches [B, Hkv, L, D],
+    the mask one row of L for all or one per sequence ([B, 1, 1, L]). The cache's rows L may be
+    a run-time length (:meth:`Ctx.length`)."""
     op = ctx.op
     q, k, v, pos = op.inputs["q"], op.inputs["k"], op.inputs["v"], op.inputs["pos"]
     kshape = ctx.shape(k)
-    if len(kshape) != 4 or kshape[0] != 1:
+    if len(kshape) != 4:
         raise ctx.fail(f"attention over a cache of shape {kshape}")
-    _, hkv, _, D = kshape
+    B, hkv, _, D = kshape
     L = ctx.length(k, 2)
-    hq = ctx.numel(q) // D
-    if hq % hkv or ctx.numel(q) != hq * D or ctx.numel(ctx.out) != hq * D:
+    hq = ctx.numel(q) // (B * D)
+    if hq % hkv or ctx.numel(q) != B * hq * D or ctx.numel(ctx.out) != B * hq * D:
         raise ctx.fail(f"attention of q {ctx.shape(q)} over {kshape}")
     mask = op.inputs.get("mask")
     kind = int(op.attrs.get("mask_kind", 0)) if mask is not None else 0
     ctx.emit(f"const i64 p = {ctx.load_as(pos, '0', 'i64')};",
              f"if (!index_ok(p, {L}, {int(Fault.ATTN_POS)})) return;",
              f"const int n = {L if kind else '(int)p + 1'};")   # a mask decides over every row
+    per_seq = B > 1 and mask is not None and ctx.numel(mask) != ctx.shape(mask)[-1]
+    if per_seq and ctx.numel(mask) != B * ctx.shape(mask)[-1]:
+        raise ctx.fail(f"attention mask {ctx.shape(mask)} for a batch of {B}")
+    t = f"b_ * {L} + t" if per_seq else "t"
     mexpr = None
     if kind == 1:
-        mexpr = ctx.load_as(mask, "t", "bool")
+        mexpr = ctx.load_as(mask, t, "bool")
     elif kind == 2:
-        mexpr = ctx.load_as(mask, "t", "float")
+        mexpr = ctx.load_as(mask, t, "float")
     Lv = ctx.length(v, 2)
-    _attend_rows(ctx, rows=hq, D=D, Dv=D, q_off=f"h * {D}", k_row=f"(kh * {L} + t) * {D}",
+    setup = [f"const int kh = h / {hq // hkv};"] if B == 1 else \
+        [f"const int b_ = h / {hq}; const int kh = b_ * {hkv} + (h % {hq}) / {hq // hkv};"]
+    _attend_rows(ctx, rows=B * hq, D=D, Dv=D, q_off=f"h * {D}", k_row=f"(kh * {L} + t) * {D}",
                  v_row=f"(kh * {Lv} + t) * {D}", n_keys="n", scale=op.attrs["scale"], out_off=f"h * {D}",
-                 q=q, k=k, v=v, mask_expr=mexpr, mask_kind=kind, setup=[f"const int kh = h / {hq // hkv};"])
+                 q=q, k=k, v=v, mask_expr=mexpr, mask_kind=kind, setup=setup)
 
 
 @emitter("fusec.sdpa")
