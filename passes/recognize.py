@@ -11,6 +11,10 @@ with the same values, by one op each:
 * ``gelu_mul(gate, up; act)``  ``gelu(gate) * up`` (GeGLU; ``act`` "gelu_tanh" or "gelu")
 * ``layernorm(x[, w][, b]; eps)``  ``native_layer_norm`` over the last dim of one row, statistics unread
 * ``rope(x, cos, sin)``     ``x * cos + cat(-x2, x1) * sin`` (``rotate_half``)
+* ``rope(x, cos, sin; rotary_dim)``  partial rotary embeddings (GPT-NeoX ``rotary_pct``, Phi
+  and StableLM ``partial_rotary_factor``): ``cat(rope(x[..., :rd], cos, sin), x[..., rd:])``
+  over the last dim, cos/sin of width ``rd`` < D; the first ``rotary_dim`` values of each row
+  are rotated (half-split within them), the rest pass through unchanged
 * ``kv_write(pos, val) -> cache``  ``copy_(cache, index_put(cache, [None, None, pos], val))``;
   readers of the functional result read the cache buffer after the write
 * ``attention(q, k, v, pos[, mask]; scale, mask_kind)``  ``fusec.sdpa`` over KV caches, seen
@@ -33,7 +37,7 @@ import torch
 
 from fusec.ir import position
 from fusec.ir import Graph, Op, Ref, Role
-from fusec.ir.pattern import Matcher, cast, lit, op, var
+from fusec.ir.pattern import Matcher, cast, lit, op, sem, var
 from fusec.ir.semantics import default_scale
 
 from fusec.passes import dce
@@ -74,6 +78,13 @@ ROPE = op("aten.add.Tensor",
               op("aten.slice.Tensor", var("x"), lit("d2"), 0, lit("h2"), partial=True)], lit("d3")),
              var("sin"), commutative=True), commutative=True)
 
+# HF's partial rotary (GPTNeoX/Phi/StableLM/Phi-3 ``apply_rotary_pos_emb``): the rotated part
+# is a full-width RoPE of the first rd values (already a ``rope`` op), the rest passes through
+_X_ROT = op("aten.slice.Tensor", var("x"), lit("d1"), 0, lit("rotary_dim"))
+_X_PASS = op("aten.slice.Tensor", var("x"), lit("d2"), lit("rd2"), lit("end"))
+PARTIAL_ROPE = op("aten.cat.default", [sem("rope", x=_X_ROT, cos=var("cos"), sin=var("sin")), _X_PASS],
+                  lit("d3"))
+
 GELU_MUL = op("aten.mul.Tensor", cast(op("aten.gelu.default", var("gate"), partial=True, bind="act")),
               var("up"), commutative=True)
 
@@ -86,6 +97,7 @@ RULES = [
     (SILU_MUL, "silu_mul", ("gate", "up"), (), {}),
     (GELU_MUL, "gelu_mul", ("gate", "up"), (), {}),
     (ROPE, "rope", ("x", "cos", "sin"), (), {}),
+    (PARTIAL_ROPE, "rope", ("x", "cos", "sin"), ("rotary_dim",), {}),
 ]
 
 
@@ -96,7 +108,7 @@ def _rewrite(g: Graph, pattern, kind: str, slots, lits, fixed) -> int:
     for o in g.ops:
         out = o.outputs.get("out")
         b = m.match(pattern, out) if out is not None and not o.mutates else None
-        if b is None or (kind == "rope" and not _rope_ok(g, b)):
+        if b is None or (kind == "rope" and not (_partial_ok(g, b, out) if "rd2" in b else _rope_ok(g, b))):
             new_ops.append(o)
             continue
         attrs = {**{k: b[k] for k in lits}, **fixed}
@@ -118,6 +130,18 @@ def _rope_ok(g: Graph, b: dict) -> bool:
     d = g.tensors[b["x"]].shape[-1]
     dims_ok = all(b[k] in (-1, last) for k in ("d1", "d2", "d3"))
     return dims_ok and b["h"] == b["h2"] == d // 2 and b["end"] >= d
+
+
+def _partial_ok(g: Graph, b: dict, out: str) -> bool:
+    """A partial rotary's slices and cat: over the last dim of x (D values), ``[0, rd)`` rotated
+    and ``[rd, D)`` passed through in that order, 0 < rd < D, rd even, x and the result of one
+    shape and dtype."""
+    x = g.tensors[b["x"]]
+    last, d, rd = len(x.shape) - 1, x.shape[-1], b["rotary_dim"]
+    o = g.tensors[out]
+    return all(b[k] in (-1, last) for k in ("d1", "d2", "d3")) and isinstance(rd, int) and 0 < rd < d \
+        and rd % 2 == 0 and b["rd2"] == rd and b["end"] >= d and tuple(o.shape) == tuple(x.shape) \
+        and o.dtype == x.dtype
 
 
 def _layernorms(g: Graph) -> int:

@@ -159,6 +159,18 @@ def phi2(seed=0):
     return _small(PhiConfig, PhiForCausalLM, seed, partial_rotary_factor=0.5)
 
 
+def stablelm(seed=0, partial=0.25):
+    """A tiny ``StableLmForCausalLM`` as StableLM-2 (LayerNorm with bias, GQA, partial rotary,
+    q/k/v biases made non-zero), fp32."""
+    from transformers import StableLmConfig, StableLmForCausalLM
+    m = _small(StableLmConfig, StableLmForCausalLM, seed, partial_rotary_factor=partial, use_qkv_bias=True)
+    gen = torch.Generator().manual_seed(seed + 1)
+    for layer in m.model.layers:
+        for p in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+            p.bias.normal_(generator=gen)
+    return m
+
+
 def starcoder2(seed=0):
     """A tiny ``Starcoder2ForCausalLM`` (LayerNorm with bias, GQA, biased projections)."""
     from transformers import Starcoder2Config, Starcoder2ForCausalLM

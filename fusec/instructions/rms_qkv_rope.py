@@ -14,9 +14,18 @@ q/k piece stores its projections (rounded, fp32) in ``qk_part`` [Hq+Hkv, D] and 
 ticket of its head (spare counters, as the split-KV merge); the tile that takes the head's last
 ticket of the step norms, rotates and stores the whole head. A v piece stores its rows.
 
+Partial rotary embeddings (GPT-NeoX ``rotary_pct``, Phi-2 and StableLM ``partial_rotary_factor``;
+attribute ``rotary_dim`` rd < D, from the ``rope`` ops' own, recognized in
+:mod:`fusec.passes.recognize`): only the first rd values of each q/k head are rotated, with the
+pairs (i, i + rd/2), cos/sin tables rd wide; the other D - rd values are the projection's rounded
+outputs as they are (HF's ``cat((q_rot, q_pass), -1)``). A work unit is still a pair of rows: unit
+p < rd/2 is the rotation pair (p, p + rd/2), unit p >= rd/2 the pass-through rows
+(p + rd/2, p + D/2) (:func:`pair_rows`). Not with a per-head norm (no such family).
+
 Shapes: x [H]; norm_w [H]; wq [Hq*D, H]; wk, wv [Hkv*D, H]; optional biases bq [Hq*D], bk, bv
 [Hkv*D] (Qwen2: ``addmm``, the bias added to the fp32 dot before the projection's rounding);
-cos_table, sin_table [L, .., D]; kcache, vcache [1, Hkv, L, D]; q [Hq*D]. Numerics: fp32 math,
+cos_table, sin_table [L, .., rd] (rd = D without ``rotary_dim``); kcache, vcache [1, Hkv, L, D];
+q [Hq*D]. Numerics: fp32 math,
 rounded to the model dtype where PyTorch rounds (after the norm, after each projection, after
 RoPE). The caches' rows L may be a run-time length (:attr:`fusec.ir.TensorInfo.sym`): the
 template takes it as an argument (:meth:`fusec.cuda.codegen.Buffers.length`) for the row's
@@ -42,9 +51,28 @@ def _bias_or_wf32(op: Op) -> bool:
 
 
 def _explicit(op: Op) -> bool:
-    """BIAS and TB are written out: a later template argument (WF32, NORM, STAGED) differs from
-    its default."""
-    return _bias_or_wf32(op) or has(op) or not normed(op)
+    """BIAS and TB are written out: a later template argument (WF32, NORM, STAGED, RD) differs
+    from its default."""
+    return _bias_or_wf32(op) or has(op) or not normed(op) or "rotary_dim" in op.attrs
+
+
+def rotary_dim(op: Op) -> int:
+    """The rotated values per q/k head: attribute ``rotary_dim`` (partial rotary), else the head."""
+    return op.attrs.get("rotary_dim", op.attrs["head_dim"])
+
+
+def pair_rows(d: int, rd: int, p0: int, p1: int) -> list[tuple[int, int]]:
+    """The rows of one head (of ``d``) that the units ``[p0, p1)`` compute, as row ranges: unit
+    p < rd/2 the rotation pair (p, p + rd/2); unit p >= rd/2 (partial rotary, ``rd`` < d) the
+    pass-through rows (p + rd/2, p + d/2). Units 0 .. d/2 cover rows 0 .. d once each."""
+    r, half, out = rd // 2, d // 2, []
+    a, b = p0, min(p1, r)
+    if b > a:
+        out += [(a, b), (r + a, r + b)]
+    a, b = max(p0, r), p1
+    if b > a:
+        out += [(a + r, b + r), (a + half, b + half)]
+    return out
 
 
 def match_qkv(c: Ctx, att: Op) -> Fusion | None:
@@ -63,6 +91,7 @@ def match_qkv(c: Ctx, att: Op) -> Fusion | None:
     wv = next((o for o in reversed(kw) if g.root(o.outputs["cache"]) == g.root(att.inputs["v"])), None)
     if rope_q is None or wk is None or wv is None or g.root(wk.inputs["pos"]) != g.root(wv.inputs["pos"]):
         return None
+    # ``or``: a full RoPE's head, set below (no attribute)
     rope_k = c.prod(wk.inputs["val"], "rope")
     lin_v = c.prod(wv.inputs["val"], "linear")
     if rope_k is None or lin_v is None:
@@ -111,6 +140,14 @@ def match_qkv(c: Ctx, att: Op) -> Fusion | None:
     # a per-head norm: over each head's D values (OLMo-2 norms the whole projection: no match)
     if any(g.tensors[hn.inputs["w"]].numel != d or g.tensors[hn.inputs["x"]].shape[-1] != d for hn in norms.values()):
         return None
+    # q and k rotate the same first rd values of each head (partial rotary: rd < D, not with a
+    # per-head norm), over the full head as the rope reads it, with tables rd wide
+    rd = rope_q.attrs.get("rotary_dim", d)
+    table = g.tensors[cos_q.inputs["table"]]
+    if rope_k.attrs.get("rotary_dim", d) != rd or not (0 < rd <= d and rd % 2 == 0) or (rd < d and norms) \
+            or any(g.tensors[r.inputs["x"]].shape[-1] != d for r in (rope_q, rope_k)) \
+            or table.numel != table.shape[0] * rd or g.tensors[sin_q.inputs["table"]].numel != table.numel:
+        return None
 
     def build() -> list[Op]:
         ins = {"x": rms.inputs["x"], "norm_w": rms.inputs["w"]} if rms is not None else {"x": lins["q"].inputs["x"]}
@@ -121,6 +158,8 @@ def match_qkv(c: Ctx, att: Op) -> Fusion | None:
         norm = {**rms_attrs(g, rms), "w_fp32": rms.attrs.get("w_fp32", False)} if rms is not None else \
             {"norm": False, "norm_dtype": g.tensors[ins["x"]].dtype, "w_fp32": False}
         attrs = {**norm, "dtype": g.tensors[rope_q.outputs["out"]].dtype, "n_q": nq, "n_kv": nkv, "head_dim": d}
+        if rd < d:
+            attrs["rotary_dim"] = rd
         if all(biased):
             ins["bq"], ins["bk"], ins["bv"] = (lins[h].inputs["b"] for h in "qkv")
         outs = {"q": rope_q.outputs["out"], "kcache": wk.outputs["cache"], "vcache": wv.outputs["cache"]}
@@ -201,7 +240,7 @@ class RmsQkvRope(TakesPrologue, Instruction):
                 w, out, row = cls._head(op, h, nq, nkv)
                 piece = pieces > 1 and h < nq + nkv   # a piece of a q/k head: pre-norm values, then maybe the head
                 split |= piece
-                for a, b in ((p0, p1), (half + p0, half + p1)):
+                for a, b in cls._rows(op, p0, p1):
                     reads.append(Region.of(g, op.inputs[w], (row * d + a) * hid, (row * d + b) * hid))
                     wbytes += (b - a) * hid * elt(g, op.inputs[w])
                     if piece:
@@ -233,6 +272,11 @@ class RmsQkvRope(TakesPrologue, Instruction):
             Region.of(g, op.outputs[out], base, base + L * d)
 
     @classmethod
+    def _rows(cls, op: Op, p0: int, p1: int) -> list[tuple[int, int]]:
+        """The row ranges of one head that its units ``[p0, p1)`` compute (:func:`pair_rows`)."""
+        return pair_rows(op.attrs["head_dim"], rotary_dim(op), p0, p1)
+
+    @classmethod
     def encode(cls, op: Op, tile: Tile) -> list[int]:
         return [*tile.params["units"], tile.params.get("pieces", 1)]
 
@@ -244,7 +288,9 @@ class RmsQkvRope(TakesPrologue, Instruction):
                        Flag("headnorm", has="q_norm_w"),
                        # BIAS and TB are passed for the bias, fp32-weight-norm and staged variants
                        Flag("bias", has="bq", when=_explicit), Type("tb", "bq", "wq", when=_explicit), WF32,
-                       NORM, STAGED),
+                       NORM, STAGED,
+                       # the rotated values per head (partial rotary); 0: the whole head
+                       Int("RD", lambda op, g: op.attrs.get("rotary_dim", 0), default=0)),
                 args=(Ptr("x"), Ptr("norm_w"), Float("eps", "eps", fallback=0.0), Ptr("wq"), Ptr("wk"), Ptr("wv"),
                       Ptr("cos_table"), Ptr("sin_table"), Ptr("rope_pos"), Ptr("kv_pos"), Ptr("q"), Ptr("kcache"),
                       Ptr("vcache"), Ptr("q_norm_w"), Ptr("k_norm_w"), Float("qk_eps", "qk_eps", 0.0),
@@ -321,7 +367,7 @@ class RmsQkvRope(TakesPrologue, Instruction):
         for h, p0, p1 in cls._spans(op, env.g, *tile.params["units"]):
             _, out, row = cls._head(op, h, nq, nkv)
             base = row * d if out == "q" else row * L * d + pos * d
-            for a, b in ((p0, p1), (half + p0, half + p1)):
+            for a, b in cls._rows(op, p0, p1):
                 writes.append(Region.of(env.g, op.outputs[out], base + a, base + b))
         return tile.reads, writes
 
@@ -343,40 +389,48 @@ class RmsQkvRope(TakesPrologue, Instruction):
         cos = env.read(op.inputs["cos_table"])[rp].reshape(-1).float()
         sin = env.read(op.inputs["sin_table"])[rp].reshape(-1).float()
         split = cls._split(op, tile)
+        r = rotary_dim(op) // 2
         for h, p0, p1 in cls._spans(op, env.g, *tile.params["units"]):
             w, out, row = cls._head(op, h, nq, nkv)
             wt = env.read(op.inputs[w])
-            lo = slice(row * d + p0, row * d + p1)
-            hi = slice(row * d + half + p0, row * d + half + p1)
-            y1, y2 = wt[lo].float() @ n, wt[hi].float() @ n
+            # units p0 .. p1: rows i1, i2 of the head; rotated where p < rd/2 (pair_rows)
+            ps = torch.arange(p0, p1)
+            rot = ps < r
+            i1 = torch.where(rot, ps, ps + r)
+            i2 = torch.where(rot, ps + r, ps + half)
+            y1, y2 = wt[row * d + i1].float() @ n, wt[row * d + i2].float() @ n
             if "bq" in op.inputs:
                 b = env.read(op.inputs["b" + w[1]]).reshape(-1).float()
-                y1, y2 = y1 + b[lo], y2 + b[hi]
+                y1, y2 = y1 + b[row * d + i1], y2 + b[row * d + i2]
             y1, y2 = y1.to(dt).float(), y2.to(dt).float()
             if split is not None:   # a piece of a q/k head: its pre-norm values; the last piece does the head
-                part = env.flat(op.outputs["qk_part"])
+                part = env.flat(op.outputs["qk_part"])   # (a per-head norm: full RoPE, i1 = ps, i2 = ps + D/2)
                 part[h * d + p0:h * d + p1] = y1
                 part[h * d + half + p0:h * d + half + p1] = y2
                 if not cls._is_last(op, tile, env, h):
                     continue
                 y = part[h * d:(h + 1) * d].clone()
                 y1, y2, p0, p1 = y[:half], y[half:], 0, half
+                ps = torch.arange(p0, p1)
+                rot, i1, i2 = ps < r, ps, ps + half
             if out != "vcache":
                 nw = op.inputs.get("q_norm_w" if out == "q" else "k_norm_w")
                 if nw is not None:  # whole head (p0 = 0, p1 = half)
                     y = rms_normalize(torch.cat([y1, y2]).to(dt), env.read(nw), a["qk_eps"], dt).float()
                     y1, y2 = y[:half], y[half:]
-                c1, c2 = cos[p0:p1], cos[half + p0:half + p1]
-                s1, s2 = sin[p0:p1], sin[half + p0:half + p1]
-                y1, y2 = y1 * c1 - y2 * s1, y2 * c2 + y1 * s2
+                pr = ps[rot]
+                c1, c2, s1, s2 = cos[pr], cos[pr + r], sin[pr], sin[pr + r]
+                a1, a2 = y1[rot], y2[rot]
+                y1, y2 = y1.clone(), y2.clone()
+                y1[rot], y2[rot] = a1 * c1 - a2 * s1, a2 * c2 + a1 * s2
             if out == "q":
                 f = env.flat(op.outputs["q"])
-                f[row * d + p0:row * d + p1] = y1.to(dt)
-                f[row * d + half + p0:row * d + half + p1] = y2.to(dt)
+                f[row * d + i1] = y1.to(dt)
+                f[row * d + i2] = y2.to(dt)
             else:
                 cache = env.read(op.outputs[out])
-                cache[0, row, kv_pos, p0:p1] = y1.to(cache.dtype)
-                cache[0, row, kv_pos, half + p0:half + p1] = y2.to(cache.dtype)
+                cache[0, row, kv_pos, i1] = y1.to(cache.dtype)
+                cache[0, row, kv_pos, i2] = y2.to(cache.dtype)
 
 
 def _merge(regions: list[Region]) -> list[Region]:

@@ -101,9 +101,15 @@ def _linear(op: Op, env: Env) -> None:
 
 @semantic("rope")
 def _rope(op: Op, env: Env) -> None:
+    """RoPE over the last dim of x; with ``rotary_dim`` rd < D (partial rotary) the first rd
+    values are rotated (cos/sin of width rd) and the rest pass through as they are."""
     info = env.g.tensors[op.outputs["out"]]
-    y = rotate(env.read(op.inputs["x"]), env.read(op.inputs["cos"]), env.read(op.inputs["sin"]))
-    env.set(op.outputs["out"], y.to(info.dtype).reshape(info.shape))
+    x = env.read(op.inputs["x"])
+    rd = op.attrs.get("rotary_dim", x.shape[-1])
+    y = rotate(x[..., :rd], env.read(op.inputs["cos"]), env.read(op.inputs["sin"])).to(info.dtype)
+    if rd < x.shape[-1]:
+        y = torch.cat((y, x[..., rd:].to(info.dtype)), dim=-1)
+    env.set(op.outputs["out"], y.reshape(info.shape))
 
 
 @semantic("silu_mul")

@@ -85,27 +85,35 @@ def _layernorm(ctx: Ctx) -> None:
 
 @emitter("rope")
 def _rope(ctx: Ctx) -> None:
-    """Half-split RoPE: out = x * cos + cat(-x2, x1) * sin (fp32), cos/sin broadcast to x."""
+    """Half-split RoPE: out = x * cos + cat(-x2, x1) * sin (fp32), cos/sin broadcast to x. With
+    ``rotary_dim`` rd < D (partial rotary): over the first rd values of each row (cos/sin of
+    width rd, halves of rd / 2), the others copied."""
     x, c, s, out = ctx.op.inputs["x"], ctx.op.inputs["cos"], ctx.op.inputs["sin"], ctx.out
     xs = ctx.shape(x)
     D = xs[-1]
-    h = D // 2
-    if ctx.numel(out) != ctx.numel(x) or D % 2:
-        raise ctx.fail(f"rope of x {xs} into {ctx.shape(out)}")
+    rd = int(ctx.op.attrs.get("rotary_dim", D))
+    h = rd // 2
+    if ctx.numel(out) != ctx.numel(x) or rd % 2 or not 0 < rd <= D:
+        raise ctx.fail(f"rope of x {xs} into {ctx.shape(out)} (rotary_dim {rd})")
+    rs = (*xs[:-1], rd)   # the rotated part's shape: cos/sin broadcast to it
     try:
-        cst, sst = broadcast_strides(ctx.shape(c), xs), broadcast_strides(ctx.shape(s), xs)
+        cst, sst = broadcast_strides(ctx.shape(c), rs), broadcast_strides(ctx.shape(s), rs)
     except ValueError as e:
         raise ctx.fail(str(e)) from None
     ix = ctx.index_type()
     ctx.emit(ctx.loop(ctx.numel(x), "i", ix))
     co = ctx.coords(xs, "i", ix)
     d = co[-1]
-    ctx.emit(f"const float xv = {ctx.load_as(x, 'i', 'float')};",
-             f"const float rot = {d} < {h} ? -{ctx.load_as(x, f'i + {h}', 'float')} : "
+    ctx.emit(f"const float xv = {ctx.load_as(x, 'i', 'float')};")
+    if rd < D:
+        ctx.emit("float y = xv;", f"if ({d} < {rd}) {{")
+    ctx.emit(f"const float rot = {d} < {h} ? -{ctx.load_as(x, f'i + {h}', 'float')} : "
              f"{ctx.load_as(x, f'i - {h}', 'float')};",
-             f"const float y = xv * {ctx.load_as(c, offset(co, cst), 'float')} + "
-             f"rot * {ctx.load_as(s, offset(co, sst), 'float')};",
-             f"{ctx.store(out, 'i', 'y', 'float')}", "}")
+             ("" if rd < D else "const float ") + f"y = xv * {ctx.load_as(c, offset(co, cst), 'float')} + "
+             f"rot * {ctx.load_as(s, offset(co, sst), 'float')};")
+    if rd < D:
+        ctx.emit("}")
+    ctx.emit(f"{ctx.store(out, 'i', 'y', 'float')}", "}")
 
 
 @emitter("silu_mul")
