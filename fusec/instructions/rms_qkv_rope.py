@@ -82,8 +82,9 @@ def match_qkv(c: Ctx, att: Op) -> Fusion | None:
     it is, ``norm`` False: a LayerNorm in front folds in as the kind's prologue, or static-size
     x that no op updates in place), q and k optionally through a per-head ``rmsnorm`` each (both
     or neither), with biases on all three or none, and q and k rotated by the same cos/sin
-    ``table_lookup``s. Procedural: the caches are found by program order, and the optional
-    parts make several shapes of one subgraph."""
+    ``table_lookup``s, over the same first ``rotary_dim`` values of each head (partial rotary, no
+    per-head norm then) or all of them. Procedural: the caches are found by program order, and
+    the optional parts make several shapes of one subgraph."""
     g = c.g
     rope_q = c.prod(att.inputs["q"], "rope")
     kw = [o for o in g.ops[: g.ops.index(att)] if o.kind == "kv_write"]
@@ -91,7 +92,6 @@ def match_qkv(c: Ctx, att: Op) -> Fusion | None:
     wv = next((o for o in reversed(kw) if g.root(o.outputs["cache"]) == g.root(att.inputs["v"])), None)
     if rope_q is None or wk is None or wv is None or g.root(wk.inputs["pos"]) != g.root(wv.inputs["pos"]):
         return None
-    # ``or``: a full RoPE's head, set below (no attribute)
     rope_k = c.prod(wk.inputs["val"], "rope")
     lin_v = c.prod(wv.inputs["val"], "linear")
     if rope_k is None or lin_v is None:
