@@ -143,3 +143,24 @@ def test_batch_kernel_compiles_with_nvrtc(steps):
     assert "const int b_ = h / 4; const int kh = b_ * 2 + (h % 4) / 2;" in src   # attention per sequence
     kernel = compile_cuda(src, "fusec_step.cu")
     assert kernel.resources["fusec_step"]["spill_store_bytes"] == 0
+
+
+def test_generate_num_return_sequences_with_sampling(steps):
+    """generate(do_sample=True, num_return_sequences=3) expands one prompt to a batch of 3: the
+    sampled tokens equal eager generate()'s under the same seed (same logits, same draws), and
+    the decode calls ran one fusec step of batch 3 with no fallback."""
+    model = hf_tiny.llama(seed=2)
+    model.generation_config.pad_token_id = 0
+    ids = torch.randint(1, 128, (1, 6), generator=torch.Generator().manual_seed(8))
+    kw = dict(max_new_tokens=8, do_sample=True, top_k=5, num_return_sequences=3, cache_implementation="static")
+    torch.manual_seed(0)
+    ref = model.generate(ids, **kw)
+    torch._dynamo.reset()
+    with FallbackWatch() as w:
+        torch.manual_seed(0)
+        out = model.generate(ids, compile_config=_compile_config(), **kw)
+    torch._dynamo.reset()
+    assert not w.fallbacks, w.fallbacks
+    assert out.shape == (3, 14) and torch.equal(out, ref)
+    (step,) = steps
+    assert step.schedule.graph.batch() == 3 and step.calls == 7 and not step.fallen_back
