@@ -28,7 +28,9 @@ Q/K/V -> RoPE -> KV write into ``rms_qkv_rope`` (10); attention split into ``att
 (30), and gate/up over an un-normed vector into the same kind with its norm off (35: post-norm
 layers such as OLMo-2's); linear + residual add into ``matvec_residual`` (40); RMSNorm ->
 linear into ``rms_lm_head`` (50) and its logits' argmax into that op's ``token`` (60); sibling
-linears over one input into ``matvec_group`` (65); any other linear into ``matvec`` (70);
+linears over one input into ``matvec_group`` (65); any other linear into ``matvec`` (70); a
+GELU (``aten.gelu``, ``gelu_new``'s chain) over an output of a ``matvec`` or ``matvec_group``
+into that op's activation epilogue (75, :mod:`fusec.instructions.activation`);
 ``aten.embedding`` into ``embedding`` (80).
 """
 from __future__ import annotations

@@ -6,12 +6,15 @@ matvec kind that reads their result waits for it. This pass makes them the consu
 prologue (:mod:`fusec.instructions.prologue`): every tile of the consumer computes them from
 their inputs in its shared memory, and one tile writes what later ops read.
 
-Rule, for each op ``K`` of a kind with ``takes_prologue`` (program order) and no prologue yet:
-``P``, the op that creates the root of K's ``x``, is a ``chain`` or a single generic op, and
+Rule, for each op ``K`` of a kind with ``takes_prologue`` (program order): ``P``, the op that
+creates the root of K's ``x`` (K has no prologue yet) or of one of its prologue's external
+inputs (the *transitive* case: P's members go in front of the prologue's, and K's staged x stays
+the prologue's result), is a ``chain`` or a single generic op, and
 
 * every member of ``P`` may be a prologue member (:func:`fusec.instructions.prologue.can_member`),
   and so may K's own RMSNorm where K has one (it becomes the last member);
-* ``x`` has the size and dtype of that root (a reshape of it at most);
+* ``x`` has the size and dtype of that root (a reshape of it at most; the transitive case stages
+  what it staged);
 * no op between ``P`` and ``K`` (program order) reads what ``P`` writes, or writes what ``P``
   reads or writes (``P``'s work moves to K's place); no member reads what K writes (a KV cache
   K updates in place: other tiles of K may have written it); K reads no member's output but ``x`` (its
@@ -21,6 +24,12 @@ Rule, for each op ``K`` of a kind with ``takes_prologue`` (program order) and no
   or is a *parallel reader* ``R`` (second sweep, below);
 * the members' outputs and their external inputs fit
   :data:`fusec.instructions.prologue.MAX_SCRATCH_BYTES` of shared memory.
+
+The transitive case takes what the ``chain`` pass leaves apart: an op split into output ranges
+(Falcon-7B's residual sum ``x + (attn + mlp)``, 4544 elements) never joins the one-tile
+LayerNorm after it, so the LayerNorm alone folded into the next layer's q/k/v and the sum stood
+alone, a level of its own; now it folds in front of the LayerNorm. K is tried again after each
+fold, until its prologue's inputs have no producer that may fold.
 
 Parallel readers (a second sweep over the ops the first left): a parallel block's q/k/v and MLP
 both read one normed vector (Cohere, Falcon), or its MLP's own LayerNorm reads the residual sum
@@ -46,7 +55,7 @@ from typing import NamedTuple
 from fusec.instructions.base import KINDS
 from fusec.instructions.chain import step_name
 from fusec.instructions.matvec_rows import normed
-from fusec.instructions.prologue import MAX_SCRATCH_BYTES, can_member, scratch_bytes
+from fusec.instructions.prologue import MAX_SCRATCH_BYTES, can_member, externals, has, scratch_bytes
 from fusec.ir import Graph, Op
 
 log = logging.getLogger("fusec.passes.prologue")
@@ -58,9 +67,10 @@ def run(g: Graph) -> Graph:
         k = 0
         while k < len(g.ops):
             op = g.ops[k]
-            if _consumer(op) and "pre" not in op.attrs and _fold(g, op, parallel):
+            if _consumer(op) and any(_fold(g, op, t, parallel) for t in _staged(op)):
                 folded += 1
                 k = g.ops.index(op)
+                continue   # again: the producer of what the grown prologue reads may fold too
             k += 1
     if folded:
         log.info("prologue: %d ops folded into the matvec kinds that read them", folded)
@@ -72,24 +82,38 @@ def _consumer(op: Op) -> bool:
     return cls is not None and getattr(cls, "takes_prologue", False) and ("x" in op.inputs or "pre" in op.attrs)
 
 
-def _fold(g: Graph, op: Op, parallel: bool = False) -> bool:
-    """Fold the producer of ``op``'s x into ``op`` (module docstring); ``parallel``: also into
-    the parallel readers. False (nothing changed) where a condition fails."""
-    x = op.inputs["x"]
+def _staged(op: Op) -> list[str]:
+    """What ``op`` stages whose producer may fold: its ``x``, or with a prologue already the
+    prologue's external inputs (``pre_in*``, the transitive case)."""
+    return externals(op) if has(op) else [op.inputs["x"]]
+
+
+def _fold(g: Graph, op: Op, x: str, parallel: bool = False) -> bool:
+    """Fold the producer of ``x`` (``op``'s x, or an external input of its prologue) into ``op``
+    (module docstring); ``parallel``: also into the parallel readers. False (nothing changed)
+    where a condition fails."""
     root = g.root(x)
     p = g.producers().get(root)
     if p is None or p is op:
         return False
     p_members = list(p.attrs["ops"]) if p.kind == "chain" else [p]
     final = g.tensors[root]
-    if not all(can_member(m, g) for m in p_members) or final.numel != g.tensors[x].numel \
-            or final.dtype != g.tensors[x].dtype or not _movable(g, p, op):
+    transitive = has(op)
+    if not all(can_member(m, g) for m in p_members) or not _movable(g, p, op) or (not transitive and (
+            final.numel != g.tensors[x].numel or final.dtype != g.tensors[x].dtype)):
         return False
-    inputs = {s: t for s, t in op.inputs.items() if s != "x"}
     attrs = dict(op.attrs)
-    norm = _own_norm(g, op, x, inputs, attrs)   # over x as K reads it: its last dim is the norm's
-    members = p_members + ([norm] if norm else [])
-    io = _prologue_io(g, op, members, norm.outputs["out"] if norm else root, inputs)
+    if transitive:   # P's members go in front of the prologue's; the staged x stays its result
+        inputs = {s: t for s, t in op.inputs.items() if not s.startswith("pre_in")}
+        norm = None
+        members = p_members + list(op.attrs["pre"])
+        x_root = g.root(op.outputs["x"])
+    else:
+        inputs = {s: t for s, t in op.inputs.items() if s != "x"}
+        norm = _own_norm(g, op, x, inputs, attrs)   # over x as K reads it: its last dim is the norm's
+        members = p_members + ([norm] if norm else [])
+        x_root = norm.outputs["out"] if norm else root
+    io = _prologue_io(g, op, members, x_root, inputs)
     # read after the fold by an op other than P, or returned: the writer tile keeps them
     users = g.users()
     inner = {p.name, op.name}

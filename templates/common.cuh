@@ -274,6 +274,27 @@ __device__ __forceinline__ float gate_act(float g) {
   }
 }
 
+// The activation epilogue of the matvec kinds (fusec/instructions/activation.py, ACTS): d the
+// output element's fp32 result (dot plus bias), rounded to TO as the linear's output rounds, then
+// ACT 1 the GELU tanh approximation, 2 exact GELU (gate_act: rounded to TO as PyTorch's op),
+// 3 HF's NewGELUActivation (gelu_new: 0.5 * y * (1 + tanh(sqrt(2 / pi) * (y + 0.044715 * y^3))),
+// each of its eight ops rounded to TO, pow(y, 3) as PyTorch's pow kernel computes it in a 16-bit
+// dtype: y * y * y rounded after each product). ACT 0: d unchanged (the caller rounds it once).
+template <int ACT, typename TO>
+__device__ __forceinline__ float act_epilogue(float d) {
+  if constexpr (ACT == 0) {
+    return d;
+  } else if constexpr (ACT == 3) {
+    const float y = rnd<TO>(d), h = rnd<TO>(y * 0.5f);
+    const float c = rnd<TO>(rnd<TO>(rnd<TO>(y * y) * y) * 0.044715f);
+    const float th = rnd<TO>(tanhf(rnd<TO>(rnd<TO>(y + c) * 0.7978845608028654f)));
+    return h * rnd<TO>(th + 1.f);
+  } else {
+    static_assert(ACT == 1 || ACT == 2, "act_epilogue: ACT 0-3");
+    return gate_act<ACT, TO>(rnd<TO>(d));
+  }
+}
+
 // Row r of a GLU MLP's intermediate vector by one warp, every lane gets it:
 // act(rnd(Wg[r] . n)) * rnd(Wu[r] . n), unrounded (callers round to TO, as PyTorch does).
 template <typename TW, typename TN, typename TO, int H, int ACT>

@@ -145,6 +145,20 @@ def falcon(seed=0):
     return FalconForCausalLM(cfg).eval().requires_grad_(False)
 
 
+def falcon_7b(hidden=64, heads=4, layers=2, ffn=None, seed=0):
+    """A tiny ``FalconForCausalLM`` shaped as Falcon-7B (``new_decoder_architecture`` False: ONE
+    LayerNorm ``input_layernorm`` read by both the attention and the MLP (``parallel_attn``),
+    multi-query attention (one KV head, ``multi_query``), fused ``query_key_value``, no biases,
+    GELU MLP of ``ffn`` (default 4 * hidden), residual ``x + attn + mlp``), fp32. Falcon-7B's
+    published widths: ``hidden=4544, heads=71`` (head_dim 64), ``ffn`` 18176."""
+    from transformers import FalconConfig, FalconForCausalLM
+    torch.manual_seed(seed)
+    cfg = FalconConfig(vocab_size=128, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                       new_decoder_architecture=False, multi_query=True, parallel_attn=True, bias=False,
+                       ffn_hidden_size=ffn, attn_implementation="sdpa")
+    return FalconForCausalLM(cfg).eval().requires_grad_(False)
+
+
 def gpt2(seed=0):
     """A tiny ``GPT2LMHeadModel`` (learned positions, Conv1D projections, LayerNorm, gelu_new)."""
     from transformers import GPT2Config, GPT2LMHeadModel

@@ -2,7 +2,9 @@
 
 Source: ``torch.nn.functional.linear`` (``aten.mm`` / ``aten.addmm`` with a transposed weight)
 at batch 1. Numerics follow PyTorch: the fp32 dot plus the bias, rounded once to the output
-dtype (``addmm``). Shapes: x [K], W [N, K], b [N], out [N]. Rows are spread over every SM
+dtype (``addmm``); with an activation epilogue (attr ``act``: a GELU over the output,
+:mod:`fusec.instructions.activation`) that activation of the rounded result, rounded again.
+Shapes: x [K], W [N, K], b [N], out [N]. Rows are spread over every SM
 like the fused matvec kinds, so a model whose norm or activation has no fused kind (Gemma's
 GeGLU, a LayerNorm family) still streams its weights at full width.
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 from fusec.ir.env import Env
 from fusec.ir import Graph, Op
 from fusec.ir.pattern import opt, sem, var
+from fusec.instructions import activation
 from fusec.instructions.base import Instruction, Tile, register
 from fusec.instructions.call import P0, P1, SMEM, Call, Flag, Int, Ptr, Type
 from fusec.instructions.matvec_rows import row_tiles, rows_dot
@@ -30,7 +33,9 @@ class Matvec(TakesPrologue, Instruction):
     name = "matvec"
     #: any linear layer no other rule took (it keeps the linear's name)
     rules = (Rule(sem("linear", x=var("x"), w=var("w"), b=opt(var("b"))), inputs={"x": "x", "w": "w", "b": "b"},
-                  outputs={"out": "_anchor.out"}, check=_one_vector, priority=70, keep_name=True),)
+                  outputs={"out": "_anchor.out"}, check=_one_vector, priority=70, keep_name=True),
+             # a GELU over its output as its epilogue (fusec/instructions/activation.py)
+             *activation.epilogue_rules("matvec"))
 
     @classmethod
     def tiles(cls, op: Op, g: Graph, want: int) -> list[Tile]:
@@ -39,7 +44,8 @@ class Matvec(TakesPrologue, Instruction):
                                              [op.inputs["b"]] if "b" in op.inputs else [], op.outputs["out"], rows))
 
     call = Call("matvec", targs=(Type("tx", "x"), Type("tw", "w"), Type("tb", "b", "w"), Type("to", "out"),
-                                 Int("K", lambda op, g: g.tensors[op.inputs["w"]].shape[1]), Flag("bias", has="b"), STAGED),
+                                 Int("K", lambda op, g: g.tensors[op.inputs["w"]].shape[1]), Flag("bias", has="b"), STAGED,
+                                 activation.ACT),
                 args=(Ptr("x"), Ptr("w"), Ptr("b"), Ptr("out"), P0, P1, SMEM))
 
     @classmethod
@@ -53,4 +59,4 @@ class Matvec(TakesPrologue, Instruction):
         y = rows_dot(op, env, r0, r1)
         if "b" in op.inputs:
             y = y + env.read(op.inputs["b"]).reshape(-1)[r0:r1].float()
-        env.flat(op.outputs["out"])[r0:r1] = y.to(dt)
+        env.flat(op.outputs["out"])[r0:r1] = activation.apply(activation.act_of(op), y, dt).to(dt)

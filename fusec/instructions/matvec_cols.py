@@ -22,11 +22,11 @@ column is 0.
 """
 from __future__ import annotations
 
-import torch
-
 from fusec.ir.env import Env
 from fusec.ir import Graph, Op
-from fusec.ir.pattern import lit, op, var
+from fusec.ir.pattern import op, var
+from fusec.instructions import activation
+from fusec.instructions.activation import GELU_NEW_K, gelu_new, gelu_new_pattern  # noqa: F401 (re-exported)
 from fusec.instructions.base import Instruction, Region, Tile, register, split_range
 from fusec.instructions.call import P0, P1, SMEM, Call, Flag, Int, Ptr, Type
 from fusec.instructions.matvec_rows import elt, staged
@@ -78,10 +78,7 @@ def _residual_ok(g: Graph, m: dict) -> bool:
 
 _Y = op("aten.addmm.default", var("b"), var("x"), var("w", _weight), bind="y")
 #: HF's NewGELUActivation (GPT-2's "gelu_new") over the product, as dynamo traces it
-GELU_NEW = op("aten.mul.Tensor", op("aten.mul.Tensor", _Y, 0.5), op("aten.add.Tensor", op("aten.tanh.default", op(
-    "aten.mul.Tensor", op("aten.add.Tensor", _Y, op("aten.mul.Tensor", op("aten.pow.Tensor_Scalar", _Y, 3.0), 0.044715),
-                          commutative=True), lit("k"))), 1.0), commutative=True)
-GELU_NEW_K = 0.7978845608028654   # sqrt(2 / pi)
+GELU_NEW = gelu_new_pattern(_Y)
 
 
 def _gelu_new_ok(g: Graph, m: dict) -> bool:
@@ -146,7 +143,7 @@ class MatvecCols(TakesPrologue, Instruction):
                                       Int("N", lambda op, g: g.tensors[op.inputs["w"]].shape[1]),
                                       Int("NCH", lambda op, g: chunks_per_group(g, op.inputs["w"])),
                                       Flag("bias", has="b"), Flag("add_res", has="residual"),
-                                      Int("ACT", lambda op, g: 1 if op.attrs.get("act") == "gelu_new" else 0),
+                                      activation.ACT,
                                       STAGED),
                 args=(Ptr("x"), Ptr("w"), Ptr("b"), Ptr("res", "residual"), Ptr("out"), P0, P1, SMEM))
 
@@ -168,14 +165,6 @@ class MatvecCols(TakesPrologue, Instruction):
             y = y + env.read(op.inputs["b"]).reshape(-1)[c0:c1].float()
         if "residual" in op.inputs:
             y = env.read(op.inputs["residual"]).reshape(-1)[c0:c1].float() + y.to(dt).float()
-        if op.attrs.get("act") == "gelu_new":
-            y = gelu_new(y.to(dt))
+        y = activation.apply(activation.act_of(op), y, dt)
         env.flat(op.outputs["out"])[c0:c1] = y.to(dt)
 
-
-def gelu_new(y: torch.Tensor) -> torch.Tensor:
-    """HF's NewGELUActivation on ``y`` op by op in ``y``'s dtype (each op rounds, as the traced
-    chain does; ``pow(y, 3)`` as PyTorch's CUDA kernel computes it in a 16-bit dtype, ``y * y * y``
-    rounded after each product)."""
-    cube = y * y * y
-    return 0.5 * y * (1.0 + torch.tanh(GELU_NEW_K * (y + 0.044715 * cube)))

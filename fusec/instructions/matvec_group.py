@@ -11,13 +11,16 @@ from one weight to the next where its range does.
 Source: ``torch.nn.functional.linear`` at batch 1 (``aten.mm`` / ``aten.addmm`` with a
 transposed weight), each output exactly as :mod:`fusec.instructions.matvec` computes it (the
 fp32 dot plus the bias, rounded once). Shapes: x [K], W_j [N_j, K], b_j [N_j], out_j [N_j].
-Attributes: ``rows`` the N_j. Every W_j has one dtype, every out_j one dtype, all or none
-have a bias.
+Attributes: ``rows`` the N_j; ``act`` and ``act_outs``: an activation epilogue over the outputs
+``out_j`` for j in ``act_outs`` (:mod:`fusec.instructions.activation`: Falcon's and Phi-2's MLP
+up projection, grouped with q/k/v under one LayerNorm). Every W_j has one dtype, every out_j one
+dtype, all or none have a bias.
 """
 from __future__ import annotations
 
 from fusec.ir.env import Env
 from fusec.ir import Graph, Op, Role
+from fusec.instructions import activation
 from fusec.instructions.base import Instruction, Region, Tile, register, split_range
 from fusec.instructions.call import P0, P1, SMEM, Call, Flag, Int, Ptr, Type
 from fusec.instructions.matvec_rows import elt, staged
@@ -102,7 +105,9 @@ def _rows(j: int):
 class MatvecGroup(TakesPrologue, Instruction):
     name = "matvec_group"
     #: before the single-linear ``matvec`` rule (70), after the norm-fused kinds
-    rules = (Rule(match=_siblings, anchors=("linear",), priority=65),)
+    rules = (Rule(match=_siblings, anchors=("linear",), priority=65),
+             # a GELU over one output as the op's epilogue (fusec/instructions/activation.py)
+             *activation.epilogue_rules("matvec_group", grouped=True))
 
     @classmethod
     def tiles(cls, op: Op, g: Graph, want: int) -> list[Tile]:
@@ -129,7 +134,7 @@ class MatvecGroup(TakesPrologue, Instruction):
     call = Call("matvec_group",
                 targs=(Type("tx", "x"), Type("tw", "w0"), Type("tb", "b0", "w0"), Type("to", "out0"),
                        Int("K", lambda op, g: g.tensors[xin(op)].numel), Flag("bias", has="b0"),
-                       _rows(0), _rows(1), _rows(2), _rows(3), STAGED),
+                       _rows(0), _rows(1), _rows(2), _rows(3), STAGED, activation.ACT, activation.ACT_OUTS),
                 args=(Ptr("x"), Ptr("w0"), Ptr("w1"), Ptr("w2"), Ptr("w3"), Ptr("b0"), Ptr("b1"), Ptr("b2"),
                       Ptr("b3"), Ptr("out0"), Ptr("out1"), Ptr("out2"), Ptr("out3"), P0, P1, SMEM))
 
@@ -146,4 +151,5 @@ class MatvecGroup(TakesPrologue, Instruction):
             if f"b{j}" in op.inputs:
                 y = y + env.read(op.inputs[f"b{j}"]).reshape(-1)[lo:hi].float()
             out = op.outputs[f"out{j}"]
-            env.flat(out)[lo:hi] = y.to(env.g.tensors[out].dtype)
+            dt = env.g.tensors[out].dtype
+            env.flat(out)[lo:hi] = activation.apply(activation.act_of(op, j), y, dt).to(dt)
