@@ -86,8 +86,13 @@ def act_of(op: Op, j: int | None = None) -> str | None:
     return act if j in op.attrs.get("act_outs", ()) else None
 
 
-#: ACT: the activation's code (:data:`ACTS`; 0 none); C++ default 0
-ACT = Int("ACT", lambda op, g: ACTS.get(op.attrs.get("act"), 0), default=0)
+def code(op: Op, g: Graph | None = None) -> int:
+    """The template's ACT: the code of ``op``'s activation (:data:`ACTS`), 0 for none."""
+    return ACTS[op.attrs["act"]] if "act" in op.attrs else 0
+
+
+#: ACT: the activation's code (:func:`code`); C++ default 0
+ACT = Int("ACT", code, default=0)
 #: ACT_OUTS: the bit mask of the outputs ``out_j`` of a ``matvec_group`` the activation applies to
 ACT_OUTS = Int("ACT_OUTS", lambda op, g: sum(1 << j for j in op.attrs.get("act_outs", ())), default=0)
 

@@ -143,7 +143,7 @@ class MatvecCols(TakesPrologue, Instruction):
                                       Int("N", lambda op, g: g.tensors[op.inputs["w"]].shape[1]),
                                       Int("NCH", lambda op, g: chunks_per_group(g, op.inputs["w"])),
                                       Flag("bias", has="b"), Flag("add_res", has="residual"),
-                                      activation.ACT,
+                                      Int("ACT", activation.code),
                                       STAGED),
                 args=(Ptr("x"), Ptr("w"), Ptr("b"), Ptr("res", "residual"), Ptr("out"), P0, P1, SMEM))
 
