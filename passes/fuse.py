@@ -30,7 +30,8 @@ layers such as OLMo-2's); linear + residual add into ``matvec_residual`` (40); R
 linear into ``rms_lm_head`` (50) and its logits' argmax into that op's ``token`` (60); sibling
 linears over one input into ``matvec_group`` (65); any other linear into ``matvec`` (70); a
 GELU (``aten.gelu``, ``gelu_new``'s chain) over an output of a ``matvec`` or ``matvec_group``
-into that op's activation epilogue (75, :mod:`fusec.instructions.activation`);
+into that op's activation epilogue (66 and 67 for ``matvec_group``, 75 and 76 for ``matvec``:
+:mod:`fusec.instructions.activation`);
 ``aten.embedding`` into ``embedding`` (80).
 """
 from __future__ import annotations

@@ -1,14 +1,15 @@
 """Ranged chains (passes/chain.py, fusec/instructions/chain.py): dependent elementwise ops split
 into output ranges run as one ``chain`` of the same ranges, tile i running every member over
-range i. The rule on hand-made graphs; Phi-2's written-out tanh-GELU and Gemma-2's final logit
-softcap as one level each; their decode against eager on the simulator; the kernel through NVRTC.
+range i. The rule on hand-made graphs; HF's written-out tanh-GELU (gelu_new, over a vector no
+matvec makes: in Phi-2 it is the up projection's epilogue) and Gemma-2's final logit softcap as
+one level each; their values against PyTorch and Gemma-2's decode against eager on the
+simulator; the kernel through NVRTC.
 The GPU runs them in tests/test_range_tiles.py's GPU test and every Phi-2 / Gemma-2 family test."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-import hf_tiny
 from fusec.instructions.generic import RANGE_CHUNK, ranged as ranged_op
 from fusec.ir import Graph, Op, Ref, Role, TensorInfo
 from fusec.ir.semantics import execute
@@ -76,11 +77,46 @@ def test_a_member_that_reads_another_range_stays_out():
     assert torch.equal(got, want)
 
 
-def _phi2():
-    """A tiny Phi-2 (gelu_new written out as eight ops) with an MLP of 4 * RANGE_CHUNK, fp32."""
-    from transformers import PhiConfig, PhiForCausalLM
-    return hf_tiny._small(PhiConfig, PhiForCausalLM, 0, partial_rotary_factor=0.5, intermediate_size=N,
-                          hidden_act="gelu_new")
+class _GeluNew(torch.nn.Module):
+    """HF's NewGELUActivation (gelu_new written out as eight ops: Phi-2's, GPT-2's) over an input
+    vector of N elements. In Phi-2 it reads the MLP's up projection and is that matvec's
+    epilogue (fusec/instructions/activation.py, tests/test_mlp_folds.py); over a vector no
+    matvec makes it stays eight ranged ops, one ranged chain."""
+
+    def __init__(self):
+        super().__init__()
+        from transformers.activations import NewGELUActivation
+        self.act = NewGELUActivation()
+
+    def forward(self, x):
+        return self.act(x)
+
+
+def _lowered_gelu_new(num_sms=16):
+    """(aten graph module, flat inputs, schedule) of :class:`_GeluNew` on a random [1, N] fp32."""
+    from test_matvec_cols import _lowered
+    x = torch.randn(1, N, generator=torch.Generator().manual_seed(4))
+    return _lowered(_GeluNew().eval(), x, num_sms=num_sms)
+
+
+GELU_NEW_STEPS = "mul > pow > mul > add > mul > tanh > add > mul"
+
+
+def test_gelu_new_runs_as_one_ranged_chain_with_the_same_values():
+    """Lowered at 16 SMs: the eight ops are one ranged chain of 4 tiles, none left standing, and
+    the simulated step equals PyTorch's (fp32, relative error <= 1e-6)."""
+    import step_util
+    from fusec.sim import Simulator
+    aten_gm, flat, low = _lowered_gelu_new()
+    ranged = [o for o in low.graph.ops if o.kind == "chain" and o.attrs.get("ranged")]
+    assert [o.attrs["steps"] for o in ranged] == [GELU_NEW_STEPS]
+    assert not any(ranged_op(o, low.graph) for o in low.graph.ops)
+    assert sum(i.op == ranged[0].name for i in low.instrs) == N // RANGE_CHUNK
+    with torch.no_grad():
+        ref = aten_gm(*flat)
+        got = Simulator(low).step(list(flat))
+    for a, b in zip(got, ref):
+        assert step_util.rel(a.reshape(b.shape).float(), b.float()) <= 1e-6
 
 
 def _gemma2():
@@ -89,7 +125,6 @@ def _gemma2():
 
 
 @pytest.mark.parametrize("name,factory,steps", [
-    ("phi2", _phi2, "mul > pow > mul > add > mul > tanh > add > mul"),
     ("gemma2", _gemma2, "div > tanh > mul"),
 ])
 def test_families_run_their_elementwise_sequences_as_one_level(name, factory, steps):
@@ -110,13 +145,12 @@ def test_families_run_their_elementwise_sequences_as_one_level(name, factory, st
 
 
 def test_ranged_chain_kernel_passes_the_range_to_every_member_and_compiles(tmp_path):
-    """The Phi-2 chain's case calls its eight generated functions with the instruction word's
+    """The gelu_new chain's case calls its eight generated functions with the instruction word's
     range (``in.p0, in.p1``) between barriers; the kernel compiles with NVRTC for sm_90a."""
     pytest.importorskip("cuda.bindings.nvrtc")
-    import step_util
     from fusec.cuda.codegen import render
     from fusec.cuda.jit import compile_cuda
-    low = step_util.lowered(_phi2(), num_sms=16)
+    _, _, low = _lowered_gelu_new()
     src = render(low).source
     calls = [line for line in src.split("\n") if "in.p0, in.p1); __syncthreads();" in line]
     assert calls and max(line.count("in.p0, in.p1)") for line in calls) == 8, calls

@@ -158,9 +158,9 @@ def epilogue_match(kind: str, form: Callable[[Ctx, Op], tuple[str, str, list[Op]
     return match
 
 
-def epilogue_rules(kind: str, grouped: bool = False, priority: int = 75) -> tuple[Rule, ...]:
+def epilogue_rules(kind: str, priority: int, grouped: bool = False) -> tuple[Rule, ...]:
     """The rules that make an activation over an output of ``kind``'s ops that op's epilogue:
-    ``aten.gelu`` and ``gelu_new``'s chain (module docstring). ``priority``: after the rules that
-    make ``kind``'s ops."""
+    ``aten.gelu`` (at ``priority``) and ``gelu_new``'s chain (``priority + 1``; module docstring).
+    ``priority``: after the rule that makes ``kind``'s ops."""
     return (Rule(match=epilogue_match(kind, _gelu, grouped), anchors=("aten.gelu.default",), priority=priority),
-            Rule(match=epilogue_match(kind, _gelu_new, grouped), anchors=("aten.mul.Tensor",), priority=priority))
+            Rule(match=epilogue_match(kind, _gelu_new, grouped), anchors=("aten.mul.Tensor",), priority=priority + 1))

@@ -35,7 +35,7 @@ class Matvec(TakesPrologue, Instruction):
     rules = (Rule(sem("linear", x=var("x"), w=var("w"), b=opt(var("b"))), inputs={"x": "x", "w": "w", "b": "b"},
                   outputs={"out": "_anchor.out"}, check=_one_vector, priority=70, keep_name=True),
              # a GELU over its output as its epilogue (fusec/instructions/activation.py)
-             *activation.epilogue_rules("matvec"))
+             *activation.epilogue_rules("matvec", 75))
 
     @classmethod
     def tiles(cls, op: Op, g: Graph, want: int) -> list[Tile]:

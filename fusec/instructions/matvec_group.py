@@ -107,7 +107,7 @@ class MatvecGroup(TakesPrologue, Instruction):
     #: before the single-linear ``matvec`` rule (70), after the norm-fused kinds
     rules = (Rule(match=_siblings, anchors=("linear",), priority=65),
              # a GELU over one output as the op's epilogue (fusec/instructions/activation.py)
-             *activation.epilogue_rules("matvec_group", grouped=True))
+             *activation.epilogue_rules("matvec_group", 66, grouped=True))
 
     @classmethod
     def tiles(cls, op: Op, g: Graph, want: int) -> list[Tile]:
