@@ -8,7 +8,8 @@
 * The GELU over the MLP's up projection (18176 wide in Falcon-7B: over the prologue's limits
   for the down projection) is the up projection's epilogue (``act``; ``matvec_group``: on the
   output it applies to, ``act_outs``; fusec/instructions/activation.py): Falcon's
-  ``aten.gelu``, StarCoder2's tanh GELU, GPT-NeoX's GELU, Phi-2's ``gelu_new`` chain.
+  ``aten.gelu``, StarCoder2's tanh GELU, GPT-NeoX's GELU, Phi-2's ``gelu_new`` chain (its fc1 a
+  ``matvec`` beside the ``rms_qkv_rope`` that takes its q/k/v).
 
 CPU: decode through ``torch.compile(backend="fusec")`` with default options against eager
 after several prompt lengths (simulator), no fallback, the folds in the schedule. Ranged ops
@@ -70,7 +71,7 @@ def test_falcon7b_residual_sum_and_gelu_fold(steps, monkeypatch):
     (hf_tiny.falcon, "matvec", "gelu"),              # new decoder architecture: ln_mlp's own matvec
     (hf_tiny.gpt_neox, "matvec", "gelu"),
     (hf_tiny.starcoder2, "matvec", "gelu_tanh"),
-    (hf_tiny.phi2, "matvec_group", "gelu_new"),      # HF's NewGELUActivation: eight ATen ops
+    (hf_tiny.phi2, "matvec", "gelu_new"),            # HF's NewGELUActivation: eight ATen ops
 ])
 def test_gelu_is_the_up_projections_epilogue(factory, kind, act, steps):
     """Each family's MLP GELU is its up projection's epilogue, one per layer, in no prologue or
