@@ -15,6 +15,10 @@ with the same values, by one op each:
   and StableLM ``partial_rotary_factor``): ``cat(rope(x[..., :rd], cos, sin), x[..., rd:])``
   over the last dim, cos/sin of width ``rd`` < D; the first ``rotary_dim`` values of each row
   are rotated (half-split within them), the rest pass through unchanged
+* ``rope(x, cos, sin; fp32_math)``  HF OLMo's and OLMo-2's ``apply_rotary_pos_emb``: x of the
+  model dtype times cos/sin kept in fp32 (PyTorch promotes: the products and the sum are fp32),
+  cast back to x's dtype (``.to(q_type)``): ``cast(rope(x, cos, sin))`` is one ``rope`` of x's
+  dtype; its math is fp32 rounded once at the end, which the ``rope`` op computes anyway
 * ``kv_write(pos, val) -> cache``  ``copy_(cache, index_put(cache, [None, None, pos], val))``;
   readers of the functional result read the cache buffer after the write
 * ``attention(q, k, v, pos[, mask]; scale, mask_kind)``  ``fusec.sdpa`` over KV caches, seen
@@ -142,6 +146,41 @@ def _partial_ok(g: Graph, b: dict, out: str) -> bool:
     return all(b[k] in (-1, last) for k in ("d1", "d2", "d3")) and isinstance(rd, int) and 0 < rd < d \
         and rd % 2 == 0 and b["rd2"] == rd and b["end"] >= d and tuple(o.shape) == tuple(x.shape) \
         and o.dtype == x.dtype
+
+
+def _fp32_ropes(g: Graph) -> int:
+    """``cast(rope(x, cos, sin))`` with the ``rope``'s result of another dtype than x (fp32: x
+    of the model dtype times fp32 cos/sin, PyTorch's promotion) and the cast back to x's dtype,
+    read by nothing else -> one ``rope(x, cos, sin)`` of x's dtype with ``fp32_math`` (and the
+    rope's ``rotary_dim``, if any). HF OLMo's and OLMo-2's ``apply_rotary_pos_emb`` computes
+    ``(q * cos + rotate_half(q) * sin).to(q.dtype)`` with cos/sin in fp32: the fp32 value rounded
+    once to the model dtype, which is what a ``rope`` op computes for any output dtype
+    (:func:`fusec.ir.semantics.rotate`, then one rounding): the same value, one op fewer, and
+    the q/k reach ``rms_qkv_rope`` (whose match reads ``rope`` ops)."""
+    prods, users = g.producers(), g.users()
+    n = 0
+    replace: dict[str, Op] = {}
+    drop: set[str] = set()
+    for o in g.ops:
+        if o.kind not in ("aten._to_copy.default", "prims.convert_element_type.default") or not o.inputs:
+            continue
+        src = next(iter(o.inputs.values()))
+        rope = prods.get(g.root(src))
+        out = o.outputs.get("out")
+        if rope is None or rope.kind != "rope" or out is None or rope.name in drop:
+            continue
+        x, r_out = g.tensors[rope.inputs["x"]], g.tensors[rope.outputs["out"]]
+        o_info = g.tensors[out]
+        if r_out.dtype == x.dtype or o_info.dtype != x.dtype or tuple(o_info.shape) != tuple(r_out.shape) \
+                or g.tensors[src].numel != r_out.numel \
+                or [u.name for u in users.get(g.root(rope.outputs["out"]), [])] != [o.name]:
+            continue
+        attrs = {**rope.attrs, "fp32_math": True}
+        replace[o.name] = Op(o.name, "rope", dict(rope.inputs), {"out": out}, attrs=attrs, source=rope.source)
+        drop.add(rope.name)
+        n += 1
+    g.ops = [replace.get(o.name, o) for o in g.ops if o.name not in drop]
+    return n
 
 
 def _layernorms(g: Graph) -> int:
@@ -422,6 +461,7 @@ def run(g: Graph, weights: dict[str, torch.Tensor] | None = None) -> Graph:
     for pattern, kind, slots, lits, fixed in RULES:
         counts[kind] = counts.get(kind, 0) + _rewrite(g, pattern, kind, slots, lits, fixed)
         dce.run(g)
+    counts["rope_fp32"] = _fp32_ropes(g)
     counts["layernorm"] = _layernorms(g)
     counts["kv_roll"] = _kv_rolls(g)
     counts["kv_write"] = _kv_writes(g)

@@ -87,6 +87,13 @@ def gpt_neox(seed=0):
     return GPTNeoXForCausalLM(cfg).eval().requires_grad_(False)
 
 
+def olmo(seed=0):
+    """A tiny ``OlmoForCausalLM`` (LayerNorms without weight or bias, RoPE in fp32 on q/k cast
+    back to the model dtype), fp32."""
+    from transformers import OlmoConfig, OlmoForCausalLM
+    return _small(OlmoConfig, OlmoForCausalLM, seed, pad_token_id=1, bos_token_id=None, eos_token_id=2)
+
+
 def olmo2(seed=0):
     """A tiny ``Olmo2ForCausalLM`` (post-norms, q/k RMSNorm over all heads), fp32."""
     from transformers import Olmo2Config, Olmo2ForCausalLM

@@ -22,6 +22,22 @@ outputs as they are (HF's ``cat((q_rot, q_pass), -1)``). A work unit is still a 
 p < rd/2 is the rotation pair (p, p + rd/2), unit p >= rd/2 the pass-through rows
 (p + rd/2, p + D/2) (:func:`pair_rows`). Not with a per-head norm (no such family).
 
+A q/k RMSNorm over the whole projection (OLMo-2's ``q_norm`` over all Hq*D values of q with a
+weight of Hq*D, ``k_norm`` over Hkv*D; attribute ``qk_norm`` "proj", ``qk_w_fp32`` where the
+weight multiplies before the one rounding, HF's ``Olmo2RMSNorm``): one sum of squares over every
+head, so no tile that owns a head range can norm its heads alone. The units are tiled as without
+a norm (any pair boundary); a tile's q/k units store their projections (rounded, fp32) in
+``qk_part`` [Hq+Hkv, D] and its v units their cache rows; then every tile that holds q/k units
+takes one atomic ticket (one counter for the op), and the tile that takes the step's last one
+norms all of q (one sum of squares over Hq*D values) and all of k (over Hkv*D), rotates them and
+stores q and the k cache rows. Chosen over the alternative (the norm as a row reduction tiled
+over SMs, then a RoPE tile: two dependency levels after the projections) because it keeps the
+q/k/v, the norms, RoPE and the KV writes one level, as Llama's: the finishing tile's extra work
+is (Hq+Hkv)*D values from L2 (4096 at OLMo-2-1B) against the projections' megabytes. One ticket
+for q and k together (not one each): a tile holds a q/k unit range, the template needs one
+count of the tiles that take it (``pieces`` in this mode), and the second norm on the same tile
+costs a block reduction, not a level.
+
 Shapes: x [H]; norm_w [H]; wq [Hq*D, H]; wk, wv [Hkv*D, H]; optional biases bq [Hq*D], bk, bv
 [Hkv*D] (Qwen2: ``addmm``, the bias added to the fp32 dot before the projection's rounding);
 cos_table, sin_table [L, .., rd] (rd = D without ``rotary_dim``); kcache, vcache [1, Hkv, L, D];
@@ -51,9 +67,15 @@ def _bias_or_wf32(op: Op) -> bool:
 
 
 def _explicit(op: Op) -> bool:
-    """BIAS and TB are written out: a later template argument (WF32, NORM, STAGED, RD) differs
-    from its default."""
-    return _bias_or_wf32(op) or has(op) or not normed(op) or "rotary_dim" in op.attrs
+    """BIAS and TB are written out: a later template argument (WF32, NORM, STAGED, RD, PROJNORM,
+    QKW32) differs from its default."""
+    return _bias_or_wf32(op) or has(op) or not normed(op) or "rotary_dim" in op.attrs or proj_norm(op)
+
+
+def proj_norm(op: Op) -> bool:
+    """Whether the op's q/k RMSNorms are over the whole projection (OLMo-2; attribute
+    ``qk_norm`` "proj"), not per head."""
+    return op.attrs.get("qk_norm") == "proj"
 
 
 def rotary_dim(op: Op) -> int:
@@ -80,8 +102,9 @@ def match_qkv(c: Ctx, att: Op) -> Fusion | None:
     before it (one position) write ``rope(linear(...))`` and ``linear(...)``, the three linears
     read one vector (an ``rmsnorm``'s output, the norm then part of the kind; else the vector as
     it is, ``norm`` False: a LayerNorm in front folds in as the kind's prologue, or static-size
-    x that no op updates in place), q and k optionally through a per-head ``rmsnorm`` each (both
-    or neither), with biases on all three or none, and q and k rotated by the same cos/sin
+    x that no op updates in place), q and k optionally through an ``rmsnorm`` each (both or
+    neither; per head, weights of D, or over the whole projection, weights of Hq*D and Hkv*D:
+    OLMo-2), with biases on all three or none, and q and k rotated by the same cos/sin
     ``table_lookup``s, over the same first ``rotary_dim`` values of each head (partial rotary, no
     per-head norm then) or all of them. Procedural: the caches are found by program order, and
     the optional parts make several shapes of one subgraph."""
@@ -137,9 +160,17 @@ def match_qkv(c: Ctx, att: Op) -> Fusion | None:
     nkv = kc.shape[1]
     if kc.shape[0] != 1 or g.tensors[lins["k"].inputs["w"]].shape[0] != nkv * d or nq % nkv:
         return None
-    # a per-head norm: over each head's D values (OLMo-2 norms the whole projection: no match)
-    if any(g.tensors[hn.inputs["w"]].numel != d or g.tensors[hn.inputs["x"]].shape[-1] != d for hn in norms.values()):
-        return None
+    # a q/k norm per head (Qwen3: over each head's D values) or over the whole projection
+    # (OLMo-2: all of q's Hq*D values, all of k's Hkv*D, one weight each; both of one form)
+    whole = False
+    if norms and not all(g.tensors[hn.inputs["w"]].numel == d and g.tensors[hn.inputs["x"]].shape[-1] == d
+                         for hn in norms.values()):
+        qn, kn = norms["q"], norms["k"]
+        whole = all(g.tensors[hn.inputs["w"]].numel == g.tensors[hn.inputs["x"]].shape[-1]
+                    == g.tensors[hn.inputs["x"]].numel == n * d for hn, n in ((qn, nq), (kn, nkv))) \
+            and qn.attrs["eps"] == kn.attrs["eps"] and qn.attrs.get("w_fp32", False) == kn.attrs.get("w_fp32", False)
+        if not whole:
+            return None
     # q and k rotate the same first rd values of each head (partial rotary: rd < D, not with a
     # per-head norm), over the full head as the rope reads it, with tables rd wide
     rd = rope_q.attrs.get("rotary_dim", d)
@@ -167,6 +198,9 @@ def match_qkv(c: Ctx, att: Op) -> Fusion | None:
         if norms:
             ins["q_norm_w"], ins["k_norm_w"] = norms["q"].inputs["w"], norms["k"].inputs["w"]
             attrs["qk_eps"] = norms["q"].attrs["eps"]
+            if whole:
+                attrs["qk_norm"] = "proj"
+                attrs["qk_w_fp32"] = bool(norms["q"].attrs.get("w_fp32", False))
             # the q and k heads' projections before their norm, when a head is split over tiles
             outs["qk_part"] = g.new_tensor(f"{name}_qk_part", (nq + nkv, d), torch.float32)
         return [Op(name, "rms_qkv_rope", ins, outs, attrs=attrs, mutates=("kcache", "vcache"),
@@ -193,7 +227,8 @@ class RmsQkvRope(TakesPrologue, Instruction):
         """Work units: (head, rotation pair) over [q | k | v] heads; a pair is rows i, i+D/2."""
         nq, nkv, d, L = cls._layout(op, g)
         half = d // 2
-        align = half if "q_norm_w" in op.inputs else 1   # a per-head norm needs whole heads
+        # a per-head norm needs whole heads; one over the whole projection any pair boundary
+        align = half if "q_norm_w" in op.inputs and not proj_norm(op) else 1
         return (nq + 2 * nkv) * half, half, align
 
     @classmethod
@@ -209,7 +244,7 @@ class RmsQkvRope(TakesPrologue, Instruction):
         leave room for several per head; then each head's rotation pairs are split over that many
         tiles, and the head's last tile (a ticket) norms and rotates it."""
         nq, nkv, d, _ = cls._layout(op, g)
-        if "qk_part" not in op.outputs:
+        if "qk_part" not in op.outputs or proj_norm(op):
             return 1
         return max(1, min(want // (nq + 2 * nkv), d // 2))
 
@@ -231,14 +266,18 @@ class RmsQkvRope(TakesPrologue, Instruction):
         if has(op):   # a folded prologue: its inputs instead of x and the norm's weight
             vec = externals(op) + vec
         pieces = cls._pieces(op, g, want)
+        proj = proj_norm(op)
+        ranges = cls._ranges(op, g, want)
+        n_qk = sum(1 for u0, _ in ranges if u0 < (nq + nkv) * half)   # proj: the tiles that take the ticket
         vec_bytes = sum(g.tensors[v].nbytes for v in vec if g.tensors[g.root(v)].role.value != "constant")
         tiles = []
-        for i, (u0, u1) in enumerate(cls._ranges(op, g, want)):
+        for i, (u0, u1) in enumerate(ranges):
             reads = [Region.whole(g, v) for v in vec]
             writes, wbytes, split = [], 0, False
             for h, p0, p1 in cls._spans(op, g, u0, u1):
                 w, out, row = cls._head(op, h, nq, nkv)
-                piece = pieces > 1 and h < nq + nkv   # a piece of a q/k head: pre-norm values, then maybe the head
+                # a piece of a q/k head (or, proj, its units): pre-norm values, then maybe the head (all q and k)
+                piece = (pieces > 1 or proj) and h < nq + nkv
                 split |= piece
                 for a, b in cls._rows(op, p0, p1):
                     reads.append(Region.of(g, op.inputs[w], (row * d + a) * hid, (row * d + b) * hid))
@@ -247,14 +286,21 @@ class RmsQkvRope(TakesPrologue, Instruction):
                         writes.append(Region.of(g, op.outputs["qk_part"], h * d + a, h * d + b))
                     elif out == "q":
                         writes.append(Region.of(g, op.outputs["q"], row * d + a, row * d + b))
-                if piece:   # the head's last piece reads all its pre-norm values
+                if piece and not proj:   # the head's last piece reads all its pre-norm values
                     reads.append(Region.of(g, op.outputs["qk_part"], h * d, (h + 1) * d))
-                if piece or out != "q":   # the whole head (or its cache rows)
+                if (piece and not proj) or (not piece and out != "q"):   # the whole head (or its cache rows)
                     writes.append(cls._head_out(op, g, h))
-            abytes = vec_bytes + (2 * (u1 - u0) * 4 + (d * 4 + d * elt(g, xin(op))) // pieces if split
+            qk = proj and u0 < (nq + nkv) * half
+            if qk:   # the last q/k tile reads every pre-norm value and writes all of q and of k
+                reads.append(Region.whole(g, op.outputs["qk_part"]))
+                writes += [Region.whole(g, op.outputs["q"]), Region.whole(g, op.outputs["kcache"])]
+            abytes = vec_bytes + (2 * (u1 - u0) * 4 + ((nq + nkv) * d * (4 + elt(g, xin(op)))) // n_qk if qk
+                                  else 2 * (u1 - u0) * 4 + (d * 4 + d * elt(g, xin(op))) // pieces if split
                                   else 2 * (u1 - u0) * 2 * elt(g, xin(op)))
-            tiles.append(Tile(op.name, i, {"units": [u0, u1], "pieces": pieces}, _merge(reads), _merge(writes),
-                              wbytes, abytes))
+            params = {"units": [u0, u1], "pieces": pieces}
+            if proj:
+                params["qk_tiles"] = n_qk
+            tiles.append(Tile(op.name, i, params, _merge(reads), _merge(writes), wbytes, abytes))
         return adjust_tiles(op, g, tiles)
 
     @classmethod
@@ -278,6 +324,10 @@ class RmsQkvRope(TakesPrologue, Instruction):
 
     @classmethod
     def encode(cls, op: Op, tile: Tile) -> list[int]:
+        """(u0, u1, pieces): the tile's units and its head's pieces; with a norm over the whole
+        projection, instead of the pieces, the count of the tiles that take the q/k ticket."""
+        if proj_norm(op):
+            return [*tile.params["units"], tile.params["qk_tiles"]]
         return [*tile.params["units"], tile.params.get("pieces", 1)]
 
     call = Call("rms_qkv_rope",
@@ -290,14 +340,18 @@ class RmsQkvRope(TakesPrologue, Instruction):
                        Flag("bias", has="bq", when=_explicit), Type("tb", "bq", "wq", when=_explicit), WF32,
                        NORM, STAGED,
                        # the rotated values per head (partial rotary); 0: the whole head
-                       Int("RD", lambda op, g: op.attrs.get("rotary_dim", 0), default=0)),
+                       Int("RD", lambda op, g: op.attrs.get("rotary_dim", 0), default=0),
+                       # q/k norms over the whole projection (OLMo-2), their weight in fp32
+                       Flag("projnorm", fn=proj_norm, default="false"),
+                       Flag("qkw32", fn=lambda op: op.attrs.get("qk_w_fp32", False), default="false")),
                 args=(Ptr("x"), Ptr("norm_w"), Float("eps", "eps", fallback=0.0), Ptr("wq"), Ptr("wk"), Ptr("wv"),
                       Ptr("cos_table"), Ptr("sin_table"), Ptr("rope_pos"), Ptr("kv_pos"), Ptr("q"), Ptr("kcache"),
                       Ptr("vcache"), Ptr("q_norm_w"), Ptr("k_norm_w"), Float("qk_eps", "qk_eps", 0.0),
                       # the caches' rows: a literal, or the run-time length's slot
                       Expr("L", lambda op, g, bufs: bufs.length(op.outputs["kcache"], 2)), P0, P1, P2,
                       SMEM, RED, Ptr("qk_part", default="nullptr"),
-                      Expr("tickets", lambda op, g, bufs: bufs.counters(op.name, op.attrs["n_q"] + op.attrs["n_kv"])
+                      Expr("tickets", lambda op, g, bufs: bufs.counters(
+                          op.name, 1 if proj_norm(op) else op.attrs["n_q"] + op.attrs["n_kv"])
                            if "qk_part" in op.outputs else "nullptr", default="nullptr"),
                       Ptr("bq", default="nullptr"), Ptr("bk", default="nullptr"), Ptr("bv", default="nullptr")),
                 numbering=("q_norm_w", "k_norm_w", "bq", "bk", "bv", "x", "norm_w", "wq", "wk", "wv",
@@ -328,7 +382,20 @@ class RmsQkvRope(TakesPrologue, Instruction):
         """The q/k head of a tile that holds a piece of it (the head's tiles take tickets), else None."""
         nq, nkv = op.attrs["n_q"], op.attrs["n_kv"]
         h = tile.params["units"][0] // (op.attrs["head_dim"] // 2)
-        return h if tile.params.get("pieces", 1) > 1 and h < nq + nkv else None
+        return h if tile.params.get("pieces", 1) > 1 and h < nq + nkv and not proj_norm(op) else None
+
+    @classmethod
+    def _takes_qk(cls, op: Op, tile: Tile) -> bool:
+        """With a norm over the whole projection: whether the tile holds q/k units (takes the ticket)."""
+        a = op.attrs
+        return proj_norm(op) and tile.params["units"][0] < (a["n_q"] + a["n_kv"]) * (a["head_dim"] // 2)
+
+    @classmethod
+    def _is_last_qk(cls, op: Op, tile: Tile, env: Env, peek: bool = False) -> bool:
+        """Whether this tile's q/k ticket (a norm over the whole projection) is the step's last."""
+        key, n = (op.name, "qk"), tile.params["qk_tiles"]
+        t = env.peek_ticket(key) if peek else env.take_ticket(key)
+        return t % n == n - 1
 
     @classmethod
     def _is_last(cls, op: Op, tile: Tile, env: Env, h: int, peek: bool = False) -> bool:
@@ -340,7 +407,17 @@ class RmsQkvRope(TakesPrologue, Instruction):
     @classmethod
     def ticket_regions(cls, op, tile, env):
         """A split head's norm and RoPE, after the ticket: the head's pre-norm values and its
-        output, if this tile's ticket is the head's last of the step."""
+        output, if this tile's ticket is the head's last of the step. With a norm over the whole
+        projection: every q/k pre-norm value, all of q and the k caches' rows at the position, if
+        the tile's q/k ticket is the step's last."""
+        if cls._takes_qk(op, tile):
+            if not cls._is_last_qk(op, tile, env, peek=True):
+                return [], []
+            g, nq, nkv = env.g, op.attrs["n_q"], op.attrs["n_kv"]
+            pos = int(env.read(op.inputs["kv_pos"]).reshape(-1)[0])
+            L = env.length(op.outputs["kcache"], 2)
+            return ([Region.whole(g, op.outputs["qk_part"])],
+                    [Region.whole(g, op.outputs["q"])] + [cls._head_out(op, g, h, pos, L) for h in range(nq, nq + nkv)])
         h = cls._split(op, tile)
         if h is None or not cls._is_last(op, tile, env, h, peek=True):
             return [], []
@@ -364,11 +441,18 @@ class RmsQkvRope(TakesPrologue, Instruction):
                     [Region.of(env.g, op.outputs["qk_part"], h * d + a, h * d + b),
                      Region.of(env.g, op.outputs["qk_part"], h * d + half + a, h * d + half + b)])
         writes = []
+        proj = proj_norm(op)
         for h, p0, p1 in cls._spans(op, env.g, *tile.params["units"]):
             _, out, row = cls._head(op, h, nq, nkv)
             base = row * d if out == "q" else row * L * d + pos * d
             for a, b in cls._rows(op, p0, p1):
-                writes.append(Region.of(env.g, op.outputs[out], base + a, base + b))
+                if proj and out != "vcache":   # before the ticket: the units' pre-norm values
+                    writes.append(Region.of(env.g, op.outputs["qk_part"], h * d + a, h * d + b))
+                else:
+                    writes.append(Region.of(env.g, op.outputs[out], base + a, base + b))
+        if proj:
+            part = env.g.root(op.outputs["qk_part"])
+            return [r for r in tile.reads if r.tensor != part], writes
         return tile.reads, writes
 
     @classmethod
@@ -403,6 +487,10 @@ class RmsQkvRope(TakesPrologue, Instruction):
                 b = env.read(op.inputs["b" + w[1]]).reshape(-1).float()
                 y1, y2 = y1 + b[row * d + i1], y2 + b[row * d + i2]
             y1, y2 = y1.to(dt).float(), y2.to(dt).float()
+            if proj_norm(op) and out != "vcache":   # pre-norm values; the last q/k tile does all heads
+                part = env.flat(op.outputs["qk_part"])
+                part[h * d + i1], part[h * d + i2] = y1, y2
+                continue
             if split is not None:   # a piece of a q/k head: its pre-norm values; the last piece does the head
                 part = env.flat(op.outputs["qk_part"])   # (a per-head norm: full RoPE, i1 = ps, i2 = ps + D/2)
                 part[h * d + p0:h * d + p1] = y1
@@ -431,6 +519,29 @@ class RmsQkvRope(TakesPrologue, Instruction):
                 cache = env.read(op.outputs[out])
                 cache[0, row, kv_pos, i1] = y1.to(cache.dtype)
                 cache[0, row, kv_pos, i2] = y2.to(cache.dtype)
+        if cls._takes_qk(op, tile) and cls._is_last_qk(op, tile, env):
+            cls._finish_proj(op, env, cos, sin, kv_pos)
+
+    @classmethod
+    def _finish_proj(cls, op: Op, env: Env, cos: torch.Tensor, sin: torch.Tensor, kv_pos: int) -> None:
+        """The last q/k tile, a norm over the whole projection: all of q (then all of k) from
+        ``qk_part``, RMSNorm over its Hq*D (Hkv*D) values (HF ``Olmo2RMSNorm``: fp32, the weight
+        in fp32 before one rounding with ``qk_w_fp32``), RoPE of each head in fp32 and one
+        rounding; q to ``q``, k to the caches' row ``kv_pos``."""
+        nq, nkv, d, _ = cls._layout(op, env.g)
+        a, half = op.attrs, d // 2
+        dt = a["dtype"]
+        part = env.flat(op.outputs["qk_part"])
+        for out, h0, n, nw in (("q", 0, nq, "q_norm_w"), ("kcache", nq, nkv, "k_norm_w")):
+            y = rms_normalize(part[h0 * d:(h0 + n) * d].to(dt), env.read(op.inputs[nw]).reshape(-1), a["qk_eps"],
+                              dt, a.get("qk_w_fp32", False)).float().view(n, d)
+            y1, y2 = y[:, :half], y[:, half:]
+            r = torch.cat([y1 * cos[:half] - y2 * sin[:half], y2 * cos[half:] + y1 * sin[half:]], -1)
+            if out == "q":
+                env.flat(op.outputs["q"])[:] = r.reshape(-1).to(dt)
+            else:
+                cache = env.read(op.outputs["kcache"])
+                cache[0, :, kv_pos, :] = r.to(cache.dtype)
 
 
 def _merge(regions: list[Region]) -> list[Region]:
