@@ -5,23 +5,28 @@ from __future__ import annotations
 
 import torch
 
-import hf_tiny
 import step_util
 from fusec.instructions.matvec_group import MatvecGroup
 
 
-def test_olmo2_qkv_are_groups_placed_at_the_first_linear():
-    """OLMo-2 (no pre-norm: no norm-fused kind takes its q/k/v): per layer q/k/v is one group
-    of three (gate/up go to rms_gate_up_silu without its norm, rule priority 35 < 65); q's norm
-    reads q before k's linear in program order, so the group sits where q's linear was; nothing
-    else is a plain matvec but O and down."""
-    s = step_util.lowered(hf_tiny.olmo2())
+def _cohere():
+    """Tiny Cohere, fp32: its RoPE is interleaved (no ``rms_qkv_rope``), so its q/k/v over the
+    LayerNorm's output stay a group (OLMo-2's, the example before, are ``rms_qkv_rope`` now)."""
+    import test_families
+    return test_families.cohere()
+
+
+def test_cohere_qkv_are_groups_placed_at_the_first_linear():
+    """Cohere (interleaved RoPE: no norm-fused kind takes its q/k/v): per layer q/k/v is one
+    group of three (gate/up go to rms_gate_up_silu); the group sits where q's linear was and
+    every reader of a member output comes after it; O and down are matvec_residual."""
+    s = step_util.lowered(_cohere(), prologue=False)
     g = s.graph
     groups = [o for o in g.ops if o.kind == "matvec_group"]
     H, KV = 64, 32   # 4 query heads and 2 KV heads of 16
     assert [o.attrs["rows"] for o in groups] == [[H, KV, KV]] * 2
     assert sum(o.kind == "rms_gate_up_silu" for o in g.ops) == 2
-    assert sum(o.kind == "matvec" for o in g.ops) == 4   # O and down, two layers
+    assert sum(o.kind == "matvec_residual" for o in g.ops) == 4   # O and down, two layers
     pos = {name: i for i, o in enumerate(g.ops) for name in [o.name]}
     for grp in groups:   # every reader of a member output comes after the group
         outs = {g.root(t) for t in grp.outputs.values()}
@@ -30,8 +35,9 @@ def test_olmo2_qkv_are_groups_placed_at_the_first_linear():
 
 
 def test_group_tiles_cover_every_row_once_across_weights():
-    s = step_util.lowered(hf_tiny.olmo2())
+    s = step_util.lowered(_cohere(), prologue=False)
     g = s.graph
+    assert any(o.kind == "matvec_group" for o in g.ops)
     for grp in (o for o in g.ops if o.kind == "matvec_group"):
         tiles = MatvecGroup.tiles(grp, g, 7)
         written = {}
@@ -50,8 +56,7 @@ def test_group_tiles_compute_each_linear():
     """A group's tiles (ranges crossing from one weight to the next) compute each linear's
     ``W_j @ x`` (fresh random x and weights; fp32, so up to the order of the sums)."""
     from fusec.ir.env import Env
-    model = hf_tiny.olmo2()
-    s = step_util.lowered(model)
+    s = step_util.lowered(_cohere(), prologue=False)
     g = s.graph
     grp = next(o for o in g.ops if o.kind == "matvec_group")
     gen = torch.Generator().manual_seed(3)
@@ -71,6 +76,6 @@ def test_group_tiles_compute_each_linear():
 def test_group_kernel_compiles():
     from fusec.cuda.codegen import render
     from fusec.cuda.jit import compile_cuda
-    plan = render(step_util.lowered(hf_tiny.olmo2().to(torch.bfloat16)))
+    plan = render(step_util.lowered(_cohere().to(torch.bfloat16)))
     assert "matvec_group<" in plan.source
     compile_cuda(plan.source, "fusec_step.cu")

@@ -21,7 +21,7 @@ def _folds(s) -> list[tuple[str, str]]:
 @pytest.mark.parametrize("factory, want", [
     # post-norm: h = r + RMSNorm(o) before the MLP (norm off) and before the next layer's q/k/v;
     # the last one before the final norm and the LM head (its norm the prologue's last member)
-    (hf_tiny.olmo2, [("rms_gate_up_silu", "rmsnorm > add"), ("matvec_group", "rmsnorm > add"),
+    (hf_tiny.olmo2, [("rms_gate_up_silu", "rmsnorm > add"), ("rms_qkv_rope", "rmsnorm > add"),
                      ("rms_gate_up_silu", "rmsnorm > add"), ("rms_lm_head", "rmsnorm > add > rmsnorm")]),
     # pre- and post-norms: the embedding scale and the input norm before layer 0's q/k/v, each
     # post-norm, its add and the next pre-norm before the MLP and the next q/k/v
