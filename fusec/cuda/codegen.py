@@ -200,7 +200,8 @@ def render(s: Schedule, title: str = "", threads: int = THREADS, profile: bool =
             args = cls.cuda_args(op, g, bufs)
         except NotImplementedError as e:
             raise FallbackRequired(f"no CUDA form: {e}") from None
-        # the kinds whose definitions the call needs (a chain's members' kinds), then its own
+        # the kinds whose definitions the call needs (a chain's members' kinds, or a shared template
+        # such as a batch's matvec_seqs), then its own
         for name in [*args.get("uses", ()), cls.name]:
             if name not in macros:
                 macros[name] = env.get_template(f"{name}.cu.j2").module

@@ -24,9 +24,12 @@ def row_tiles(op: Op, g: Graph, want: int, weights: list[str], vec_inputs: list[
     Args:
         weights: [rows, K] weight tensors read row-wise.
         vec_inputs: tensors read whole by every tile (the input vector, norm weight).
-        row_inputs: [rows] tensors read at the tile's rows (residual).
-        out: [rows] output written at the tile's rows.
+        row_inputs: [rows] tensors read at the tile's rows (residual, bias); in a batched op
+            (:func:`seqs` B > 1) a [B, rows] one (the residual) at the rows of each sequence.
+        out: [rows] output written at the tile's rows; [B, rows] in a batched op, written at
+            the rows of each sequence (B regions).
     """
+    batch = seqs(op)
     tiles = []
     for i, (r0, r1) in enumerate(split_range(rows, want, align)):
         reads, wbytes, abytes = [], 0, 0
@@ -38,12 +41,111 @@ def row_tiles(op: Op, g: Graph, want: int, weights: list[str], vec_inputs: list[
             reads.append(Region.whole(g, v))
             abytes += g.tensors[v].nbytes
         for r in row_inputs:
-            reads.append(Region.of(g, r, r0, r1))
-            abytes += (r1 - r0) * elt(g, r)
-        abytes += (r1 - r0) * elt(g, out)
-        tiles.append(Tile(op.name, i, {"rows": [r0, r1]}, reads, [Region.of(g, out, r0, r1)],
-                          wbytes, abytes))
+            for s in range(g.tensors[r].numel // rows if batch > 1 else 1):
+                reads.append(Region.of(g, r, s * rows + r0, s * rows + r1))
+                abytes += (r1 - r0) * elt(g, r)
+        writes = [Region.of(g, out, s * rows + r0, s * rows + r1) for s in range(batch)]
+        abytes += batch * (r1 - r0) * elt(g, out)
+        tiles.append(Tile(op.name, i, {"rows": [r0, r1]}, reads, writes, wbytes, abytes))
     return tiles
+
+
+#: the most sequences one matvec op of a batch computes (docs/batch.md): ``row_dot_seqs`` keeps
+#: one fp32 accumulator per sequence and lane (templates/matvec_seqs.cu.j2)
+MAX_SEQS = 16
+#: shared memory (bytes) a batched matvec stages its B input vectors in at most, leaving the rest
+#: of the SM's 256 KiB to L1; more sequences than fit are staged in groups (:func:`seq_group`)
+STAGE_BYTES = 128 * 1024
+
+
+def seqs(op: Op) -> int:
+    """The sequences B a row-tiled matvec op computes (attribute ``batch``, set by its rule at
+    B > 1; absent: one vector, the batch-1 op as it always was)."""
+    return op.attrs.get("batch", 1)
+
+
+def seq_group(batch: int, k: int, elt_bytes: int) -> int:
+    """Sequences staged in shared memory at once by a batched matvec of ``batch`` inputs of ``k``
+    elements of ``elt_bytes`` each: the largest divisor of ``batch`` whose inputs fit
+    :data:`STAGE_BYTES` (at least 1). All of them where one sequence's input is not a whole
+    number of 16-byte chunks (the staging copies of a later group would not be aligned)."""
+    if (k * elt_bytes) % 16:
+        return batch
+    return max([d for d in range(1, batch + 1) if batch % d == 0 and d * k * elt_bytes <= STAGE_BYTES], default=1)
+
+
+def batch_rows(g: Graph, m: dict, x: str = "x") -> int:
+    """For a rule's check: the rows M of the linear's ``x`` ([M, K], K the weight ``w``'s last
+    dim) where they are 1 or the step's batch B (:meth:`fusec.ir.Graph.batch`) of at most
+    :data:`MAX_SEQS`; 0 otherwise (a linear over several rows of one sequence, too many rows,
+    or not a whole number of rows)."""
+    w = g.tensors[m["w"]]
+    if len(w.shape) != 2:
+        return 0
+    n, k = g.tensors[m[x]].numel, w.shape[1]
+    if n == k:
+        return 1
+    if n % k or n // k > MAX_SEQS or n // k != g.batch():
+        return 0
+    return n // k
+
+
+def batch_attrs(g: Graph, m: dict) -> dict:
+    """A rule's attributes of a row-tiled matvec op: ``batch`` B where x has B > 1 rows (none at
+    batch 1: the op is the one of before)."""
+    b = batch_rows(g, m)
+    return {"batch": b} if b > 1 else {}
+
+
+def batched(op: Op) -> bool:
+    """Whether ``op`` computes a batch of sequences (:func:`seqs` > 1)."""
+    return seqs(op) > 1
+
+
+def single(op: Op) -> bool:
+    """Whether ``op`` computes one vector (the batch-1 op)."""
+    return seqs(op) == 1
+
+
+def seq_fn(name: str):
+    """A kind's device function: ``name`` at batch 1, ``matvec_seqs`` for a batch."""
+    return lambda op: "matvec_seqs" if batched(op) else name
+
+
+def _k(op: Op, g: Graph) -> int:
+    return g.tensors[op.inputs["w"]].shape[1]
+
+
+#: ``matvec_seqs``'s template arguments N (output rows), B and SG (:func:`seq_group`), between K
+#: and BIAS; passed only for a batch
+SEQ_ARGS = (Int("N", lambda op, g: g.tensors[op.inputs["w"]].shape[0], when=batched),
+            Int("B", lambda op, g: seqs(op), when=batched),
+            Int("SG", lambda op, g: seq_group(seqs(op), _k(op, g), elt(g, op.inputs["x"])), when=batched))
+
+
+def seq_smem(op: Op, g: Graph) -> int:
+    """Shared memory (floats) of a row-tiled matvec that stages x itself: K at batch 1 (as
+    before batches), a batch's staged group of :func:`seq_group` inputs (bytes rounded up)."""
+    k = _k(op, g)
+    if single(op):
+        return k
+    e = elt(g, op.inputs["x"])
+    return -(-seq_group(seqs(op), k, e) * k * e // 4)
+
+
+def seq_uses(op: Op, args: dict) -> dict:
+    """``args`` with the batch's template definition (``uses``: templates/matvec_seqs.cu.j2) for a
+    batched op; a batch-1 op's kernel renders without it."""
+    if batched(op):
+        args["uses"] = ("matvec_seqs",)
+    return args
+
+
+def rows_dot_seqs(op: Op, env: Env, r0: int, r1: int) -> torch.Tensor:
+    """``x @ W[r0:r1]^T`` in fp32 (unrounded), [B, r1 - r0], for a batched row-tiled matvec op
+    (inputs ``w``, ``x`` [B, K])."""
+    w = env.read(op.inputs["w"])[r0:r1].float()
+    return env.read(op.inputs["x"]).reshape(seqs(op), w.shape[1]).float() @ w.T
 
 
 def rows_dot(op: Op, env: Env, r0: int, r1: int) -> torch.Tensor:

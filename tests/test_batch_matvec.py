@@ -1,0 +1,175 @@
+"""The row-tiled matvec kinds of a batch step (docs/batch.md): at B > 1 the linears of a decode step
+are ``matvec`` / ``matvec_residual`` ops of ``batch`` B (template ``matvec_seqs``: each weight row
+loaded once for the B sequences), tiled over many SMs, instead of generic linears on one SM;
+their simulated tiles equal eager per sequence; a batch-1 step renders as before; the batched
+template compiles with NVRTC without spills at Llama-3.2-1B's widths."""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import hf_tiny
+from test_batch_decode import batch_steps_against_eager
+from fusec.instructions import KINDS
+from fusec.ir import Op
+
+#: the kinds that take a batch in this increment
+BATCHED = ("matvec", "matvec_residual")
+
+
+def _tiles_per_op(step) -> dict[str, int]:
+    n: dict[str, int] = {}
+    for ins in step.schedule.instrs:
+        n[ins.op] = n.get(ins.op, 0) + 1
+    return n
+
+
+@pytest.mark.parametrize("batch", [2, 4])
+@pytest.mark.parametrize("factory", [hf_tiny.llama, hf_tiny.qwen3])
+def test_batch_linears_are_batched_matvec_tiles(factory, batch, steps):
+    """A batch of left-padded prompts, 4 decode steps through ``torch.compile(backend="fusec")``
+    against eager (every sequence on its own), no fallback; every linear of the step (q/k/v,
+    o_proj and down_proj with their residual add, gate/up, the lm_head) is a batched matvec op
+    spread over many SMs, none a generic ``linear``."""
+    model = factory()
+    errs, w, _ = batch_steps_against_eager(model, batch, 100 + 10 * batch + (factory is hf_tiny.qwen3))
+    assert max(errs) < 1e-5, errs
+    assert not w.fallbacks and w.compiled, w.fallbacks
+    assert steps and not any(s.fallen_back for s in steps)
+    cfg = model.config
+    for s in steps:
+        g = s.schedule.graph
+        assert g.batch() == batch
+        kinds = g.count_kinds()
+        assert "linear" not in kinds and "aten.mm.default" not in kinds
+        layers = cfg.num_hidden_layers
+        # per layer: o_proj and down_proj take the residual add; q, k, v, gate, up; the lm_head
+        assert kinds["matvec_residual"] == 2 * layers and kinds["matvec"] == 5 * layers + 1
+        tiles = _tiles_per_op(s)
+        for o in g.ops:
+            if o.kind in BATCHED:
+                assert o.attrs["batch"] == batch
+                assert g.tensors[o.inputs["x"]].numel == batch * g.tensors[o.inputs["w"]].shape[1]
+                assert tiles[o.name] >= 16, (o.name, tiles[o.name])   # rows spread over SMs
+        head = [o for o in g.ops if o.kind == "matvec" and g.tensors[o.inputs["w"]].shape[0] == cfg.vocab_size]
+        assert len(head) == 1 and tiles[head[0].name] >= 64
+        # the tile writes each sequence's rows of out [B, N]
+        t = next(i.tile for i in s.schedule.instrs if i.op == head[0].name)
+        assert len(t.writes) == batch
+
+
+def test_batch_step_folds_no_prologue(steps):
+    """OLMo-2's post-norm and residual add before its MLP fold into the matvec that reads them at
+    batch 1 (a prologue computes one vector); at B = 2 they stay generic and the batched matvec
+    stages x as it is: eager's logits, no fallback."""
+    errs, w, _ = batch_steps_against_eager(hf_tiny.olmo2(), 2, 5, n=2)
+    assert max(errs) < 1e-5, errs
+    assert not w.fallbacks and w.compiled, w.fallbacks
+    for s in steps:
+        g = s.schedule.graph
+        assert not any("pre" in o.attrs for o in g.ops)
+        assert any(o.kind == "matvec" and o.attrs.get("batch") == 2 for o in g.ops)
+
+
+#: the dispatch calls of batch-1 steps before batches (docs/batch.md: batch 1 renders as before)
+BATCH1_CALLS = {
+    (hf_tiny.llama, torch.bfloat16): ["matvec_residual<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, __nv_bfloat16, 64>(",
+                                      "matvec_residual<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, __nv_bfloat16, 96>("],
+    (hf_tiny.gemma2, torch.bfloat16): ["matvec<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, __nv_bfloat16, 64, false>(",
+                                       "matvec<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, __nv_bfloat16, 96, false>("],
+    (hf_tiny.phi2, torch.float32): ["matvec<float, float, float, float, 64, true, true>(",
+                                    "matvec<float, float, float, float, 64, true>(",
+                                    "matvec<float, float, float, float, 96, true, true>("],
+}
+
+
+@pytest.mark.parametrize("factory,dtype", list(BATCH1_CALLS))
+def test_batch1_step_renders_as_before(factory, dtype):
+    """A batch-1 step's matvec ops carry no ``batch`` and render the calls they did before batches
+    (the same template arguments: ``B``, ``N``, ``SG`` are not passed), and the kernel holds no
+    batched definition (``matvec_seqs`` comes in only with a batched op)."""
+    from fusec.cuda.codegen import render
+    from test_codegen import _tiny_decode_step
+    res = _tiny_decode_step(factory, dtype, 12)
+    ops = [o for o in res.graph.ops if o.kind in BATCHED]
+    assert ops and not any("batch" in o.attrs for o in ops)
+    src = render(res.schedule).source
+    assert "matvec_seqs" not in src
+    calls = sorted({m.group(0) for m in re.finditer(r"\bmatvec(?:_residual)?<[^()]*>\(", src)})
+    assert calls == sorted(BATCH1_CALLS[factory, dtype])
+
+
+@pytest.mark.parametrize("kind", BATCHED)
+def test_batched_call_matches_the_template(kind):
+    """The batched variant's template arguments are ``matvec_seqs``'s parameters, in order (the
+    batch-1 variant is checked by tests/test_kind_rules.py)."""
+    from test_kind_rules import _template_params
+    call = KINDS[kind].call
+    probe = Op("o", kind, {}, {}, attrs={"batch": 4})
+    assert call.fn(probe) == "matvec_seqs"
+    params = _template_params("matvec_seqs", "matvec_seqs")
+    targs = [a for a in call.targs if a.when is None or a.when(probe)]
+    names = ["tx", "tw", "tb", "tr", "to", "K", "N", "B", "SG", "bias", "add_res"]
+    assert [a.name for a in targs] == names + (["ACT"] if kind == "matvec" else [])
+    assert len(params) == len(names) + 1   # ACT, C++ default 0
+    for a, p in zip(targs, params):
+        if a.default is not None:
+            assert p.split("=")[1].strip() == str(a.default), (a.name, p)
+
+
+def _width_graph(batch: int, dtype: torch.dtype):
+    """An IR graph of Llama-3.2-1B's matvec widths as batched ops (no weights read): q_proj
+    (2048 -> 2048), down_proj with its residual (8192 -> 2048), lm_head (2048 -> 128256); x
+    [B, K] inputs, out [B, N] outputs. (graph, flat inputs)"""
+    from fusec.ir import Graph, Role, TensorInfo
+    g, flat = Graph(), []
+    widths = [("q", 2048, 2048, "matvec"), ("down", 8192, 2048, "matvec_residual"), ("head", 2048, 128256, "matvec")]
+    for name, k, n, kind in widths:
+        ins = {"x": f"x_{name}", "w": f"w_{name}"}
+        g.add_tensor(TensorInfo(ins["x"], (batch, k), dtype, Role.INPUT, input_index=len(flat)))
+        flat.append(torch.empty(batch, k, dtype=dtype))
+        g.add_tensor(TensorInfo(ins["w"], (n, k), dtype, Role.WEIGHT, input_index=len(flat)))
+        flat.append(torch.empty(n, k, dtype=dtype))
+        if kind == "matvec_residual":
+            ins["residual"] = f"r_{name}"
+            g.add_tensor(TensorInfo(ins["residual"], (batch, n), dtype, Role.INPUT, input_index=len(flat)))
+            flat.append(torch.empty(batch, n, dtype=dtype))
+        g.add_tensor(TensorInfo(f"y_{name}", (batch, n), dtype, Role.OUTPUT))
+        g.ops.append(Op(name, kind, ins, {"out": f"y_{name}"}, attrs={"batch": batch}))
+    g.inputs = [t for t, info in g.tensors.items() if info.input_index is not None]
+    g.outputs = [f"y_{name}" for name, *_ in widths]
+    return g, flat
+
+
+@pytest.mark.parametrize("batch,dtype", [(2, torch.bfloat16), (4, torch.bfloat16), (8, torch.bfloat16),
+                                         (16, torch.bfloat16), (16, torch.float32)])
+def test_batched_matvec_compiles_without_spills_at_llama_1b_widths(batch, dtype, tmp_path):
+    """``matvec_seqs`` at Llama-3.2-1B's widths (2048 -> 2048, 8192 -> 2048 with the residual,
+    2048 -> 128256) for B sequences compiles with NVRTC for sm_90a without spills or a stack
+    frame; its staged inputs fit shared memory (in groups of SG sequences where B of them do not:
+    B = 16 at K = 8192 in bf16 stages 8 at a time)."""
+    pytest.importorskip("cuda.bindings.nvrtc")
+    from fusec.config import Options
+    from fusec.cuda.codegen import MAX_SMEM_BYTES, render
+    from fusec.cuda.jit import compile_cuda
+    from fusec.instructions.matvec_rows import STAGE_BYTES
+    from fusec.pipeline import Dumper, lower
+    g, flat = _width_graph(batch, dtype)
+    sched = lower(g, flat, Options.from_dict({"num_sms": 132}), Dumper(None))
+    ops = sched.graph.op_by_name()
+    elt = dtype.itemsize
+    for name, k in (("q", 2048), ("down", 8192), ("head", 2048)):
+        cls = KINDS[ops[name].kind]
+        assert 4 * cls.smem_floats(ops[name], sched.graph) == min(batch * k * elt, STAGE_BYTES)
+    src = render(sched).source
+    calls = re.findall(r"matvec_seqs<[^()]*>\(", src)
+    assert len(calls) == 3
+    sg_down = 8 if (batch, dtype) == (16, torch.bfloat16) else (4 if dtype == torch.float32 else batch)
+    t = "__nv_bfloat16" if dtype == torch.bfloat16 else "float"
+    assert f"matvec_seqs<{', '.join([t] * 5)}, 8192, 2048, {batch}, {sg_down}, false, true>(" in calls
+    kernel = compile_cuda(src, "fusec_step.cu", cache_dir=str(tmp_path))
+    kernel.assert_no_spills()
+    assert any("matvec_seqs" in f for f in kernel.resources)
+    assert 4 * max(KINDS[o.kind].smem_floats(o, sched.graph) for o in sched.graph.ops) <= MAX_SMEM_BYTES
