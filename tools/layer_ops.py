@@ -3,10 +3,11 @@
 Each family of ``benchmarks/families.py`` at its published widths with 3 layers (bf16, random
 weights), one decode step through ``torch.compile(backend="fusec")`` after a 4-token prefill of
 a 64-row StaticCache, lowered for 132 SMs with default options; prints layer 1's ops in program order with their tile counts and
-what a chain or a folded prologue holds. An op of one tile that is not a fused kind is a
+what a chain or a folded prologue holds. ``--batch B``: a step of B sequences (their
+``attention_mask`` [B, 64] and ``position_ids`` [B, 1] passed, as generate() passes them; docs/batch.md). An op of one tile that is not a fused kind is a
 dependency level on one SM: where a family's layer costs more than Llama's six ops.
 
-Usage: ``.venv/bin/python tools/layer_ops.py [--families llama,phi2,...] [--layers 3]``
+Usage: ``.venv/bin/python tools/layer_ops.py [--families llama,phi2,...] [--layers 3] [--batch 4]``
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests")]
 
 
-def layer_ops(family: str, layers: int = 3, num_sms: int = 132) -> tuple[str, list[tuple[str, int, str]]]:
+def layer_ops(family: str, layers: int = 3, num_sms: int = 132, batch: int = 1) -> tuple[str, list[tuple[str, int, str]]]:
     """(label, [(kind, tiles, chain steps or prologue members), ...]) of layer 1 of ``family``,
     as ``torch.compile(model, backend="fusec")`` lowers it on a user's call (host counters
     dynamic, as for HF generate; the step runs once on the simulator)."""
@@ -32,12 +33,17 @@ def layer_ops(family: str, layers: int = 3, num_sms: int = 132) -> tuple[str, li
     gen = torch.Generator().manual_seed(1)
     vocab = min(100, model.config.vocab_size)
     with torch.no_grad():
-        model(input_ids=torch.randint(0, vocab, (1, 4), generator=gen), past_key_values=cache, use_cache=True)
+        model(input_ids=torch.randint(0, vocab, (batch, 4), generator=gen), past_key_values=cache, use_cache=True)
+    kw = {}
+    if batch > 1:   # a batch step: the cache-length mask and per-sequence positions (docs/batch.md)
+        mask = torch.zeros(batch, 64, dtype=torch.long)
+        mask[:, :5] = 1
+        kw = {"attention_mask": mask, "position_ids": torch.full((batch, 1), 4)}
     torch._dynamo.reset()
     with pytest.MonkeyPatch.context() as mp, torch.no_grad():
         made = step_util.record_compiled_steps(mp)
         torch.compile(model, backend="fusec", options={"num_sms": num_sms})(
-            input_ids=torch.randint(0, vocab, (1, 1), generator=gen), past_key_values=cache, use_cache=True)
+            input_ids=torch.randint(0, vocab, (batch, 1), generator=gen), past_key_values=cache, use_cache=True, **kw)
     torch._dynamo.reset()
     if not made:
         raise RuntimeError(f"{family}: fusec compiled no step (a fallback: see the log)")
@@ -55,9 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--families", default=",".join(families.PUBLISHED), help="comma-separated (default: all)")
     ap.add_argument("--layers", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=1, help="sequences per step (default 1)")
     a = ap.parse_args(argv)
     for fam in a.families.split(","):
-        label, rows = layer_ops(fam, a.layers)
+        label, rows = layer_ops(fam, a.layers, batch=a.batch)
         print(f"== {fam}: {label}, layer 1: {len(rows)} ops, {sum(t == 1 for _, t, _ in rows)} of one tile")
         for kind, n, what in rows:
             print(f"   {kind:<24} tiles {n:>4}  {what[:100]}")
