@@ -73,15 +73,44 @@ def test_batch_step_folds_no_prologue(steps):
         assert any(o.kind == "matvec" and o.attrs.get("batch") == 2 for o in g.ops)
 
 
+@pytest.mark.parametrize("factory", [hf_tiny.phi2, hf_tiny.falcon])
+def test_batch_gelu_is_the_batched_up_projections_epilogue(factory, steps, tmp_path):
+    """Phi-2's and Falcon's MLP GELU (gelu_new, exact GELU) becomes the epilogue (``act``) of the
+    batched up projection at B = 2, as at batch 1 (fusec/instructions/activation.py): eager's
+    logits per sequence, no fallback, no GELU op left; the batch kernel (``matvec_seqs`` with its
+    ``ACT``) compiles with NVRTC without spills."""
+    errs, w, _ = batch_steps_against_eager(factory(), 2, 9, n=2)
+    assert max(errs) < 1e-5, errs
+    assert not w.fallbacks and w.compiled, w.fallbacks
+    for s in steps:
+        g = s.schedule.graph
+        up = [o for o in g.ops if o.kind == "matvec" and "act" in o.attrs]
+        assert len(up) == factory().config.num_hidden_layers and all(o.attrs["batch"] == 2 for o in up)
+        assert "aten.gelu.default" not in g.count_kinds() and "aten.tanh.default" not in g.count_kinds()
+    # the batched call passes ACT (3: gelu_new, 2: exact GELU); its functions compile without
+    # spills or a stack frame (the kernel itself has a 32-byte stack frame at B = 2 for these two
+    # families with every linear generic too: one of the generic ops, not matvec_seqs)
+    from fusec.cuda.codegen import render
+    from fusec.cuda.jit import compile_cuda
+    src = render(steps[-1].schedule).source
+    act = 3 if factory is hf_tiny.phi2 else 2
+    assert re.search(rf"matvec_seqs<[^()]*, 2, 2, (true|false), false, {act}>\(", src)
+    res = compile_cuda(src, "fusec_step.cu", cache_dir=str(tmp_path)).resources
+    seqs = {f: r for f, r in res.items() if "matvec_seqs" in f}
+    assert len(seqs) >= 2
+    assert all(r["stack_frame_bytes"] == r["spill_store_bytes"] == r["spill_load_bytes"] == 0 for r in seqs.values())
+
+
 #: the dispatch calls of batch-1 steps before batches (docs/batch.md: batch 1 renders as before)
 BATCH1_CALLS = {
     (hf_tiny.llama, torch.bfloat16): ["matvec_residual<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, __nv_bfloat16, 64>(",
                                       "matvec_residual<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, __nv_bfloat16, 96>("],
     (hf_tiny.gemma2, torch.bfloat16): ["matvec<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, __nv_bfloat16, 64, false>(",
                                        "matvec<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, __nv_bfloat16, 96, false>("],
-    (hf_tiny.phi2, torch.float32): ["matvec<float, float, float, float, 64, true, true>(",
+    (hf_tiny.phi2, torch.float32): ["matvec<float, float, float, float, 64, true, true, 3>(",
+                                    "matvec<float, float, float, float, 64, true, true>(",
                                     "matvec<float, float, float, float, 64, true>(",
-                                    "matvec<float, float, float, float, 96, true, true>("],
+                                    "matvec<float, float, float, float, 96, true>("],
 }
 
 
