@@ -18,8 +18,9 @@ Guarantees, with the same values:
   ``max_fusions`` in all (for bisecting; ``None``: no cap); a candidate that the budget stops
   ends that anchor's turn;
 * whatever no rule takes stays as it is and runs as a generic instruction; dead ops are removed;
-* in a step of batch B > 1 (:meth:`fusec.ir.Graph.batch`) no rule of a kind whose ``max_batch``
-  is below B is applied (docs/batch.md): those subgraphs stay generic, whose semantics take any B.
+* in a step of ``B * K`` > 1 activation rows (B sequences, K query tokens each:
+  :meth:`fusec.ir.Graph.rows`) no rule of a kind whose ``max_rows`` is below them is applied
+  (docs/batch.md): those subgraphs stay generic, whose semantics take any B and K.
 
 The rules of the kinds today (docs/pipeline.md, "Instruction kinds"), by priority: a rolled
 sliding window's ``kv_roll`` into pieces with a halo ``index_select`` before it (5); RMSNorm ->
@@ -106,10 +107,10 @@ def run(g: Graph, num_sms: int = 132, max_fusions: int | None = None,
     c = Ctx(g, num_sms=num_sms, attention_merge=attention_merge, defines=defines or {})
     budget = _Budget(max_fusions)
     counts: dict[str, int] = {}
-    batch = g.batch()
+    rows = g.rows()
     for rule in rules_in_order(KINDS):
-        if getattr(KINDS.get(rule.kind), "max_batch", 1) < batch:
-            continue   # the kind computes fewer sequences than the step has: left generic
+        if getattr(KINDS.get(rule.kind), "max_rows", 1) < rows:
+            continue   # the kind computes fewer rows than the step has: left generic
         for kind in rule.anchor_kinds():
             for o in [o for o in g.ops if o.kind == kind]:
                 if o not in g.ops:

@@ -20,13 +20,16 @@ with the same values, by one op each:
   cast back to x's dtype (``.to(q_type)``): ``cast(rope(x, cos, sin))`` is one ``rope`` of x's
   dtype; its math is fp32 rounded once at the end, which the ``rope`` op computes anyway
 * ``kv_write(pos, val) -> cache``  ``copy_(cache, index_put(cache, [None, None, pos], val))``;
-  readers of the functional result read the cache buffer after the write
+  readers of the functional result read the cache buffer after the write; ``pos`` one position,
+  or K of them (K query tokens per sequence: ``val`` [B, H, K, D], HF's ``index_copy_`` at
+  ``cache_position`` [K])
 * ``attention(q, k, v, pos[, mask]; scale, mask_kind)``  ``fusec.sdpa`` over KV caches, seen
   through the GQA ``repeat_kv`` expand. With a mask that equals ``kv_index <= pos`` for every
   position (checked by evaluating the mask at every position of the cache) the mask is dropped
   (``mask_kind`` 0). Any other mask over the ``L`` cache rows (HF generate()'s precomputed 4-D
   bool mask, a mask built from a user's ``attention_mask``; in a batch, [B, 1, 1, L] with one
-  row per sequence, from left-padded prompts) is read by the attention:
+  row per sequence, from left-padded prompts; with K query tokens per sequence, [1 or B, 1, K,
+  L] with one row per query token, HF's causal mask over the cache) is read by the attention:
   ``mask_kind`` 1 (bool, True attends) or 2 (additive float); the attention then reads every
   cache row and the mask decides (``pos``, the row the step's ``kv_write`` wrote, only orders it
   after the write)
@@ -231,7 +234,8 @@ def _kv_writes(g: Graph) -> int:
             continue  # accumulate=True
         if not (len(idx) == 3 and idx[0] is None and idx[1] is None and idx[2] is not None):
             continue
-        if g.tensors[src.inputs[idx[2].slot]].numel != 1 or g.tensors[g.root(cache)].role != Role.KV_CACHE:
+        if g.tensors[g.root(cache)].role != Role.KV_CACHE or not _write_rows(g, src.inputs[idx[2].slot],
+                                                                              src.inputs[args[2].slot], cache):
             continue
         kw = Op(src.name, "kv_write", {"pos": src.inputs[idx[2].slot], "val": src.inputs[args[2].slot]},
                 {"cache": cache}, mutates=("cache",), source=src.source)
@@ -241,6 +245,18 @@ def _kv_writes(g: Graph) -> int:
         n += 1
     g.ops = [replace.get(o.name, o) for o in g.ops if o.name not in drop]
     return n
+
+
+def _write_rows(g: Graph, pos: str, val: str, cache: str) -> bool:
+    """Whether ``cache[:, :, pos] = val`` writes whole rows a ``kv_write`` takes: one position
+    (a decode step), or K positions (a 1-D int64 ``pos`` of K elements: K query tokens per
+    sequence, HF's ``cache_position``) whose K rows ``val`` [B, H, K, D] holds in order."""
+    k = g.tensors[pos].numel
+    if k == 1:
+        return True
+    c, v = g.tensors[g.root(cache)], g.tensors[val]
+    return g.tensors[pos].dtype == torch.int64 and len(g.tensors[pos].shape) == 1 and len(c.shape) == 4 \
+        and tuple(v.shape) == (c.shape[0], c.shape[1], k, c.shape[3])
 
 
 def _roll_index(g: Graph, t: str, n: int) -> bool:
@@ -375,7 +391,7 @@ def _attention(g: Graph, weights: dict[str, torch.Tensor]) -> int:
             mask_kind = 0
             if ins["pos"] is None:   # a mask fusec cannot prove causal: the attention reads it
                 ins["pos"], ins["mask"] = _write_position(g, new_ops, kc[0]), mask
-                mask_kind = _mask_kind(g, mask, rows, g.tensors[q].shape[0])
+                mask_kind = _mask_kind(g, mask, rows, g.tensors[q].shape[0], g.tensors[q].shape[2])
         if mask_kind is None or ins["pos"] is None:
             log.info("attention %s left generic (mask or cache layout not recognized)", o.name)
             new_ops.append(o)
@@ -392,23 +408,26 @@ def _attention(g: Graph, weights: dict[str, torch.Tensor]) -> int:
 
 def _write_position(g: Graph, ops_before: list[Op], cache: str) -> str | None:
     """The position tensor of the last ``kv_write`` into ``cache`` before the attention (int64,
-    one element): the row this step wrote. A masked attention reads every row (the mask
-    decides); its ``pos`` input orders it after the write."""
+    one element, or K of them for K query tokens): the row(s) this step wrote. A masked
+    attention reads every row (the mask decides); its ``pos`` input orders it after the write."""
     for o in reversed(ops_before):
         if o.kind == "kv_write" and g.root(o.outputs["cache"]) == cache:
             p = o.inputs["pos"]
-            return p if g.tensors[p].dtype == torch.int64 and g.tensors[p].numel == 1 else None
+            return p if g.tensors[p].dtype == torch.int64 else None
     return None
 
 
-def _mask_kind(g: Graph, mask: str, length: int, batch: int = 1) -> int | None:
+def _mask_kind(g: Graph, mask: str, length: int, batch: int = 1, tokens: int = 1) -> int | None:
     """1 for a bool mask (True: attend), 2 for an additive float mask, over the ``length`` rows
-    of the attention's cache only: one mask for every head (numel == length), or with a batch of
-    ``batch`` sequences one row per sequence ([batch, 1, 1, length]: HF's mask from a left-padded
-    ``attention_mask``); None otherwise."""
+    of the attention's cache only: one mask for every head (numel == length), or [Bm, 1, Km,
+    length] with Bm 1 or ``batch`` (one row per sequence: HF's mask from a left-padded
+    ``attention_mask``) and Km 1 or ``tokens`` (one row per query token: HF's causal mask over
+    a static cache for K query tokens); None otherwise."""
     info = g.tensors[mask]
-    if info.shape[-1] != length or info.numel not in (length, batch * length) \
-            or (info.numel != length and (len(info.shape) != 4 or info.shape[0] != batch)):
+    if info.shape[-1] != length:
+        return None
+    if info.numel != length and (len(info.shape) != 4 or info.shape[0] not in (1, batch)
+                                 or info.shape[1] != 1 or info.shape[2] not in (1, tokens)):
         return None
     if info.dtype == torch.bool:
         return 1

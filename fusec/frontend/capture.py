@@ -25,6 +25,10 @@ stage_log = logging.getLogger("fusec")
 
 _IGNORED_CALLS = ("_log_api_usage_once",)
 
+#: the most query tokens per sequence a step takes (speculative decoding verifies K <= 8 draft
+#: tokens; a longer query is a prefill, which runs eagerly)
+MAX_QUERY_TOKENS = 8
+
 
 def node_source(node: torch.fx.Node) -> str:
     """``file:line code`` of the innermost model frame recorded for an FX node, or ''."""
@@ -41,14 +45,15 @@ def _val(node: Any) -> Any:
 
 
 def check_decode_step(gm: torch.fx.GraphModule) -> None:
-    """Raise :class:`NotDecodeStepError` unless every attention call sees one query token per
-    sequence and reads a static KV cache.
+    """Raise :class:`NotDecodeStepError` unless every attention call sees a fixed number of query
+    tokens per sequence, at most :data:`MAX_QUERY_TOKENS`, and reads a static KV cache.
 
-    A decode step (a batch of B sequences, one new token each) has at least one SDPA call, or
-    eager attention that :func:`fusec.frontend.eager_attention.rewrite_eager_attention` makes
-    one, whose query is [B, heads, 1, head_dim] with B a fixed size (any B >= 1; docs/batch.md
-    says which kinds take B > 1 and which ops then stay generic); a prefill has more than one
-    query position, and a batch size that varies between calls (a symbolic dim 0) is refused.
+    A decode step (a batch of B sequences, K new tokens each: K = 1, or speculative decoding's
+    verification of K draft tokens) has at least one SDPA call, or eager attention that
+    :func:`fusec.frontend.eager_attention.rewrite_eager_attention` makes one, whose query is
+    [B, heads, K, head_dim] with B and K fixed sizes (docs/batch.md says which kinds take B * K
+    > 1 rows and which ops then stay generic); a prefill has more query positions, and a batch
+    size or a query length that varies between calls (a symbolic dim 0 or 2) is refused.
     A key that is a ``torch.cat`` of the past keys and the new one (HF ``DynamicCache``) changes
     shape every step: the message says to use a StaticCache. Eager attention that is not SDPA
     (its weights returned, logit softcapping): the message says why, at the model's source line.
@@ -67,13 +72,17 @@ def check_decode_step(gm: torch.fx.GraphModule) -> None:
         if q is None:
             continue
         n += 1
-        if q.dim() != 4 or not isinstance(q.shape[0], int) or q.shape[2] != 1:
+        if q.dim() != 4 or not isinstance(q.shape[0], int) or not isinstance(q.shape[2], int) \
+                or not 1 <= q.shape[2] <= MAX_QUERY_TOKENS:
             shape = ", ".join(str(d) if isinstance(d, int) else f"{d} (varies between calls)" for d in q.shape)
-            what = ("a batch size that varies" if q.dim() == 4 and not isinstance(q.shape[0], int) else
-                    f"{q.shape[2]} query tokens" if q.dim() == 4 else f"a {q.dim()}-D query")
+            what = (f"a {q.dim()}-D query" if q.dim() != 4 else
+                    "a batch size that varies" if not isinstance(q.shape[0], int) else
+                    "a query length that varies" if not isinstance(q.shape[2], int) else
+                    f"{q.shape[2]} query tokens, more than {MAX_QUERY_TOKENS}")
             raise NotDecodeStepError(
                 f"not a single-token decode step ({what}): attention query has shape ({shape}) "
-                f"(the query length must be 1, the batch a fixed size) at {node_source(node) or node.name}")
+                f"(the batch and the query length must be fixed sizes, the query length at most "
+                f"{MAX_QUERY_TOKENS}) at {node_source(node) or node.name}")
     if n == 0:
         raise NotDecodeStepError("not a decode step: the graph has no attention call")
     for _, _, key in calls:

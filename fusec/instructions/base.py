@@ -108,15 +108,17 @@ class Instruction:
     by the ``fuse`` pass; a kind without rules runs only ops already of its kind. ``call``: the
     device call its template's function takes (:class:`fusec.instructions.call.Call`), from
     which codegen makes the arguments dict and the dispatch case; without it the template's
-    ``call(a)`` macro writes the case from ``cuda_args``. ``max_batch``: the largest batch B
-    (sequences per decode step, :meth:`fusec.ir.Graph.batch`) one op of the kind computes; the
-    ``fuse`` pass applies none of its rules to a step of a larger batch (those ops stay generic,
-    whose semantics take any B: docs/batch.md)."""
+    ``call(a)`` macro writes the case from ``cuda_args``. ``max_rows``: the most activation rows
+    one op of the kind computes: a step's ``B * K`` (B sequences of K query tokens each,
+    :meth:`fusec.ir.Graph.rows`); the ``fuse`` pass applies none of its rules to a step of more
+    rows (those ops stay generic, whose semantics take any B and K: docs/batch.md). A kind whose
+    op tells sequences from query tokens (attention, RoPE, a KV write) and raises ``max_rows``
+    checks the shapes it takes in its rule."""
 
     name: ClassVar[str] = ""
     rules: ClassVar[tuple[Any, ...]] = ()
     call: ClassVar[Any] = None
-    max_batch: ClassVar[int] = 1
+    max_rows: ClassVar[int] = 1
 
     @classmethod
     def tiles(cls, op: Op, g: Graph, want: int) -> list[Tile]:

@@ -36,7 +36,7 @@ def _one_vector(g: Graph, m: dict) -> bool:
 @register
 class Matvec(TakesPrologue, Instruction):
     name = "matvec"
-    max_batch = MAX_SEQS
+    max_rows = MAX_SEQS
     #: any linear layer no other rule took (it keeps the linear's name)
     rules = (Rule(sem("linear", x=var("x"), w=var("w"), b=opt(var("b"))), inputs={"x": "x", "w": "w", "b": "b"},
                   outputs={"out": "_anchor.out"}, check=_one_vector, attrs=batch_attrs, priority=70,

@@ -34,7 +34,7 @@ def _same_size(g: Graph, m: dict) -> bool:
 @register
 class MatvecResidual(Instruction):
     name = "matvec_residual"
-    max_batch = MAX_SEQS
+    max_rows = MAX_SEQS
     #: linear (no bias) + residual ``aten.add``, either operand order
     rules = (Rule(op("aten.add.Tensor", var("residual"), sem("linear", bind="y", x=var("x"), w=var("w"), b=ABSENT),
                      commutative=True),

@@ -297,12 +297,10 @@ class Graph:
                 out[o.kind] = out.get(o.kind, 0) + 1
         return dict(sorted(out.items()))
 
-    def batch(self) -> int:
-        """The decode step's batch B: the largest dim 0 of its attention queries (``attention``
-        and ``fusec.sdpa`` ops' ``q``, [B, Hq, 1, D]); 1 for a graph without attention. The
-        capture accepts a step only where every query has one token per sequence and a fixed
-        B (:func:`fusec.frontend.capture.check_decode_step`); docs/batch.md."""
-        b = 1
+    def _queries(self) -> list[tuple[int, ...]]:
+        """The shapes of the step's attention queries (``attention`` and ``fusec.sdpa`` ops'
+        ``q``) that are [B, Hq, K, D]."""
+        shapes = []
         for op in self.ops:
             q = None
             if op.kind == "attention":
@@ -310,8 +308,27 @@ class Graph:
             elif op.kind == "fusec.sdpa.default" and isinstance(op.attrs.get("args", (None,))[0], Ref):
                 q = op.inputs.get(op.attrs["args"][0].slot)
             if q is not None and len(self.tensors[q].shape) == 4:
-                b = max(b, int(self.tensors[q].shape[0]))
-        return b
+                shapes.append(tuple(int(d) for d in self.tensors[q].shape))
+        return shapes
+
+    def batch(self) -> int:
+        """The decode step's batch B: the largest dim 0 of its attention queries ([B, Hq, K, D]);
+        1 for a graph without attention. The capture accepts a step only where every query has a
+        fixed B and K (:func:`fusec.frontend.capture.check_decode_step`); docs/batch.md."""
+        return max([s[0] for s in self._queries()], default=1)
+
+    def query_tokens(self) -> int:
+        """K, the query tokens per sequence of the step: the largest dim 2 of its attention
+        queries (1 for a decode step, K > 1 for speculative decoding's verification of K draft
+        tokens; docs/batch.md); 1 for a graph without attention."""
+        return max([s[2] for s in self._queries()], default=1)
+
+    def rows(self) -> int:
+        """The step's activation rows ``B * K`` (sequences times query tokens each): the rows of
+        a ``linear``'s x, of the hidden states. An instruction kind takes a step only where its
+        ``max_rows`` is at least this (:class:`fusec.instructions.base.Instruction`, the ``fuse``
+        pass); 1 for a graph without attention."""
+        return max([s[0] * s[2] for s in self._queries()], default=1)
 
     # -- checking and printing ----------------------------------------------------------
     def check(self, stage: str = "") -> None:

@@ -138,28 +138,57 @@ def _in_range(op: Op, what: str, value: int, bound: int, code: Fault) -> int:
 
 @semantic("kv_write")
 def _kv_write(op: Op, env: Env) -> None:
+    """``cache[:, :, pos] = val``: one row per (sequence, head) at ``pos``, or with K positions
+    (``pos`` [K], K query tokens per sequence) the K rows of ``val`` [B, H, K, D] at them; a
+    position outside the cache is fault KV_POS (nothing written)."""
     cache = env.read(op.outputs["cache"])
-    pos = _in_range(op, "KV-cache write position", int(env.read(op.inputs["pos"]).reshape(-1)[0]),
-                    cache.shape[2], Fault.KV_POS)
     val = env.read(op.inputs["val"])
-    cache[:, :, pos] = val.reshape(cache.shape[0], cache.shape[1], -1).to(cache.dtype)
+    ps = env.read(op.inputs["pos"]).reshape(-1)
+    if ps.numel() == 1:
+        pos = _in_range(op, "KV-cache write position", int(ps[0]), cache.shape[2], Fault.KV_POS)
+        cache[:, :, pos] = val.reshape(cache.shape[0], cache.shape[1], -1).to(cache.dtype)
+        return
+    rows = [_in_range(op, "KV-cache write position", int(p), cache.shape[2], Fault.KV_POS) for p in ps]
+    cache[:, :, rows] = val.reshape(cache.shape[0], cache.shape[1], len(rows), -1).to(cache.dtype)
+
+
+def mask_rows(mask: torch.Tensor, length: int) -> tuple[torch.Tensor, int, int]:
+    """An attention mask as ``[Bm, Km, length]`` with its Bm (1: every sequence, or one per
+    sequence) and Km (1: every query token, or one per query token): a mask of ``length``
+    elements serves all; a 4-D mask [Bm, 1, Km, length] (HF's) has one row per sequence and per
+    query token."""
+    if mask.numel() == length:
+        return mask.reshape(1, 1, length), 1, 1
+    bm, km = mask.shape[0], mask.shape[-2]
+    return mask.reshape(bm, km, length), bm, km
 
 
 @semantic("attention")
 def _attention(op: Op, env: Env) -> None:
-    """Decode attention of each sequence b of the batch: q [B, Hq, 1, D] over its own cache rows
-    k, v [B, Hkv, L, D]; a mask of L elements serves every sequence, one of B * L elements
-    ([B, 1, 1, L]) gives each its own row."""
+    """Decode attention of each sequence b of the batch and each of its K query tokens: q [B,
+    Hq, K, D] over its own cache rows k, v [B, Hkv, L, D]; a mask of L elements serves every
+    sequence, a 4-D one [Bm, 1, Km, L] gives each sequence (Bm = B) and each query token (Km
+    = K) its own row (:func:`mask_rows`). Without a mask (K = 1 only) rows [0, pos] attend."""
     info = env.g.tensors[op.outputs["out"]]
     kb, vb = env.read(op.inputs["k"]), env.read(op.inputs["v"])
-    B = kb.shape[0]
+    B, L = kb.shape[0], kb.shape[2]
+    qshape = env.g.tensors[op.inputs["q"]].shape
+    K = int(qshape[2]) if len(qshape) == 4 else 1
+    if K > 1:   # K query tokens per sequence: the mask decides (causal among them and the cache)
+        qb = env.read(op.inputs["q"]).reshape(B, -1, K, kb.shape[-1])
+        m, bm, km = mask_rows(env.read(op.inputs["mask"]), L)
+        o = torch.stack([torch.stack([attend(qb[b, :, t], kb[b], vb[b], L, op.attrs["scale"],
+                                             m[b % bm, t % km], op.attrs.get("mask_kind", 0))
+                                      for t in range(K)], 1) for b in range(B)])
+        env.set(op.outputs["out"], o.to(info.dtype).reshape(info.shape))
+        return
     qb = env.read(op.inputs["q"]).reshape(B, -1, kb.shape[-1])
     mask = env.read(op.inputs["mask"]) if "mask" in op.inputs else None
     # a mask decides over every cache row; without one the step attends rows [0, pos]
-    length = kb.shape[2] if mask is not None else \
-        _in_range(op, "attention position", int(env.read(op.inputs["pos"]).reshape(-1)[0]), kb.shape[2], Fault.ATTN_POS) + 1
+    length = L if mask is not None else \
+        _in_range(op, "attention position", int(env.read(op.inputs["pos"]).reshape(-1)[0]), L, Fault.ATTN_POS) + 1
     if mask is not None:
-        mask = mask.reshape(-1, kb.shape[2])
+        mask = mask.reshape(-1, L)
     o = torch.stack([attend(qb[b], kb[b], vb[b], length, op.attrs["scale"],
                             None if mask is None else mask[b % mask.shape[0]], op.attrs.get("mask_kind", 0))
                      for b in range(B)])

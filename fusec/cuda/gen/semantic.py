@@ -140,14 +140,24 @@ def _gelu_mul(ctx: Ctx) -> None:
 
 @emitter("kv_write")
 def _kv_write(ctx: Ctx) -> None:
-    """cache[:, :, pos] = val (in place); an out-of-range pos is fault KV_POS, no write. The
+    """cache[:, :, pos] = val (in place); an out-of-range pos is fault KV_POS, no write. With K
+    positions (``pos`` [K], K query tokens per sequence) the K rows of val [B, H, K, D]. The
     cache's rows L may be a run-time length (:meth:`Ctx.length`)."""
     cache, pos, val = ctx.op.outputs["cache"], ctx.op.inputs["pos"], ctx.op.inputs["val"]
     B, H, _, D = ctx.shape(cache)
-    if ctx.numel(val) != B * H * D:
+    K = ctx.numel(pos)   # K query tokens per sequence: K rows, val [B, H, K, D]
+    if ctx.numel(val) != B * H * K * D:
         raise ctx.fail(f"kv_write of {ctx.shape(val)} into {ctx.shape(cache)}")
     ix = ctx.index_type()
     L = ctx.length(cache, 2)
+    if K > 1:   # every position checked before any row is written (a fault writes nothing)
+        ctx.emit(f"for (int k_ = 0; k_ < {K}; ++k_)",
+                 f"  if (!index_ok({ctx.load_as(pos, 'k_', 'i64')}, {L}, {int(Fault.KV_POS)})) return;",
+                 ctx.loop(B * H * K * D, "i", ix),
+                 f"  const i64 p = {ctx.load_as(pos, f'i / {D} % {K}', 'i64')};",
+                 f"  {ctx.store(cache, f'(i / {K * D} * {L} + p) * {D} + i % {D}', ctx.load(val, 'i'), ctx.ctype(val))}",
+                 "}")
+        return
     ctx.emit(f"const i64 p = {ctx.load_as(pos, '0', 'i64')};",
              f"if (!index_ok(p, {L}, {int(Fault.KV_POS)})) return;",
              ctx.loop(B * H * D, "i", ix),
@@ -210,6 +220,10 @@ def _attention(ctx: Ctx) -> None:
     kshape = ctx.shape(k)
     if len(kshape) != 4:
         raise ctx.fail(f"attention over a cache of shape {kshape}")
+    qshape = ctx.shape(q)
+    if len(qshape) == 4 and qshape[2] > 1:
+        _attention_tokens(ctx)
+        return
     B, hkv, _, D = kshape
     L = ctx.length(k, 2)
     hq = ctx.numel(q) // (B * D)
@@ -234,6 +248,37 @@ def _attention(ctx: Ctx) -> None:
         [f"const int b_ = h / {hq}; const int kh = b_ * {hkv} + (h % {hq}) / {hq // hkv};"]
     _attend_rows(ctx, rows=B * hq, D=D, Dv=D, q_off=f"h * {D}", k_row=f"(kh * {L} + t) * {D}",
                  v_row=f"(kh * {Lv} + t) * {D}", n_keys="n", scale=op.attrs["scale"], out_off=f"h * {D}",
+                 q=q, k=k, v=v, mask_expr=mexpr, mask_kind=kind, setup=setup)
+
+
+def _attention_tokens(ctx: Ctx) -> None:
+    """Attention of K > 1 query tokens per sequence (speculative decoding's verification step):
+    q [B, Hq, K, D] over caches [B, Hkv, L, D], one warp per (sequence, query head, token); the
+    mask [Bm, 1, Km, L] (Bm 1 or B, Km 1 or K) decides over every cache row (mask_kind 1 or 2:
+    HF's causal mask over the cache, token k attends rows <= pos0 + k). ``pos`` (the rows the
+    step's KV write wrote) is checked at its first element (fault ATTN_POS) and orders the
+    attention after the write."""
+    op = ctx.op
+    q, k, v, pos, mask = op.inputs["q"], op.inputs["k"], op.inputs["v"], op.inputs["pos"], op.inputs.get("mask")
+    B, hkv, _, D = ctx.shape(k)
+    K = ctx.shape(q)[2]
+    L, Lv = ctx.length(k, 2), ctx.length(v, 2)
+    hq = ctx.shape(q)[1]
+    kind = int(op.attrs.get("mask_kind", 0)) if mask is not None else 0
+    mshape = ctx.shape(mask) if mask is not None else ()
+    if kind not in (1, 2) or hq % hkv or tuple(ctx.shape(q)) != (B, hq, K, D) or ctx.numel(ctx.out) != B * hq * K * D \
+            or len(mshape) != 4 or mshape[0] not in (1, B) or mshape[2] not in (1, K) or mshape[-1] != ctx.shape(k)[2]:
+        raise ctx.fail(f"attention of q {ctx.shape(q)} over {ctx.shape(k)} with mask {mshape} (kind {kind})")
+    ctx.emit(f"const i64 p = {ctx.load_as(pos, '0', 'i64')};",
+             f"if (!index_ok(p, {L}, {int(Fault.ATTN_POS)})) return;")
+    mb = "b_" if mshape[0] > 1 else "0"
+    mk = "k_" if mshape[2] > 1 else "0"
+    t = f"({mb} * {mshape[2]} + {mk}) * {L} + t"
+    mexpr = ctx.load_as(mask, t, "bool" if kind == 1 else "float")
+    setup = [f"const int b_ = h / {hq * K}, k_ = h % {K}; (void)k_;",
+             f"const int kh = b_ * {hkv} + (h / {K} % {hq}) / {hq // hkv};"]
+    _attend_rows(ctx, rows=B * hq * K, D=D, Dv=D, q_off=f"h * {D}", k_row=f"(kh * {L} + t) * {D}",
+                 v_row=f"(kh * {Lv} + t) * {D}", n_keys=str(L), scale=op.attrs["scale"], out_off=f"h * {D}",
                  q=q, k=k, v=v, mask_expr=mexpr, mask_kind=kind, setup=setup)
 
 
