@@ -175,6 +175,7 @@ def _attention(op: Op, env: Env) -> None:
     qshape = env.g.tensors[op.inputs["q"]].shape
     K = int(qshape[2]) if len(qshape) == 4 else 1
     if K > 1:   # K query tokens per sequence: the mask decides (causal among them and the cache)
+        _in_range(op, "attention position", int(env.read(op.inputs["pos"]).reshape(-1)[0]), L, Fault.ATTN_POS)
         qb = env.read(op.inputs["q"]).reshape(B, -1, K, kb.shape[-1])
         m, bm, km = mask_rows(env.read(op.inputs["mask"]), L)
         o = torch.stack([torch.stack([attend(qb[b, :, t], kb[b], vb[b], L, op.attrs["scale"],
