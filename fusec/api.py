@@ -125,7 +125,7 @@ def compile_model(model: torch.nn.Module, args: tuple, kwargs: dict | None = Non
     found: list[tuple] = []
 
     def backend(gm, example_inputs, **_):
-        check_decode_step(gm)
+        check_decode_step(gm, opts.query_tokens)
 
         def compiler(aten_gm, ex):
             g = build_ir(aten_gm, ex, dump)

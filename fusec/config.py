@@ -50,6 +50,9 @@ MODES = {None: False, "default": False, "reduce-overhead": True, "max-autotune":
 #: = 4 at most: 528 on an H200); 1024 is above that on any GPU, and the schedule, the simulator's
 #: state and the compile time grow with it (``num_sms=10**8`` took 229 s and 17.8 GB on a tiny model)
 MAX_NUM_SMS = 1024
+#: the most query tokens per sequence a step takes (speculative decoding verifies K <= 8 draft
+#: tokens; a longer query is a prefill, which runs eagerly)
+MAX_QUERY_TOKENS = 8
 #: the longest ``max_cache_len`` (rows): the causal-mask proof and the position tables at 2**20
 #: rows took 12 s and 5 GB on a tiny model (2**22: 65 s, 17.6 GB)
 MAX_CACHE_LEN = 1 << 20
@@ -113,6 +116,7 @@ _RULES = {
     "cache_max_mb": _int(0),
     "max_cache_len": _int(1, MAX_CACHE_LEN, none=True),
     "position_rows": _int(1, MAX_CACHE_LEN, none=True),
+    "query_tokens": _int(1, MAX_QUERY_TOKENS),
 }
 
 
@@ -224,6 +228,12 @@ class Options:
             computes (HF's sliding-window caches: a rolled window's positions pass every
             cache's rows) to ``max_cache_len`` or :data:`DEFAULT_MAX_CACHE_LEN`; a call past it
             runs eagerly (one line).
+        query_tokens: the most query tokens per sequence a compiled step takes (K, at most
+            :data:`MAX_QUERY_TOKENS`): 1, a decode step of one new token per sequence; K > 1, the
+            verification step of speculative decoding (docs/batch.md). Default 1: a K-token step
+            runs every op as a generic instruction on one SM (no fused kind takes K rows yet),
+            so a short prefill through the compiled model (which has the same graph) would be
+            far slower than on the fallback backend; with 1 it falls back as before.
     """
 
     target: str | None = _opt(None)
@@ -249,6 +259,7 @@ class Options:
     cache_max_mb: int = _opt(4096)
     max_cache_len: int | None = _opt(None)   # the IR's capacity: in the captured graph's key already
     position_rows: int | None = _opt(None, lowering=lambda v: v)
+    query_tokens: int = _opt(1)   # which graphs capture accepts: in the captured graph's key already
 
     @property
     def graph_launch(self) -> bool:

@@ -21,16 +21,20 @@ def _ops(g):
     return [o for o in g.ops for o in ([o] if o.kind != "chain" else o.attrs["ops"])]
 
 
+#: the option that lets a compiled step take K > 1 query tokens (default 1: fusec.config.Options)
+OPTS = {"query_tokens": 8}
+
+
 def k_steps_against_eager(model, k: int, seed: int, prompts=PROMPTS, length: int = 32):
     """For each prompt length of ``prompts``: a random prompt prefilled eagerly on two
     StaticCaches of ``length`` rows, then one step of ``k`` random tokens and one of a single
-    token, each through ``torch.compile(model, backend="fusec")`` (default options) and eagerly:
+    token, each through ``torch.compile(model, backend="fusec", options=OPTS)`` and eagerly:
     (the largest relative logits error of any one query row of any step, the FallbackWatch, the
     largest relative error of the caches after the steps)."""
     gen = torch.Generator().manual_seed(seed)
     vocab = model.config.vocab_size
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend="fusec")
+    compiled = torch.compile(model, backend="fusec", options=OPTS)
     err, cache_err = 0.0, 0.0
     with FallbackWatch() as w, torch.no_grad():
         for n in prompts:
@@ -124,7 +128,7 @@ def test_query_length_that_varies_or_exceeds_eight_falls_back_with_a_line(caplog
     gen = torch.Generator().manual_seed(9)
     caches = [hf_tiny.static_cache(model, 48) for _ in range(2)]
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend="fusec")
+    compiled = torch.compile(model, backend="fusec", options=OPTS)
     with torch.no_grad(), caplog.at_level(logging.WARNING, logger="fusec"), FallbackWatch() as w:
         prompt = torch.randint(0, 128, (1, 4), generator=gen)
         for c in caches:
@@ -136,7 +140,7 @@ def test_query_length_that_varies_or_exceeds_eight_falls_back_with_a_line(caplog
             assert ((a - b).norm() / b.norm()).item() < 1e-5
         assert len(w.fallbacks) == 1, w.fallbacks
         torch._dynamo.reset()
-        compiled = torch.compile(model, backend="fusec")
+        compiled = torch.compile(model, backend="fusec", options=OPTS)
         fresh = [hf_tiny.static_cache(model, 48) for _ in range(2)]
         prompt = torch.randint(0, 128, (1, 12), generator=gen)
         a = compiled(input_ids=prompt, past_key_values=fresh[0], use_cache=True).logits
@@ -148,6 +152,26 @@ def test_query_length_that_varies_or_exceeds_eight_falls_back_with_a_line(caplog
     assert len(msgs) == 2, msgs
     assert "(a query length that varies)" in msgs[0], msgs
     assert "(12 query tokens, more than 8)" in msgs[1], msgs
+
+
+def test_by_default_a_short_prefill_falls_back_as_before(caplog):
+    """With default options (``query_tokens`` 1) a 4-token call (a short prefill through the
+    compiled model has the graph of a K = 4 step) falls back with one line naming the option,
+    equal to eager, and the decode step after it compiles in fusec."""
+    model = hf_tiny.llama()
+    gen = torch.Generator().manual_seed(12)
+    caches = [hf_tiny.static_cache(model, 32) for _ in range(2)]
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fusec")
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="fusec"), FallbackWatch() as w:
+        for n in (4, 1):
+            tok = torch.randint(0, 128, (1, n), generator=gen)
+            a = compiled(input_ids=tok, past_key_values=caches[0], use_cache=True).logits
+            b = model(input_ids=tok, past_key_values=caches[1], use_cache=True).logits
+            assert ((a - b).norm() / b.norm()).item() < 1e-5
+    torch._dynamo.reset()
+    assert w.compiled == 1 and len(w.fallbacks) == 1, (w.compiled, w.fallbacks)
+    assert "(4 query tokens, more than 1; option query_tokens=4 takes it" in w.fallbacks[0]
 
 
 def test_hf_assisted_decoding_refuses_a_static_cache():
@@ -179,7 +203,7 @@ def test_k_token_kernel_compiles_with_nvrtc(steps):
         with torch.no_grad():
             model(input_ids=torch.randint(0, 128, (1, 5), generator=gen), past_key_values=caches, use_cache=True)
             torch._dynamo.reset()
-            compiled = torch.compile(model, backend="fusec")
+            compiled = torch.compile(model, backend="fusec", options=OPTS)
             compiled(input_ids=torch.randint(0, 128, (1, 4), generator=gen), past_key_values=caches, use_cache=True)
         torch._dynamo.reset()
         step = steps[-1]

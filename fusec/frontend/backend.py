@@ -84,7 +84,7 @@ def _tensor_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], opts: Opt
     if symbolic.is_symbolic(gm) or _symbolic(example_inputs):
         # dynamo's dynamic shapes (a second cache length, dynamic=True, mark_dynamic)
         try:
-            check_decode_step(gm)
+            check_decode_step(gm, opts.query_tokens)
         except FallbackRequired as e:   # one line for the graph, not one per shape
             warn_fallback("fusec: %s; using %s", e, opts.fallback)
             return fallback(gm, example_inputs, opts.fallback)
@@ -181,7 +181,7 @@ def _compile(gm: torch.fx.GraphModule, args: list[Any], opts: Options, symbolic_
     from torch._guards import TracingContext, tracing
     try:
         if not symbolic_sizes:
-            check_decode_step(gm)
+            check_decode_step(gm, opts.query_tokens)
         target, opts = _step_target(args, opts)
         dump = Dumper(opts.dump_dir)
         spec = symbolic.symbolic_dims(gm) if symbolic_sizes else None

@@ -18,16 +18,13 @@ from torch._decomp import core_aten_decompositions
 
 from fusec.frontend.custom_ops import SDPA_TARGETS, rewrite_sdpa
 from fusec.frontend.eager_attention import find_eager_attention, rewrite_eager_attention
+from fusec.config import MAX_QUERY_TOKENS
 from fusec.errors import NotDecodeStepError
 
 log = logging.getLogger("fusec.frontend.capture")
 stage_log = logging.getLogger("fusec")
 
 _IGNORED_CALLS = ("_log_api_usage_once",)
-
-#: the most query tokens per sequence a step takes (speculative decoding verifies K <= 8 draft
-#: tokens; a longer query is a prefill, which runs eagerly)
-MAX_QUERY_TOKENS = 8
 
 
 def node_source(node: torch.fx.Node) -> str:
@@ -44,9 +41,10 @@ def _val(node: Any) -> Any:
     return node.meta.get("example_value", node.meta.get("val")) if isinstance(node, torch.fx.Node) else None
 
 
-def check_decode_step(gm: torch.fx.GraphModule) -> None:
+def check_decode_step(gm: torch.fx.GraphModule, query_tokens: int = 1) -> None:
     """Raise :class:`NotDecodeStepError` unless every attention call sees a fixed number of query
-    tokens per sequence, at most :data:`MAX_QUERY_TOKENS`, and reads a static KV cache.
+    tokens per sequence, at most ``query_tokens`` (the option of that name, at most
+    :data:`fusec.config.MAX_QUERY_TOKENS`), and reads a static KV cache.
 
     A decode step (a batch of B sequences, K new tokens each: K = 1, or speculative decoding's
     verification of K draft tokens) has at least one SDPA call, or eager attention that
@@ -73,16 +71,18 @@ def check_decode_step(gm: torch.fx.GraphModule) -> None:
             continue
         n += 1
         if q.dim() != 4 or not isinstance(q.shape[0], int) or not isinstance(q.shape[2], int) \
-                or not 1 <= q.shape[2] <= MAX_QUERY_TOKENS:
+                or not 1 <= q.shape[2] <= query_tokens:
             shape = ", ".join(str(d) if isinstance(d, int) else f"{d} (varies between calls)" for d in q.shape)
             what = (f"a {q.dim()}-D query" if q.dim() != 4 else
                     "a batch size that varies" if not isinstance(q.shape[0], int) else
                     "a query length that varies" if not isinstance(q.shape[2], int) else
-                    f"{q.shape[2]} query tokens, more than {MAX_QUERY_TOKENS}")
+                    f"{q.shape[2]} query tokens, more than {query_tokens}" +
+                    ("" if query_tokens >= MAX_QUERY_TOKENS or q.shape[2] > MAX_QUERY_TOKENS else
+                     f"; option query_tokens={q.shape[2]} takes it as speculative decoding's verification"))
             raise NotDecodeStepError(
                 f"not a single-token decode step ({what}): attention query has shape ({shape}) "
                 f"(the batch and the query length must be fixed sizes, the query length at most "
-                f"{MAX_QUERY_TOKENS}) at {node_source(node) or node.name}")
+                f"{query_tokens}) at {node_source(node) or node.name}")
     if n == 0:
         raise NotDecodeStepError("not a decode step: the graph has no attention call")
     for _, _, key in calls:
