@@ -297,7 +297,7 @@ def test_run_fails_loudly_on_a_fallback(monkeypatch):
     from fusec.cli import run_step_timing
     from fusec.errors import FusecError, NotDecodeStepError
 
-    def refuse(gm):
+    def refuse(gm, query_tokens=1):
         raise NotDecodeStepError("refused by the test")
     monkeypatch.setattr(fusec.frontend.backend, "check_decode_step", refuse)
     with pytest.raises(FusecError, match="FUSEC FELL BACK.*refused by the test"):
