@@ -26,9 +26,14 @@ if _THREADS is not None:
     torch.set_num_threads(_THREADS)
 
 sys.path.insert(0, os.path.dirname(__file__))
-# The artifact cache (fusec/cache/artifacts.py) is off in the tests, so that no test depends on
-# what an earlier run left in ~/.cache/fusec; tests/test_artifact_cache.py turns it on itself.
+# The artifact cache (fusec/cache/artifacts.py) never reads what an earlier run left in
+# ~/.cache/fusec: outside a run-wide folder (below) it is off, and the tests of the cache itself
+# (tests/test_artifact_cache.py, test_warm_start.py, test_precompiled.py) turn it on in folders of
+# their own.
 os.environ.setdefault("FUSEC_CACHE", "0")
+#: the run-wide artifact cache folder, made empty by the run's first process (pytest_configure,
+#: inherited by xdist's workers); "" where FUSEC_CACHE was set by whoever started the run
+SHARED_CACHE_ENV = "FUSEC_TEST_SHARED_CACHE"
 
 
 #: test files whose tests share nothing and may run in any order (each builds its own model):
@@ -84,3 +89,82 @@ def steps(monkeypatch):
     schedules fusec compiled behind ``torch.compile``)."""
     import step_util
     return step_util.record_compiled_steps(monkeypatch)
+
+
+def pytest_configure(config):
+    """A run-wide artifact cache, shared by the tests (and xdist's workers) of this run only: a
+    decode step that several tests compile alike (the same captured graph, options and fusec
+    source: the cache's key) is lowered once, later compiles load it (AOT autograd and the passes
+    skipped, :mod:`fusec.frontend.warm`) and a generate() path's dynamo trace is loaded too
+    (:mod:`fusec.frontend.precompiled`). The folder is new and empty for each run and removed
+    after it: no test reads what another run left. Tests that change fusec's state with
+    ``monkeypatch`` (a module constant, an env knob: what the key cannot see) run with the cache
+    off (:func:`_run_wide_artifact_cache`). Off where the run was started with FUSEC_CACHE set."""
+    if hasattr(config, "workerinput") or SHARED_CACHE_ENV in os.environ:
+        return   # a worker: the controller made it (its environment is inherited)
+    if os.environ.get("FUSEC_CACHE", "0") != "0" or "FUSEC_CACHE_DIR" in os.environ:
+        os.environ[SHARED_CACHE_ENV] = ""
+        return
+    import tempfile
+    folder = tempfile.mkdtemp(prefix="fusec-test-cache-")
+    os.environ[SHARED_CACHE_ENV] = folder
+    config._fusec_shared_cache = folder
+
+
+def pytest_unconfigure(config):
+    folder = getattr(config, "_fusec_shared_cache", None)
+    if folder:
+        import shutil
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+#: environment variables whose change never makes a cached step stale (the tests of the cache set
+#: them to folders of their own)
+_CACHE_NEUTRAL_ENV = {"FUSEC_CACHE", "FUSEC_CACHE_DIR", "FUSEC_DUMP", "OMP_NUM_THREADS"}
+
+
+def _cache_off_unless_own() -> None:
+    """A test changes fusec's state through monkeypatch: no run-wide cache from here on (unless the
+    test pointed FUSEC_CACHE_DIR at a folder of its own)."""
+    shared = os.environ.get(SHARED_CACHE_ENV)
+    if shared and os.environ.get("FUSEC_CACHE_DIR") == shared:
+        os.environ["FUSEC_CACHE"] = "0"
+
+
+def _watch(name: str):
+    orig = getattr(pytest.MonkeyPatch, name)
+
+    def patched(self, *args, **kwargs):
+        if name in ("setenv", "delenv"):
+            neutral = (args[0] if args else kwargs.get("name")) in _CACHE_NEUTRAL_ENV
+        elif name in ("setitem", "delitem") and args and args[0] is os.environ:   # setenv's own way
+            neutral = len(args) > 1 and args[1] in _CACHE_NEUTRAL_ENV
+        else:   # setattr(target, name, value): the steps fixture's recorder changes nothing cached
+            neutral = getattr(args[2] if len(args) > 2 else kwargs.get("value"), "keeps_cache", False)
+        if not neutral:
+            _cache_off_unless_own()
+        return orig(self, *args, **kwargs)
+    patched.__doc__ = orig.__doc__
+    setattr(pytest.MonkeyPatch, name, patched)
+
+
+for _name in ("setattr", "delattr", "setitem", "delitem", "setenv", "delenv"):
+    _watch(_name)
+
+
+@pytest.fixture(autouse=True)
+def _run_wide_artifact_cache():
+    """Each test starts with the run-wide artifact cache on (:func:`pytest_configure`); the
+    environment is put back after it."""
+    shared = os.environ.get(SHARED_CACHE_ENV)
+    if not shared:
+        yield
+        return
+    saved = {k: os.environ.get(k) for k in ("FUSEC_CACHE", "FUSEC_CACHE_DIR")}
+    os.environ["FUSEC_CACHE"], os.environ["FUSEC_CACHE_DIR"] = "1", shared
+    yield
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v

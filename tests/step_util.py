@@ -35,6 +35,7 @@ def record_compiled_steps(monkeypatch) -> list:
     def record(self, *a, **kw):
         init(self, *a, **kw)
         made.append(self)
+    record.keeps_cache = True   # only records: the run-wide artifact cache stays on (conftest.py)
     monkeypatch.setattr(CompiledStep, "__init__", record)
     return made
 
