@@ -298,12 +298,14 @@ class Graph:
         return dict(sorted(out.items()))
 
     def _queries(self) -> list[tuple[int, ...]]:
-        """The shapes of the step's attention queries (``attention`` and ``fusec.sdpa`` ops'
-        ``q``) that are [B, Hq, K, D]."""
+        """The shapes of the step's attention queries (``attention``, ``attention_partial`` and
+        ``fusec.sdpa`` ops' ``q``) that are [B, Hq, K, D]. ``attention_partial`` counts too: the
+        ``fuse`` pass replaces attentions by it before the rules of later kinds (the batched
+        ``matvec``) and passes (``prologue``) ask for the batch."""
         shapes = []
         for op in self.ops:
             q = None
-            if op.kind == "attention":
+            if op.kind in ("attention", "attention_partial"):
                 q = op.inputs.get("q")
             elif op.kind == "fusec.sdpa.default" and isinstance(op.attrs.get("args", (None,))[0], Ref):
                 q = op.inputs.get(op.attrs["args"][0].slot)
