@@ -51,7 +51,18 @@ level less per layer. The tickets live in spare counters
 
 Shapes: q [Hq*D]; caches [1, Hkv, L, D]; o_part [Hq, C, D] fp32; ml_part [Hq, C, 2] fp32;
 out [Hq*D] in the model dtype; optional mask [L] (attr ``mask_kind`` 1: bool, False rows get
--inf; 2: additive float, added to the scaled scores). With a mask every row of the cache,
+-inf; 2: additive float, added to the scaled scores).
+
+A batch of B <= 16 sequences of one query token each (docs/batch.md; attr ``batch`` B): HF's
+StaticCache holds ``[B, Hkv, L, D]`` contiguous and the queries are ``[B, Hq, 1, D]``, so the
+batch is one attention over B·Hkv KV heads and B·Hq query heads (``n_kv``, ``n_q``): query head
+``b·Hq + h`` reads KV head ``b·Hkv + h // rep``, which is ``(b·Hq + h) // rep``; the output
+``[B, Hq, 1, D]`` is flat the same way. The tiles, the splits (chosen for the B·groups), the
+merges and ``attention_reduce`` are those of batch 1 over more heads. The KV write position is
+shared by the sequences (HF's ``cumulative_length``). The one per-sequence difference is the
+mask of left-padded prompts, ``[B, 1, 1, L]``: with attr ``mask_rows`` B, group ``gi`` reads
+row ``gi // (groups / B)`` (the call passes the template that row's pointer); a mask of one row
+serves every sequence. A batch-1 op has neither attr and renders as before. With a mask every row of the cache,
 ``[0, L)``, is split over the tiles and the mask decides which count (as SDPA does), whatever
 the position; a group whose every row is masked outputs 0 (SDPA's safe softmax). Source:
 ``torch.nn.functional.scaled_dot_product_attention`` with a causal decode mask
@@ -71,7 +82,7 @@ from fusec.ir.semantics import apply_mask
 from fusec.ir.pattern import sem
 from fusec.instructions.base import COST_ROWS, CTA_THREADS, Instruction, Region, Tile, register, split_range
 from fusec.instructions.call import P0, P1, SMEM, Call, Expr, Float, Int, Ptr, Type
-from fusec.instructions.matvec_rows import elt
+from fusec.instructions.matvec_rows import MAX_SEQS, elt
 from fusec.instructions.rule import Ctx, Rule
 
 
@@ -157,13 +168,71 @@ def q_groups(rep: int) -> int:
 
 
 def _kv_head(op: Op, gi: int) -> int:
-    """The KV head whose cache rows query-head group ``gi`` reads."""
+    """The KV head whose cache rows query-head group ``gi`` reads (in a batch, of the flat
+    ``B * Hkv`` heads: sequence ``b``'s head ``h`` is ``b * Hkv + h``)."""
     return gi // op.attrs.get("q_groups", 1)
+
+
+def _mask_row(op: Op, gi: int) -> int:
+    """The mask row query-head group ``gi`` reads: its sequence's where the mask has one row per
+    sequence (attr ``mask_rows`` B: ``groups / B`` groups per sequence), else row 0."""
+    rows = op.attrs.get("mask_rows", 1)
+    return gi // ((op.attrs["n_kv"] * op.attrs.get("q_groups", 1)) // rows)
+
+
+def _mask_arg(op: Op, g: Graph, bufs) -> str:
+    """The mask pointer a tile of ``op`` passes to the template: the mask, or at ``mask_rows``
+    B > 1 its group's sequence row (``in.p0``, the group, over the groups per sequence, times
+    the mask's run-time row length); ``nullptr`` without a mask. The template reads ``[0, L)``
+    from it, so a batch-1 op's call is the one of before."""
+    if "mask" not in op.inputs:
+        return "nullptr"
+    ptr = bufs.ptr(op.inputs["mask"])
+    if op.attrs.get("mask_rows", 1) == 1:
+        return ptr
+    mask = op.inputs["mask"]
+    per_seq = (op.attrs["n_kv"] * op.attrs.get("q_groups", 1)) // op.attrs["mask_rows"]
+    return f"({ptr} + (size_t)(in.p0 / {per_seq}) * {bufs.length(mask, len(g.tensors[mask].shape) - 1)})"
+
+
+def _seqs(g: Graph, att: Op) -> int:
+    """The sequences B of ``att``'s caches ``[B, Hkv, L, D]`` (dim 0)."""
+    return int(g.tensors[g.root(att.inputs["k"])].shape[0])
+
+
+def _mask_rows(g: Graph, att: Op) -> int:
+    """The rows of ``att``'s mask over its ``L`` cache rows: 0 without a mask, 1 for one row that
+    serves every sequence, B for one row per sequence (``[B, 1, 1, L]``, HF's mask of left-padded
+    prompts), -1 for any other layout."""
+    if "mask" not in att.inputs:
+        return 0
+    L = g.tensors[g.root(att.inputs["k"])].shape[2]
+    n, b = g.tensors[att.inputs["mask"]].numel, _seqs(g, att)
+    return 1 if n == L else (b if n == b * L else -1)
+
+
+def takes_attention(g: Graph, m: dict) -> bool:
+    """The rule's check: one query token per sequence (a step of K > 1 query tokens stays
+    generic) over caches ``[B, Hkv, L, D]`` of at most :data:`MAX_SEQS` sequences whose queries
+    are ``[B, Hq, 1, D]`` (any layout of B·Hq·D elements at batch 1), with no mask, one mask row
+    for every sequence, or one per sequence. At B > 1 the batch is an attention over B·Hkv KV
+    heads and B·Hq query heads (query head ``b·Hq + h`` reads KV head ``b·Hkv + h // rep``: the
+    flat layouts of q, the caches and the output), each sequence's groups reading its mask row."""
+    att = m["_anchor"]
+    b = _seqs(g, att)
+    q = g.tensors[att.inputs["q"]]
+    if g.query_tokens() != 1 or b > MAX_SEQS or _mask_rows(g, att) < 0:
+        return False
+    if b == 1:
+        return True
+    return len(q.shape) == 4 and q.shape[0] == b and q.shape[2] == 1
 
 
 def split_attention(c: Ctx, m: dict) -> list[Op]:
     """``attention`` -> ``attention_partial`` (about ``min(ceil(L/16), num_sms // groups)`` splits
-    per query-head group, ``groups = Hkv * q_groups(Hq / Hkv)``,
+    per query-head group, ``groups = B * Hkv * q_groups(Hq / Hkv)`` for B sequences; a batch
+    (B > 1) gets the attrs ``batch`` B and, with a mask of one row per sequence, ``mask_rows`` B:
+    group ``gi`` reads mask row ``gi // (groups / B)``),
     blocks of a multiple of 16 rows, at most :data:`MAX_BLOCK`; L the cache's rows, its capacity
     for a run-time length) whose last tile per group merges (``attention_merge="last_tile"``),
     or ``attention_partial`` + ``attention_reduce`` (``"reduce"``). A non-zero
@@ -172,7 +241,8 @@ def split_attention(c: Ctx, m: dict) -> list[Op]:
     :data:`MAX_BLOCK`): an active split holds up to that many rows while others idle."""
     g, att = c.g, m["_anchor"]
     kc = g.tensors[g.root(att.inputs["k"])]
-    _, nkv, L, d = kc.shape
+    b, hkv, L, d = kc.shape
+    nkv = b * hkv   # a batch of B sequences: B * Hkv KV heads (the cache's flat layout)
     nq = g.tensors[att.inputs["q"]].numel // d
     hs = q_groups(nq // nkv)
     n_chunks = max(1, min(math.ceil(L / 16), c.options["num_sms"] // (nkv * hs)))
@@ -192,6 +262,10 @@ def split_attention(c: Ctx, m: dict) -> list[Op]:
         attrs["split_rows"] = per_split
     if hs > 1:          # likewise: a group of at most MAX_TILE_HEADS query heads is one tile group
         attrs["q_groups"] = hs
+    if b > 1:           # likewise: a batch-1 op has neither
+        attrs["batch"] = b
+        if _mask_rows(g, att) == b:
+            attrs["mask_rows"] = b
     ins = {"q": att.inputs["q"], "kcache": att.inputs["k"], "vcache": att.inputs["v"],
            "pos": att.inputs["pos"]}
     if "mask" in att.inputs:
@@ -212,8 +286,10 @@ def split_attention(c: Ctx, m: dict) -> list[Op]:
 @register
 class AttentionPartial(Instruction):
     name = "attention_partial"
+    #: a batch of up to MAX_SEQS sequences of one query token each (``takes_attention``)
+    max_rows = MAX_SEQS
     #: every ``attention`` op that ``rms_qkv_rope`` left (it always splits; counts one fusion)
-    rules = (Rule(sem("attention"), build=split_attention, priority=20),)
+    rules = (Rule(sem("attention"), build=split_attention, check=takes_attention, priority=20),)
 
     @classmethod
     def _dims(cls, op: Op, g: Graph):
@@ -286,7 +362,9 @@ class AttentionPartial(Instruction):
                            when=_merges),
                       # the cache's rows: a literal, or the run-time length's slot
                       Expr("L", lambda op, g, bufs: bufs.length(op.inputs["kcache"], 2)),
-                      Float("scale", "scale"), P0, P1, SMEM, Ptr("mask", default="nullptr")),
+                      Float("scale", "scale"), P0, P1, SMEM,
+                      # a batch's mask (mask_rows): the group's sequence row (_mask_arg)
+                      Expr("mask", _mask_arg, default="nullptr")),
                 numbering=("q", "kcache", "vcache", "pos", "o_part", "ml_part", "mask", "out"))
 
     @classmethod
@@ -346,6 +424,9 @@ class AttentionPartial(Instruction):
         pos = cls._pos(op, env)
         active = active_splits(pos, nc, _per_split(op))
         reads = tile.reads[:3] if "mask" in op.inputs else tile.reads[:2]
+        if "mask_rows" in op.attrs:   # a batch's mask: the group's sequence row at the run-time length
+            row = _mask_row(op, gi)
+            reads[2] = Region.of(env.g, op.inputs["mask"], row * L, (row + 1) * L)
         if tile.params["chunk"] >= active:   # no rows at this position: no partial either
             return reads, []
         r0, r1 = split_rows(tile.params["chunk"], pos, active)
@@ -414,12 +495,15 @@ class AttentionPartial(Instruction):
             ml[hs, c, 0] = float("-inf")
             ml[hs, c, 1] = 0.0
             return
-        kc, vc = env.read(op.inputs["kcache"]), env.read(op.inputs["vcache"])
-        mask_all = env.read(op.inputs["mask"]).reshape(-1) if "mask" in op.inputs else None
+        rows = cls._rows(op, env)   # the caches' KV heads, flat over a batch's sequences
+        kc, vc = (env.read(op.inputs[t]).reshape(-1, rows, d) for t in ("kcache", "vcache"))
+        mask_all = None
+        if "mask" in op.inputs:   # the group's row of the mask (its sequence's, mask_rows)
+            mask_all = env.read(op.inputs["mask"]).reshape(-1, rows)[_mask_row(op, gi)]
         for b0 in range(r0, r1, chunk):
             b1 = min(b0 + chunk, r1)
             kh = _kv_head(op, gi)
-            k, v = kc[0, kh, b0:b1].float(), vc[0, kh, b0:b1].float()
+            k, v = kc[kh, b0:b1].float(), vc[kh, b0:b1].float()
             mask = mask_all[b0:b1] if mask_all is not None else None
             s = apply_mask((q @ k.T) * op.attrs["scale"], mask, op.attrs.get("mask_kind", 0))
             mb = s.max(-1).values
