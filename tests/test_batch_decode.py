@@ -3,6 +3,8 @@ torch.compile(backend="fusec") and HF generate(), on the CPU simulator: eager's 
 tokens, one fusec step, no fallback (docs/batch.md)."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -26,14 +28,27 @@ def _left_padded(model, batch: int, gen: torch.Generator) -> tuple[torch.Tensor,
     return ids, mask
 
 
+def _mask4d(full: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A ``[B, L]`` 0/1 attention_mask as the 4-D mask ``[B, 1, 1, L]`` that SDPA reads: bool
+    (True attends), or additive in ``dtype`` (0 attends, the dtype's lowest value masks, as
+    HF's eager masks)."""
+    keep = full.bool()[:, None, None, :]
+    if dtype == torch.bool:
+        return keep
+    return torch.zeros(keep.shape, dtype=dtype).masked_fill(~keep, torch.finfo(dtype).min).to(full.device)
+
+
 def batch_steps_against_eager(model, batch: int, seed: int, n: int = 4, length: int = 24,
-                              device: str = "cpu") -> tuple[list[float], object, list]:
+                              device: str = "cpu", options: dict | None = None,
+                              mask_dtype: torch.dtype | None = None) -> tuple[list[float], object, list]:
     """A batch of ``batch`` left-padded random prompts (:data:`LENGTHS`), prefilled eagerly on two
     StaticCaches of ``length`` rows, then ``n`` decode steps with random tokens, the
     cache-length ``attention_mask`` and per-sequence ``position_ids`` (as generate() passes
-    them) through ``torch.compile(model, backend="fusec")`` (default options) and eagerly:
-    (per step the largest relative logits error over the sequences, each on its own, the
-    FallbackWatch, the two caches)."""
+    them) through ``torch.compile(model, backend="fusec")`` (default options, or ``options``)
+    and eagerly: (per step the largest relative logits error over the sequences, each on its
+    own, the FallbackWatch, the two caches). ``mask_dtype``: the decode steps pass the mask as
+    the 4-D ``[B, 1, 1, L]`` mask SDPA reads (:func:`_mask4d`: bool, or additive float) instead
+    of the ``[B, L]`` one HF turns into it."""
     gen = torch.Generator().manual_seed(seed)
     ids, mask = _left_padded(model, batch, gen)
     ids, mask = ids.to(device), mask.to(device)
@@ -42,7 +57,7 @@ def batch_steps_against_eager(model, batch: int, seed: int, n: int = 4, length: 
         for c in caches:
             model(input_ids=ids, attention_mask=mask, past_key_values=c, use_cache=True)
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend="fusec")
+    compiled = torch.compile(model, backend="fusec", **({"options": options} if options else {}))
     errs = []
     with FallbackWatch() as w, torch.no_grad():
         for _ in range(n):
@@ -50,7 +65,8 @@ def batch_steps_against_eager(model, batch: int, seed: int, n: int = 4, length: 
             mask = torch.cat([mask, torch.ones(batch, 1, dtype=torch.long, device=device)], 1)
             full = torch.zeros(batch, length, dtype=torch.long, device=device)
             full[:, : mask.shape[1]] = mask
-            kw = dict(attention_mask=full, position_ids=mask.sum(-1, keepdim=True) - 1, use_cache=True)
+            kw = dict(attention_mask=full if mask_dtype is None else _mask4d(full, mask_dtype),
+                      position_ids=mask.sum(-1, keepdim=True) - 1, use_cache=True)
             a = compiled(input_ids=tok, past_key_values=caches[0], **kw).logits.double()
             b = model(input_ids=tok, past_key_values=caches[1], **kw).logits.double()
             assert a.shape == (batch, 1, model.config.vocab_size)
@@ -65,8 +81,9 @@ def batch_steps_against_eager(model, batch: int, seed: int, n: int = 4, length: 
 def test_batch_decode_matches_eager(factory, batch, steps):
     """A batch of left-padded prompts of different lengths, prefilled eagerly, then 4 decode
     steps (:func:`batch_steps_against_eager`): the compiled step's logits and caches equal
-    eager's, every call runs one fusec step (no fallback), its attention reads the per-sequence
-    mask [B, 1, 1, L] without materializing the GQA expand of the cache."""
+    eager's, every call runs one fusec step (no fallback), its attention (the split-KV
+    ``attention_partial`` over the batch's B·Hkv KV heads: tests/test_batch_attention.py) reads
+    the per-sequence mask [B, 1, 1, L] without materializing the GQA expand of the cache."""
     model = factory()
     errs, w, caches = batch_steps_against_eager(model, batch, 10 * batch + (factory is hf_tiny.qwen3))
     assert max(errs) < 1e-5, errs
@@ -79,8 +96,9 @@ def test_batch_decode_matches_eager(factory, batch, steps):
     for s in steps:
         g = s.schedule.graph
         assert g.batch() == batch
-        att = [o for o in g.ops for o in ([o] if o.kind != "chain" else o.attrs["ops"]) if o.kind == "attention"]
-        assert len(att) == model.config.num_hidden_layers
+        att = [o for o in g.ops for o in ([o] if o.kind != "chain" else o.attrs["ops"])
+               if o.kind.startswith("attention")]
+        assert len(att) == model.config.num_hidden_layers and all(o.kind == "attention_partial" for o in att)
         assert all(o.attrs["mask_kind"] == 1 and g.tensors[o.inputs["mask"]].shape[0] == batch for o in att)
         assert "fusec.sdpa.default" not in g.count_kinds()
 
@@ -127,8 +145,9 @@ def test_batch_generate_equals_eager(factory, steps):
 
 
 def test_batch_kernel_compiles_with_nvrtc(steps):
-    """The batch-2 decode step's megakernel (the batched linear, the per-sequence masked
-    attention) renders and compiles for sm_90a without register spills."""
+    """The batch-2 decode step's megakernel (the batched linear, the split-KV attention over the
+    batch's KV heads with each sequence's mask row) renders and compiles for sm_90a without
+    register spills."""
     from fusec.cuda.codegen import render
     from fusec.cuda.jit import compile_cuda
     model = hf_tiny.llama()
@@ -140,7 +159,11 @@ def test_batch_kernel_compiles_with_nvrtc(steps):
     torch._dynamo.reset()
     (step,) = steps
     src = render(step.schedule).source
-    assert "const int b_ = h / 4; const int kh = b_ * 2 + (h % 4) / 2;" in src   # attention per sequence
+    # the attention over 2 * 2 KV heads, a tile group's mask row its sequence's (2 groups each; the
+    # run-time length's slot: generate()'s step takes every cache length)
+    assert re.search(r"attention_partial_merge<float, float, float, 8, 4, 16, [^;]*, smem, "
+                     r"\(\(\(const bool\*\)bufs\[A\[\d+\]\]\) \+ \(size_t\)\(in\.p0 / 2\) \* FUSEC_LEN\(", src)
+    assert "const int b_ = h / 4;" not in src   # no generic attention
     kernel = compile_cuda(src, "fusec_step.cu")
     assert kernel.resources["fusec_step"]["spill_store_bytes"] == 0
 
