@@ -51,7 +51,11 @@ level less per layer. The tickets live in spare counters
 
 Shapes: q [Hq*D]; caches [1, Hkv, L, D]; o_part [Hq, C, D] fp32; ml_part [Hq, C, 2] fp32;
 out [Hq*D] in the model dtype; optional mask [L] (attr ``mask_kind`` 1: bool, False rows get
--inf; 2: additive float, added to the scaled scores).
+-inf; 2: additive float, added to the scaled scores). With a mask every row of the cache,
+``[0, L)``, is split over the tiles and the mask decides which count (as SDPA does), whatever
+the position; a group whose every row is masked outputs 0 (SDPA's safe softmax). Source:
+``torch.nn.functional.scaled_dot_product_attention`` with a causal decode mask
+(``kv_index <= pos``), and the mask when the graph passes one that fusec cannot prove causal.
 
 A batch of B <= 16 sequences of one query token each (docs/batch.md; attr ``batch`` B): HF's
 StaticCache holds ``[B, Hkv, L, D]`` contiguous and the queries are ``[B, Hq, 1, D]``, so the
@@ -62,11 +66,7 @@ merges and ``attention_reduce`` are those of batch 1 over more heads. The KV wri
 shared by the sequences (HF's ``cumulative_length``). The one per-sequence difference is the
 mask of left-padded prompts, ``[B, 1, 1, L]``: with attr ``mask_rows`` B, group ``gi`` reads
 row ``gi // (groups / B)`` (the call passes the template that row's pointer); a mask of one row
-serves every sequence. A batch-1 op has neither attr and renders as before. With a mask every row of the cache,
-``[0, L)``, is split over the tiles and the mask decides which count (as SDPA does), whatever
-the position; a group whose every row is masked outputs 0 (SDPA's safe softmax). Source:
-``torch.nn.functional.scaled_dot_product_attention`` with a causal decode mask
-(``kv_index <= pos``), and the mask when the graph passes one that fusec cannot prove causal.
+serves every sequence. A batch-1 op has neither attr and renders as before.
 """
 from __future__ import annotations
 
