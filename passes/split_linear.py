@@ -13,19 +13,24 @@ linear is ``mm(x, permute(w, [1, 0]))`` or ``addmm(b, x, permute(w, [1, 0]))`` (
 ``beta``/``alpha``), the patterns ``recognize`` raises to ``linear``.
 
 Guarantees, with the same values: such a linear whose ``w`` ([N, K]) and ``b`` ([N], if any)
-are model weights (root role ``weight``) and whose output is read only by pieces along its last
-dim is replaced by one ``permute`` + ``mm``/``addmm`` per piece that anything reads, over the
-views ``w[r0:r1]`` (``[r1 - r0, K]`` at offset ``r0 * K``) and ``b[r0:r1]``; each piece's tensor
-becomes an alias of its new linear's output. A piece is a ``slice`` with step 1,
-``split_with_sizes`` or ``split`` (``chunk`` decomposes to ``split``) over the linear's output
-or a whole alias of it whose last dim is N; the pieces are disjoint, non-empty, and every view
-starts at a 16-byte-aligned offset (the kernels' vector loads; the runtime aligns the weight
-itself). Anything else is left alone: a linear whose output is also read whole or is a graph
-output, overlapping pieces, pieces along another dim or of a view that is not ``[..., N]``
-(GPT-NeoX's qkv: a view to heads, then a split along a non-last dim; Falcon's: the same; the
-pieces are not contiguous row ranges), GPT-2's ``Conv1D`` (``addmm`` without the permute: its
-weight is ``[K, N]``, a piece is columns), an activation or constant as the weight. Dead ops
-are removed.
+are model weights (root role ``weight``) and whose output is read only by pieces that each take
+one range of every row of N is replaced by one ``permute`` + ``mm``/``addmm`` per piece that
+anything reads, over the views ``w[r0:r1]`` (``[r1 - r0, K]`` at offset ``r0 * K``) and
+``b[r0:r1]``; each piece's tensor becomes an alias of its new linear's output. A piece is an op
+of :data:`fusec.ir.pieces.PIECE_KINDS` over the linear's output or an alias of it
+(:func:`fusec.ir.pieces.pieces`): a ``slice`` with step 1, ``split_with_sizes``, ``split``
+(``chunk`` decomposes to ``split``), ``select`` or an ``index`` by a constant of consecutive
+integers, along the last dim or along a dim of a view to heads when the dims between the row's
+start and it are of size 1 (Falcon-7B's multi-query ``view(.., H + 2, D)`` then
+``[..., :-2, :]``, ``[..., [-2], :]``, ``[..., [-1], :]``: q, k and v are rows ``[0, H * D)``,
+``[H * D, (H + 1) * D)``, ``[(H + 1) * D, (H + 2) * D)``); the pieces are disjoint, non-empty,
+and every view starts at a 16-byte-aligned offset (the kernels' vector loads; the runtime aligns
+the weight itself). Anything else is left alone: a linear whose output is also read whole or is a
+graph output, overlapping pieces, a piece of several ranges of a row (GPT-NeoX's qkv, interleaved
+per head: ``view(.., H, 3 * D)`` then ``chunk(3, -1)``; ``rms_qkv_rope`` reads those through a head
+stride instead, :func:`fusec.instructions.rms_qkv_rope.match_qkv`), GPT-2's ``Conv1D`` (``addmm``
+without the permute: its weight is ``[K, N]``, a piece is columns), an activation or constant as
+the weight. Dead ops are removed.
 """
 from __future__ import annotations
 
@@ -33,64 +38,10 @@ import logging
 
 from fusec.ir import Graph, Op, Ref, Role, TensorInfo
 from fusec.ir.pattern import Matcher
+from fusec.ir.pieces import ALIGN, pieces as cut_pieces
 from fusec.passes import dce
 
 log = logging.getLogger("fusec.passes.split_linear")
-
-_PIECE_KINDS = ("aten.slice.Tensor", "aten.split_with_sizes.default", "aten.split.Tensor")
-#: a view's first byte is a multiple of this from its root's (as the root's is, in memory)
-ALIGN = 16
-
-
-def _arg(op: Op, i: int, name: str, default):
-    args, kwargs = op.attrs.get("args", ()), op.attrs.get("kwargs", {})
-    if len(args) > i:
-        return args[i]
-    return kwargs.get(name, default)
-
-
-def _pieces(g: Graph, op: Op, n: int) -> list[tuple[int, int, str]] | None:
-    """``(start, stop, tensor)`` of each output of the piece op ``op`` over a tensor whose last
-    dim is the linear's ``n`` outputs, or None when ``op`` is not such a piece."""
-    if op.kind not in _PIECE_KINDS or op.mutates or len(op.inputs) != 1 or "in0" not in op.inputs:
-        return None
-    args = op.attrs.get("args", ())
-    if not args or args[0] != Ref("in0") or any(isinstance(a, Ref) for a in args[1:]):
-        return None
-    src = g.tensors[op.inputs["in0"]]
-    if not src.shape or src.shape[-1] != n or src.sym:
-        return None
-    nd = len(src.shape)
-    default_dim = 0
-    dim = _arg(op, 1 if op.kind == "aten.slice.Tensor" else 2, "dim", default_dim)
-    if not isinstance(dim, int) or dim % nd != nd - 1:
-        return None
-    if op.kind == "aten.slice.Tensor":
-        start, end, step = _arg(op, 2, "start", None), _arg(op, 3, "end", None), _arg(op, 4, "step", 1)
-        if step != 1 or not all(v is None or isinstance(v, int) for v in (start, end)):
-            return None
-        start = 0 if start is None else (start + n if start < 0 else start)
-        end = n if end is None else (end + n if end < 0 else end)
-        start, end = max(0, min(n, start)), max(0, min(n, end))
-        return [(start, end, op.outputs["out"])]
-    if op.kind == "aten.split_with_sizes.default":
-        sizes = _arg(op, 1, "split_sizes", None)
-        if not isinstance(sizes, (list, tuple)) or not all(isinstance(s, int) and s >= 0 for s in sizes) \
-                or sum(sizes) != n:
-            return None
-    else:
-        size = _arg(op, 1, "split_size", None)
-        if not isinstance(size, int) or size <= 0:
-            return None
-        sizes = [min(size, n - a) for a in range(0, n, size)]
-    out, a = [], 0
-    for i, s in enumerate(sizes):
-        t = op.outputs.get(f"out{i}")
-        if t is not None:
-            out.append((a, a + s, t))
-        a += s
-    return out if len(op.outputs) == len(out) else None
-
 
 def _plan(g: Graph, mm: Op, b: dict, users: dict[str, list[Op]], outputs: set[str]):
     """The pieces of linear ``mm`` (bindings ``b``) as ``(start, stop, tensor)`` sorted by
@@ -113,9 +64,10 @@ def _plan(g: Graph, mm: Op, b: dict, users: dict[str, list[Op]], outputs: set[st
     pieces, piece_ops = [], []
     for r in readers:
         src = r.inputs.get("in0")
-        got = _pieces(g, r, n) if src is not None and g.root(src) == root else None
-        if got is None:
-            return None
+        cut = cut_pieces(g, r, n) if src is not None and g.root(src) == root else None
+        if cut is None or not all(rows.contiguous for rows, _ in cut):
+            return None   # not a piece op, or a piece of several ranges (rms_qkv_rope reads those)
+        got = [(rows.start, rows.start + rows.block, t) for rows, t in cut]
         lead = g.tensors[src].numel // n
         if any(g.tensors[t].numel != lead * (e - a) or g.root(t) != t for a, e, t in got):
             return None   # not the piece's shape (or already an alias): leave it

@@ -66,8 +66,11 @@ def test_the_kernel_points_at_a_view_and_the_checker_bounds_it():
 def _fused_graph(pieces: str, bias: bool = True, n: int = 12, k: int = 8) -> Graph:
     """``y = addmm(b, x, permute(w))`` (or ``mm``) viewed ``[1, 1, n]``, then ``pieces``:
     ``split`` (split_with_sizes [4, 4, 4] on the last dim, outputs multiplied), ``slices``
-    (two disjoint slices), ``overlap`` (two overlapping slices), ``dim0`` (the view ``[1, 3, 4]``
-    split on dim 1: heads, not rows), ``whole`` (a slice and the whole output read)."""
+    (two disjoint slices), ``overlap`` (two overlapping slices), ``heads`` (the view ``[1, 3, 4]``
+    split on dim 1: three heads, each one row range, as Falcon-7B's multi-query q/k/v),
+    ``interleaved`` (the view ``[1, 3, 4]`` split on dim 2 into [2, 2]: each piece three blocks
+    of two rows, four apart, as GPT-NeoX's per-head q/k/v), ``whole`` (a slice and the whole
+    output read)."""
     g = Graph()
     f = torch.float32
     ins = [TensorInfo("x", (1, k), f, Role.INPUT, input_index=0),
@@ -87,7 +90,7 @@ def _fused_graph(pieces: str, bias: bool = True, n: int = 12, k: int = 8) -> Gra
     else:
         ops.append(Op("y", "aten.mm.default", {"in0": "x", "in1": "wt"}, {"out": "y"},
                       attrs={"target": A.mm.default, "args": (Ref("in0"), Ref("in1")), "kwargs": {}}))
-    shape = (1, 3, 4) if pieces == "dim0" else (1, 1, n)
+    shape = (1, 3, 4) if pieces in ("heads", "interleaved") else (1, 1, n)
     g.add_tensor(TensorInfo("yv", shape, f, alias_of="y"))
 
     def sl(name, a, e):
@@ -100,7 +103,13 @@ def _fused_graph(pieces: str, bias: bool = True, n: int = 12, k: int = 8) -> Gra
         return Op(name, "aten.mul.Tensor", {"in0": a, "in1": b_}, {"out": name},
                   attrs={"target": A.mul.Tensor, "args": (Ref("in0"), Ref("in1")), "kwargs": {}})
 
-    if pieces in ("split", "dim0"):
+    if pieces == "interleaved":
+        for i in range(2):
+            g.add_tensor(TensorInfo(f"s{i}", (1, 3, 2), f))
+        ops.append(Op("split", "aten.split_with_sizes.default", {"in0": "yv"}, {"out0": "s0", "out1": "s1"},
+                      attrs={"target": A.split_with_sizes.default, "args": (Ref("in0"), [2, 2], 2), "kwargs": {}}))
+        ops.append(mul("z", "s0", "s1", (1, 3, 2)))
+    elif pieces in ("split", "heads"):
         dim, sizes = (2, [4, 4, 4]) if pieces == "split" else (1, [1, 1, 1])
         outs = {f"out{i}": f"s{i}" for i in range(3)}
         for i in range(3):
@@ -125,7 +134,7 @@ def _inputs(g: Graph):
     return [torch.randn(g.tensors[n].shape, generator=gen) for n in g.inputs]
 
 
-@pytest.mark.parametrize("pieces,bias", [("split", True), ("split", False), ("slices", True)])
+@pytest.mark.parametrize("pieces,bias", [("split", True), ("split", False), ("slices", True), ("heads", True)])
 def test_pieces_become_linears_over_row_views(pieces, bias):
     """The pass's linears read row views of w (and b); the values are the same, run by the
     reference executor and by the scheduled simulator (hazard check on), whose regions read
@@ -160,7 +169,7 @@ def test_pieces_become_linears_over_row_views(pieces, bias):
         assert torch.allclose(got.reshape(ref.shape), ref, atol=1e-6)
 
 
-@pytest.mark.parametrize("pieces", ["overlap", "dim0", "whole"])
+@pytest.mark.parametrize("pieces", ["overlap", "interleaved", "whole"])
 def test_pieces_that_are_not_row_ranges_are_left_alone(pieces):
     from fusec.passes import split_linear
     g = _fused_graph(pieces)

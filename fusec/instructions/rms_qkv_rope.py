@@ -54,6 +54,7 @@ import torch
 from fusec.abi import Fault
 from fusec.ir.env import Env
 from fusec.ir import Graph, Op
+from fusec.ir.pieces import ALIGN, Rows, piece_of
 from fusec.ir.semantics import rms_normalize
 from fusec.instructions.base import Instruction, Region, Tile, register, split_range
 from fusec.instructions.call import P0, P1, P2, RED, SMEM, Call, Expr, Flag, Float, Int, Ptr, Type
@@ -68,14 +69,22 @@ def _bias_or_wf32(op: Op) -> bool:
 
 def _explicit(op: Op) -> bool:
     """BIAS and TB are written out: a later template argument (WF32, NORM, STAGED, RD, PROJNORM,
-    QKW32) differs from its default."""
-    return _bias_or_wf32(op) or has(op) or not normed(op) or "rotary_dim" in op.attrs or proj_norm(op)
+    QKW32, WS) differs from its default."""
+    return _bias_or_wf32(op) or has(op) or not normed(op) or "rotary_dim" in op.attrs or proj_norm(op) \
+        or "w_stride" in op.attrs
 
 
 def proj_norm(op: Op) -> bool:
     """Whether the op's q/k RMSNorms are over the whole projection (OLMo-2; attribute
     ``qk_norm`` "proj"), not per head."""
     return op.attrs.get("qk_norm") == "proj"
+
+
+def w_stride(op: Op) -> int:
+    """Rows between two heads' first rows in ``wq``/``wk``/``wv`` (and the biases): attribute
+    ``w_stride`` (views of a fused weight interleaved per head, GPT-NeoX's ``3 * D``), else the
+    head's ``head_dim`` (consecutive heads)."""
+    return op.attrs.get("w_stride", op.attrs["head_dim"])
 
 
 def rotary_dim(op: Op) -> int:
@@ -97,6 +106,61 @@ def pair_rows(d: int, rd: int, p0: int, p1: int) -> list[tuple[int, int]]:
     return out
 
 
+def _linear_of(c: Ctx, t: str) -> tuple[Op, Rows | None, Op | None] | None:
+    """``(linear, rows, piece op)``: the ``linear`` whose output ``t`` is (rows and piece op
+    None), or whose product ``t`` is a piece of (:func:`fusec.ir.pieces.piece_of`: a fused
+    q/k/v projection's slice, split, select or index); else None."""
+    lin = c.prod(t, "linear")
+    if lin is not None:
+        return lin, None, None
+    got = piece_of(c.g, c.prods, t, lambda o: c.g.tensors[o.inputs["w"]].shape[0]
+                   if o.kind == "linear" and "w" in o.inputs else None)
+    if got is None:
+        return None
+    piece, lin, rows = got
+    return lin, rows, piece
+
+
+def _head_stride(g: Graph, lin: Op, rows: dict[str, Rows], d: int) -> int | None:
+    """The rows between two heads' first rows in the fused weight of ``lin`` whose pieces q, k
+    and v take ``rows``: ``d`` where each piece is one range of whole heads (Falcon-7B's, when
+    ``split_linear`` did not split it), the blocks' stride where each block is one head
+    (GPT-NeoX: ``[H, 3, D]`` rows, stride ``3 * D``); one stride for the three. None where the
+    pieces are not whole heads, overlap, or a view would start off a 16-byte boundary."""
+    k = g.tensors[lin.inputs["w"]].shape[1]
+    strides = set()
+    for r in rows.values():
+        if r.contiguous and r.size % d == 0:
+            strides.add(d)
+        elif r.block == d:
+            strides.add(r.stride)
+        else:
+            return None
+    if len(strides) != 1:
+        return None
+    ws = strides.pop()
+    taken = [set(r.indices()) for r in rows.values()]
+    if sum(len(t) for t in taken) != len(set().union(*taken)):
+        return None   # overlapping pieces
+    b = lin.inputs.get("b")
+    if any((r.start * k * g.tensors[lin.inputs["w"]].dtype.itemsize) % ALIGN
+           or (b is not None and (r.start * g.tensors[b].dtype.itemsize) % ALIGN) for r in rows.values()):
+        return None
+    return ws
+
+
+def _rows_view(g: Graph, base: str, rows: Rows, d: int, ws: int) -> str:
+    """A view of the rows of weight (or bias) ``base`` that heads ``0 .. rows.size / d`` of a
+    piece take, heads ``ws`` rows apart: from the piece's first row to its last head's end
+    (``[(heads - 1) * ws + d, K]``, or ``[.., ]`` for a bias), at offset ``rows.start`` rows."""
+    info = g.tensors[base]
+    heads = rows.size // d
+    n = (heads - 1) * ws + d
+    per_row = info.numel // info.shape[0]
+    return g.new_tensor(f"{base}_rows{rows.start}", (n, *info.shape[1:]), info.dtype, alias_of=base,
+                        offset=rows.start * per_row)
+
+
 def match_qkv(c: Ctx, att: Op) -> Fusion | None:
     """At an ``attention``: its q is ``rope(linear(...))``, its k/v caches' last ``kv_write``s
     before it (one position) write ``rope(linear(...))`` and ``linear(...)``, the three linears
@@ -116,11 +180,11 @@ def match_qkv(c: Ctx, att: Op) -> Fusion | None:
     if rope_q is None or wk is None or wv is None or g.root(wk.inputs["pos"]) != g.root(wv.inputs["pos"]):
         return None
     rope_k = c.prod(wk.inputs["val"], "rope")
-    lin_v = c.prod(wv.inputs["val"], "linear")
-    if rope_k is None or lin_v is None:
+    src_v = _linear_of(c, wv.inputs["val"])
+    if rope_k is None or src_v is None:
         return None
-    inner = [rope_q, rope_k, wk, wv, lin_v]
-    norms, lins = {}, {}
+    inner = [rope_q, rope_k, wk, wv]
+    norms, lins, rows = {}, {}, {}
     for name, rope in (("q", rope_q), ("k", rope_k)):
         src = rope.inputs["x"]
         hn = c.prod(src, "rmsnorm")
@@ -128,13 +192,19 @@ def match_qkv(c: Ctx, att: Op) -> Fusion | None:
             norms[name] = hn
             inner.append(hn)
             src = hn.inputs["x"]
-        lin = c.prod(src, "linear")
-        if lin is None:
+        got = _linear_of(c, src)
+        if got is None:
             return None
-        lins[name] = lin
-        inner.append(lin)
-    lins["v"] = lin_v
+        lins[name], rows[name], piece = got
+        inner += [lins[name]] + ([piece] if piece is not None else [])
+    lins["v"], rows["v"], piece = src_v
+    inner += [lins["v"]] + ([piece] if piece is not None else [])
+    inner = list({id(o): o for o in inner}.values())
     if set(norms) not in (set(), {"q", "k"}):
+        return None
+    # q, k and v as pieces of one fused product (all three, or none)
+    fused = [r is not None for r in rows.values()]
+    if any(fused) and not (all(fused) and len({id(lin) for lin in lins.values()}) == 1):
         return None
     biased = ["b" in l.inputs for l in lins.values()]
     if any(biased) and not all(biased):   # Qwen2 biases q, k and v; a partial set stays unfused
@@ -156,9 +226,13 @@ def match_qkv(c: Ctx, att: Op) -> Fusion | None:
         return None
     kc = g.tensors[g.root(wk.outputs["cache"])]
     d = kc.shape[3]
-    nq = g.tensors[lins["q"].inputs["w"]].shape[0] // d
+    n_rows = {h: rows[h].size if rows[h] is not None else g.tensors[lins[h].inputs["w"]].shape[0] for h in "qkv"}
+    nq = n_rows["q"] // d
     nkv = kc.shape[1]
-    if kc.shape[0] != 1 or g.tensors[lins["k"].inputs["w"]].shape[0] != nkv * d or nq % nkv:
+    if kc.shape[0] != 1 or n_rows["k"] != nkv * d or nq % nkv:
+        return None
+    ws = _head_stride(g, lins["q"], rows, d) if all(fused) else d
+    if ws is None:
         return None
     # a q/k norm per head (Qwen3: over each head's D values) or over the whole projection
     # (OLMo-2: all of q's Hq*D values, all of k's Hkv*D, one weight each; both of one form)
@@ -182,7 +256,13 @@ def match_qkv(c: Ctx, att: Op) -> Fusion | None:
 
     def build() -> list[Op]:
         ins = {"x": rms.inputs["x"], "norm_w": rms.inputs["w"]} if rms is not None else {"x": lins["q"].inputs["x"]}
-        ins.update({"wq": lins["q"].inputs["w"], "wk": lins["k"].inputs["w"], "wv": lins["v"].inputs["w"],
+        if all(fused):   # row views of the fused weight (and bias), heads ws rows apart
+            w_of = {h: _rows_view(g, lins[h].inputs["w"], rows[h], d, ws) for h in "qkv"}
+            b_of = {h: _rows_view(g, lins[h].inputs["b"], rows[h], d, ws) for h in "qkv" if "b" in lins[h].inputs}
+        else:
+            w_of = {h: lins[h].inputs["w"] for h in "qkv"}
+            b_of = {h: lins[h].inputs["b"] for h in "qkv" if "b" in lins[h].inputs}
+        ins.update({"wq": w_of["q"], "wk": w_of["k"], "wv": w_of["v"],
                     "cos_table": cos_q.inputs["table"], "sin_table": sin_q.inputs["table"],
                     "rope_pos": cos_q.inputs["pos"], "kv_pos": wk.inputs["pos"]})
         # without an rmsnorm: x as the linears read it, staged in its own dtype (TN = TX)
@@ -192,7 +272,9 @@ def match_qkv(c: Ctx, att: Op) -> Fusion | None:
         if rd < d:
             attrs["rotary_dim"] = rd
         if all(biased):
-            ins["bq"], ins["bk"], ins["bv"] = (lins[h].inputs["b"] for h in "qkv")
+            ins["bq"], ins["bk"], ins["bv"] = (b_of[h] for h in "qkv")
+        if ws != d:
+            attrs["w_stride"] = ws
         outs = {"q": rope_q.outputs["out"], "kcache": wk.outputs["cache"], "vcache": wv.outputs["cache"]}
         name = g.fresh_name("rms_qkv_rope")
         if norms:
@@ -261,6 +343,7 @@ class RmsQkvRope(TakesPrologue, Instruction):
         nq, nkv, d, L = cls._layout(op, g)
         n_units, half, align = cls._units(op, g)
         hid = g.tensors[op.inputs["wq"]].shape[1]
+        ws = w_stride(op)
         vec = [op.inputs[s] for s in ("x", "norm_w", "cos_table", "sin_table", "rope_pos", "kv_pos",
                                       "q_norm_w", "k_norm_w", "bq", "bk", "bv") if s in op.inputs]
         if has(op):   # a folded prologue: its inputs instead of x and the norm's weight
@@ -280,7 +363,7 @@ class RmsQkvRope(TakesPrologue, Instruction):
                 piece = (pieces > 1 or proj) and h < nq + nkv
                 split |= piece
                 for a, b in cls._rows(op, p0, p1):
-                    reads.append(Region.of(g, op.inputs[w], (row * d + a) * hid, (row * d + b) * hid))
+                    reads.append(Region.of(g, op.inputs[w], (row * ws + a) * hid, (row * ws + b) * hid))
                     wbytes += (b - a) * hid * elt(g, op.inputs[w])
                     if piece:
                         writes.append(Region.of(g, op.outputs["qk_part"], h * d + a, h * d + b))
@@ -343,7 +426,9 @@ class RmsQkvRope(TakesPrologue, Instruction):
                        Int("RD", lambda op, g: op.attrs.get("rotary_dim", 0), default=0),
                        # q/k norms over the whole projection (OLMo-2), their weight in fp32
                        Flag("projnorm", fn=proj_norm, default="false"),
-                       Flag("qkw32", fn=lambda op: op.attrs.get("qk_w_fp32", False), default="false")),
+                       Flag("qkw32", fn=lambda op: op.attrs.get("qk_w_fp32", False), default="false"),
+                       # rows between two heads' first rows in a fused weight (GPT-NeoX: 3 * D); 0: D
+                       Int("WS", lambda op, g: op.attrs.get("w_stride", 0), default=0)),
                 args=(Ptr("x"), Ptr("norm_w"), Float("eps", "eps", fallback=0.0), Ptr("wq"), Ptr("wk"), Ptr("wv"),
                       Ptr("cos_table"), Ptr("sin_table"), Ptr("rope_pos"), Ptr("kv_pos"), Ptr("q"), Ptr("kcache"),
                       Ptr("vcache"), Ptr("q_norm_w"), Ptr("k_norm_w"), Float("qk_eps", "qk_eps", 0.0),
@@ -482,10 +567,11 @@ class RmsQkvRope(TakesPrologue, Instruction):
             rot = ps < r
             i1 = torch.where(rot, ps, ps + r)
             i2 = torch.where(rot, ps + r, ps + half)
-            y1, y2 = wt[row * d + i1].float() @ n, wt[row * d + i2].float() @ n
+            wr = row * w_stride(op)   # the head's first row in its weight (a fused one's: heads ws apart)
+            y1, y2 = wt[wr + i1].float() @ n, wt[wr + i2].float() @ n
             if "bq" in op.inputs:
                 b = env.read(op.inputs["b" + w[1]]).reshape(-1).float()
-                y1, y2 = y1 + b[row * d + i1], y2 + b[row * d + i2]
+                y1, y2 = y1 + b[wr + i1], y2 + b[wr + i2]
             y1, y2 = y1.to(dt).float(), y2.to(dt).float()
             if proj_norm(op) and out != "vcache":   # pre-norm values; the last q/k tile does all heads
                 part = env.flat(op.outputs["qk_part"])
