@@ -76,12 +76,12 @@ def phi3_fused(seed=0):
     return _small(Phi3Config, Phi3ForCausalLM, seed, pad_token_id=0, eos_token_id=1, bos_token_id=1)
 
 
-def gpt_neox(seed=0):
+def gpt_neox(seed=0, layers=2):
     """A tiny ``GPTNeoXForCausalLM`` (LayerNorm with bias, parallel residual, partial rotary,
-    fused qkv, GELU), fp32."""
+    fused qkv interleaved per head, GELU), fp32."""
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
     torch.manual_seed(seed)
-    cfg = GPTNeoXConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    cfg = GPTNeoXConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
                         vocab_size=128, max_position_embeddings=256, rotary_pct=0.5,
                         attn_implementation="sdpa")
     return GPTNeoXForCausalLM(cfg).eval().requires_grad_(False)
@@ -166,11 +166,11 @@ def falcon_7b(hidden=64, heads=4, layers=2, ffn=None, seed=0):
     return FalconForCausalLM(cfg).eval().requires_grad_(False)
 
 
-def gpt2(seed=0):
+def gpt2(seed=0, layers=2):
     """A tiny ``GPT2LMHeadModel`` (learned positions, Conv1D projections, LayerNorm, gelu_new)."""
     from transformers import GPT2Config, GPT2LMHeadModel
     torch.manual_seed(seed)
-    cfg = GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=256, attn_implementation="sdpa")
+    cfg = GPT2Config(vocab_size=128, n_embd=64, n_layer=layers, n_head=4, n_positions=256, attn_implementation="sdpa")
     return GPT2LMHeadModel(cfg).eval().requires_grad_(False)
 
 

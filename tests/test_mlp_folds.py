@@ -2,14 +2,16 @@
 
 * The residual sum ``x + (attn + mlp)`` of Falcon-7B's layer (4544 elements: an op split into
   output ranges, which the ``chain`` pass never groups with the one-tile LayerNorm after it)
-  folds into the next layer's q/k/v + MLP ``matvec_group`` in front of the LayerNorm that op's
-  prologue already holds: the ``prologue`` pass folds transitively, the producer of a
-  prologue's external input too (passes/prologue.py).
+  folds into the next layer's ``rms_qkv_rope`` (its q/k/v, row views of ``query_key_value``:
+  tests/test_fused_qkv_views.py) and MLP up projection in front of the LayerNorm that each
+  one's prologue already holds (the prologue's parallel readers: each computes its own copy):
+  the ``prologue`` pass folds transitively, the producer of a prologue's external input too
+  (passes/prologue.py).
 * The GELU over the MLP's up projection (18176 wide in Falcon-7B: over the prologue's limits
   for the down projection) is the up projection's epilogue (``act``; ``matvec_group``: on the
   output it applies to, ``act_outs``; fusec/instructions/activation.py): Falcon's
   ``aten.gelu``, StarCoder2's tanh GELU, GPT-NeoX's GELU, Phi-2's ``gelu_new`` chain (its fc1 a
-  ``matvec`` beside the ``rms_qkv_rope`` that takes its q/k/v).
+  ``matvec`` beside the ``rms_qkv_rope`` that takes its q/k/v, as Falcon-7B's).
 
 CPU: decode through ``torch.compile(backend="fusec")`` with default options against eager
 after several prompt lengths (simulator), no fallback, the folds in the schedule. Ranged ops
@@ -44,9 +46,9 @@ def _epilogues(ops):
 def test_falcon7b_residual_sum_and_gelu_fold(steps, monkeypatch):
     """Falcon-7B's layer shape (one LayerNorm, multi-query, parallel block), its residual sums
     ranged as at the published width: decode like eager, no fallback; every layer after the first
-    has its residual sum and LayerNorm in the q/k/v + MLP ``matvec_group``'s prologue (``add >
-    layernorm``; the LM head's too), no ``add`` op stands alone, and the GELU is that group's
-    epilogue on its MLP output (``out1``), nowhere else."""
+    has its residual sum and LayerNorm in the prologue of its ``rms_qkv_rope`` and of its MLP up
+    projection (``add > layernorm``; the LM head's too), no ``add`` op stands alone, and the GELU
+    is the up projection's epilogue, nowhere else."""
     import fusec.instructions.generic as generic
     monkeypatch.setattr(generic, "RANGE_CHUNK", 16)
     model = hf_tiny.falcon_7b()
@@ -57,17 +59,20 @@ def test_falcon7b_residual_sum_and_gelu_fold(steps, monkeypatch):
     layers = model.config.num_hidden_layers
     for step in steps:
         ops = step.schedule.graph.ops
-        groups = [o for o in ops if o.kind == "matvec_group"]
-        assert [o.attrs.get("pre_steps") for o in groups] == ["layernorm"] + ["add > layernorm"] * (layers - 1)
-        head = [o for o in ops if o.kind == "matvec" and o.attrs.get("pre_steps")]
+        want = ["layernorm"] + ["add > layernorm"] * (layers - 1)
+        assert [o.attrs.get("pre_steps") for o in ops if o.kind == "rms_qkv_rope"] == want
+        ups = [o for o in ops if o.kind == "matvec" and "act" in o.attrs]
+        assert [o.attrs.get("pre_steps") for o in ups] == want
+        head = [o for o in ops if o.kind == "matvec" and o.attrs.get("pre_steps") and "act" not in o.attrs]
         assert [o.attrs["pre_steps"] for o in head] == ["add > layernorm"]
+        assert not [o for o in ops if o.kind == "matvec_group"]
         assert not [o for o in ops if o.kind.startswith("aten.add") or (o.kind == "chain" and "add" in o.attrs["steps"])]
-        assert _epilogues(ops) == [("matvec_group", "gelu", [1])] * layers
+        assert _epilogues(ops) == [("matvec", "gelu", None)] * layers
         assert not _gelu_ops(ops)
 
 
 @pytest.mark.parametrize("factory, kind, act", [
-    (hf_tiny.falcon_7b, "matvec_group", "gelu"),     # the up projection grouped with q/k/v
+    (hf_tiny.falcon_7b, "matvec", "gelu"),           # beside the rms_qkv_rope of its q/k/v views
     (hf_tiny.falcon, "matvec", "gelu"),              # new decoder architecture: ln_mlp's own matvec
     (hf_tiny.gpt_neox, "matvec", "gelu"),
     (hf_tiny.starcoder2, "matvec", "gelu_tanh"),
@@ -131,16 +136,23 @@ def test_a_second_activation_over_an_epilogue_stays_apart():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_falcon7b_layer_compiles_without_spills(dtype, tmp_path):
     """One Falcon-7B layer at its published widths (hidden 4544, 71 heads of 64, one KV head,
-    MLP 18176): the q/k/v + MLP ``matvec_group`` with the GELU epilogue on its MLP output
-    (ACT 2, ACT_OUTS 0b10) and the next ``add > layernorm`` prologue render and compile with
-    NVRTC for sm_90a without spills."""
+    MLP 18176): the ``rms_qkv_rope`` over row views of ``query_key_value`` (71 q heads, 1 KV
+    head, its LayerNorm staged by the prologue: NORM false, STAGED), the MLP up ``matvec`` with
+    the GELU epilogue (ACT 2) and the next ``add > layernorm`` prologue render and compile with
+    NVRTC for sm_90a without spills; ``rms_qkv_rope``'s device function has no stack frame."""
     pytest.importorskip("cuda.bindings.nvrtc")
     from fusec.cuda.codegen import render
     from fusec.cuda.jit import compile_cuda
     from test_attention_split import _lowered
     sched = _lowered(lambda: hf_tiny.falcon_7b(hidden=4544, heads=71, layers=1), dtype, 132, 256)
-    assert _epilogues(sched.graph.ops) == [("matvec_group", "gelu", [1])]
+    assert _epilogues(sched.graph.ops) == [("matvec", "gelu", None)]
     src = render(sched).source
-    calls = re.findall(r"matvec_group<([^>]*)>\(", src)
-    assert len(calls) == 1 and calls[0].replace(" ", "").endswith("4672,18176,0,0,true,2,2"), calls
-    compile_cuda(src, "fusec_step.cu", cache_dir=str(tmp_path)).assert_no_spills()
+    qkv = re.findall(r"rms_qkv_rope<([^>]*)>\(", src)
+    assert len(qkv) == 1 and qkv[0].replace(" ", "").split(",")[8:13] == ["4544", "71", "1", "64", "256"], qkv
+    ups = re.findall(r"matvec<([^>]*)>\(", src)
+    assert any(c.replace(" ", "").endswith("4544,false,true,2") for c in ups), ups
+    kernel = compile_cuda(src, "fusec_step.cu", options=("-Xptxas", "-v"), cache_dir=str(tmp_path))
+    kernel.assert_no_spills()
+    lines = kernel.log.splitlines()
+    props = [lines[i + 1] for i, line in enumerate(lines) if "Function properties for _Z12rms_qkv_rope" in line]
+    assert len(props) == 1 and "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in props[0], props

@@ -47,13 +47,18 @@ def layer_ops(family: str, layers: int = 3, num_sms: int = 132, batch: int = 1) 
     torch._dynamo.reset()
     if not made:
         raise RuntimeError(f"{family}: fusec compiled no step (a fallback: see the log)")
-    sched = made[-1].schedule
+    return label, layer_rows(made[-1].schedule, 1)
+
+
+def layer_rows(sched, layer: int = 1) -> list[tuple[str, int, str]]:
+    """``[(kind, tiles, chain steps or prologue members), ...]``: the ops of decoder layer
+    ``layer`` of a schedule (:class:`fusec.ir.schedule.Schedule`) in program order, each with
+    its tile count (an op of one tile that is not a fused kind is a dependency level on one SM)."""
     tiles: dict[str, int] = {}
     for ins in sched.instrs:
         tiles[ins.op] = tiles.get(ins.op, 0) + 1
-    rows = [(o.kind, tiles.get(o.name, 0), o.attrs.get("steps") or o.attrs.get("pre_steps") or "")
-            for o in sched.graph.ops if o.layer == 1]
-    return label, rows
+    return [(o.kind, tiles.get(o.name, 0), o.attrs.get("steps") or o.attrs.get("pre_steps") or "")
+            for o in sched.graph.ops if o.layer == layer]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,7 +25,7 @@ from __future__ import annotations
 from fusec.ir.env import Env
 from fusec.ir import Graph, Op
 from fusec.ir.pattern import op, var
-from fusec.instructions import activation
+from fusec.instructions import activation, kv_epilogue
 from fusec.instructions.activation import GELU_NEW_K, gelu_new, gelu_new_pattern  # noqa: F401 (re-exported)
 from fusec.instructions.base import Instruction, Region, Tile, register, split_range
 from fusec.instructions.call import P0, P1, SMEM, Call, Flag, Int, Ptr, Type
@@ -109,7 +109,9 @@ class MatvecCols(TakesPrologue, Instruction):
                   priority=72, keep_name=True),
              Rule(op("aten.mm.default", var("x"), var("w", _weight)),
                   inputs={"x": "x", "w": "w"}, outputs={"out": "_anchor.out"}, check=_shape_ok,
-                  priority=74, keep_name=True))
+                  priority=74, keep_name=True),
+             # k/v pieces of the product written into the KV caches' rows (fusec/instructions/kv_epilogue.py)
+             kv_epilogue.RULE)
 
     @classmethod
     def tiles(cls, op: Op, g: Graph, want: int) -> list[Tile]:
@@ -129,8 +131,9 @@ class MatvecCols(TakesPrologue, Instruction):
                 if s in op.inputs:
                     reads.append(Region.of(g, op.inputs[s], c0, c1))
                     abytes += (c1 - c0) * elt(g, op.inputs[s])
-            tiles.append(Tile(op.name, i, {"cols": [c0, c1]}, reads, [Region.of(g, out, c0, c1)],
-                              K * (c1 - c0) * elt(g, w), abytes))
+            kv_reads, kv_writes, kv_bytes = kv_epilogue.tile_regions(op, g, c0, c1)
+            tiles.append(Tile(op.name, i, {"cols": [c0, c1]}, reads + kv_reads, [Region.of(g, out, c0, c1)] + kv_writes,
+                              K * (c1 - c0) * elt(g, w), abytes + kv_bytes))
         return adjust_tiles(op, g, tiles)
 
     @classmethod
@@ -144,8 +147,24 @@ class MatvecCols(TakesPrologue, Instruction):
                                       Int("NCH", lambda op, g: chunks_per_group(g, op.inputs["w"])),
                                       Flag("bias", has="b"), Flag("add_res", has="residual"),
                                       Int("ACT", activation.code),
-                                      STAGED),
-                args=(Ptr("x"), Ptr("w"), Ptr("b"), Ptr("res", "residual"), Ptr("out"), P0, P1, SMEM))
+                                      STAGED, *kv_epilogue.TARGS),
+                args=(Ptr("x"), Ptr("w"), Ptr("b"), Ptr("res", "residual"), Ptr("out"), P0, P1, SMEM,
+                      *kv_epilogue.ARGS))
+
+    @classmethod
+    def cuda_args(cls, op: Op, g: Graph, bufs) -> dict:
+        kv_epilogue.check_lengths(op, bufs)
+        return super().cuda_args(op, g, bufs)
+
+    @classmethod
+    def runtime_regions(cls, op: Op, tile: Tile, env: Env):
+        """With a cache epilogue, the caches' rows at this step's position (planned: every row)."""
+        if "kv_cols" not in op.attrs:
+            return tile.reads, tile.writes
+        cached = {env.g.root(c) for c, _, _ in kv_epilogue.caches(op)}
+        c0, c1 = tile.params["cols"]
+        return tile.reads, [r for r in tile.writes if r.tensor not in cached] + \
+            kv_epilogue.runtime_writes(op, env, c0, c1)
 
     @classmethod
     def own_smem(cls, op: Op, g: Graph) -> int:
@@ -167,4 +186,5 @@ class MatvecCols(TakesPrologue, Instruction):
             y = env.read(op.inputs["residual"]).reshape(-1)[c0:c1].float() + y.to(dt).float()
         y = activation.apply(activation.act_of(op), y, dt)
         env.flat(op.outputs["out"])[c0:c1] = y.to(dt)
+        kv_epilogue.run(op, env, c0, c1, y.to(dt))
 
