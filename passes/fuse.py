@@ -32,7 +32,8 @@ linear into ``rms_lm_head`` (50) and its logits' argmax into that op's ``token``
 linears over one input into ``matvec_group`` (65); any other linear into ``matvec`` (70); a
 GELU (``aten.gelu``, ``gelu_new``'s chain) over an output of a ``matvec`` or ``matvec_group``
 into that op's activation epilogue (66 and 67 for ``matvec_group``, 75 and 76 for ``matvec``:
-:mod:`fusec.instructions.activation`);
+:mod:`fusec.instructions.activation`); the ``kv_write``s of pieces of a ``matvec_cols`` product
+into its cache epilogue (78: GPT-2's k and v, :mod:`fusec.instructions.kv_epilogue`);
 ``aten.embedding`` into ``embedding`` (80).
 """
 from __future__ import annotations

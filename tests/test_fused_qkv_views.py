@@ -32,7 +32,6 @@ import torch
 import hf_tiny
 import step_util
 from fusec.ir import Graph, Op, Ref, Role, TensorInfo
-from fusec.ir.pieces import Rows, pieces
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 from layer_ops import layer_rows  # noqa: E402
@@ -195,6 +194,7 @@ def test_pieces_as_row_blocks():
     chunk of the last dim of a [2, 12] view takes 2 blocks, 12 apart (of a product of two rows of
     12: one range of each); a gather by non-consecutive indices, a slice with a step and a cut
     of a dim outside the row are not pieces."""
+    from fusec.ir.pieces import Rows, pieces
     g, ops = _cut_graph()
     assert pieces(g, ops["slice"], 24) == [(Rows(0, 16, 16, 1), "q")]
     assert pieces(g, ops["index"], 24) == [(Rows(16, 4, 4, 1), "k")]

@@ -66,7 +66,8 @@ def match(c: Ctx, p: Op) -> Fusion | None:
         return None
     cuts = []
     for r in _readers(c, out):
-        got = pieces(g, r, n) if g.root(r.inputs.get("in0", "")) == root else None
+        src = r.inputs.get("in0")
+        got = pieces(g, r, n) if src is not None and g.root(src) == root else None
         if got is None or not all(rows.contiguous for rows, _ in got):
             return None
         cuts.append((r, got))

@@ -19,6 +19,11 @@ Prologue: like the row-tiled kinds, ``matvec_cols`` takes a folded prologue
 (shared memory, in x's dtype: each member's output rounded to its dtype as eager does), and no
 longer stand alone as a dependency level on one SM. The writer tile is the one whose first
 column is 0.
+
+Cache epilogue (:mod:`fusec.instructions.kv_epilogue`): where the product's pieces are written
+into KV caches (GPT-2's ``c_attn`` split into q, k and v, k and v appended at the position), the
+tiles store the k and v columns they compute into the caches' rows too (attribute ``kv_cols``),
+and the q piece is a view of the product: the split and the writes no longer stand alone.
 """
 from __future__ import annotations
 

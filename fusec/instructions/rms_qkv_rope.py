@@ -38,8 +38,15 @@ for q and k together (not one each): a tile holds a q/k unit range, the template
 count of the tiles that take it (``pieces`` in this mode), and the second norm on the same tile
 costs a block reduction, not a level.
 
-Shapes: x [H]; norm_w [H]; wq [Hq*D, H]; wk, wv [Hkv*D, H]; optional biases bq [Hq*D], bk, bv
-[Hkv*D] (Qwen2: ``addmm``, the bias added to the fp32 dot before the projection's rounding);
+A fused q/k/v projection cut after the product (:mod:`fusec.ir.pieces`): Falcon-7B's single row
+ranges reach this kind as separate linears over row views (``split_linear``); GPT-NeoX's pieces,
+interleaved per head (rows ``h * 3D + j * D + [0, D)`` for piece j), are read here as views of
+the fused weight and bias starting at each piece's first row, with attribute ``w_stride`` (3D):
+head h's rows start at ``h * w_stride`` of its view (template ``WS``; q and the caches keep D).
+
+Shapes: x [H]; norm_w [H]; wq [Hq*D, H]; wk, wv [Hkv*D, H] (with ``w_stride`` S: [(Hq-1)*S + D, H],
+[(Hkv-1)*S + D, H]); optional biases bq [Hq*D], bk, bv [Hkv*D] (likewise) (Qwen2: ``addmm``, the
+bias added to the fp32 dot before the projection's rounding);
 cos_table, sin_table [L, .., rd] (rd = D without ``rotary_dim``); kcache, vcache [1, Hkv, L, D];
 q [Hq*D]. Numerics: fp32 math,
 rounded to the model dtype where PyTorch rounds (after the norm, after each projection, after
@@ -163,7 +170,9 @@ def _rows_view(g: Graph, base: str, rows: Rows, d: int, ws: int) -> str:
 
 def match_qkv(c: Ctx, att: Op) -> Fusion | None:
     """At an ``attention``: its q is ``rope(linear(...))``, its k/v caches' last ``kv_write``s
-    before it (one position) write ``rope(linear(...))`` and ``linear(...)``, the three linears
+    before it (one position) write ``rope(linear(...))`` and ``linear(...)`` (or, for all three,
+    pieces of ONE linear's product, each of whole heads a uniform stride apart: GPT-NeoX's
+    interleaved q/k/v, :func:`_head_stride`; the kind then reads views of its weight), the three linears
     read one vector (an ``rmsnorm``'s output, the norm then part of the kind; else the vector as
     it is, ``norm`` False: a LayerNorm in front folds in as the kind's prologue, or static-size
     x that no op updates in place), q and k optionally through an ``rmsnorm`` each (both or
