@@ -148,13 +148,16 @@ def test_gpt2_kv_writes_are_the_projections_epilogue():
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_bf16_decodes_like_eager(family):
+def test_bf16_decodes_like_eager(family, steps):
     """bf16: the fused kinds round where eager's ops round (the product, the RoPE; a cache row
-    holds the product's rounded value): decode within bf16 tolerance of eager, no fallback."""
-    factory, _ = FAMILIES[family]
-    errs, w = step_util.prompts_against_eager(factory().to(torch.bfloat16), {}, (1, 6))
+    holds the product's rounded value): decode within bf16 tolerance of eager, no fallback, the
+    q/k/v (GPT-2: the KV writes) in the fused kind."""
+    factory, kind = FAMILIES[family]
+    model = factory().to(torch.bfloat16)
+    errs, w = step_util.prompts_against_eager(model, {}, (1, 6))
     assert not w.fallbacks and w.compiled >= 1, w.fallbacks
     assert max(errs.values()) < 2e-2, errs
+    assert len(_fused(steps[-1].schedule.graph, kind)) == model.config.num_hidden_layers
 
 
 # ---- the pieces of a product, on a hand-made graph ----
