@@ -132,20 +132,23 @@ def _head_stride(g: Graph, lin: Op, rows: dict[str, Rows], d: int) -> int | None
     """The rows between two heads' first rows in the fused weight of ``lin`` whose pieces q, k
     and v take ``rows``: ``d`` where each piece is one range of whole heads (Falcon-7B's, when
     ``split_linear`` did not split it), the blocks' stride where each block is one head
-    (GPT-NeoX: ``[H, 3, D]`` rows, stride ``3 * D``); one stride for the three. None where the
-    pieces are not whole heads, overlap, or a view would start off a 16-byte boundary."""
+    (GPT-NeoX: ``[H, 3, D]`` rows, stride ``3 * D``); one stride for the three (a piece of one
+    head takes any). None where the pieces are not whole heads, overlap, or a view would start
+    off a 16-byte boundary."""
     k = g.tensors[lin.inputs["w"]].shape[1]
     strides = set()
     for r in rows.values():
+        if r.size == d:
+            continue   # one head (a multi-query k or v): any stride addresses it
         if r.contiguous and r.size % d == 0:
             strides.add(d)
         elif r.block == d:
             strides.add(r.stride)
         else:
             return None
-    if len(strides) != 1:
+    if len(strides) > 1:
         return None
-    ws = strides.pop()
+    ws = strides.pop() if strides else d
     taken = [set(r.indices()) for r in rows.values()]
     if sum(len(t) for t in taken) != len(set().union(*taken)):
         return None   # overlapping pieces
@@ -238,7 +241,7 @@ def match_qkv(c: Ctx, att: Op) -> Fusion | None:
     n_rows = {h: rows[h].size if rows[h] is not None else g.tensors[lins[h].inputs["w"]].shape[0] for h in "qkv"}
     nq = n_rows["q"] // d
     nkv = kc.shape[1]
-    if kc.shape[0] != 1 or n_rows["k"] != nkv * d or nq % nkv:
+    if kc.shape[0] != 1 or n_rows["k"] != nkv * d or nq % nkv or (all(fused) and n_rows["v"] != nkv * d):
         return None
     ws = _head_stride(g, lins["q"], rows, d) if all(fused) else d
     if ws is None:
