@@ -10,7 +10,7 @@ VENV_PYTHON := $(if $(filter file,$(origin PYTHON)),$(or $(wildcard /usr/bin/pyt
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: venv demo test wheel-check bench bench-chat bench-families bench-families-2 clean
+.PHONY: venv demo test wheel-check bench bench-chat bench-batch bench-families bench-families-2 clean
 
 venv: $(VENV)/.stamp
 
@@ -48,6 +48,11 @@ bench:
 # per user path, in a cold then a warm process
 bench-chat:
 	PYTHONPATH=. $(RUN_PY) benchmarks/chat.py --example $(MODEL) --out build/chat-$(basename $(notdir $(MODEL))).json
+
+# batch B = 1..16 and K = 1..8 query-token steps of the Llama-3.2-1B against inductor, and HF
+# generate() of a batch of 4 (issue 32's table; K > 1 with the non-default option query_tokens)
+bench-batch:
+	PYTHONPATH=. $(RUN_PY) benchmarks/batch.py --out build/batch-bench.json
 
 # fusec vs HF eager and inductor per decoder family at the published widths and full depth
 # (prefill 600, StaticCache 1024; floor, share, excess per layer); GPU machine only, as bench.
