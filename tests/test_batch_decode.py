@@ -12,7 +12,7 @@ import hf_tiny
 from fusec.fallbacks import FallbackWatch
 
 #: prompt lengths of the sequences of a batch (left-padded to the longest)
-LENGTHS = (5, 2, 7, 3)
+LENGTHS = (5, 2, 7, 3, 6, 1, 4)
 
 
 def _left_padded(model, batch: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:

@@ -172,18 +172,23 @@ def _width_graph(batch: int, dtype: torch.dtype):
     return g, flat
 
 
-@pytest.mark.parametrize("batch,dtype", [(2, torch.bfloat16), (4, torch.bfloat16), (8, torch.bfloat16),
-                                         (16, torch.bfloat16), (16, torch.float32)])
+#: SG of the down projection (K = 8192) per (B, dtype): the fewest groups of at most 128 KiB of
+#: inputs (:func:`fusec.instructions.matvec_rows.seq_group`), SG = ceil(B / groups)
+SG_DOWN = {(2, torch.bfloat16): 2, (4, torch.bfloat16): 4, (8, torch.bfloat16): 8, (11, torch.bfloat16): 6,
+           (13, torch.bfloat16): 7, (16, torch.bfloat16): 8, (16, torch.float32): 4}
+
+
+@pytest.mark.parametrize("batch,dtype", list(SG_DOWN))
 def test_batched_matvec_compiles_without_spills_at_llama_1b_widths(batch, dtype, tmp_path):
     """``matvec_seqs`` at Llama-3.2-1B's widths (2048 -> 2048, 8192 -> 2048 with the residual,
     2048 -> 128256) for B sequences compiles with NVRTC for sm_90a without spills or a stack
     frame; its staged inputs fit shared memory (in groups of SG sequences where B of them do not:
-    B = 16 at K = 8192 in bf16 stages 8 at a time)."""
+    B = 16 at K = 8192 in bf16 stages 8 at a time, B = 11 6 and then the 5 left, B = 13 7 and 6)."""
     pytest.importorskip("cuda.bindings.nvrtc")
     from fusec.config import Options
     from fusec.cuda.codegen import MAX_SMEM_BYTES, render
     from fusec.cuda.jit import compile_cuda
-    from fusec.instructions.matvec_rows import STAGE_BYTES
+    from fusec.instructions.matvec_rows import STAGE_BYTES, seq_group
     from fusec.pipeline import Dumper, lower
     g, flat = _width_graph(batch, dtype)
     sched = lower(g, flat, Options.from_dict({"num_sms": 132}), Dumper(None))
@@ -191,14 +196,96 @@ def test_batched_matvec_compiles_without_spills_at_llama_1b_widths(batch, dtype,
     elt = dtype.itemsize
     for name, k in (("q", 2048), ("down", 8192), ("head", 2048)):
         cls = KINDS[ops[name].kind]
-        assert 4 * cls.smem_floats(ops[name], sched.graph) == min(batch * k * elt, STAGE_BYTES)
+        sg = SG_DOWN[batch, dtype] if name == "down" else batch
+        assert seq_group(batch, k, elt) == sg
+        assert 4 * cls.smem_floats(ops[name], sched.graph) == sg * k * elt <= STAGE_BYTES
     src = render(sched).source
     calls = re.findall(r"matvec_seqs<[^()]*>\(", src)
     assert len(calls) == 3
-    sg_down = 8 if (batch, dtype) == (16, torch.bfloat16) else (4 if dtype == torch.float32 else batch)
     t = "__nv_bfloat16" if dtype == torch.bfloat16 else "float"
-    assert f"matvec_seqs<{', '.join([t] * 5)}, 8192, 2048, {batch}, {sg_down}, false, true>(" in calls
+    assert f"matvec_seqs<{', '.join([t] * 5)}, 8192, 2048, {batch}, {SG_DOWN[batch, dtype]}, false, true>(" in calls
     kernel = compile_cuda(src, "fusec_step.cu", cache_dir=str(tmp_path))
     kernel.assert_no_spills()
     assert any("matvec_seqs" in f for f in kernel.resources)
     assert 4 * max(KINDS[o.kind].smem_floats(o, sched.graph) for o in sched.graph.ops) <= MAX_SMEM_BYTES
+
+
+def test_staged_groups_are_the_fewest_that_fit():
+    """The weights of a batched matvec are swept once per staged group: ceil(B * K * elt / 128 KiB)
+    times where one input is a whole fraction of the budget (B = 9..16 at K = 8192 bf16: twice,
+    where the largest divisor of B that fits made B = 11 and 13 sweep 11 and 13 times, B = 9
+    three); fp32 K = 8192 (32 KiB each) at B = 5, 7: twice. The groups cover the batch in order,
+    each fits the budget and none is larger than the first; inputs that cannot be staged (not a
+    whole number of 16-byte chunks, or one larger than the budget) give 0 (the rule refuses)."""
+    import math
+    from fusec.instructions.matvec_rows import STAGE_BYTES, seq_group
+    for batch in range(9, 17):
+        sg = seq_group(batch, 8192, 2)
+        assert math.ceil(batch / sg) == math.ceil(batch * 16384 / STAGE_BYTES) == 2, (batch, sg)
+    for batch in (5, 7):
+        assert math.ceil(batch / seq_group(batch, 8192, 4)) == 2
+    from fusec.instructions.matvec_rows import seq_ranges
+    for batch, k, e in [(b, k, e) for b in range(2, 17) for k in (64, 2048, 8192, 14336) for e in (2, 4)]:
+        ranges = seq_ranges(batch, k, e)
+        fit = STAGE_BYTES // (k * e)
+        assert len(ranges) == math.ceil(batch / fit), (batch, k, e, ranges)
+        assert [s for r in ranges for s in range(*r)] == list(range(batch))
+        assert all((s1 - s0) * k * e <= STAGE_BYTES and s1 - s0 <= ranges[0][1] for s0, s1 in ranges)
+    assert seq_group(2, 8196, 2) == 0 and seq_group(3, 62, 4) == 0   # 16392 and 248 bytes
+    assert seq_group(2, STAGE_BYTES // 2 + 8, 2) == 0
+
+
+@pytest.mark.parametrize("batch", [5, 7])
+def test_batch_staged_in_groups_with_a_remainder_matches_eager(batch, steps, monkeypatch, tmp_path):
+    """Tiny Llama (fp32) at B = 5 and 7 with the staging budget cut to 1152 bytes (three inputs
+    of the down projection's 96, four of the others' 64): every batched matvec stages its inputs
+    in the fewest groups that fit, the last one the rest (B = 5: 3 + 2; B = 7: 3 + 3 + 1 and 4 +
+    3); the simulated steps equal eager per sequence, no fallback; the batch kernel (its
+    ``matvec_seqs`` calls with that SG, the tail group's instantiation) compiles with NVRTC
+    without spills."""
+    import math
+    from fusec.instructions import matvec_rows
+    monkeypatch.setattr(matvec_rows, "STAGE_BYTES", 1152)
+    errs, w, _ = batch_steps_against_eager(hf_tiny.llama(), batch, 70 + batch, n=2)
+    assert max(errs) < 1e-5, errs
+    assert not w.fallbacks and w.compiled, w.fallbacks
+    assert steps and not any(s.fallen_back for s in steps)
+    g = steps[-1].schedule.graph
+    ops = [o for o in g.ops if o.kind in BATCHED]
+    assert len(ops) == 7 * 2 + 1
+    sgs = set()
+    for o in ops:
+        k = g.tensors[o.inputs["w"]].shape[1]
+        sg = matvec_rows.seq_group(batch, k, 4)
+        assert math.ceil(batch / sg) == math.ceil(batch / (1152 // (k * 4))) > 1, (o.name, k, sg)
+        assert 4 * KINDS[o.kind].smem_floats(o, g) == sg * k * 4 <= 1152
+        sgs.add((k, sg))
+    assert any(batch % sg for _, sg in sgs)   # a remainder group
+    pytest.importorskip("cuda.bindings.nvrtc")
+    from fusec.cuda.codegen import render
+    from fusec.cuda.jit import compile_cuda
+    src = render(steps[-1].schedule).source
+    for k, sg in sgs:
+        assert re.search(rf"matvec_seqs<[^()]*, {k}, \d+, {batch}, {sg}, ", src), (k, sg)
+    kernel = compile_cuda(src, "fusec_step.cu", cache_dir=str(tmp_path))
+    seqs = {f: r for f, r in kernel.resources.items() if "matvec_seqs" in f}
+    assert seqs and all(r["stack_frame_bytes"] == r["spill_store_bytes"] == r["spill_load_bytes"] == 0
+                        for r in seqs.values()), seqs
+
+
+def test_inputs_that_cannot_be_staged_stay_generic(steps):
+    """A linear whose input rows are not whole 16-byte chunks (tiny Llama with a hidden size of
+    62 in fp32: 248 bytes; two heads of 16) is left generic by the batched rule at B = 2
+    (``matvec_seqs`` could not stage a later group of them aligned), where it used to become a
+    batched op; the linears over 32 and 96 inputs (o_proj, down_proj) are batched; eager's logits,
+    no fallback."""
+    model = hf_tiny.llama(hidden=62, heads=2, kv_heads=1)
+    errs, w, _ = batch_steps_against_eager(model, 2, 9, n=2)
+    assert max(errs) < 1e-5, errs
+    assert not w.fallbacks and w.compiled, w.fallbacks
+    g = steps[-1].schedule.graph
+    layers = model.config.num_hidden_layers
+    assert g.count_kinds()["linear"] == 5 * layers + 1   # q, k, v, gate, up; the lm_head
+    assert all(g.tensors[o.inputs["w"]].shape[1] == 62 for o in g.ops if o.kind == "linear")
+    batched = [o for o in g.ops if o.kind in BATCHED]
+    assert len(batched) == 2 * layers and all(o.attrs["batch"] == 2 for o in batched)

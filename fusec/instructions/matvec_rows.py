@@ -65,27 +65,49 @@ def seqs(op: Op) -> int:
 
 
 def seq_group(batch: int, k: int, elt_bytes: int) -> int:
-    """Sequences staged in shared memory at once by a batched matvec of ``batch`` inputs of ``k``
-    elements of ``elt_bytes`` each: the largest divisor of ``batch`` whose inputs fit
-    :data:`STAGE_BYTES` (at least 1). All of them where one sequence's input is not a whole
-    number of 16-byte chunks (the staging copies of a later group would not be aligned)."""
-    if (k * elt_bytes) % 16:
-        return batch
-    return max([d for d in range(1, batch + 1) if batch % d == 0 and d * k * elt_bytes <= STAGE_BYTES], default=1)
+    """SG, the sequences staged in shared memory at once by a batched matvec (template
+    ``matvec_seqs``) of ``batch`` inputs of ``k`` elements of ``elt_bytes`` each; 0 where the
+    inputs cannot be staged (the rule then leaves the linear generic: :func:`batch_rows`).
+
+    With F = ``STAGE_BYTES // (k * elt_bytes)`` inputs fitting :data:`STAGE_BYTES`, the batch is
+    staged in G = ceil(batch / F) groups of SG = ceil(batch / G): G - 1 groups of SG and a last
+    one of the rest (``batch % SG`` where it is not 0, :func:`seq_ranges`), each a sweep of the
+    tile's weight rows, so the weights are streamed G times, the fewest that fit (B = 11 at
+    Llama-3.2-1B's down projection, K = 8192 bf16: two groups of 6 and 5; a divisor of B would
+    have been 11 groups of 1). 0 where one sequence's input is not a whole number of 16-byte
+    chunks at B > 1 (a later group's 16-byte staging copies would not be aligned) or does not
+    fit :data:`STAGE_BYTES` alone."""
+    row = k * elt_bytes
+    if batch <= 1:
+        return 1
+    if row % 16 or row > STAGE_BYTES:
+        return 0
+    groups = -(-batch // (STAGE_BYTES // row))
+    return -(-batch // groups)
+
+
+def seq_ranges(batch: int, k: int, elt_bytes: int) -> list[tuple[int, int]]:
+    """The staged groups of a batched matvec (:func:`seq_group`) as sequence ranges ``[s0, s1)``,
+    in the order the template sweeps them: groups of SG, the last one the rest."""
+    sg = seq_group(batch, k, elt_bytes)
+    if sg < 1:
+        raise ValueError(f"{batch} inputs of {k} x {elt_bytes} bytes cannot be staged (seq_group)")
+    return [(s0, min(s0 + sg, batch)) for s0 in range(0, batch, sg)]
 
 
 def batch_rows(g: Graph, m: dict, x: str = "x") -> int:
     """For a rule's check: the rows M of the linear's ``x`` ([M, K], K the weight ``w``'s last
     dim) where they are 1 or the step's batch B (:meth:`fusec.ir.Graph.batch`) of at most
-    :data:`MAX_SEQS`; 0 otherwise (a linear over several rows of one sequence, too many rows,
-    or not a whole number of rows)."""
+    :data:`MAX_SEQS` whose inputs ``matvec_seqs`` can stage (:func:`seq_group` > 0); 0 otherwise
+    (a linear over several rows of one sequence, too many rows, not a whole number of rows, or
+    inputs that cannot be staged: the linear stays generic)."""
     w = g.tensors[m["w"]]
     if len(w.shape) != 2:
         return 0
     n, k = g.tensors[m[x]].numel, w.shape[1]
     if n == k:
         return 1
-    if n % k or n // k > MAX_SEQS or n // k != g.batch():
+    if n % k or n // k > MAX_SEQS or n // k != g.batch() or not seq_group(n // k, k, elt(g, m[x])):
         return 0
     return n // k
 
@@ -116,8 +138,8 @@ def _k(op: Op, g: Graph) -> int:
     return g.tensors[op.inputs["w"]].shape[1]
 
 
-#: ``matvec_seqs``'s template arguments N (output rows), B and SG (:func:`seq_group`), between K
-#: and BIAS; passed only for a batch
+#: ``matvec_seqs``'s template arguments N (output rows), B and SG (:func:`seq_group`: groups of SG
+#: sequences, the last one of the rest), between K and BIAS; passed only for a batch
 SEQ_ARGS = (Int("N", lambda op, g: g.tensors[op.inputs["w"]].shape[0], when=batched),
             Int("B", lambda op, g: seqs(op), when=batched),
             Int("SG", lambda op, g: seq_group(seqs(op), _k(op, g), elt(g, op.inputs["x"])), when=batched))
@@ -143,9 +165,11 @@ def seq_uses(op: Op, args: dict) -> dict:
 
 def rows_dot_seqs(op: Op, env: Env, r0: int, r1: int) -> torch.Tensor:
     """``x @ W[r0:r1]^T`` in fp32 (unrounded), [B, r1 - r0], for a batched row-tiled matvec op
-    (inputs ``w``, ``x`` [B, K])."""
+    (inputs ``w``, ``x`` [B, K]), group by staged group as ``matvec_seqs`` sweeps them
+    (:func:`seq_ranges`; each output is one fp32 dot whatever its group)."""
     w = env.read(op.inputs["w"])[r0:r1].float()
-    return env.read(op.inputs["x"]).reshape(seqs(op), w.shape[1]).float() @ w.T
+    x = env.read(op.inputs["x"]).reshape(seqs(op), w.shape[1]).float()
+    return torch.cat([x[s0:s1] @ w.T for s0, s1 in seq_ranges(seqs(op), w.shape[1], elt(env.g, op.inputs["x"]))])
 
 
 def rows_dot(op: Op, env: Env, r0: int, r1: int) -> torch.Tensor:
