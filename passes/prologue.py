@@ -42,9 +42,10 @@ whose outputs ``R`` does not use is left out of the copy). The same
 conditions hold between ``P`` and each ``R`` as between ``P`` and ``K``; what is read after both
 stays written by ``K``, so every other reader must still wait for ``K``.
 
-In a step of a batch of B > 1 sequences (:meth:`fusec.ir.Graph.batch`) nothing folds: a prologue
-computes one vector per tile, and the batched matvec (``matvec`` at B > 1, docs/batch.md) stages
-the B rows of x as they are; the norms before it stay generic.
+In a step of more than one activation row (:meth:`fusec.ir.Graph.rows`: B > 1 sequences or K > 1
+query tokens, recorded on the graph when it was built, whatever ``fuse`` made of the attention)
+nothing folds: a prologue computes one vector per tile, and the batched matvec (``matvec`` at
+B > 1, docs/batch.md) stages the B rows of x as they are; the norms before it stay generic.
 
 Expects: a graph after ``chain`` (or after ``fuse``, with chains off). Guarantees: the same
 values; each folded ``P`` is gone and its members are K's ``pre`` (K's outputs ``x`` and
@@ -66,8 +67,8 @@ log = logging.getLogger("fusec.passes.prologue")
 
 
 def run(g: Graph) -> Graph:
-    if g.batch() > 1:
-        return g   # a prologue computes one sequence's vector (module docstring)
+    if g.rows() > 1:
+        return g   # a prologue computes one vector: no fold at B * K > 1 rows (module docstring)
     folded = 0
     for parallel in (False, True):
         k = 0

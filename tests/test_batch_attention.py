@@ -218,6 +218,7 @@ def test_batch_of_several_query_tokens_stays_generic():
             g.add_tensor(t)
         att = Op("att", "attention", {"q": "q", "k": "k", "v": "v"}, {"out": "out"}, attrs={"scale": 0.25})
         g.ops = [att]
+        g.record_rows()   # B and K, as graph_from_aten records them
         return g, {"_anchor": att}
     assert takes_attention(*graph(4, 1, 4)) and takes_attention(*graph(1, 1, 1))
     assert not takes_attention(*graph(4, 2, 4))     # K = 2 query tokens per sequence

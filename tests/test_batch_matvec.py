@@ -169,6 +169,7 @@ def _width_graph(batch: int, dtype: torch.dtype):
         g.ops.append(Op(name, kind, ins, {"out": f"y_{name}"}, attrs={"batch": batch}))
     g.inputs = [t for t, info in g.tensors.items() if info.input_index is not None]
     g.outputs = [f"y_{name}" for name, *_ in widths]
+    g.batch_size = batch
     return g, flat
 
 

@@ -108,15 +108,66 @@ def test_k_token_steps_of_other_families_match_eager(factory, steps):
 
 
 def test_rows_and_query_tokens_of_a_decode_step():
-    """``Graph.rows()`` is B * K, ``Graph.query_tokens()`` K, ``Graph.batch()`` B, read off the
-    attention queries [B, Hq, K, D]."""
+    """``Graph.rows()`` is B * K, ``Graph.query_tokens()`` K, ``Graph.batch()`` B, recorded off the
+    attention queries [B, Hq, K, D] when the graph is built (``Graph.record_rows``) and kept by
+    copies and the artifact cache's graph text once the attention is another kind's op or gone
+    (the ``fuse`` pass makes it ``attention_partial``)."""
+    from fusec.cache.artifacts import graph_text
     from fusec.ir import Graph, Op
     g = Graph()
     q = g.new_tensor("q", (3, 4, 5, 16), torch.float32)
     out = g.new_tensor("out", (3, 4, 5, 16), torch.float32)
     g.ops.append(Op("att", "attention", {"q": q}, {"out": out}))
+    g.record_rows()
     assert (g.batch(), g.query_tokens(), g.rows()) == (3, 5, 15)
+    for kind in ("attention_partial", "rms_qkv_rope"):
+        g.ops[0].kind = kind
+        assert (g.batch(), g.query_tokens(), g.rows()) == (3, 5, 15)
+    g.ops = []
+    c = g.copy()
+    assert (c.batch(), c.query_tokens(), c.rows()) == (3, 5, 15)
+    assert "rows 3 5" in graph_text(c) and "rows 1 1" in graph_text(Graph())
     assert (Graph().batch(), Graph().query_tokens(), Graph().rows()) == (1, 1, 1)
+
+
+def test_batch_step_folds_no_prologue_after_its_attention_is_rewritten():
+    """The ``prologue`` pass folds nothing into the matvecs of a batch step (B = 2, OLMo-2: its
+    post-norm and residual add before the MLP fold at batch 1) even where no attention op is
+    left to read B off (``fuse`` makes a batch's attention ``attention_partial``; here every
+    attention op's kind is renamed too): B is the graph's, recorded at capture."""
+    import hf_tiny
+    import step_util
+    from fusec.config import Options
+    from fusec.ir import Role
+    from fusec.ir.position import MAX_KNOWN_WEIGHT
+    from fusec.passes import prologue
+    from fusec.pipeline import ValueReads, stages
+    model = hf_tiny.olmo2()
+    cache = hf_tiny.static_cache(model, 16)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        model(input_ids=torch.randint(1, 128, (2, 4), generator=gen), past_key_values=cache, use_cache=True)
+    mask = torch.zeros(2, 16, dtype=torch.long)
+    mask[:, :5] = 1
+    kw = {"input_ids": torch.randint(1, 128, (2, 1), generator=gen), "past_key_values": cache, "use_cache": True,
+          "attention_mask": mask, "position_ids": torch.full((2, 1), 4)}
+    _, g, flat = step_util.capture(model, kw)
+    assert (g.batch(), g.rows()) == (2, 2)
+    weights = ValueReads({n: a for n, a in zip(g.inputs, flat)
+                          if g.tensors[n].role == Role.WEIGHT and a.numel() <= MAX_KNOWN_WEIGHT})
+    g = g.copy()
+    for stage in stages(Options.from_dict({"num_sms": 132}), "sim", weights):
+        if stage.name == "prologue":   # the passes before it, as lowering runs them
+            break
+        g = stage.run(g)
+    atts = [o for o in g.ops if o.kind.startswith("attention")]
+    assert atts
+    for o in atts:
+        o.kind = "taken"   # no attention kind left to read B off
+    assert (g.batch(), g.rows()) == (2, 2)
+    g = prologue.run(g)
+    assert not any("pre" in o.attrs for o in g.ops)
+    assert any(o.kind == "matvec" and o.attrs.get("batch") == 2 for o in g.ops)
 
 
 def test_query_length_that_varies_or_exceeds_eight_falls_back_with_a_line(caplog):

@@ -10,7 +10,8 @@ source). Weights are not part of an artifact: they are graph inputs, bound when 
 its buffer table), so a model with other weight values reuses the artifact.
 
 **Key**: the sha256 of
-- the captured IR (:func:`graph_text`): every tensor's name, shape, dtype, role, input index and
+- the captured IR (:func:`graph_text`): the step's batch and query tokens (``Graph.batch_size``,
+  ``query_len``); every tensor's name, shape, dtype, role, input index and
   alias (with a view's offset), plus a digest of the value of each CONSTANT (``get_attr`` tensors of the ATen graph);
   every op's name, kind, slots, in-place slots, layer, model source line and attributes (the
   ATen call templates with their literals included). FX names are deterministic for one model
@@ -144,7 +145,7 @@ def _canon(v: Any) -> str:
 def graph_text(g: Graph) -> str:
     """The whole structure of ``g`` as text (the key's graph part; see the module docstring)."""
     lines = [f"inputs {g.inputs}", f"outputs {g.outputs}", f"skip {g.skip_args}",
-             f"lengths {sorted(g.lengths.items())}"]
+             f"lengths {sorted(g.lengths.items())}", f"rows {g.batch_size} {g.query_len}"]
     for t in g.tensors.values():
         value = tensor_digest(t.value) if t.value is not None else "-"
         alias = t.alias_of if t.offset is None else f"{t.alias_of}+{t.offset}"   # a view: its offset

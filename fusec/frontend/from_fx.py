@@ -99,6 +99,7 @@ def graph_from_aten(gm: torch.fx.GraphModule, example_inputs: list[Any],
     evaluated into the arguments of the ops that use them (which get ``attrs["symbolic"]``),
     tensors whose size is the length get ``TensorInfo.sym`` and ``Graph.lengths`` holds the
     capacity (the pass ``check_lengths`` verifies the rest of the step does not depend on it).
+    The step's batch B and query tokens K are recorded on the graph (:meth:`Graph.record_rows`).
 
     Raises:
         UnsupportedOpError: an op that no instruction kind can place (names op and source line).
@@ -167,6 +168,7 @@ def graph_from_aten(gm: torch.fx.GraphModule, example_inputs: list[Any],
         if g.tensors[t].role == Role.INTERMEDIATE:
             g.tensors[t].role = Role.OUTPUT
     g.lengths = {name: sizes.subs[s] for s, name in sizes.names.items()}
+    g.record_rows()   # B and K off the attention queries, before any pass rewrites the attention
     return g
 
 

@@ -165,6 +165,10 @@ class Graph:
     ``lengths``: the run-time lengths of a length-polymorphic graph, symbol -> capacity (the
     size every ``TensorInfo.sym`` dim of that symbol has in the graph); empty for a graph of
     static shapes. See docs/ir.md, "Run-time lengths".
+    ``batch_size`` and ``query_len``: the decode step's B sequences and K query tokens each,
+    recorded when the graph is built (:meth:`record_rows`, from the attention queries of the
+    captured step) and kept by every pass and copy, whatever the passes make of the attention
+    ops; 1 and 1 for a graph built otherwise (:meth:`batch`, :meth:`query_tokens`, :meth:`rows`).
     """
 
     def __init__(self) -> None:
@@ -174,6 +178,8 @@ class Graph:
         self.outputs: list[str] = []
         self.skip_args: list[int] = []
         self.lengths: dict[str, int] = {}
+        self.batch_size: int = 1
+        self.query_len: int = 1
         self._names: set[str] = set()
 
     # -- construction -------------------------------------------------------------------
@@ -298,14 +304,13 @@ class Graph:
         return dict(sorted(out.items()))
 
     def _queries(self) -> list[tuple[int, ...]]:
-        """The shapes of the step's attention queries (``attention``, ``attention_partial`` and
-        ``fusec.sdpa`` ops' ``q``) that are [B, Hq, K, D]. ``attention_partial`` counts too: the
-        ``fuse`` pass replaces attentions by it before the rules of later kinds (the batched
-        ``matvec``) and passes (``prologue``) ask for the batch."""
+        """The shapes of the step's attention queries (``attention`` and ``fusec.sdpa`` ops'
+        ``q``) that are [B, Hq, K, D], for :meth:`record_rows` (before ``fuse`` makes the
+        attention another kind's op)."""
         shapes = []
         for op in self.ops:
             q = None
-            if op.kind in ("attention", "attention_partial"):
+            if op.kind == "attention":
                 q = op.inputs.get("q")
             elif op.kind == "fusec.sdpa.default" and isinstance(op.attrs.get("args", (None,))[0], Ref):
                 q = op.inputs.get(op.attrs["args"][0].slot)
@@ -313,24 +318,34 @@ class Graph:
                 shapes.append(tuple(int(d) for d in self.tensors[q].shape))
         return shapes
 
+    def record_rows(self) -> None:
+        """Record the step's B and K (:attr:`batch_size`, :attr:`query_len`) off its attention
+        queries ([B, Hq, K, D]: the largest dim 0 and dim 2 of the ``fusec.sdpa`` and ``attention``
+        ops' ``q``; 1 and 1 without attention). Called once where the graph is built
+        (:func:`fusec.frontend.from_fx.graph_from_aten`), before any pass rewrites the attention
+        into a kind of its own; the capture accepts a step only where every query has a fixed B
+        and K (:func:`fusec.frontend.capture.check_decode_step`)."""
+        shapes = self._queries()
+        self.batch_size = max([s[0] for s in shapes], default=1)
+        self.query_len = max([s[2] for s in shapes], default=1)
+
     def batch(self) -> int:
-        """The decode step's batch B: the largest dim 0 of its attention queries ([B, Hq, K, D]);
-        1 for a graph without attention. The capture accepts a step only where every query has a
-        fixed B and K (:func:`fusec.frontend.capture.check_decode_step`); docs/batch.md."""
-        return max([s[0] for s in self._queries()], default=1)
+        """The decode step's batch B (:attr:`batch_size`, recorded when the graph was built:
+        :meth:`record_rows`); docs/batch.md."""
+        return self.batch_size
 
     def query_tokens(self) -> int:
-        """K, the query tokens per sequence of the step: the largest dim 2 of its attention
-        queries (1 for a decode step, K > 1 for speculative decoding's verification of K draft
-        tokens; docs/batch.md); 1 for a graph without attention."""
-        return max([s[2] for s in self._queries()], default=1)
+        """K, the query tokens per sequence of the step (:attr:`query_len`, recorded when the
+        graph was built: :meth:`record_rows`): 1 for a decode step, K > 1 for speculative
+        decoding's verification of K draft tokens; docs/batch.md."""
+        return self.query_len
 
     def rows(self) -> int:
         """The step's activation rows ``B * K`` (sequences times query tokens each): the rows of
         a ``linear``'s x, of the hidden states. An instruction kind takes a step only where its
         ``max_rows`` is at least this (:class:`fusec.instructions.base.Instruction`, the ``fuse``
         pass); 1 for a graph without attention."""
-        return max([s[0] * s[2] for s in self._queries()], default=1)
+        return self.batch_size * self.query_len
 
     # -- checking and printing ----------------------------------------------------------
     def check(self, stage: str = "") -> None:
@@ -386,6 +401,8 @@ class Graph:
     def dump(self) -> str:
         """Readable text: inputs, ops one per line with types of their outputs, outputs."""
         lines = ["# inputs"]
+        if self.rows() > 1:
+            lines.insert(0, f"# batch {self.batch_size}, query tokens {self.query_len}")
         if self.lengths:
             lines.insert(0, "# run-time lengths (symbol <= capacity): " +
                          ", ".join(f"{k}<={v}" for k, v in self.lengths.items()))
@@ -418,5 +435,6 @@ class Graph:
         g.outputs = list(self.outputs)
         g.skip_args = list(self.skip_args)
         g.lengths = dict(self.lengths)
+        g.batch_size, g.query_len = self.batch_size, self.query_len
         g._names = set(self._names)
         return g
