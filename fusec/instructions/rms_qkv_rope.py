@@ -22,9 +22,13 @@ outputs as they are (HF's ``cat((q_rot, q_pass), -1)``). A work unit is still a 
 p < rd/2 is the rotation pair (p, p + rd/2), unit p >= rd/2 the pass-through rows
 (p + rd/2, p + D/2) (:func:`pair_rows`). Not with a per-head norm (no such family).
 
+The q/k RMSNorms, per head or over the whole projection, take one eps for q and k (``qk_eps``)
+and one weight order: attribute ``qk_w_fp32`` where the weight multiplies in fp32 before the one
+rounding (the ``rmsnorm``'s ``w_fp32``: Gemma-3's per-head ``(1 + w)``, HF's ``Gemma3RMSNorm``;
+OLMo-2's ``Olmo2RMSNorm``), else Llama's order (the normed value rounded, then the weight).
+
 A q/k RMSNorm over the whole projection (OLMo-2's ``q_norm`` over all Hq*D values of q with a
-weight of Hq*D, ``k_norm`` over Hkv*D; attribute ``qk_norm`` "proj", ``qk_w_fp32`` where the
-weight multiplies before the one rounding, HF's ``Olmo2RMSNorm``): one sum of squares over every
+weight of Hq*D, ``k_norm`` over Hkv*D; attribute ``qk_norm`` "proj"): one sum of squares over every
 head, so no tile that owns a head range can norm its heads alone. The units are tiled as without
 a norm (any pair boundary); a tile's q/k units store their projections (rounded, fp32) in
 ``qk_part`` [Hq+Hkv, D] and its v units their cache rows; then every tile that holds q/k units
@@ -78,7 +82,7 @@ def _explicit(op: Op) -> bool:
     """BIAS and TB are written out: a later template argument (WF32, NORM, STAGED, RD, PROJNORM,
     QKW32, WS) differs from its default."""
     return _bias_or_wf32(op) or has(op) or not normed(op) or "rotary_dim" in op.attrs or proj_norm(op) \
-        or "w_stride" in op.attrs
+        or "w_stride" in op.attrs or bool(op.attrs.get("qk_w_fp32"))
 
 
 def proj_norm(op: Op) -> bool:
@@ -246,17 +250,20 @@ def match_qkv(c: Ctx, att: Op) -> Fusion | None:
     ws = _head_stride(g, lins["q"], rows, d) if all(fused) else d
     if ws is None:
         return None
-    # a q/k norm per head (Qwen3: over each head's D values) or over the whole projection
-    # (OLMo-2: all of q's Hq*D values, all of k's Hkv*D, one weight each; both of one form)
+    # a q/k norm per head (Qwen3, Gemma-3: over each head's D values) or over the whole projection
+    # (OLMo-2: all of q's Hq*D values, all of k's Hkv*D, one weight each); both of one form, one
+    # eps and one weight order (``w_fp32``: Gemma's weight applied in fp32): the kind has one of each
     whole = False
-    if norms and not all(g.tensors[hn.inputs["w"]].numel == d and g.tensors[hn.inputs["x"]].shape[-1] == d
-                         for hn in norms.values()):
+    if norms:
         qn, kn = norms["q"], norms["k"]
-        whole = all(g.tensors[hn.inputs["w"]].numel == g.tensors[hn.inputs["x"]].shape[-1]
-                    == g.tensors[hn.inputs["x"]].numel == n * d for hn, n in ((qn, nq), (kn, nkv))) \
-            and qn.attrs["eps"] == kn.attrs["eps"] and qn.attrs.get("w_fp32", False) == kn.attrs.get("w_fp32", False)
-        if not whole:
+        if qn.attrs["eps"] != kn.attrs["eps"] or qn.attrs.get("w_fp32", False) != kn.attrs.get("w_fp32", False):
             return None
+        if not all(g.tensors[hn.inputs["w"]].numel == d and g.tensors[hn.inputs["x"]].shape[-1] == d
+                   for hn in norms.values()):
+            whole = all(g.tensors[hn.inputs["w"]].numel == g.tensors[hn.inputs["x"]].shape[-1]
+                        == g.tensors[hn.inputs["x"]].numel == n * d for hn, n in ((qn, nq), (kn, nkv)))
+            if not whole:
+                return None
     # q and k rotate the same first rd values of each head (partial rotary: rd < D, not with a
     # per-head norm), over the full head as the rope reads it, with tables rd wide
     rd = rope_q.attrs.get("rotary_dim", d)
@@ -294,7 +301,7 @@ def match_qkv(c: Ctx, att: Op) -> Fusion | None:
             attrs["qk_eps"] = norms["q"].attrs["eps"]
             if whole:
                 attrs["qk_norm"] = "proj"
-                attrs["qk_w_fp32"] = bool(norms["q"].attrs.get("w_fp32", False))
+            attrs["qk_w_fp32"] = bool(norms["q"].attrs.get("w_fp32", False))
             # the q and k heads' projections before their norm, when a head is split over tiles
             outs["qk_part"] = g.new_tensor(f"{name}_qk_part", (nq + nkv, d), torch.float32)
         return [Op(name, "rms_qkv_rope", ins, outs, attrs=attrs, mutates=("kcache", "vcache"),
@@ -601,8 +608,9 @@ class RmsQkvRope(TakesPrologue, Instruction):
                 rot, i1, i2 = ps < r, ps, ps + half
             if out != "vcache":
                 nw = op.inputs.get("q_norm_w" if out == "q" else "k_norm_w")
-                if nw is not None:  # whole head (p0 = 0, p1 = half)
-                    y = rms_normalize(torch.cat([y1, y2]).to(dt), env.read(nw), a["qk_eps"], dt).float()
+                if nw is not None:  # whole head (p0 = 0, p1 = half); Gemma-3's weight in fp32 (qk_w_fp32)
+                    y = rms_normalize(torch.cat([y1, y2]).to(dt), env.read(nw), a["qk_eps"], dt,
+                                      a.get("qk_w_fp32", False)).float()
                     y1, y2 = y[:half], y[half:]
                 pr = ps[rot]
                 c1, c2, s1, s2 = cos[pr], cos[pr + r], sin[pr], sin[pr + r]
