@@ -30,11 +30,13 @@ Q/K/V -> RoPE -> KV write into ``rms_qkv_rope`` (10); attention split into ``att
 layers such as OLMo-2's); linear + residual add into ``matvec_residual`` (40); RMSNorm ->
 linear into ``rms_lm_head`` (50) and its logits' argmax into that op's ``token`` (60); sibling
 linears over one input into ``matvec_group`` (65); any other linear into ``matvec`` (70); a
-GELU (``aten.gelu``, ``gelu_new``'s chain) over an output of a ``matvec`` or ``matvec_group``
-into that op's activation epilogue (66 and 67 for ``matvec_group``, 75 and 76 for ``matvec``:
-:mod:`fusec.instructions.activation`); the ``kv_write``s of pieces of a ``matvec_cols`` product
-into its cache epilogue (78: GPT-2's k and v, :mod:`fusec.instructions.kv_epilogue`);
-``aten.embedding`` into ``embedding`` (80).
+Conv1D product (``addmm`` / ``mm`` of a weight stored [in, out]) into ``matvec_cols``, with the
+residual add after it (44) or alone (72, 74); a
+GELU (``aten.gelu``, ``gelu_new``'s chain) over an output of a ``matvec``, ``matvec_group`` or
+``matvec_cols`` into that op's activation epilogue (66 and 67 for ``matvec_group``, 75 and 76
+for ``matvec``, 81 and 82 for ``matvec_cols``: :mod:`fusec.instructions.activation`); the
+``kv_write``s of pieces of a ``matvec_cols`` product into its cache epilogue (78: GPT-2's k and
+v, :mod:`fusec.instructions.kv_epilogue`); ``aten.embedding`` into ``embedding`` (80).
 """
 from __future__ import annotations
 

@@ -136,6 +136,36 @@ def test_gpt2_conv1d_is_matvec_cols_and_matches_eager(steps):
     assert "aten.tanh.default" not in kinds
 
 
+#: GPT-2's ``activation_function`` -> the epilogue's ``act`` (fusec/instructions/activation.py)
+GPT2_ACTS = {"gelu_new": "gelu_new", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh"}
+
+
+@pytest.mark.parametrize("function,dtype", [("gelu_new", torch.float32), ("gelu", torch.float32),
+                                            ("gelu_pytorch_tanh", torch.float32), ("gelu", torch.bfloat16)])
+def test_gpt2_activation_is_c_fc_epilogue(function, dtype, steps):
+    """GPT-2 with ``activation_function`` gelu_new (its default: eight ATen ops), gelu (exact,
+    ``aten.gelu``) or gelu_pytorch_tanh: the MLP's activation is the epilogue (``act``) of the
+    ``matvec_cols`` of c_fc, by the rules ``matvec`` takes too (before, only gelu_new had a rule of
+    its own and the others stayed a generic op); decode after prompts of 1, 6 and 19 tokens
+    matches eager (fp32: 1e-5, bf16: its tolerance), no fallback, no GELU op left."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=256, attn_implementation="sdpa",
+                     activation_function=function)
+    model = GPT2LMHeadModel(cfg).eval().requires_grad_(False).to(dtype)
+    errs, w = step_util.prompts_against_eager(model, {}, (1, 6, 19))
+    assert not w.fallbacks and w.compiled, w.fallbacks
+    assert max(errs.values()) < (1e-5 if dtype == torch.float32 else 2e-2), errs
+    g = steps[-1].schedule.graph
+    kinds = g.count_kinds()
+    assert not {"aten.gelu.default", "aten.tanh.default", "aten.pow.Tensor_Scalar"} & set(kinds), kinds
+    cols = [o for o in g.ops if o.kind == "matvec_cols"]
+    assert len(cols) == 4 * 2
+    acts = [o for o in cols if "act" in o.attrs]
+    assert len(acts) == 2 and all(o.attrs["act"] == GPT2_ACTS[function] and "residual" not in o.inputs for o in acts)
+    assert all(g.tensors[o.inputs["w"]].shape == (64, 4 * 64) for o in acts)   # c_fc: [n_embd, 4 n_embd]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_compiles(dtype):
     """The products' kernel renders and compiles with NVRTC for sm_90a, no spills."""

@@ -5,9 +5,10 @@ Source: ``torch.addmm(b, x, W)`` / ``torch.mm(x, W)`` at batch 1 with a weight `
 ``linear`` pattern (a transposed weight) does not see, and the residual add that may follow it
 (``aten.add``, GPT-2's attention and MLP outputs). Numerics follow PyTorch: the fp32 dot plus
 the bias, rounded once to the output dtype (``addmm``), then the residual added and rounded
-again; or, where the product feeds GPT-2's ``NewGELUActivation`` (``0.5 * y * (1 + tanh(
-sqrt(2 / pi) * (y + 0.044715 * y ** 3)))``, eight ATen ops), that chain applied with each op's
-rounding. Shapes: x [K] (leading dims of size 1), W [K, N], b [N], residual [N], out [N].
+again; or, where the product feeds a GELU (``aten.gelu``, exact or tanh, or GPT-2's
+``NewGELUActivation``, ``0.5 * y * (1 + tanh(sqrt(2 / pi) * (y + 0.044715 * y ** 3)))``, eight
+ATen ops), that activation as the op's epilogue (attribute ``act``: the rules of
+:mod:`fusec.instructions.activation`, as ``matvec`` takes them), applied with eager's rounding. Shapes: x [K] (leading dims of size 1), W [K, N], b [N], residual [N], out [N].
 Tiles are column groups of ``NCH`` 16-byte chunks, at most :data:`TARGET_GROUPS` of them,
 spread over every SM (the generic form runs the whole product on one SM); a tile reads its
 columns' segment of every row (template ``matvec_cols.cu.j2``: one group per tile).
@@ -31,7 +32,6 @@ from fusec.ir.env import Env
 from fusec.ir import Graph, Op
 from fusec.ir.pattern import op, var
 from fusec.instructions import activation, kv_epilogue
-from fusec.instructions.activation import GELU_NEW_K, gelu_new, gelu_new_pattern  # noqa: F401 (re-exported)
 from fusec.instructions.base import Instruction, Region, Tile, register, split_range
 from fusec.instructions.call import P0, P1, SMEM, Call, Flag, Int, Ptr, Type
 from fusec.instructions.matvec_rows import elt, staged
@@ -81,31 +81,10 @@ def _residual_ok(g: Graph, m: dict) -> bool:
             and g.tensors[m["y"]].dtype == dt and _shape_ok(g, {**m, "_anchor": mm}))
 
 
-_Y = op("aten.addmm.default", var("b"), var("x"), var("w", _weight), bind="y")
-#: HF's NewGELUActivation (GPT-2's "gelu_new") over the product, as dynamo traces it
-GELU_NEW = gelu_new_pattern(_Y)
-
-
-def _gelu_new_ok(g: Graph, m: dict) -> bool:
-    """The chain's constant is sqrt(2 / pi), its adds have alpha 1, every op of it gives the
-    output's dtype (each rounds as PyTorch's op does), and the product is as :func:`_shape_ok`
-    wants it."""
-    out = m["_anchor"].outputs["out"]
-    dt = g.tensors[out].dtype
-    mm = next(o for o in m["_ops"] if o.kind == "aten.addmm.default")
-    chain = [o for o in m["_ops"] if o is not mm]
-    return (isinstance(m["k"], float) and abs(m["k"] - GELU_NEW_K) < 1e-12
-            and all(o.attrs.get("kwargs", {}).get("alpha", 1) == 1 for o in chain)
-            and all(g.tensors[t].dtype == dt for o in [mm, *chain] for t in o.fresh_outputs())
-            and g.tensors[m["y"]].numel == g.tensors[out].numel and _shape_ok(g, {**m, "_anchor": mm}))
-
-
 @register
 class MatvecCols(TakesPrologue, Instruction):
     name = "matvec_cols"
-    rules = (Rule(GELU_NEW, inputs={"x": "x", "w": "w", "b": "b"}, outputs={"out": "_anchor.out"},
-                  attrs=lambda g, m: {"act": "gelu_new"}, check=_gelu_new_ok, priority=43),
-             Rule(op("aten.add.Tensor", var("residual"),
+    rules = (Rule(op("aten.add.Tensor", var("residual"),
                      op("aten.addmm.default", var("b"), var("x"), var("w", _weight), bind="y"), commutative=True),
                   inputs={"x": "x", "w": "w", "b": "b", "residual": "residual"}, outputs={"out": "_anchor.out"},
                   check=_residual_ok, priority=44),
@@ -115,6 +94,9 @@ class MatvecCols(TakesPrologue, Instruction):
              Rule(op("aten.mm.default", var("x"), var("w", _weight)),
                   inputs={"x": "x", "w": "w"}, outputs={"out": "_anchor.out"}, check=_shape_ok,
                   priority=74, keep_name=True),
+             # a GELU over its output (aten.gelu, gelu_new's chain) as its epilogue, after the
+             # rules above made the op (fusec/instructions/activation.py)
+             *activation.epilogue_rules("matvec_cols", 81),
              # k/v pieces of the product written into the KV caches' rows (fusec/instructions/kv_epilogue.py)
              kv_epilogue.RULE)
 
