@@ -21,7 +21,7 @@ from fusec.instructions import activation
 from fusec.instructions.base import Instruction, Tile, register
 from fusec.instructions.call import P0, P1, SMEM, Call, Flag, Int, Ptr, Type
 from fusec.instructions.matvec_rows import (MAX_SEQS, SEQ_ARGS, batch_attrs, batch_rows, batched, row_tiles, rows_dot,
-                                            rows_dot_seqs, seq_fn, seq_smem, seq_uses, seqs, single)
+                                            seq_fn, seq_smem, seq_uses, seqs, single)
 from fusec.instructions.prologue import STAGED, TakesPrologue, adjust_tiles, vec_inputs
 from fusec.instructions.rule import Rule
 
@@ -70,13 +70,7 @@ class Matvec(TakesPrologue, Instruction):
     def run_tile(cls, op: Op, tile: Tile, env: Env) -> None:
         r0, r1 = tile.params["rows"]
         dt = env.g.tensors[op.outputs["out"]].dtype
-        if batched(op):
-            y = rows_dot_seqs(op, env, r0, r1)
-            if "b" in op.inputs:
-                y = y + env.read(op.inputs["b"]).reshape(-1)[r0:r1].float()
-            env.flat(op.outputs["out"]).view(seqs(op), -1)[:, r0:r1] = activation.apply(activation.act_of(op), y, dt).to(dt)
-            return
-        y = rows_dot(op, env, r0, r1)
+        y = rows_dot(op, env, r0, r1)   # [B, r1 - r0]: each sequence's rows (B = 1 at batch 1)
         if "b" in op.inputs:
             y = y + env.read(op.inputs["b"]).reshape(-1)[r0:r1].float()
-        env.flat(op.outputs["out"])[r0:r1] = activation.apply(activation.act_of(op), y, dt).to(dt)
+        env.flat(op.outputs["out"]).view(seqs(op), -1)[:, r0:r1] = activation.apply(activation.act_of(op), y, dt).to(dt)

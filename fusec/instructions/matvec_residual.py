@@ -14,7 +14,7 @@ from fusec.ir.pattern import ABSENT, op, sem, var
 from fusec.instructions.base import Instruction, Tile, register
 from fusec.instructions.call import P0, P1, SMEM, Call, Flag, Int, Ptr, Type
 from fusec.instructions.matvec_rows import (MAX_SEQS, SEQ_ARGS, batch_attrs, batch_rows, batched, row_tiles, rows_dot,
-                                            rows_dot_seqs, seq_fn, seq_smem, seq_uses, seqs)
+                                            seq_fn, seq_smem, seq_uses, seqs)
 from fusec.instructions.rule import Rule
 
 
@@ -67,11 +67,6 @@ class MatvecResidual(Instruction):
     def run_tile(cls, op: Op, tile: Tile, env: Env) -> None:
         r0, r1 = tile.params["rows"]
         dt = env.g.tensors[op.outputs["out"]].dtype
-        if batched(op):
-            y = rows_dot_seqs(op, env, r0, r1).to(dt).float()
-            res = env.read(op.inputs["residual"]).reshape(seqs(op), -1)[:, r0:r1].float()
-            env.flat(op.outputs["out"]).view(seqs(op), -1)[:, r0:r1] = (res + y).to(dt)
-            return
-        y = rows_dot(op, env, r0, r1).to(dt).float()
-        res = env.read(op.inputs["residual"]).reshape(-1)[r0:r1].float()
-        env.flat(op.outputs["out"])[r0:r1] = (res + y).to(dt)
+        y = rows_dot(op, env, r0, r1).to(dt).float()   # [B, r1 - r0] (B = 1 at batch 1)
+        res = env.read(op.inputs["residual"]).reshape(seqs(op), -1)[:, r0:r1].float()
+        env.flat(op.outputs["out"]).view(seqs(op), -1)[:, r0:r1] = (res + y).to(dt)

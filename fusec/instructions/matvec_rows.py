@@ -163,18 +163,17 @@ def seq_uses(op: Op, args: dict) -> dict:
     return args
 
 
-def rows_dot_seqs(op: Op, env: Env, r0: int, r1: int) -> torch.Tensor:
-    """``x @ W[r0:r1]^T`` in fp32 (unrounded), [B, r1 - r0], for a batched row-tiled matvec op
-    (inputs ``w``, ``x`` [B, K]), group by staged group as ``matvec_seqs`` sweeps them
+def rows_dot(op: Op, env: Env, r0: int, r1: int) -> torch.Tensor:
+    """The rows ``[r0, r1)`` of a row-tiled matvec kind's product (inputs ``w``, ``x``) for each of
+    its sequences, in fp32 (unrounded): [B, r1 - r0] (B = :func:`seqs`, 1 at batch 1). Batch 1:
+    ``W[r0:r1] @ x``, x the staged vector (:func:`staged`: a folded prologue's result, else x); a
+    batch: ``x [B, K] @ W[r0:r1]^T`` group by staged group as ``matvec_seqs`` sweeps them
     (:func:`seq_ranges`; each output is one fp32 dot whatever its group)."""
     w = env.read(op.inputs["w"])[r0:r1].float()
+    if single(op):
+        return (w @ staged(op, env, False))[None]
     x = env.read(op.inputs["x"]).reshape(seqs(op), w.shape[1]).float()
     return torch.cat([x[s0:s1] @ w.T for s0, s1 in seq_ranges(seqs(op), w.shape[1], elt(env.g, op.inputs["x"]))])
-
-
-def rows_dot(op: Op, env: Env, r0: int, r1: int) -> torch.Tensor:
-    """``W[r0:r1] @ x`` in fp32 (unrounded) for a row-tiled matvec kind (inputs ``w``, ``x``)."""
-    return env.read(op.inputs["w"])[r0:r1].float() @ staged(op, env, False)
 
 
 def staged(op: Op, env: Env, norm: bool) -> torch.Tensor:
