@@ -20,7 +20,8 @@ class FallbackRequired(FusecError):
 
 
 class NotDecodeStepError(FallbackRequired):
-    """The captured graph is not a single-token decode step (for example a prefill)."""
+    """The captured graph is not a decode step of at most the option ``query_tokens``'s query tokens
+    per sequence (for example a prefill), or has no attention or a growing KV cache."""
 
 
 class UnsupportedOpError(FallbackRequired):

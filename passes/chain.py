@@ -36,6 +36,7 @@ write (in-place updates stay in-place); no dependency level is added; other ops 
 from __future__ import annotations
 
 import logging
+from typing import NamedTuple
 
 from fusec.instructions.chain import CHAIN_MAX_BYTES, Chain, can_join, member_bytes, range_class, step_name
 from fusec.ir import Graph, Op
@@ -46,11 +47,23 @@ log = logging.getLogger("fusec.passes.chain")
 MAX_GAP = 64
 
 
+class _Join(NamedTuple):
+    """How an op may join a chain: as a one-tile member (``one_tile``), as a ranged member of
+    ``ranged`` > 0 output elements, or not at all (neither). Groups join only their own class:
+    equal ``_Join``s."""
+    one_tile: bool = False
+    ranged: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.one_tile or self.ranged > 0
+
+
 class _Group:
-    def __init__(self, first: int, depth: int, joinable: bool | int, nbytes: int):
+    def __init__(self, first: int, depth: int, join: _Join, nbytes: int):
         self.members = [first]
         self.depth = depth
-        self.joinable = joinable        # False, True (one-tile members) or n (a ranged chain's)
+        self.join = join                # its members' class (one-tile, ranged of n, or none)
         self.nbytes = nbytes
         self.reads: set[str] = set()    # roots the group reads / writes
         self.writes: set[str] = set()
@@ -77,13 +90,13 @@ def run(g: Graph) -> Graph:
         for r in writes:
             for x in readers.get(r, ()):
                 deps[id(x)] = x
-        joinable = _joinable(op, g)
-        nbytes = member_bytes(op, g) if joinable is True else 0
-        found = _target(ops, i, op, g, list(deps.values()), joinable, nbytes) if joinable else None
+        join = _joinable(op, g)
+        nbytes = member_bytes(op, g) if join.one_tile else 0
+        found = _target(ops, i, op, g, list(deps.values()), join, nbytes) if join.ok else None
         if found is not None and len(found) > 1 and not _only_read_by(found[1:], i, read_by, outs):
             found = None
         if found is None:
-            target = _Group(i, 1 + max((d.depth for d in deps.values()), default=0), joinable, nbytes)
+            target = _Group(i, 1 + max((d.depth for d in deps.values()), default=0), join, nbytes)
         else:
             target = found[0]
             for other in found[1:]:   # a ranged group merged in: its members now run in target
@@ -113,25 +126,25 @@ def run(g: Graph) -> Graph:
     return g
 
 
-def _target(ops: list[Op], i: int, op: Op, g: Graph, deps: list[_Group], joinable: bool | int,
+def _target(ops: list[Op], i: int, op: Op, g: Graph, deps: list[_Group], join: _Join,
             nbytes: int) -> list[_Group] | None:
-    """The group ``op`` joins, then the ranged groups merged into it (their readers unchecked:
-    :func:`_only_read_by`), or None (module docstring, "Rule")."""
+    """The group ``op`` (which may join: ``join.ok``) joins, then the ranged groups merged into
+    it (their readers unchecked: :func:`_only_read_by`), or None (module docstring, "Rule")."""
     if not deps:
         return None
     deepest = max(d.depth for d in deps)
     top = [d for d in deps if d.depth == deepest]
-    if len(top) != 1 and (joinable is True or any(d.joinable != joinable for d in top)):
+    if len(top) != 1 and (join.one_tile or any(d.join != join for d in top)):
         return None
     top.sort(key=lambda d: d.members[-1], reverse=True)   # the group of the latest member first
     if sum(d.nbytes for d in top) + nbytes > CHAIN_MAX_BYTES:
         return None
     for gr in top:
         last = gr.members[-1]
-        if gr.joinable is False or gr.joinable != joinable or i - last > MAX_GAP:
+        if gr.join != join or i - last > MAX_GAP:
             return None
-        if gr.joinable is not True:   # ranged: what the group wrote is read at the element written
-            n = gr.joinable
+        if join.ranged:   # ranged: what the group wrote is read at the element written
+            n = join.ranged
             if any(g.root(t) in gr.writes and (g.tensors[t].numel != n or g.tensors[g.root(t)].numel != n)
                    for t in op.reads()):
                 return None
@@ -170,9 +183,11 @@ def _absorb(target: _Group, other: _Group, group_of: list[_Group], last_write: d
         readers[r] = [target if x is other else x for x in xs]
 
 
-def _joinable(op: Op, g: Graph) -> bool | int:
-    """True (a one-tile member), n (a ranged member of n elements) or False."""
-    return True if can_join(op, g) else (range_class(op, g) or False)
+def _joinable(op: Op, g: Graph) -> _Join:
+    """How ``op`` may join a chain: a one-tile member, a ranged member of n elements, or not."""
+    if can_join(op, g):
+        return _Join(one_tile=True)
+    return _Join(ranged=range_class(op, g) or 0)
 
 
 def _chain_op(g: Graph, members: list[Op]) -> Op:

@@ -42,7 +42,7 @@ def test_decode_matches_eager(case, merge, caplog):
     with torch.no_grad(), caplog.at_level(logging.WARNING, logger="fusec"):
         compiled(input_ids=prompt, past_key_values=ours, use_cache=True)   # prefill: falls back
         model(input_ids=prompt, past_key_values=ref, use_cache=True)
-        assert sum("not a single-token decode step (12 query tokens, more than 1)" in r.message for r in caplog.records) == 1
+        assert sum("not a decode step of at most 1 query token (12 query tokens, more than 1)" in r.message for r in caplog.records) == 1
         for step in range(16):
             tok = torch.randint(0, vocab, (1, 1), generator=gen)
             a = compiled(input_ids=tok, past_key_values=ours, use_cache=True).logits
@@ -98,7 +98,7 @@ def test_batch_runs_fusec_and_a_varying_batch_falls_back_with_a_line_naming_it(c
             assert len(w.fallbacks) == b - 2, (b, w.fallbacks)
     torch._dynamo.reset()
     assert w.compiled == 1
-    msgs = [r.message for r in caplog.records if "not a single-token decode step" in r.message]
+    msgs = [r.message for r in caplog.records if "not a decode step of at most 1 query token" in r.message]
     assert len(msgs) == 1 and "(a batch size that varies)" in msgs[0], msgs
 
 

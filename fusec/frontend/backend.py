@@ -1,9 +1,9 @@
 """The ``torch.compile`` backend (entry point ``torch_dynamo_backends: fusec``).
 
-``torch.compile(model, backend="fusec", options={...})``: a graph that is a single-token
-decode step is captured to ATen and compiled for the target; any other graph (a prefill,
-an op fusec cannot place, a target that is not available) goes to the fallback backend
-with one log line saying why.
+``torch.compile(model, backend="fusec", options={...})``: a graph that is a decode step (at
+most ``query_tokens`` query tokens per sequence, 1 by default) is captured to ATen and compiled
+for the target; any other graph (a prefill, an op fusec cannot place, a target that is not
+available) goes to the fallback backend with one log line saying why.
 """
 from __future__ import annotations
 

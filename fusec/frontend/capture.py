@@ -80,7 +80,8 @@ def check_decode_step(gm: torch.fx.GraphModule, query_tokens: int = 1) -> None:
                     ("" if query_tokens >= MAX_QUERY_TOKENS or q.shape[2] > MAX_QUERY_TOKENS else
                      f"; option query_tokens={q.shape[2]} takes it as speculative decoding's verification"))
             raise NotDecodeStepError(
-                f"not a single-token decode step ({what}): attention query has shape ({shape}) "
+                f"not a decode step of at most {query_tokens} query token{'s' if query_tokens != 1 else ''} "
+                f"({what}): attention query has shape ({shape}) "
                 f"(the batch and the query length must be fixed sizes, the query length at most "
                 f"{query_tokens}) at {node_source(node) or node.name}")
     if n == 0:

@@ -71,7 +71,8 @@ def apply(act: str | None, y: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
     ``dt``). Raises KeyError for an activation not in :data:`ACTS`."""
     if act is None:
         return y
-    ACTS[act]
+    if act not in ACTS:
+        raise KeyError(f"activation epilogue {act!r} is none of {sorted(ACTS)}")
     yd = y.to(dt)
     if act == "gelu_new":
         return gelu_new(yd)
@@ -117,7 +118,7 @@ def _gelu_new(c: Ctx, anchor: Op) -> tuple[str, str, list[Op]] | None:
     return "gelu_new", m["y"], ops
 
 
-def _outputs(g: Graph, p: Op) -> list[str]:
+def _outputs(p: Op) -> list[str]:
     """The output slots of ``p`` an activation may take: ``out`` or ``out0``..``out3``."""
     return [s for s in p.outputs if s == "out" or (s.startswith("out") and s[3:].isdigit())]
 
@@ -136,7 +137,7 @@ def epilogue_match(kind: str, form: Callable[[Ctx, Op], tuple[str, str, list[Op]
         out = anchor.outputs.get("out")
         if p is None or out is None or p.attrs.get("act") not in (None, act) or "pre" in p.attrs:
             return None   # (one activation per op)
-        slot = next((s for s in _outputs(g, p) if g.root(p.outputs[s]) == g.root(y)), None)
+        slot = next((s for s in _outputs(p) if g.root(p.outputs[s]) == g.root(y)), None)
         if slot is None or (slot == "out") == grouped:
             return None
         j = int(slot[3:]) if grouped else None

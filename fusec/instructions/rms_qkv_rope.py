@@ -325,7 +325,10 @@ class RmsQkvRope(TakesPrologue, Instruction):
 
     @classmethod
     def _units(cls, op: Op, g: Graph):
-        """Work units: (head, rotation pair) over [q | k | v] heads; a pair is rows i, i+D/2."""
+        """(units, units per head, alignment): the work units over [q | k | v] heads, D/2 per
+        head; unit p of a head computes two of its rows (:func:`pair_rows`: the rotation pair
+        (p, p + rd/2), or past rd/2 two pass-through rows). A per-head norm aligns tiles to whole
+        heads."""
         nq, nkv, d, L = cls._layout(op, g)
         half = d // 2
         # a per-head norm needs whole heads; one over the whole projection any pair boundary

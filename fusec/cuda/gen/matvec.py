@@ -76,19 +76,13 @@ def _linear(ctx: Ctx) -> None:
     if M < 1 or ctx.numel(x) != M * K or ctx.numel(out) != M * N:
         raise ctx.fail(f"linear of x {ctx.shape(x)} by w {(N, K)} into {ctx.shape(out)}")
     ix = ctx.index_type()
-    if M == 1:
-        ctx.emit(f"for ({ix} n = GX_WARP; n < {N}; n += GX_NWARPS) {{", "  float acc = 0.f;",
-                 f"  for ({ix} k = GX_LANE; k < {K}; k += GX_NLANES)",
-                 f"    acc = fmaf({ctx.load_as(w, f'n * {K} + k', 'float')}, {ctx.load_as(x, 'k', 'float')}, acc);",
-                 "  acc = gx_warp_reduce(acc, GxSum());")
-    else:
-        ctx.emit(f"for ({ix} o = GX_WARP; o < {M * N}; o += GX_NWARPS) {{",
-                 f"  const {ix} n = o % {N}, m = o / {N};", "  float acc = 0.f;",
-                 f"  for ({ix} k = GX_LANE; k < {K}; k += GX_NLANES)",
-                 f"    acc = fmaf({ctx.load_as(w, f'n * {K} + k', 'float')}, "
-                 f"{ctx.load_as(x, f'm * {K} + k', 'float')}, acc);",
-                 "  acc = gx_warp_reduce(acc, GxSum());")
+    ctx.emit(f"for ({ix} o = GX_WARP; o < {M * N}; o += GX_NWARPS) {{",
+             f"  const {ix} n = o % {N}, m = o / {N};", "  float acc = 0.f;",
+             f"  for ({ix} k = GX_LANE; k < {K}; k += GX_NLANES)",
+             f"    acc = fmaf({ctx.load_as(w, f'n * {K} + k', 'float')}, "
+             f"{ctx.load_as(x, f'm * {K} + k', 'float')}, acc);",
+             "  acc = gx_warp_reduce(acc, GxSum());")
     res = "acc"
     if "b" in op.inputs:
         res = f"acc + {ctx.load_as(op.inputs['b'], 'n', 'float')}"
-    ctx.emit(f"  if (GX_LANE == 0) {ctx.store(out, 'n' if M == 1 else 'o', res, 'float')}", "}")
+    ctx.emit(f"  if (GX_LANE == 0) {ctx.store(out, 'o', res, 'float')}", "}")
