@@ -23,7 +23,8 @@ the prologue's result), is a ``chain`` or a single generic op, and
   directly or through other ops (it waits for ``K`` already: folding adds no level to its path),
   or is a *parallel reader* ``R`` (second sweep, below);
 * the members' outputs and their external inputs fit
-  :data:`fusec.instructions.prologue.MAX_SCRATCH_BYTES` of shared memory.
+  :data:`fusec.instructions.prologue.MAX_SCRATCH_BYTES` of shared memory (``MAX_SCRATCH_BYTES_BATCH``
+  for a batched consumer).
 
 The transitive case takes what the ``chain`` pass leaves apart: an op split into output ranges
 (Falcon-7B's residual sum ``x + (attn + mlp)``, 4544 elements) never joins the one-tile
@@ -44,8 +45,15 @@ stays written by ``K``, so every other reader must still wait for ``K``.
 
 In a step of more than one activation row (:meth:`fusec.ir.Graph.rows`: B > 1 sequences or K > 1
 query tokens, recorded on the graph when it was built, whatever ``fuse`` made of the attention)
-nothing folds: a prologue computes one vector per tile, and the batched matvec (``matvec`` at
-B > 1, docs/batch.md) stages the B rows of x as they are; the norms before it stay generic.
+only a batched consumer folds (a ``matvec`` with attribute ``batch`` B equal to the step's rows,
+:func:`fusec.instructions.matvec_rows.seqs`; docs/batch.md), and only where it stages all B
+inputs in one group (:func:`fusec.instructions.matvec_rows.seq_group` == B for the staged x):
+its prologue then computes the whole ``[B, K]`` x in shared memory, each member over its rows as
+its generic form does (an RMSNorm normalises each sequence's row with that row's own sum of
+squares; the norm weight is shared), and the template (``matvec_seqs`` with ``STAGED``) skips
+its own staging. A step of K > 1 query tokens, a consumer without ``batch`` (the other kinds
+stay batch-1 only) or a batch staged in several groups (its x would not fit at once) folds
+nothing.
 
 Expects: a graph after ``chain`` (or after ``fuse``, with chains off). Guarantees: the same
 values; each folded ``P`` is gone and its members are K's ``pre`` (K's outputs ``x`` and
@@ -59,22 +67,22 @@ from typing import NamedTuple
 
 from fusec.instructions.base import KINDS
 from fusec.instructions.chain import step_name
-from fusec.instructions.matvec_rows import normed
-from fusec.instructions.prologue import MAX_SCRATCH_BYTES, can_member, externals, has, scratch_bytes
+from fusec.instructions.matvec_rows import batched, elt, normed, seq_group, seqs
+from fusec.instructions.prologue import MAX_SCRATCH_BYTES, MAX_SCRATCH_BYTES_BATCH, can_member, externals, has, scratch_bytes
 from fusec.ir import Graph, Op
 
 log = logging.getLogger("fusec.passes.prologue")
 
 
 def run(g: Graph) -> Graph:
-    if g.rows() > 1:
-        return g   # a prologue computes one vector: no fold at B * K > 1 rows (module docstring)
+    if g.query_tokens() > 1:
+        return g   # no kind takes K > 1 query tokens' rows (module docstring)
     folded = 0
     for parallel in (False, True):
         k = 0
         while k < len(g.ops):
             op = g.ops[k]
-            if _consumer(op) and any(_fold(g, op, t, parallel) for t in _staged(op)):
+            if _consumer(op, g) and any(_fold(g, op, t, parallel) for t in _staged(op)):
                 folded += 1
                 k = g.ops.index(op)
                 continue   # again: the producer of what the grown prologue reads may fold too
@@ -84,8 +92,12 @@ def run(g: Graph) -> Graph:
     return g
 
 
-def _consumer(op: Op) -> bool:
+def _consumer(op: Op, g: Graph) -> bool:
+    """Whether ``op`` may take a prologue: a kind with ``takes_prologue``; in a step of more than
+    one row only one that computes all of them (a batched matvec, module docstring)."""
     cls = KINDS.get(op.kind)
+    if g.rows() > 1 and seqs(op) != g.rows():
+        return False
     return cls is not None and getattr(cls, "takes_prologue", False) and ("x" in op.inputs or "pre" in op.attrs)
 
 
@@ -173,7 +185,10 @@ def _prologue_io(g: Graph, op: Op, pre: list[Op], x_root: str,
     (other tiles of ``op`` may have written it)."""
     ext, outs, written = _io(g, pre)
     writes = {g.root(w) for w in op.writes()}
-    if not all(can_member(m, g) for m in pre) or scratch_bytes(g, pre, ext, x_root) > MAX_SCRATCH_BYTES \
+    if batched(op) and seq_group(seqs(op), g.tensors[op.inputs["w"]].shape[1], elt(g, x_root)) != seqs(op):
+        return None   # the batch's inputs are staged in several groups: not all at once in shared memory
+    limit = MAX_SCRATCH_BYTES_BATCH if batched(op) else MAX_SCRATCH_BYTES
+    if not all(can_member(m, g) for m in pre) or scratch_bytes(g, pre, ext, x_root) > limit \
             or any(g.root(t) in written for t in ext) or any(g.root(t) in written for t in inputs.values()) \
             or any(g.root(t) in writes for t in ext):
         return None
@@ -220,7 +235,7 @@ class _Replica(NamedTuple):
 def _replica(g: Graph, p: Op, members: list[Op], r: Op) -> _Replica | None:
     """The plan that makes ``P``'s ``members`` the front of parallel reader ``r``'s prologue
     (module docstring), or None where ``r`` cannot take them."""
-    if not _consumer(r) or not _movable(g, p, r, reads=False):
+    if not _consumer(r, g) or not _movable(g, p, r, reads=False):
         return None
     made = {g.root(t) for m in members for t in m.fresh_outputs()}
     slots = [s for s, t in r.inputs.items() if g.root(t) in made]

@@ -55,7 +55,8 @@ class Matvec(TakesPrologue, Instruction):
                 targs=(Type("tx", "x"), Type("tw", "w"), Type("tb", "b", "w"), Type("tr", "out", when=batched),
                        Type("to", "out"), Int("K", lambda op, g: g.tensors[op.inputs["w"]].shape[1]), *SEQ_ARGS,
                        Flag("bias", has="b"), Flag("add_res", fn=lambda op: False, when=batched),
-                       dataclasses.replace(STAGED, when=single), activation.ACT),
+                       dataclasses.replace(STAGED, when=single), activation.ACT,
+                       dataclasses.replace(STAGED, when=batched)),
                 args=(Ptr("x"), Ptr("w"), Ptr("b"), Ptr("res", "residual", when=batched), Ptr("out"), P0, P1, SMEM))
 
     @classmethod

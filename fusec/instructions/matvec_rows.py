@@ -143,7 +143,7 @@ def _k(op: Op, g: Graph) -> int:
 #: sequences, the last one of the rest), between K and BIAS; passed only for a batch
 SEQ_ARGS = (Int("N", lambda op, g: g.tensors[op.inputs["w"]].shape[0], when=batched),
             Int("B", lambda op, g: seqs(op), when=batched),
-            Int("SG", lambda op, g: seq_group(seqs(op), _k(op, g), elt(g, op.inputs["x"])), when=batched))
+            Int("SG", lambda op, g: seq_group(seqs(op), _k(op, g), elt(g, prologue.xin(op))), when=batched))
 
 
 def seq_smem(op: Op, g: Graph) -> int:
@@ -152,7 +152,7 @@ def seq_smem(op: Op, g: Graph) -> int:
     k = _k(op, g)
     if single(op):
         return k
-    e = elt(g, op.inputs["x"])
+    e = elt(g, prologue.xin(op))
     return -(-seq_group(seqs(op), k, e) * k * e // 4)
 
 
@@ -173,13 +173,14 @@ def rows_dot(op: Op, env: Env, r0: int, r1: int) -> torch.Tensor:
     w = env.read(op.inputs["w"])[r0:r1].float()
     if single(op):
         return (w @ staged(op, env, False))[None]
-    x = env.read(op.inputs["x"]).reshape(seqs(op), w.shape[1]).float()
-    return torch.cat([x[s0:s1] @ w.T for s0, s1 in seq_ranges(seqs(op), w.shape[1], elt(env.g, op.inputs["x"]))])
+    x = staged(op, env, False).reshape(seqs(op), w.shape[1])
+    return torch.cat([x[s0:s1] @ w.T for s0, s1 in seq_ranges(seqs(op), w.shape[1], elt(env.g, prologue.xin(op)))])
 
 
 def staged(op: Op, env: Env, norm: bool) -> torch.Tensor:
-    """The vector a row-tiled kind stages, fp32 [H]: its folded prologue's result
-    (:mod:`fusec.instructions.prologue`), else RMSNorm(x) (``norm``), else x."""
+    """The vector a row-tiled kind stages, fp32 [H] (a batched op's B inputs, flat [B * H]): its
+    folded prologue's result (:mod:`fusec.instructions.prologue`), else RMSNorm(x) (``norm``),
+    else x."""
     if prologue.has(op):
         return prologue.run(op, env)
     if norm:

@@ -16,8 +16,9 @@ The table of what may fold (one rule, not one kind per family):
 
 * **members**: generic elementwise or reduction ops (ATen ops and the semantic ``rmsnorm``) and
   ``layernorm`` ops (:data:`MEMBER_KINDS`), each with a CUDA form from :mod:`fusec.cuda.gen`, no
-  in-place update, static sizes, no tensor of more than :data:`MAX_ELEMS` elements; every fresh
-  output a buffer of its own (no view);
+  in-place update, static sizes, no tensor of more than :data:`MAX_ELEMS` elements per activation
+  row of the step (:meth:`fusec.ir.Graph.rows`: a batch's B rows, folded only into a batched
+  consumer, :mod:`fusec.passes.prologue`); every fresh output a buffer of its own (no view);
 * **consumers**: kinds whose class sets ``takes_prologue`` (``matvec``, ``matvec_group``,
   ``rms_qkv_rope``, ``rms_gate_up_silu``, ``rms_lm_head``, and the column-tiled ``matvec_cols``:
   GPT-2's LayerNorms): kinds that stage their whole input vector ``x`` in shared memory first;
@@ -53,6 +54,10 @@ from fusec.instructions.call import Flag
 MAX_ELEMS = 16384
 #: shared memory the members' intermediates take per CTA at most (bytes)
 MAX_SCRATCH_BYTES = 64 * 1024
+#: the same for a batched consumer (a ``matvec`` of B sequences, docs/batch.md), whose members run
+#: over B rows: next to its staged x (at most ``matvec_rows.STAGE_BYTES``, 128 KiB) it stays under
+#: the 227 KiB of an sm_90 CTA
+MAX_SCRATCH_BYTES_BATCH = 96 * 1024
 #: the generic kinds a member may be (:func:`fusec.instructions.generic.generic_kind`)
 MEMBER_CLASSES = ("elementwise", "reduce")
 #: instruction kinds that may be members too: one-tile kinds whose op has a generated CUDA form
@@ -87,7 +92,7 @@ def can_member(m: Op, g: Graph) -> bool:
         return False
     for t in list(m.reads()) + list(m.writes()):
         info = g.tensors[t]
-        if info.sym or g.tensors[g.root(t)].sym or info.numel > MAX_ELEMS:
+        if info.sym or g.tensors[g.root(t)].sym or info.numel > MAX_ELEMS * g.rows():
             return False
     return all(g.tensors[t].alias_of is None for t in m.fresh_outputs())
 

@@ -1,0 +1,143 @@
+"""The rest of a batch-B decode layer across the SMs (docs/batch.md, issue 32).
+
+At B > 1 the RMSNorms before q/k/v and gate/up fold into the batched matvecs that read them as
+their prologue (``passes/prologue.py``: each tile computes the B normed rows in its shared
+memory, each row with its own sum of squares, and the template ``matvec_seqs`` with ``STAGED``
+skips its staging), instead of one generic op on one SM each. Checked against eager per
+sequence through ``torch.compile(model, backend="fusec")`` with default options, no fallback,
+and by NVRTC compiles of the batch kernel at Llama-3.2-1B's widths without spills."""
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import hf_tiny
+from test_batch_decode import batch_steps_against_eager
+from fusec.instructions.prologue import xin
+
+_spec = importlib.util.spec_from_file_location("layer_ops", Path(__file__).resolve().parent.parent / "tools" / "layer_ops.py")
+layer_ops = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(layer_ops)
+
+
+def _normed_matvecs(g) -> list:
+    """The batched matvec ops whose folded prologue ends in an RMSNorm."""
+    return [o for o in g.ops if o.kind == "matvec" and o.attrs.get("batch", 1) > 1
+            and o.attrs.get("pre") and o.attrs["pre"][-1].kind == "rmsnorm"]
+
+
+@pytest.mark.parametrize("batch", [2, 4])
+@pytest.mark.parametrize("factory", [hf_tiny.llama, hf_tiny.qwen3])
+def test_batch_norms_are_prologues_of_the_batched_matvecs(factory, batch, steps):
+    """A batch of left-padded prompts, 4 decode steps through ``torch.compile(backend="fusec")``
+    (default options) against eager, every sequence on its own (< 1e-5 fp32), no fallback; no
+    RMSNorm of the hidden state is left as an op of its own: each layer's two norms are the
+    prologues of its q/k/v and gate/up matvecs (the q/k/v's norm in each of the three, as the
+    gate/up's in both: parallel readers compute their own copy), each over the B rows."""
+    model = factory()
+    errs, w, _ = batch_steps_against_eager(model, batch, 300 + 10 * batch + (factory is hf_tiny.qwen3))
+    assert max(errs) < 1e-5, errs
+    assert not w.fallbacks and w.compiled, w.fallbacks
+    assert steps and not any(s.fallen_back for s in steps)
+    layers = model.config.num_hidden_layers
+    hidden = model.config.hidden_size
+    for s in steps:
+        g = s.schedule.graph
+        assert g.batch() == batch
+        # the final norm is the lm_head's prologue too; the first layer's q/k/v norm is in the
+        # ``embedding > rmsnorm`` chain in front of the layers (the embedding gather is no
+        # prologue member, so that chain does not fold: it is one level either way)
+        normed = _normed_matvecs(g)
+        assert len(normed) == 5 * layers + 1 - 3, [o.name for o in normed]
+        for o in normed:
+            assert g.tensors[xin(o)].numel == batch * hidden
+        # the hidden state's norms are gone as ops of their own (Qwen3's q/k norms over the heads
+        # stay: they are over head_dim, in front of the RoPE)
+        top = [o for o in g.ops if o.kind == "rmsnorm" and g.tensors[o.inputs["w"]].numel == hidden]
+        assert not top, [o.name for o in top]
+        # layer 0 as tools/layer_ops.py lists it (the tiny models have 2 layers: layer 0 runs its
+        # gate/up and the next layer's q/k/v, all five with the norm as their prologue)
+        rows = layer_ops.layer_rows(s.schedule, 0)
+        assert "rmsnorm" not in [k for k, _, _ in rows]
+        assert sum(w == "rmsnorm" for _, _, w in rows) == 5
+
+
+def test_batch_prologue_is_refused_for_query_tokens(steps):
+    """A step of K = 4 query tokens (batch 1, option ``query_tokens``) folds nothing: no kind takes
+    K rows, its norms stay generic (tests/test_multi_token.py checks its values)."""
+    import step_util
+    model = hf_tiny.llama()
+    gen = torch.Generator().manual_seed(4)
+    cache = hf_tiny.static_cache(model, 32)
+    with torch.no_grad():
+        model(input_ids=torch.randint(1, 100, (1, 5), generator=gen), past_key_values=cache, use_cache=True)
+        torch._dynamo.reset()
+        torch.compile(model, backend="fusec", options={"query_tokens": 4})(
+            input_ids=torch.randint(1, 100, (1, 4), generator=gen), past_key_values=cache, use_cache=True)
+    torch._dynamo.reset()
+    assert steps
+    g = steps[-1].schedule.graph
+    assert g.query_tokens() == 4
+    assert not any("pre" in o.attrs for o in g.ops)
+    assert "rmsnorm" in g.count_kinds()
+
+
+def _norm_qkv_graph(batch: int, dtype: torch.dtype):
+    """An IR graph of Llama-3.2-1B's q/k/v widths at batch ``batch``: h [B, 2048] normed by a
+    semantic ``rmsnorm`` (weight [2048]) and read by three batched matvecs (2048 -> 2048, 512,
+    512). (graph, flat inputs)"""
+    from fusec.ir import Graph, Op, Role, TensorInfo
+    g, flat = Graph(), []
+
+    def inp(name, shape, role):
+        g.add_tensor(TensorInfo(name, shape, dtype, role, input_index=len(flat)))
+        flat.append(torch.empty(*shape, dtype=dtype))
+    inp("h", (batch, 2048), Role.INPUT)
+    inp("nw", (2048,), Role.WEIGHT)
+    g.add_tensor(TensorInfo("hn", (batch, 2048), dtype, Role.INTERMEDIATE))
+    g.ops.append(Op("norm", "rmsnorm", {"x": "h", "w": "nw"}, {"out": "hn"}, attrs={"eps": 1e-5}))
+    for name, n in (("q", 2048), ("k", 512), ("v", 512)):
+        inp(f"w_{name}", (n, 2048), Role.WEIGHT)
+        g.add_tensor(TensorInfo(f"y_{name}", (batch, n), dtype, Role.OUTPUT))
+        g.ops.append(Op(name, "matvec", {"x": "hn", "w": f"w_{name}"}, {"out": f"y_{name}"}, attrs={"batch": batch}))
+    g.inputs = [t for t, info in g.tensors.items() if info.input_index is not None]
+    g.outputs = ["y_q", "y_k", "y_v"]
+    g.batch_size = batch
+    return g, flat
+
+
+#: whether the norm folds at Llama-3.2-1B's widths: all B normed rows fit the staging budget
+#: with the staged h (fp32 at B = 16: 128 KiB of x and 128 KiB of h do not)
+FOLDS = {(4, torch.bfloat16): True, (8, torch.bfloat16): True, (16, torch.bfloat16): True,
+         (16, torch.float32): False}
+
+
+@pytest.mark.parametrize("batch,dtype", list(FOLDS))
+def test_batch_prologue_compiles_without_spills_at_llama_1b_widths(batch, dtype, tmp_path):
+    """The RMSNorm before Llama-3.2-1B's q/k/v folds into the three batched matvecs (q the
+    writer, k and v parallel readers with their own copy) for B = 4, 8, 16 in bf16, and the kernel
+    (``matvec_seqs`` with ``STAGED`` true, the norm's generated function over B rows in shared
+    memory) compiles with NVRTC for sm_90a without spills, within the CTA's shared memory. B = 16
+    in fp32 does not fold (the staged x and h exceed shared memory) and compiles as before."""
+    pytest.importorskip("cuda.bindings.nvrtc")
+    from fusec.config import Options
+    from fusec.cuda.codegen import MAX_SMEM_BYTES, render
+    from fusec.cuda.jit import compile_cuda
+    from fusec.instructions import KINDS
+    from fusec.pipeline import Dumper, lower
+    g, flat = _norm_qkv_graph(batch, dtype)
+    sched = lower(g, flat, Options.from_dict({"num_sms": 132}), Dumper(None))
+    ops = [o for o in sched.graph.ops if o.kind == "matvec"]
+    folded = [o for o in ops if o.attrs.get("pre")]
+    assert len(folded) == (3 if FOLDS[batch, dtype] else 0)
+    assert ("rmsnorm" in sched.graph.count_kinds(members=False)) != FOLDS[batch, dtype]
+    src = render(sched).source
+    calls = re.findall(r"matvec_seqs<[^()]*>\(", src)
+    assert calls and all(c.endswith("true>(") == FOLDS[batch, dtype] for c in calls), calls
+    kernel = compile_cuda(src, "fusec_step.cu", cache_dir=str(tmp_path))
+    kernel.assert_no_spills()
+    assert 4 * max(KINDS[o.kind].smem_floats(o, sched.graph) for o in sched.graph.ops if o.kind in KINDS) <= MAX_SMEM_BYTES
