@@ -64,6 +64,15 @@ def test_batch_norms_are_prologues_of_the_batched_matvecs(factory, batch, steps)
         rows = layer_ops.layer_rows(s.schedule, 0)
         assert "rmsnorm" not in [k for k, _, _ in rows]
         assert sum(w == "rmsnorm" for _, _, w in rows) == 5
+        # what is left of one tile (docs/batch.md, "What stays one tile"): the q RoPE (Qwen3: its
+        # q-norm > RoPE chain), the cache counter's table_lookup, the k RoPE > KV write chain, the
+        # v KV write, and at these tiny widths the SiLU product (below the range split's
+        # 2 * RANGE_CHUNK elements; at published widths it is range tiles)
+        one = sorted((k, w) for k, n, w in rows if n == 1)
+        q_rope = ("chain", "rmsnorm > rope") if factory is hf_tiny.qwen3 else ("rope", "")
+        k_rope = "rmsnorm > rope > kv_write" if factory is hf_tiny.qwen3 else "rope > kv_write"
+        assert one == sorted([q_rope, ("table_lookup", ""), ("chain", k_rope), ("kv_write", ""),
+                              ("silu_mul", "")]), one
 
 
 def test_batch_prologue_is_refused_for_query_tokens(steps):
