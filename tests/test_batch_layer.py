@@ -150,3 +150,41 @@ def test_batch_prologue_compiles_without_spills_at_llama_1b_widths(batch, dtype,
     kernel = compile_cuda(src, "fusec_step.cu", cache_dir=str(tmp_path))
     kernel.assert_no_spills()
     assert 4 * max(KINDS[o.kind].smem_floats(o, sched.graph) for o in sched.graph.ops if o.kind in KINDS) <= MAX_SMEM_BYTES
+
+
+def _bf16_logits(model, options: dict | None) -> torch.Tensor:
+    """3 decode steps of a batch of 4 left-padded prompts of ``model`` (bf16) through
+    ``torch.compile(backend="fusec")`` with ``options``: the logits [3, 4, 1, V] in fp32."""
+    from test_batch_decode import _left_padded
+    from fusec.fallbacks import FallbackWatch
+    gen = torch.Generator().manual_seed(7)
+    ids, mask = _left_padded(model, 4, gen)
+    cache = hf_tiny.static_cache(model, 24)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fusec", **({"options": options} if options else {}))
+    out = []
+    with FallbackWatch() as w, torch.no_grad():
+        for _ in range(3):
+            tok = torch.randint(1, model.config.vocab_size, (4, 1), generator=gen)
+            mask = torch.cat([mask, torch.ones(4, 1, dtype=torch.long)], 1)
+            full = torch.zeros(4, 24, dtype=torch.long)
+            full[:, : mask.shape[1]] = mask
+            out.append(compiled(input_ids=tok, past_key_values=cache, attention_mask=full,
+                                position_ids=mask.sum(-1, keepdim=True) - 1, use_cache=True).logits.float())
+    torch._dynamo.reset()
+    assert not w.fallbacks and w.compiled, w.fallbacks
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("factory", [hf_tiny.llama, hf_tiny.qwen3])
+def test_batch_prologue_in_bf16_equals_the_fold_off_run(factory, steps):
+    """In bf16 at B = 4 the folded norms round as the generic ones (each member's output rounded
+    to its dtype, in shared memory instead of global memory): the logits equal those of the run
+    with option ``prologue`` off, bit for bit, and the default run did fold."""
+    model = factory().to(torch.bfloat16)
+    folded = _bf16_logits(model, None)
+    assert any(_normed_matvecs(s.schedule.graph) for s in steps)
+    off = _bf16_logits(model, {"prologue": False})
+    assert torch.equal(folded, off)
