@@ -130,11 +130,12 @@ def test_rows_and_query_tokens_of_a_decode_step():
     assert (Graph().batch(), Graph().query_tokens(), Graph().rows()) == (1, 1, 1)
 
 
-def test_batch_step_folds_no_prologue_after_its_attention_is_rewritten():
-    """The ``prologue`` pass folds nothing into the matvecs of a batch step (B = 2, OLMo-2: its
-    post-norm and residual add before the MLP fold at batch 1) even where no attention op is
-    left to read B off (``fuse`` makes a batch's attention ``attention_partial``; here every
-    attention op's kind is renamed too): B is the graph's, recorded at capture."""
+def test_batch_step_folds_only_into_batched_matvecs_after_its_attention_is_rewritten():
+    """The ``prologue`` pass folds into the matvecs of a batch step (B = 2, OLMo-2: its post-norm
+    and residual add before the MLP) only where they compute all B rows (``batch`` 2: the
+    prologue runs over the B rows, docs/batch.md), even where no ``attention`` op is left to read
+    B off (a kind that takes a batch's attention replaces it: here its kind is renamed): B is the
+    graph's, recorded at capture."""
     import hf_tiny
     import step_util
     from fusec.config import Options
@@ -166,8 +167,8 @@ def test_batch_step_folds_no_prologue_after_its_attention_is_rewritten():
         o.kind = "taken"   # no attention kind left to read B off
     assert (g.batch(), g.rows()) == (2, 2)
     g = prologue.run(g)
-    assert not any("pre" in o.attrs for o in g.ops)
-    assert any(o.kind == "matvec" and o.attrs.get("batch") == 2 for o in g.ops)
+    pre = [o for o in g.ops if "pre" in o.attrs]
+    assert pre and all(o.kind == "matvec" and o.attrs.get("batch") == 2 for o in pre)
 
 
 def test_query_length_that_varies_or_exceeds_eight_falls_back_with_a_line(caplog):
