@@ -192,3 +192,19 @@ def assert_option_changes_no_value(model, off: dict, seed: int, n: int = 6, num_
     for a, b, e in zip(*outs):
         assert torch.equal(a, b)
         assert 0 < rel(a.float(), e.float()) < tol
+
+
+def compile_kind_without_spills(source: str, folder, fn: str = "rms_qkv_rope"):
+    """NVRTC-compile a rendered kernel (``-Xptxas -v``, cache in ``folder``) and assert: no
+    warning, the kind function ``fn`` (one out-of-line instantiation) has no stack frame and no
+    spills, and the whole kernel none either. Returns the compiled kernel."""
+    from fusec.cuda.jit import compile_cuda
+    kernel = compile_cuda(source, "fusec_step.cu", options=("-Xptxas", "-v"), cache_dir=str(folder))
+    assert "warning" not in kernel.log, kernel.log
+    lines = kernel.log.splitlines()
+    mangled = f"_Z{len(fn)}{fn}"
+    props = [lines[i + 1] for i, l in enumerate(lines) if f"Function properties for {mangled}" in l]
+    assert len(props) == 1, kernel.log
+    assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in props[0], props
+    kernel.assert_no_spills()
+    return kernel
