@@ -28,7 +28,7 @@ and every view starts at a 16-byte-aligned offset (the kernels' vector loads; th
 the weight itself). Anything else is left alone: a linear whose output is also read whole or is a
 graph output, overlapping pieces, a piece of several ranges of a row (GPT-NeoX's qkv, interleaved
 per head: ``view(.., H, 3 * D)`` then ``chunk(3, -1)``; ``rms_qkv_rope`` reads those through a head
-stride instead, :func:`fusec.instructions.rms_qkv_rope.match_qkv`), GPT-2's ``Conv1D`` (``addmm``
+stride instead, :func:`fusec.instructions.qkv_match.match_qkv`), GPT-2's ``Conv1D`` (``addmm``
 without the permute: its weight is ``[K, N]``, a piece is columns), an activation or constant as
 the weight. Dead ops are removed.
 """

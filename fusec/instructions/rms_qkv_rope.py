@@ -47,6 +47,7 @@ ranges reach this kind as separate linears over row views (``split_linear``); GP
 interleaved per head (rows ``h * 3D + j * D + [0, D)`` for piece j), are read here as views of
 the fused weight and bias starting at each piece's first row, with attribute ``w_stride`` (3D):
 head h's rows start at ``h * w_stride`` of its view (template ``WS``; q and the caches keep D).
+How the graph is read (the pattern and its conditions): :mod:`fusec.instructions.qkv_match`.
 
 Shapes: x [H]; norm_w [H]; wq [Hq*D, H]; wk, wv [Hkv*D, H] (with ``w_stride`` S: [(Hq-1)*S + D, H],
 [(Hkv-1)*S + D, H]); optional biases bq [Hq*D], bk, bv [Hkv*D] (likewise) (Qwen2: ``addmm``, the
@@ -65,13 +66,13 @@ import torch
 from fusec.abi import Fault
 from fusec.ir.env import Env
 from fusec.ir import Graph, Op
-from fusec.ir.pieces import ALIGN, Rows, piece_of
 from fusec.ir.semantics import rms_normalize
 from fusec.instructions.base import Instruction, Region, Tile, register, split_range
 from fusec.instructions.call import P0, P1, P2, RED, SMEM, Call, Expr, Flag, Float, Int, Ptr, Type
-from fusec.instructions.matvec_rows import HIDDEN, NORM, WF32, elt, normed, rms_attrs, rms_types, staged
+from fusec.instructions.matvec_rows import HIDDEN, NORM, WF32, elt, normed, rms_types, staged
 from fusec.instructions.prologue import STAGED, TakesPrologue, adjust_tiles, externals, has, xin
-from fusec.instructions.rule import Ctx, Fusion, Rule
+from fusec.instructions.qkv_match import match_qkv
+from fusec.instructions.rule import Rule
 
 
 def _bias_or_wf32(op: Op) -> bool:
@@ -115,199 +116,6 @@ def pair_rows(d: int, rd: int, p0: int, p1: int) -> list[tuple[int, int]]:
     if b > a:
         out += [(a + r, b + r), (a + half, b + half)]
     return out
-
-
-def _linear_of(c: Ctx, t: str) -> tuple[Op, Rows | None, Op | None] | None:
-    """``(linear, rows, piece op)``: the ``linear`` whose output ``t`` is (rows and piece op
-    None), or whose product ``t`` is a piece of (:func:`fusec.ir.pieces.piece_of`: a fused
-    q/k/v projection's slice, split, select or index); else None."""
-    lin = c.prod(t, "linear")
-    if lin is not None:
-        return lin, None, None
-    got = piece_of(c.g, c.prods, t, lambda o: c.g.tensors[o.inputs["w"]].shape[0]
-                   if o.kind == "linear" and "w" in o.inputs else None)
-    if got is None:
-        return None
-    piece, lin, rows = got
-    return lin, rows, piece
-
-
-def _head_stride(g: Graph, lin: Op, rows: dict[str, Rows], d: int) -> int | None:
-    """The rows between two heads' first rows in the fused weight of ``lin`` whose pieces q, k
-    and v take ``rows``: ``d`` where each piece is one range of whole heads (Falcon-7B's, when
-    ``split_linear`` did not split it), the blocks' stride where each block is one head
-    (GPT-NeoX: ``[H, 3, D]`` rows, stride ``3 * D``); one stride for the three (a piece of one
-    head takes any). None where the pieces are not whole heads, overlap, or a view would start
-    off a 16-byte boundary."""
-    k = g.tensors[lin.inputs["w"]].shape[1]
-    strides = set()
-    for r in rows.values():
-        if r.size == d:
-            continue   # one head (a multi-query k or v): any stride addresses it
-        if r.contiguous and r.size % d == 0:
-            strides.add(d)
-        elif r.block == d:
-            strides.add(r.stride)
-        else:
-            return None
-    if len(strides) > 1:
-        return None
-    ws = strides.pop() if strides else d
-    taken = [set(r.indices()) for r in rows.values()]
-    if sum(len(t) for t in taken) != len(set().union(*taken)):
-        return None   # overlapping pieces
-    b = lin.inputs.get("b")
-    if any((r.start * k * g.tensors[lin.inputs["w"]].dtype.itemsize) % ALIGN
-           or (b is not None and (r.start * g.tensors[b].dtype.itemsize) % ALIGN) for r in rows.values()):
-        return None
-    return ws
-
-
-def _rows_view(g: Graph, base: str, rows: Rows, d: int, ws: int) -> str:
-    """A view of the rows of weight (or bias) ``base`` that heads ``0 .. rows.size / d`` of a
-    piece take, heads ``ws`` rows apart: from the piece's first row to its last head's end
-    (``[(heads - 1) * ws + d, K]``, or ``[.., ]`` for a bias), at offset ``rows.start`` rows."""
-    info = g.tensors[base]
-    heads = rows.size // d
-    n = (heads - 1) * ws + d
-    per_row = info.numel // info.shape[0]
-    return g.new_tensor(f"{base}_rows{rows.start}", (n, *info.shape[1:]), info.dtype, alias_of=base,
-                        offset=rows.start * per_row)
-
-
-def match_qkv(c: Ctx, att: Op) -> Fusion | None:
-    """At an ``attention``: its q is ``rope(linear(...))``, its k/v caches' last ``kv_write``s
-    before it (one position) write ``rope(linear(...))`` and ``linear(...)`` (or, for all three,
-    pieces of ONE linear's product, each of whole heads a uniform stride apart: GPT-NeoX's
-    interleaved q/k/v, :func:`_head_stride`; the kind then reads views of its weight), the three linears
-    read one vector (an ``rmsnorm``'s output, the norm then part of the kind; else the vector as
-    it is, ``norm`` False: a LayerNorm in front folds in as the kind's prologue, or static-size
-    x that no op updates in place), q and k optionally through an ``rmsnorm`` each (both or
-    neither; per head, weights of D, or over the whole projection, weights of Hq*D and Hkv*D:
-    OLMo-2), with biases on all three or none, and q and k rotated by the same cos/sin
-    ``table_lookup``s, over the same first ``rotary_dim`` values of each head (partial rotary, no
-    per-head norm then) or all of them. Procedural: the caches are found by program order, and
-    the optional parts make several shapes of one subgraph."""
-    g = c.g
-    rope_q = c.prod(att.inputs["q"], "rope")
-    kw = [o for o in g.ops[: g.ops.index(att)] if o.kind == "kv_write"]
-    wk = next((o for o in reversed(kw) if g.root(o.outputs["cache"]) == g.root(att.inputs["k"])), None)
-    wv = next((o for o in reversed(kw) if g.root(o.outputs["cache"]) == g.root(att.inputs["v"])), None)
-    if rope_q is None or wk is None or wv is None or g.root(wk.inputs["pos"]) != g.root(wv.inputs["pos"]):
-        return None
-    rope_k = c.prod(wk.inputs["val"], "rope")
-    src_v = _linear_of(c, wv.inputs["val"])
-    if rope_k is None or src_v is None:
-        return None
-    inner = [rope_q, rope_k, wk, wv]
-    norms, lins, rows = {}, {}, {}
-    for name, rope in (("q", rope_q), ("k", rope_k)):
-        src = rope.inputs["x"]
-        hn = c.prod(src, "rmsnorm")
-        if hn is not None:
-            norms[name] = hn
-            inner.append(hn)
-            src = hn.inputs["x"]
-        got = _linear_of(c, src)
-        if got is None:
-            return None
-        lins[name], rows[name], piece = got
-        inner += [lins[name]] + ([piece] if piece is not None else [])
-    lins["v"], rows["v"], piece = src_v
-    inner += [lins["v"]] + ([piece] if piece is not None else [])
-    inner = list({id(o): o for o in inner}.values())
-    if set(norms) not in (set(), {"q", "k"}):
-        return None
-    # q, k and v as pieces of one fused product (all three, or none)
-    fused = [r is not None for r in rows.values()]
-    if any(fused) and not (all(fused) and len({id(lin) for lin in lins.values()}) == 1):
-        return None
-    biased = ["b" in l.inputs for l in lins.values()]
-    if any(biased) and not all(biased):   # Qwen2 biases q, k and v; a partial set stays unfused
-        return None
-    if len({g.root(l.inputs["x"]) for l in lins.values()}) != 1:
-        return None
-    rms = c.prod(lins["q"].inputs["x"], "rmsnorm")
-    if rms is not None:
-        inner.append(rms)
-    else:
-        x_root = g.root(lins["q"].inputs["x"])
-        if g.tensors[lins["q"].inputs["x"]].sym or g.tensors[x_root].sym \
-                or any(g.root(o.outputs[s]) == x_root for o in g.ops for s in o.mutates):
-            return None
-    cos_k, sin_k = (c.prod(rope_k.inputs[s], "table_lookup") for s in ("cos", "sin"))
-    cos_q, sin_q = (c.prod(rope_q.inputs[s], "table_lookup") for s in ("cos", "sin"))
-    if None in (cos_k, sin_k, cos_q, sin_q) or cos_k is not cos_q or sin_k is not sin_q \
-            or cos_q.inputs["pos"] != sin_q.inputs["pos"]:
-        return None
-    kc = g.tensors[g.root(wk.outputs["cache"])]
-    d = kc.shape[3]
-    n_rows = {h: rows[h].size if rows[h] is not None else g.tensors[lins[h].inputs["w"]].shape[0] for h in "qkv"}
-    nq = n_rows["q"] // d
-    nkv = kc.shape[1]
-    if kc.shape[0] != 1 or n_rows["k"] != nkv * d or nq % nkv or (all(fused) and n_rows["v"] != nkv * d):
-        return None
-    ws = _head_stride(g, lins["q"], rows, d) if all(fused) else d
-    if ws is None:
-        return None
-    # a q/k norm per head (Qwen3, Gemma-3: over each head's D values) or over the whole projection
-    # (OLMo-2: all of q's Hq*D values, all of k's Hkv*D, one weight each); both of one form, one
-    # eps and one weight order (``w_fp32``: Gemma's weight applied in fp32): the kind has one of each
-    whole = False
-    if norms:
-        qn, kn = norms["q"], norms["k"]
-        if qn.attrs["eps"] != kn.attrs["eps"] or qn.attrs.get("w_fp32", False) != kn.attrs.get("w_fp32", False):
-            return None
-        if not all(g.tensors[hn.inputs["w"]].numel == d and g.tensors[hn.inputs["x"]].shape[-1] == d
-                   for hn in norms.values()):
-            whole = all(g.tensors[hn.inputs["w"]].numel == g.tensors[hn.inputs["x"]].shape[-1]
-                        == g.tensors[hn.inputs["x"]].numel == n * d for hn, n in ((qn, nq), (kn, nkv)))
-            if not whole:
-                return None
-    # q and k rotate the same first rd values of each head (partial rotary: rd < D, not with a
-    # per-head norm), over the full head as the rope reads it, with tables rd wide
-    rd = rope_q.attrs.get("rotary_dim", d)
-    table = g.tensors[cos_q.inputs["table"]]
-    if rope_k.attrs.get("rotary_dim", d) != rd or not (0 < rd <= d and rd % 2 == 0) or (rd < d and norms) \
-            or any(g.tensors[r.inputs["x"]].shape[-1] != d for r in (rope_q, rope_k)) \
-            or table.numel != table.shape[0] * rd or g.tensors[sin_q.inputs["table"]].numel != table.numel:
-        return None
-
-    def build() -> list[Op]:
-        ins = {"x": rms.inputs["x"], "norm_w": rms.inputs["w"]} if rms is not None else {"x": lins["q"].inputs["x"]}
-        if all(fused):   # row views of the fused weight (and bias), heads ws rows apart
-            w_of = {h: _rows_view(g, lins[h].inputs["w"], rows[h], d, ws) for h in "qkv"}
-            b_of = {h: _rows_view(g, lins[h].inputs["b"], rows[h], d, ws) for h in "qkv" if "b" in lins[h].inputs}
-        else:
-            w_of = {h: lins[h].inputs["w"] for h in "qkv"}
-            b_of = {h: lins[h].inputs["b"] for h in "qkv" if "b" in lins[h].inputs}
-        ins.update({"wq": w_of["q"], "wk": w_of["k"], "wv": w_of["v"],
-                    "cos_table": cos_q.inputs["table"], "sin_table": sin_q.inputs["table"],
-                    "rope_pos": cos_q.inputs["pos"], "kv_pos": wk.inputs["pos"]})
-        # without an rmsnorm: x as the linears read it, staged in its own dtype (TN = TX)
-        norm = {**rms_attrs(g, rms), "w_fp32": rms.attrs.get("w_fp32", False)} if rms is not None else \
-            {"norm": False, "norm_dtype": g.tensors[ins["x"]].dtype, "w_fp32": False}
-        attrs = {**norm, "dtype": g.tensors[rope_q.outputs["out"]].dtype, "n_q": nq, "n_kv": nkv, "head_dim": d}
-        if rd < d:
-            attrs["rotary_dim"] = rd
-        if all(biased):
-            ins["bq"], ins["bk"], ins["bv"] = (b_of[h] for h in "qkv")
-        if ws != d:
-            attrs["w_stride"] = ws
-        outs = {"q": rope_q.outputs["out"], "kcache": wk.outputs["cache"], "vcache": wv.outputs["cache"]}
-        name = g.fresh_name("rms_qkv_rope")
-        if norms:
-            ins["q_norm_w"], ins["k_norm_w"] = norms["q"].inputs["w"], norms["k"].inputs["w"]
-            attrs["qk_eps"] = norms["q"].attrs["eps"]
-            if whole:
-                attrs["qk_norm"] = "proj"
-            attrs["qk_w_fp32"] = bool(norms["q"].attrs.get("w_fp32", False))
-            # the q and k heads' projections before their norm, when a head is split over tiles
-            outs["qk_part"] = g.new_tensor(f"{name}_qk_part", (nq + nkv, d), torch.float32)
-        return [Op(name, "rms_qkv_rope", ins, outs, attrs=attrs, mutates=("kcache", "vcache"),
-                   source=rope_q.source)]
-
-    return Fusion(inner, (rope_q.outputs["out"],), build)
 
 
 @register
