@@ -1,6 +1,7 @@
-"""Per-SM timelines of Llama-3.2-1B decode steps at several batch sizes (GPU machine only).
+"""Per-SM timelines of decode steps of a published family at several batch sizes (GPU machine only).
 
-For each ``--batches`` B: the published Llama-3.2-1B at full depth (random bf16 weights), B
+For each ``--batches`` B: the published ``--family`` (default llama: Llama-3.2-1B; the names of
+``benchmarks/families.py``) at full depth (``--layers`` N: N decoder layers) (random bf16 weights), B
 random prompts of ``--prefill`` tokens prefilled eagerly into a ``StaticCache`` of 1024 rows,
 then ``torch.compile(model, backend="fusec", options={"profile_dir": OUT/bB, "profile_step": 3})``
 (a profiling build: NOT the default kernel, a few % slower) runs 3 steps. Prints the step span,
@@ -33,7 +34,7 @@ def profile(model, batch: int, out: Path, prefill: int, layer: int, extra: dict)
     vocab = model.config.vocab_size
     prompt = torch.randint(1, vocab, (batch, prefill), device="cuda", generator=gen)
     cache = StaticCache(config=model.config, max_cache_len=1024)
-    d = out / f"b{batch}"
+    d = out / f"{model.config.model_type}-b{batch}"
     with torch.no_grad():
         model(input_ids=prompt, past_key_values=cache)
         torch._dynamo.reset()
@@ -61,6 +62,8 @@ def profile(model, batch: int, out: Path, prefill: int, layer: int, extra: dict)
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--family", default="llama")
+    ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--batches", type=int, nargs="*", default=[1, 8])
     ap.add_argument("--prefill", type=int, default=600)
     ap.add_argument("--layer", type=int, default=5)
@@ -69,7 +72,8 @@ def main() -> int:
     args = ap.parse_args()
     import json
     logging.basicConfig(level=logging.WARNING)
-    model, _ = families.build("llama", "published", "cuda")
+    model, label = families.build(args.family, "published", "cuda", layers=args.layers)
+    print(label)
     for b in args.batches:
         profile(model, b, Path(args.out), args.prefill, args.layer, json.loads(args.options))
     return 0
