@@ -71,3 +71,42 @@ def test_a_decode_past_the_cache_length_does_not_poison_the_process():
             b = model(input_ids=tok, past_key_values=caches[1], use_cache=True).logits
             assert 0 < _rel(a, b) < 1e-4
     torch._dynamo.reset()
+
+
+def test_gpt2_decode_past_the_cache_length_faults_in_the_cache_epilogue(steps):
+    """GPT-2's k/v cache rows are written by its c_attn ``matvec_cols`` tiles (the cache epilogue,
+    fusec/instructions/kv_epilogue.py), not by a ``kv_write``: a decode past the cache's length is
+    fault KV_POS there too (a clear error, the cache untouched), and the process goes on."""
+    model = hf_tiny.gpt2()
+    gen = torch.Generator().manual_seed(8)
+    vocab = model.config.vocab_size
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fusec", options={"num_sms": 8})
+    with FallbackWatch() as w, torch.no_grad():
+        caches = [hf_tiny.static_cache(model, 8) for _ in range(2)]
+        prompt = torch.randint(0, vocab, (1, 6), generator=gen)
+        for c in caches:
+            model(input_ids=prompt, past_key_values=c, use_cache=True)
+        for _ in range(2):   # rows 6 and 7: the cache is full
+            tok = torch.randint(0, vocab, (1, 1), generator=gen)
+            a = compiled(input_ids=tok, past_key_values=caches[0], use_cache=True).logits
+            b = model(input_ids=tok, past_key_values=caches[1], use_cache=True).logits
+            assert 0 < _rel(a, b) < 1e-4
+        assert any(o.kind == "matvec_cols" and o.attrs.get("kv_cols") for s in steps for o in s.schedule.graph.ops), \
+            "GPT-2's k/v rows are not written by the matvec_cols cache epilogue"
+        before = [(l.keys.clone(), l.values.clone(), l.cumulative_length.clone()) for l in caches[0].layers]
+        with pytest.raises(FusecError, match="KV-cache write position.*out of range"):
+            compiled(input_ids=torch.randint(0, vocab, (1, 1), generator=gen), past_key_values=caches[0],
+                     use_cache=True)
+        for layer, (k, v, n) in zip(caches[0].layers, before):
+            assert torch.equal(layer.keys, k) and torch.equal(layer.values, v)
+            assert torch.equal(layer.cumulative_length, n)
+        fresh = [hf_tiny.static_cache(model, 8) for _ in range(2)]
+        for c in fresh:
+            model(input_ids=prompt[:, :3], past_key_values=c, use_cache=True)
+        tok = torch.randint(0, vocab, (1, 1), generator=gen)
+        a = compiled(input_ids=tok, past_key_values=fresh[0], use_cache=True).logits
+        b = model(input_ids=tok, past_key_values=fresh[1], use_cache=True).logits
+        assert 0 < _rel(a, b) < 1e-4
+    torch._dynamo.reset()
+    assert not w.fallbacks, w.fallbacks
