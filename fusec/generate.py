@@ -349,7 +349,8 @@ class _Decoder:
 def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: int, *, do_sample: bool = False,
              temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
              eos_token_id: int | list[int] | None = None, streamer: Any = None,
-             options: dict[str, Any] | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+             options: dict[str, Any] | None = None, generator: torch.Generator | None = None,
+             prompt_lookup_num_tokens: int | None = None) -> torch.Tensor:
     """Generate up to ``max_new_tokens`` tokens after ``input_ids`` (batch 1), each decode step
     one fusec megakernel launch, with no token returning to the host between steps.
 
@@ -368,6 +369,9 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: in
             ``check_watchdog`` defaults to False here (it would read the GPU's status after
             every step).
         generator: a ``torch.Generator`` on the model's device for sampling (None: torch's default).
+        prompt_lookup_num_tokens: N, greedy only: prompt-lookup decoding (transformers' argument of
+            that name), each step verifying N tokens drafted from earlier in the text, 1 to
+            ``MAX_QUERY_TOKENS - 1`` (:mod:`fusec.prompt_lookup`); the output is greedy's.
 
     Returns:
         int64 ``[1, prompt_len + n_new]`` on the model's device: the prompt, then the new tokens.
@@ -386,6 +390,10 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: in
     Options.from_dict(opts)   # an invalid option fails now, before any work
     eos = _eos_ids(model, eos_token_id)
     sample = bool(do_sample)
+    if prompt_lookup_num_tokens is not None:
+        from fusec import prompt_lookup
+        num = prompt_lookup.check_num(prompt_lookup_num_tokens, sample)
+        return prompt_lookup.generate(model, input_ids, max_new_tokens, num, eos, streamer, opts)[0]
     if sample:
         top_k = top_k or None
         top_p = None if top_p is None or float(top_p) >= 1.0 else float(top_p)

@@ -1,0 +1,120 @@
+"""Prompt-lookup decoding in ``fusec.generate(..., prompt_lookup_num_tokens=N)`` (issue 32, item 2):
+drafts found on the device, a K = N + 1 query-token verification step compiled by fusec (no
+fallback), and an output equal to greedy decoding's token for token (fusec.prompt_lookup)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fusec
+import hf_tiny
+from fusec import prompt_lookup
+from fusec.errors import FusecError
+from fusec.fallbacks import FallbackWatch
+
+
+def _varied(seed: int):
+    """A tiny Llama (fp32) whose greedy text varies and repeats in part (its own LM head, not
+    the tied embedding, which makes a tiny model repeat one token): some drafts are accepted,
+    others rejected. Seeds 1, 3 and 5 give 14 to 21 distinct tokens in 48."""
+    m = hf_tiny.llama(seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    m.lm_head.weight = torch.nn.Parameter(torch.randn(m.lm_head.weight.shape, generator=g) * 0.3)
+    return m, torch.randint(0, m.config.vocab_size, (1, 12), generator=g)
+
+
+def _hf_greedy(m, ids, n, eos=None):
+    with torch.no_grad():
+        return m.generate(ids, max_new_tokens=n, do_sample=False, attention_mask=torch.ones_like(ids),
+                          eos_token_id=eos, pad_token_id=0)
+
+
+def _reference_draft(hist: list[int], num: int, max_ngram: int = 2) -> list[int] | None:
+    """transformers' PromptLookupCandidateGenerator: the first (earliest) match of the last
+    n-gram (largest size first) that has a token after it; the tokens after it, up to num."""
+    n = len(hist)
+    for size in range(max_ngram, 0, -1):
+        if size >= n:
+            continue
+        tail = hist[n - size:]
+        for i in range(n - size + 1):
+            if hist[i:i + size] == tail and i + size < n:
+                return hist[i + size:i + size + num]
+    return None
+
+
+def test_draft_matches_transformers_lookup_on_random_histories():
+    gen = torch.Generator().manual_seed(0)
+    checked = matched = 0
+    for trial in range(300):
+        n = int(torch.randint(1, 40, (1,), generator=gen))
+        vocab = int(torch.randint(2, 12, (1,), generator=gen))
+        cap = n + 6
+        hist = torch.randint(0, vocab, (cap,), generator=gen)   # positions >= n: garbage, ignored
+        num = int(torch.randint(1, 7, (1,), generator=gen))
+        got = prompt_lookup.draft(hist, torch.tensor([n]), num).tolist()
+        ref = _reference_draft(hist[:n].tolist(), num)
+        checked += 1
+        if ref is not None:
+            matched += 1
+            assert got[:len(ref)] == ref, (trial, hist[:n].tolist(), num, got, ref)
+    assert matched > 100 and checked == 300
+
+
+def test_accept_counts_leading_matches():
+    inp = torch.tensor([5, 7, 8, 9, 1])
+    assert int(prompt_lookup.accept(inp, torch.tensor([7, 8, 9, 1, 3]))) == 4
+    assert int(prompt_lookup.accept(inp, torch.tensor([7, 8, 2, 1, 3]))) == 2
+    assert int(prompt_lookup.accept(inp, torch.tensor([6, 8, 9, 1, 3]))) == 0
+
+
+@pytest.mark.parametrize("seed,num", [(1, 3), (3, 7), (5, 1)])
+def test_prompt_lookup_equals_greedy(seed, num, steps, caplog):
+    """fusec.generate with prompt lookup returns HF greedy's tokens exactly, in fewer steps
+    than tokens (drafts were accepted), with a fusec step of N + 1 query tokens, no fallback."""
+    m, ids = _varied(seed)
+    ref = _hf_greedy(m, ids, 32)
+    torch._dynamo.reset()
+    with FallbackWatch() as w, caplog.at_level("INFO", logger="fusec"):
+        out = fusec.generate(m, ids, 32, prompt_lookup_num_tokens=num, eos_token_id=[])
+    torch._dynamo.reset()
+    assert not w.fallbacks and w.compiled, w.fallbacks
+    assert torch.equal(out, ref), (out[0, 12:].tolist(), ref[0, 12:].tolist())
+    assert any(s.schedule is not None and s.schedule.graph.query_tokens() == num + 1 for s in steps)
+    line = next(r.getMessage() for r in caplog.records if "prompt-lookup steps" in r.getMessage())
+    n_steps, accepted = (int(t) for t in
+                         (line.split(" in ")[1].split()[0], line.split("(")[1].split()[0]))
+    assert 0 < accepted and n_steps < 31 and accepted + n_steps == 31, line
+
+
+def test_prompt_lookup_stops_at_eos_and_streams_the_same_tokens():
+    m, ids = _varied(3)
+    full = _hf_greedy(m, ids, 48)[0, 12:].tolist()
+    eos = full[20]          # a token first produced after some accepted drafts
+    ref = _hf_greedy(m, ids, 48, eos=eos)
+
+    class Streamer:
+        def __init__(self):
+            self.got = []
+
+        def put(self, t):
+            self.got += t.reshape(-1).tolist()
+
+        def end(self):
+            self.got.append("end")
+
+    s = Streamer()
+    torch._dynamo.reset()
+    out = fusec.generate(m, ids, 48, prompt_lookup_num_tokens=4, eos_token_id=eos, streamer=s)
+    torch._dynamo.reset()
+    assert torch.equal(out, ref) and out[0, -1] == eos
+    assert s.got == ids[0].tolist() + out[0, 12:].tolist() + ["end"]
+
+
+def test_prompt_lookup_argument_errors():
+    m, ids = _varied(1)
+    for bad in (0, 8, 2.0, True):
+        with pytest.raises(FusecError, match="prompt_lookup_num_tokens"):
+            fusec.generate(m, ids, 4, prompt_lookup_num_tokens=bad)
+    with pytest.raises(FusecError, match="greedy"):
+        fusec.generate(m, ids, 4, prompt_lookup_num_tokens=3, do_sample=True)
