@@ -112,3 +112,40 @@ def test_capture_failure_falls_back_to_plain_launches(monkeypatch):
     assert any("steps launched one by one" in r.getMessage() for r in records)
     assert torch.equal(out, ref)
 
+
+
+def test_prompt_lookup_fp32_equals_hf_greedy():
+    """Prompt lookup (N = 3, fusec.prompt_lookup) on the GPU: 48 tokens through the K = 4
+    verification step, warm-up steps then CUDA-graph chunks, equal HF eager greedy's; no
+    fallback; fewer steps than tokens (drafts accepted). A tiny Llama with its own LM head (its
+    text varies and repeats in part, as tests/test_prompt_lookup.py's)."""
+    import logging
+    model = hf_tiny.llama(seed=3)
+    g = torch.Generator().manual_seed(3)
+    model.lm_head.weight = torch.nn.Parameter(torch.randn(model.lm_head.weight.shape, generator=g) * 0.3)
+    prompt = torch.randint(0, 128, (1, 12), generator=g)
+    model = model.cuda()
+    prompt = prompt.cuda()
+    ref = model.generate(prompt, max_new_tokens=48, do_sample=False, attention_mask=torch.ones_like(prompt),
+                         eos_token_id=None, pad_token_id=0, disable_compile=True)
+    records = []
+
+    class Grab(logging.Handler):
+        def emit(self, r):
+            records.append(r.getMessage())
+    h = Grab()
+    logging.getLogger("fusec").addHandler(h)
+    old = logging.getLogger("fusec").level
+    logging.getLogger("fusec").setLevel(logging.INFO)
+    torch._dynamo.reset()
+    try:
+        with FallbackWatch() as w:
+            out = fusec.generate(model, prompt, 48, prompt_lookup_num_tokens=3, eos_token_id=[])
+    finally:
+        logging.getLogger("fusec").removeHandler(h)
+        logging.getLogger("fusec").setLevel(old)
+        torch._dynamo.reset()
+    assert not w.fallbacks and w.compiled, w.fallbacks
+    assert torch.equal(out, ref), (out[0, 12:].tolist(), ref[0, 12:].tolist())
+    line = next(m for m in records if "prompt-lookup steps" in m)
+    assert int(line.split(" in ")[1].split()[0]) < 47, line
