@@ -97,20 +97,28 @@ def hf_generate(model: torch.nn.Module, prompt: torch.Tensor, new: int, backend:
     return {"tokens_per_s": n / sec, "seconds": sec, "runs_s": runs, "new_tokens": n, "tokens": out[0].tolist()}
 
 
-def fusec_generate(model: torch.nn.Module, prompt: torch.Tensor, new: int) -> dict[str, Any]:
-    """tokens/s of :func:`fusec.generate` (greedy, default options)."""
+def fusec_generate(model: torch.nn.Module, prompt: torch.Tensor, new: int,
+                   lookup: int | None = None, no_eos: bool = False) -> dict[str, Any]:
+    """tokens/s of :func:`fusec.generate` (greedy, default options; ``lookup`` N: with
+    ``prompt_lookup_num_tokens=N``, and the steps and drafts accepted of the timed call;
+    ``no_eos``: ``eos_token_id=[]``, every call ``new`` tokens long)."""
     import fusec
 
     from fusec.fallbacks import FallbackWatch
+    kw = ({} if lookup is None else {"prompt_lookup_num_tokens": lookup}) | ({"eos_token_id": []} if no_eos else {})
     torch._dynamo.reset()
     with FallbackWatch() as w:
-        fusec.generate(model, prompt, new)                 # compile + warm-up
-        out, sec, runs = _median_timed(lambda: fusec.generate(model, prompt, new))
+        fusec.generate(model, prompt, new, **kw)                 # compile + warm-up
+        out, sec, runs = _median_timed(lambda: fusec.generate(model, prompt, new, **kw))
     torch._dynamo.reset()
     if w.fallbacks:
         raise RuntimeError(f"fusec fell back: {w.fallbacks[0]}")
     n = out.shape[1] - prompt.shape[1]
-    return {"tokens_per_s": n / sec, "seconds": sec, "runs_s": runs, "new_tokens": n, "tokens": out[0].tolist()}
+    res = {"tokens_per_s": n / sec, "seconds": sec, "runs_s": runs, "new_tokens": n, "tokens": out[0].tolist()}
+    if lookup is not None:
+        from fusec import prompt_lookup
+        res.update(prompt_lookup.last_stats)
+    return res
 
 
 def run(model: torch.nn.Module, max_cache_len: int, kernel_ms: dict[str, float], steps: int,

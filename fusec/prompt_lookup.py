@@ -33,6 +33,8 @@ log = logging.getLogger("fusec")
 
 #: the longest n-gram matched (transformers' ``max_matching_ngram_size`` default)
 MAX_NGRAM = 2
+#: the last call's ``{"steps", "accepted", "tokens"}`` (:func:`generate`'s stats; benchmarks read it)
+last_stats: dict[str, int] = {}
 
 
 def draft(hist: torch.Tensor, n: torch.Tensor, num: int, max_ngram: int = MAX_NGRAM) -> torch.Tensor:
@@ -312,6 +314,8 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: in
     out = hist[:end].view(1, -1).clone()
     n_new = end - p
     stats = {"steps": n_steps, "accepted": accepted, "tokens": n_new}
+    last_stats.clear()
+    last_stats.update(stats)
     log.info("fusec.generate: %d new tokens in %d prompt-lookup steps of K = %d (%d drafts accepted)",
              n_new, n_steps, k, accepted)
     return out, stats
