@@ -16,9 +16,10 @@ LENGTHS = (5, 2, 7, 3, 6, 1, 4)
 
 
 def _left_padded(model, batch: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random prompts of ``LENGTHS[:batch]`` tokens, left-padded with token 0 to the longest, as
-    a tokenizer with ``padding_side="left"`` makes them: (input_ids, attention_mask), [B, T]."""
-    lens = LENGTHS[:batch]
+    """Random prompts of ``LENGTHS[:batch]`` tokens (past 7 sequences the lengths again, in
+    order), left-padded with token 0 to the longest, as a tokenizer with
+    ``padding_side="left"`` makes them: (input_ids, attention_mask), [B, T]."""
+    lens = [LENGTHS[i % len(LENGTHS)] for i in range(batch)]
     t = max(lens)
     ids = torch.randint(1, model.config.vocab_size, (batch, t), generator=gen)
     mask = torch.zeros(batch, t, dtype=torch.long)

@@ -96,7 +96,7 @@ def test_batch_gelu_is_the_batched_up_projections_epilogue(factory, steps, tmp_p
     from fusec.cuda.jit import compile_cuda
     src = render(steps[-1].schedule).source
     act = 3 if factory is hf_tiny.phi2 else 2
-    assert re.search(rf"matvec_seqs<[^()]*, 2, 2, (true|false), false, {act}>\(", src)
+    assert re.search(rf"matvec_seqs<[^()]*, 2, 2, (true|false), false, false, {act}>\(", src)   # MMA false: fp32
     res = compile_cuda(src, "fusec_step.cu", cache_dir=str(tmp_path)).resources
     seqs = {f: r for f, r in res.items() if "matvec_seqs" in f}
     assert len(seqs) >= 2
@@ -142,7 +142,7 @@ def test_batched_call_matches_the_template(kind):
     assert call.fn(probe) == "matvec_seqs"
     params = _template_params("matvec_seqs", "matvec_seqs")
     targs = [a for a in call.targs if a.when is None or a.when(probe)]
-    names = ["tx", "tw", "tb", "tr", "to", "K", "N", "B", "SG", "bias", "add_res"]
+    names = ["tx", "tw", "tb", "tr", "to", "K", "N", "B", "SG", "bias", "add_res", "mma"]
     assert [a.name for a in targs] == names + (["ACT", "staged"] if kind == "matvec" else [])
     assert len(params) == len(names) + 2   # ACT, C++ default 0; STAGED, default false
     for a, p in zip(targs, params):
@@ -206,7 +206,8 @@ def test_batched_matvec_compiles_without_spills_at_llama_1b_widths(batch, dtype,
     calls = re.findall(r"matvec_seqs<[^()]*>\(", src)
     assert len(calls) == 3
     t = "__nv_bfloat16" if dtype == torch.bfloat16 else "float"
-    assert f"matvec_seqs<{', '.join([t] * 5)}, 8192, 2048, {batch}, {SG_DOWN[batch, dtype]}, false, true>(" in calls
+    mma = "false" if dtype == torch.float32 else "true"   # bf16: the tensor-core path (tests/test_batch_mma.py)
+    assert f"matvec_seqs<{', '.join([t] * 5)}, 8192, 2048, {batch}, {SG_DOWN[batch, dtype]}, false, true, {mma}>(" in calls
     kernel = compile_cuda(src, "fusec_step.cu", cache_dir=str(tmp_path))
     kernel.assert_no_spills()
     assert any("matvec_seqs" in f for f in kernel.resources)

@@ -6,9 +6,10 @@ Numerics follow PyTorch: the fp32 dot plus the bias, rounded once to the output 
 :mod:`fusec.instructions.activation`) that activation of the rounded result, rounded again.
 Shapes: x [K], W [N, K], b [N], out [N]; in a step of a batch of B <= 16 sequences
 (docs/batch.md) x [B, K] and out [B, N] (attribute ``batch``: template ``matvec_seqs``, each
-weight row loaded once for the B sequences). Rows are spread over every SM like the fused
-matvec kinds, so a model whose norm or activation has no fused kind (Gemma's GeGLU, a LayerNorm
-family) still streams its weights at full width.
+weight row loaded once for the B sequences; in bf16 and fp16 on the tensor cores, ``MMA``).
+Rows are spread over every SM like the fused matvec kinds, so a model whose norm or
+activation has no fused kind (Gemma's GeGLU, a LayerNorm family) still streams its weights at
+full width.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from fusec.ir.pattern import opt, sem, var
 from fusec.instructions import activation
 from fusec.instructions.base import Instruction, Tile, register
 from fusec.instructions.call import P0, P1, SMEM, Call, Flag, Int, Ptr, Type
-from fusec.instructions.matvec_rows import (MAX_SEQS, SEQ_ARGS, batch_attrs, batch_rows, batched, row_tiles, rows_dot,
+from fusec.instructions.matvec_rows import (MAX_SEQS, MMA, SEQ_ARGS, batch_attrs, batch_rows, batched, row_tiles, rows_dot,
                                             seq_fn, seq_smem, seq_uses, seqs, single)
 from fusec.instructions.prologue import STAGED, TakesPrologue, adjust_tiles, vec_inputs
 from fusec.instructions.rule import Rule
@@ -54,7 +55,7 @@ class Matvec(TakesPrologue, Instruction):
     call = Call(seq_fn("matvec"),
                 targs=(Type("tx", "x"), Type("tw", "w"), Type("tb", "b", "w"), Type("tr", "out", when=batched),
                        Type("to", "out"), Int("K", lambda op, g: g.tensors[op.inputs["w"]].shape[1]), *SEQ_ARGS,
-                       Flag("bias", has="b"), Flag("add_res", fn=lambda op: False, when=batched),
+                       Flag("bias", has="b"), Flag("add_res", fn=lambda op: False, when=batched), MMA,
                        dataclasses.replace(STAGED, when=single), activation.ACT,
                        dataclasses.replace(STAGED, when=batched)),
                 args=(Ptr("x"), Ptr("w"), Ptr("b"), Ptr("res", "residual", when=batched), Ptr("out"), P0, P1, SMEM))

@@ -6,7 +6,7 @@ import torch
 from fusec.ir.env import Env
 from fusec.ir import Graph, Op
 from fusec.ir.semantics import rms_normalize
-from fusec.instructions.base import Region, Tile, split_range
+from fusec.instructions.base import CTA_THREADS, Region, Tile, split_range
 from fusec.instructions.call import Expr, Flag, Int, Type
 from fusec.instructions import prologue
 
@@ -146,14 +146,40 @@ SEQ_ARGS = (Int("N", lambda op, g: g.tensors[op.inputs["w"]].shape[0], when=batc
             Int("SG", lambda op, g: seq_group(seqs(op), _k(op, g), elt(g, prologue.xin(op))), when=batched))
 
 
+#: the dtypes whose batched matvec runs on the tensor cores (:func:`mma`)
+MMA_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def mma(op: Op, g: Graph) -> bool:
+    """Whether a batched matvec op takes ``matvec_seqs``'s tensor-core path (template flag ``MMA``:
+    ``mma.sync`` m16n8k16 with fp32 accumulators, docs/batch.md "Speed"): its weight and its
+    staged input (x, or a folded prologue's result) share one dtype of :data:`MMA_DTYPES`. fp32
+    weights keep the CUDA-core FMAs (no TF32: fp32 products and sums stay fp32)."""
+    dt = g.tensors[op.inputs["w"]].dtype
+    return dt in MMA_DTYPES and g.tensors[prologue.xin(op)].dtype == dt
+
+
+#: ``matvec_seqs``'s template argument MMA (:func:`mma`), after ``RES``; passed only for a batch
+MMA = Expr("mma", lambda op, g, bufs: "true" if mma(op, g) else "false", when=batched)
+
+
+def mma_smem(op: Op, g: Graph) -> int:
+    """Shared memory (floats) the tensor-core path's partial sums take (in place of the staged
+    inputs, after every warp is done with them): one warp's MMA fragments (128 floats per 8
+    sequences of the largest group) per warp of the CTA."""
+    return CTA_THREADS // 32 * 128 * -(-seq_group(seqs(op), _k(op, g), elt(g, prologue.xin(op))) // 8)
+
+
 def seq_smem(op: Op, g: Graph) -> int:
     """Shared memory (floats) of a row-tiled matvec that stages x itself: K at batch 1 (as
-    before batches), a batch's staged group of :func:`seq_group` inputs (bytes rounded up)."""
+    before batches), a batch's staged group of :func:`seq_group` inputs (bytes rounded up), at
+    least the tensor-core path's partial sums (:func:`mma_smem`) where it takes that path."""
     k = _k(op, g)
     if single(op):
         return k
     e = elt(g, prologue.xin(op))
-    return -(-seq_group(seqs(op), k, e) * k * e // 4)
+    staged = -(-seq_group(seqs(op), k, e) * k * e // 4)
+    return max(staged, mma_smem(op, g)) if mma(op, g) else staged
 
 
 def seq_uses(op: Op, args: dict) -> dict:

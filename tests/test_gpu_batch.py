@@ -1,0 +1,45 @@
+"""GPU: a bf16 batch step's linears on the tensor cores (docs/batch.md "Speed", issue 32).
+
+At B > 1 the batched ``matvec`` / ``matvec_residual`` ops of a bf16 step render ``matvec_seqs``
+with ``MMA`` true (``mma.sync`` m16n8k16, fp32 accumulators: tests/test_batch_mma.py emulates
+its fragments and compiles it on the CPU). Here it runs: a tiny Llama and a 2-layer Llama at
+Llama-3.2-1B's published widths (hidden 2048, intermediate 8192, 32 query / 8 KV heads of 64,
+vocabulary 128256), B = 4, 8 and 16 left-padded prompts, decode steps through
+``torch.compile(backend="fusec")`` against eager in bf16, every sequence on its own (the bound
+of the batch GPU test in tests/test_gpu.py: 3e-2), no fallback. Not yet run on a GPU.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_tiny
+from test_batch_decode import batch_steps_against_eager
+from test_batch_mma import mma_flags
+
+pytestmark = pytest.mark.gpu
+
+
+def _published_llama():
+    """Two decoder layers of Llama-3.2-1B's shape (random weights, fp32 on the CPU)."""
+    return hf_tiny.llama(hidden=2048, inter=8192, layers=2, heads=32, kv_heads=8, head_dim=64, vocab=128256)
+
+
+@pytest.mark.parametrize("batch", [4, 8, 16])
+@pytest.mark.parametrize("factory", [hf_tiny.llama, _published_llama], ids=["tiny", "published"])
+def test_bf16_batch_step_on_the_tensor_cores_matches_eager(factory, batch, steps):
+    """B left-padded prompts, 4 decode steps of the bf16 model on the GPU through
+    ``torch.compile(backend="fusec")`` (default options) against eager: every sequence's logits
+    within 3e-2 (relative L2), finite, no fallback; the step's every batched matvec took the
+    tensor-core path (its call passes ``MMA`` true)."""
+    from fusec.cuda.codegen import render
+    model = factory().to(device="cuda", dtype=torch.bfloat16)
+    errs, w, _ = batch_steps_against_eager(model, batch, 500 + batch, n=4, device="cuda")
+    assert not w.fallbacks and w.compiled, w.fallbacks
+    assert all(e == e for e in errs) and max(errs) < 3e-2, errs
+    assert steps and not any(s.fallen_back for s in steps)
+    g = steps[-1].schedule.graph
+    assert g.batch() == batch
+    assert sum(o.kind in ("matvec", "matvec_residual") for o in g.ops) == 7 * model.config.num_hidden_layers + 1
+    flags = mma_flags(render(steps[-1].schedule).source)
+    assert flags and set(flags) == {"true"}, flags
