@@ -215,7 +215,8 @@ def test_emulation_follows_the_template():
                  "const int ks = nb == 0 || 2 * nb > NW ? 1 : NW / nb;",
                  "red[warp * FRAG + (4 * n + i) * 32 + lane] = acc[n][i];",
                  "d += red[(p / FRAG * ks + k) * FRAG + q];",
-                 "const int r = r0 + 16 * (p / FRAG) + (l >> 2) + 8 * (c >> 1), s = 8 * (q >> 7) + 2 * (l & 3) + (c & 1);",
+                 "const int r = r0 + 16 * (p / FRAG) + (l >> 2) + 8 * (c >> 1), "
+                 "s = 8 * (q >> 7) + 2 * (l & 3) + (c & 1);",
                  "const int r = rb + g + 8 * (i >> 1), s = 8 * n + 2 * t + (i & 1);",
                  "(part + 1) * NKS / ks", "constexpr int NT = (S + 7) / 8, J = FUSEC_LOADS_IN_FLIGHT / 2"):
         assert line in text, line

@@ -21,8 +21,8 @@ from fusec.ir.pattern import opt, sem, var
 from fusec.instructions import activation
 from fusec.instructions.base import Instruction, Tile, register
 from fusec.instructions.call import P0, P1, SMEM, Call, Flag, Int, Ptr, Type
-from fusec.instructions.matvec_rows import (MAX_SEQS, MMA, SEQ_ARGS, batch_attrs, batch_rows, batched, row_tiles, rows_dot,
-                                            seq_fn, seq_smem, seq_uses, seqs, single)
+from fusec.instructions.matvec_rows import (MAX_SEQS, MMA, SEQ_ARGS, batch_attrs, batch_rows, batched, row_tiles,
+                                            rows_dot, seq_fn, seq_smem, seq_uses, seqs, single)
 from fusec.instructions.prologue import STAGED, TakesPrologue, adjust_tiles, vec_inputs
 from fusec.instructions.rule import Rule
 

@@ -14,8 +14,8 @@ from fusec.ir import Graph, Op
 from fusec.ir.pattern import ABSENT, op, sem, var
 from fusec.instructions.base import Instruction, Tile, register
 from fusec.instructions.call import P0, P1, SMEM, Call, Flag, Int, Ptr, Type
-from fusec.instructions.matvec_rows import (MAX_SEQS, MMA, SEQ_ARGS, batch_attrs, batch_rows, batched, row_tiles, rows_dot,
-                                            seq_fn, seq_smem, seq_uses, seqs)
+from fusec.instructions.matvec_rows import (MAX_SEQS, MMA, SEQ_ARGS, batch_attrs, batch_rows, batched, row_tiles,
+                                            rows_dot, seq_fn, seq_smem, seq_uses, seqs)
 from fusec.instructions.rule import Rule
 
 
@@ -53,7 +53,8 @@ class MatvecResidual(Instruction):
     call = Call(seq_fn("matvec_residual"),
                 targs=(Type("tx", "x"), Type("tw", "w"), Type("tb", "w", when=batched), Type("tr", "residual"),
                        Type("to", "out"), Int("K", lambda op, g: g.tensors[op.inputs["w"]].shape[1]), *SEQ_ARGS,
-                       Flag("bias", fn=lambda op: False, when=batched), Flag("add_res", fn=lambda op: True, when=batched), MMA),
+                       Flag("bias", fn=lambda op: False, when=batched), Flag("add_res", fn=lambda op: True, when=batched),
+                       MMA),
                 args=(Ptr("x"), Ptr("w"), Ptr("b", when=batched), Ptr("res", "residual"), Ptr("out"), P0, P1, SMEM))
 
     @classmethod
