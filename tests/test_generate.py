@@ -178,7 +178,7 @@ def test_argument_errors():
     model = hf_tiny.llama(layers=1)
     ids = torch.randint(0, 128, (1, 4))
     bad = [
-        (dict(input_ids=torch.randint(0, 128, (2, 4))), "batch must be 1"),
+        (dict(input_ids=torch.randint(0, 128, (17, 4))), "the batch must be 1 to 16"),
         (dict(input_ids=ids.float()), "input_ids must be"),
         (dict(input_ids=ids[:, :0]), "prompt is empty"),
         (dict(max_new_tokens=0), "max_new_tokens"),
