@@ -53,6 +53,10 @@ MAX_NUM_SMS = 1024
 #: the most query tokens per sequence a step takes (speculative decoding verifies K <= 8 draft
 #: tokens; a longer query is a prefill, which runs eagerly)
 MAX_QUERY_TOKENS = 8
+#: the most activation rows B·K of a step of K > 1 query tokens per sequence: what the fused kinds
+#: take (``fusec.instructions.matvec_rows.MAX_SEQS``, their ``max_rows``); a larger one runs eagerly
+#: (one line) instead of as generic ops on one SM each (docs/batch.md, "Several query tokens")
+MAX_QUERY_ROWS = 16
 #: the longest ``max_cache_len`` (rows): the causal-mask proof and the position tables at 2**20
 #: rows took 12 s and 5 GB on a tiny model (2**22: 65 s, 17.6 GB)
 MAX_CACHE_LEN = 1 << 20
@@ -230,10 +234,12 @@ class Options:
             runs eagerly (one line).
         query_tokens: the most query tokens per sequence a compiled step takes (K, at most
             :data:`MAX_QUERY_TOKENS`): 1, a decode step of one new token per sequence; K > 1, the
-            verification step of speculative decoding (docs/batch.md). Default 1: a K-token step
-            runs every op as a generic instruction on one SM (no fused kind takes K rows yet),
-            so a short prefill through the compiled model (which has the same graph) would be
-            far slower than on the fallback backend; with 1 it falls back as before.
+            verification step of speculative decoding (docs/batch.md), of at most
+            :data:`MAX_QUERY_ROWS` rows B·K (more run eagerly, one line). Default 1: a K-token
+            step takes its linears as batched matvecs of B·K rows and its attention as split-KV
+            tiles, but RoPE and the KV writes stay generic (not yet timed on the GPU), and a short
+            prefill through the compiled model (which has the same graph) is a prefill, which
+            the fallback backend runs better; with 1 it falls back as before.
     """
 
     target: str | None = _opt(None)

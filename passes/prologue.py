@@ -75,8 +75,6 @@ log = logging.getLogger("fusec.passes.prologue")
 
 
 def run(g: Graph) -> Graph:
-    if g.query_tokens() > 1:
-        return g   # no kind takes K > 1 query tokens' rows (module docstring)
     folded = 0
     for parallel in (False, True):
         k = 0

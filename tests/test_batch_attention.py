@@ -205,8 +205,10 @@ def test_batch_tiles_equal_sdpa_per_sequence_at_run_time_lengths(mask_kind, q_gr
 
 
 def test_batch_of_several_query_tokens_stays_generic():
-    """B > 1 with K > 1 query tokens per sequence, or a query whose batch differs from its
-    caches', is not taken by the rule (``takes_attention``): those stay the generic attention."""
+    """K > 1 query tokens per sequence without a mask (the mask makes the K rows causal:
+    tests/test_multi_token.py takes them with HF's), a query whose batch differs from its
+    caches', or more than MAX_SEQS sequences, is not taken by the rule (``takes_attention``):
+    those stay the generic attention."""
     from fusec.instructions.attention import takes_attention
 
     def graph(b, k_tokens, cache_b):
@@ -221,8 +223,8 @@ def test_batch_of_several_query_tokens_stays_generic():
         g.record_rows()   # B and K, as graph_from_aten records them
         return g, {"_anchor": att}
     assert takes_attention(*graph(4, 1, 4)) and takes_attention(*graph(1, 1, 1))
-    assert not takes_attention(*graph(4, 2, 4))     # K = 2 query tokens per sequence
-    assert not takes_attention(*graph(1, 4, 1))     # a K-token step of one sequence
+    assert not takes_attention(*graph(4, 2, 4))     # K = 2 query tokens per sequence, no mask
+    assert not takes_attention(*graph(1, 4, 1))     # a K-token step of one sequence, no mask
     assert not takes_attention(*graph(17, 1, 17))   # more than MAX_SEQS sequences
 
 

@@ -75,9 +75,11 @@ def test_batch_norms_are_prologues_of_the_batched_matvecs(factory, batch, steps)
                               ("silu_mul", "")]), one
 
 
-def test_batch_prologue_is_refused_for_query_tokens(steps):
-    """A step of K = 4 query tokens (batch 1, option ``query_tokens``) folds nothing: no kind takes
-    K rows, its norms stay generic (tests/test_multi_token.py checks its values)."""
+def test_batch_prologue_folds_into_the_matvecs_of_query_tokens(steps):
+    """A step of K = 4 query tokens (batch 1, option ``query_tokens``) is a step of 4 rows: its
+    linears are batched matvecs of the 4 rows and the hidden state's norms their prologues, as
+    at B = 4 (tests/test_multi_token.py checks its values); only Llama's first norm, in the
+    ``embedding > rmsnorm`` chain, stays an op of its own."""
     import step_util
     model = hf_tiny.llama()
     gen = torch.Generator().manual_seed(4)
@@ -91,8 +93,10 @@ def test_batch_prologue_is_refused_for_query_tokens(steps):
     assert steps
     g = steps[-1].schedule.graph
     assert g.query_tokens() == 4
-    assert not any("pre" in o.attrs for o in g.ops)
-    assert "rmsnorm" in g.count_kinds()
+    layers = model.config.num_hidden_layers
+    assert len(_normed_matvecs(g)) == 5 * layers + 1 - 3
+    assert all(o.attrs["batch"] == 4 for o in _normed_matvecs(g))
+    assert not any(o.kind == "rmsnorm" for o in g.ops)   # none on its own (the chain's is a member)
 
 
 def _norm_qkv_graph(batch: int, dtype: torch.dtype):

@@ -4,10 +4,13 @@ Each family of ``benchmarks/families.py`` at its published widths with 3 layers 
 weights), one decode step through ``torch.compile(backend="fusec")`` after a 4-token prefill of
 a 64-row StaticCache, lowered for 132 SMs with default options; prints layer 1's ops in program order with their tile counts and
 what a chain or a folded prologue holds. ``--batch B``: a step of B sequences (their
-``attention_mask`` [B, 64] and ``position_ids`` [B, 1] passed, as generate() passes them; docs/batch.md). An op of one tile that is not a fused kind is a
+``attention_mask`` [B, 64] and ``position_ids`` [B, 1] passed, as generate() passes them; docs/batch.md).
+``--tokens K``: a step of K query tokens per sequence (``input_ids`` [B, K], the option
+``query_tokens`` K, as ``benchmarks/batch.py`` passes it; at B > 1 ``position_ids`` [B, K]; docs/batch.md,
+"Several query tokens"). An op of one tile that is not a fused kind is a
 dependency level on one SM: where a family's layer costs more than Llama's six ops.
 
-Usage: ``.venv/bin/python tools/layer_ops.py [--families llama,phi2,...] [--layers 3] [--batch 4]``
+Usage: ``.venv/bin/python tools/layer_ops.py [--families llama,phi2,...] [--layers 3] [--batch 4] [--tokens 4]``
 """
 from __future__ import annotations
 
@@ -19,10 +22,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests")]
 
 
-def layer_ops(family: str, layers: int = 3, num_sms: int = 132, batch: int = 1) -> tuple[str, list[tuple[str, int, str]]]:
+def layer_ops(family: str, layers: int = 3, num_sms: int = 132, batch: int = 1,
+              tokens: int = 1) -> tuple[str, list[tuple[str, int, str]]]:
     """(label, [(kind, tiles, chain steps or prologue members), ...]) of layer 1 of ``family``,
     as ``torch.compile(model, backend="fusec")`` lowers it on a user's call (host counters
-    dynamic, as for HF generate; the step runs once on the simulator)."""
+    dynamic, as for HF generate; the step runs once on the simulator): a step of ``batch``
+    sequences of ``tokens`` query tokens each (``tokens`` > 1: the option ``query_tokens``)."""
     import pytest
     import torch
     import families
@@ -37,13 +42,16 @@ def layer_ops(family: str, layers: int = 3, num_sms: int = 132, batch: int = 1) 
     kw = {}
     if batch > 1:   # a batch step: the cache-length mask and per-sequence positions (docs/batch.md)
         mask = torch.zeros(batch, 64, dtype=torch.long)
-        mask[:, :5] = 1
-        kw = {"attention_mask": mask, "position_ids": torch.full((batch, 1), 4)}
+        mask[:, :4 + tokens] = 1
+        kw = {"attention_mask": mask, "position_ids": torch.arange(4, 4 + tokens).expand(batch, tokens)}
+    opts = {"num_sms": num_sms}
+    if tokens > 1:   # the non-default option a K-token step needs (else it falls back)
+        opts["query_tokens"] = tokens
     torch._dynamo.reset()
     with pytest.MonkeyPatch.context() as mp, torch.no_grad():
         made = step_util.record_compiled_steps(mp)
-        torch.compile(model, backend="fusec", options={"num_sms": num_sms})(
-            input_ids=torch.randint(0, vocab, (batch, 1), generator=gen), past_key_values=cache, use_cache=True, **kw)
+        torch.compile(model, backend="fusec", options=opts)(
+            input_ids=torch.randint(0, vocab, (batch, tokens), generator=gen), past_key_values=cache, use_cache=True, **kw)
     torch._dynamo.reset()
     if not made:
         raise RuntimeError(f"{family}: fusec compiled no step (a fallback: see the log)")
@@ -67,9 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--families", default=",".join(families.PUBLISHED), help="comma-separated (default: all)")
     ap.add_argument("--layers", type=int, default=3)
     ap.add_argument("--batch", type=int, default=1, help="sequences per step (default 1)")
+    ap.add_argument("--tokens", type=int, default=1, help="query tokens per sequence (default 1; option query_tokens)")
     a = ap.parse_args(argv)
     for fam in a.families.split(","):
-        label, rows = layer_ops(fam, a.layers, batch=a.batch)
+        label, rows = layer_ops(fam, a.layers, batch=a.batch, tokens=a.tokens)
         print(f"== {fam}: {label}, layer 1: {len(rows)} ops, {sum(t == 1 for _, t, _ in rows)} of one tile")
         for kind, n, what in rows:
             print(f"   {kind:<24} tiles {n:>4}  {what[:100]}")

@@ -67,6 +67,18 @@ shared by the sequences (HF's ``cumulative_length``). The one per-sequence diffe
 mask of left-padded prompts, ``[B, 1, 1, L]``: with attr ``mask_rows`` B, group ``gi`` reads
 row ``gi // (groups / B)`` (the call passes the template that row's pointer); a mask of one row
 serves every sequence. A batch-1 op has neither attr and renders as before.
+
+A step of K = 2..8 query tokens per sequence (speculative decoding's verification step,
+docs/batch.md "Several query tokens"; attr ``query_tokens`` K, B·K <= 16): the queries are
+``[B, Hq, K, D]``, so query row ``i = (b·Hq + h)·K + k`` reads KV head ``i // (rep·K)``: the K rows
+of a query head are K more query heads of its KV head's GQA group (``n_q`` = B·Hq·K, groups of
+``rep·K`` rows, cut into ``q_groups`` parts of at most :data:`MAX_TILE_HEADS` as any group). The
+causal order among the K new tokens and the cache comes from HF's mask ``[B, 1, K, L]`` (or one
+``[1, 1, K, L]`` for every sequence; attr ``mask_rows`` B·K or K): row ``i`` reads mask row
+``b·K + k`` (``k`` of a shared mask): the call passes a tile its sequence's first row (as at
+K = 1) and the template (``QK`` = K) adds ``((g·REP + j) % K)·L`` for its row ``j``
+(:func:`_query_mask_rows`). A mask is required: every cache row ``[0, L)`` is split and the mask
+decides, as for a batch with a mask.
 """
 from __future__ import annotations
 
@@ -173,11 +185,18 @@ def _kv_head(op: Op, gi: int) -> int:
     return gi // op.attrs.get("q_groups", 1)
 
 
-def _mask_row(op: Op, gi: int) -> int:
-    """The mask row query-head group ``gi`` reads: its sequence's where the mask has one row per
-    sequence (attr ``mask_rows`` B: ``groups / B`` groups per sequence), else row 0."""
-    rows = op.attrs.get("mask_rows", 1)
-    return gi // ((op.attrs["n_kv"] * op.attrs.get("q_groups", 1)) // rows)
+def _query_mask_rows(op: Op, gi: int) -> list[int]:
+    """The mask row each query row of query-head group ``gi`` reads, in order (the group's
+    ``n_q / groups`` rows). Row ``i`` (flat over the batch's ``[B, Hq, K, D]`` queries) is
+    sequence ``b = i // (n_q / B)``'s token ``k = i % K``; it reads mask row ``b·K + k`` where the
+    mask has ``B·K`` rows (attr ``mask_rows``: its sequence's rows), else ``k`` (one set of K
+    rows for every sequence; at K = 1: row 0, or the sequence's row of a ``[B, 1, 1, L]`` mask)."""
+    a = op.attrs
+    b, qk, rows = a.get("batch", 1), a.get("query_tokens", 1), a.get("mask_rows", 1)
+    per_group = a["n_q"] // (a["n_kv"] * a.get("q_groups", 1))
+    per_seq = a["n_q"] // b
+    return [(i // per_seq if rows == b * qk else 0) * qk + i % qk
+            for i in range(gi * per_group, (gi + 1) * per_group)]
 
 
 def _mask_arg(op: Op, g: Graph, bufs) -> str:
@@ -188,11 +207,14 @@ def _mask_arg(op: Op, g: Graph, bufs) -> str:
     if "mask" not in op.inputs:
         return "nullptr"
     ptr = bufs.ptr(op.inputs["mask"])
-    if op.attrs.get("mask_rows", 1) == 1:
+    b, qk = op.attrs.get("batch", 1), op.attrs.get("query_tokens", 1)
+    if b == 1 or op.attrs.get("mask_rows", 1) != b * qk:   # one mask (of K rows) for every sequence
         return ptr
     mask = op.inputs["mask"]
-    per_seq = (op.attrs["n_kv"] * op.attrs.get("q_groups", 1)) // op.attrs["mask_rows"]
-    return f"({ptr} + (size_t)(in.p0 / {per_seq}) * {bufs.length(mask, len(g.tensors[mask].shape) - 1)})"
+    per_seq = (op.attrs["n_kv"] * op.attrs.get("q_groups", 1)) // b
+    length = bufs.length(mask, len(g.tensors[mask].shape) - 1)
+    # at K > 1 the sequence's first of its K rows (the template adds its query row's token)
+    return f"({ptr} + (size_t)(in.p0 / {per_seq}) * {length if qk == 1 else f'{qk} * {length}'})"
 
 
 def _seqs(g: Graph, att: Op) -> int:
@@ -201,28 +223,37 @@ def _seqs(g: Graph, att: Op) -> int:
 
 
 def _mask_rows(g: Graph, att: Op) -> int:
-    """The rows of ``att``'s mask over its ``L`` cache rows: 0 without a mask, 1 for one row that
-    serves every sequence, B for one row per sequence (``[B, 1, 1, L]``, HF's mask of left-padded
-    prompts), -1 for any other layout."""
+    """The rows of ``att``'s mask over its ``L`` cache rows in a step of K query tokens per
+    sequence (:meth:`fusec.ir.Graph.query_tokens`): 0 without a mask, K for one row per query
+    token that serves every sequence (K = 1: one row), B·K for K rows per sequence (``[B, 1, K,
+    L]``: HF's mask of a K-token step, of left-padded prompts at K = 1), -1 for any other layout."""
     if "mask" not in att.inputs:
         return 0
     L = g.tensors[g.root(att.inputs["k"])].shape[2]
-    n, b = g.tensors[att.inputs["mask"]].numel, _seqs(g, att)
-    return 1 if n == L else (b if n == b * L else -1)
+    n, b, k = g.tensors[att.inputs["mask"]].numel, _seqs(g, att), g.query_tokens()
+    if k > 1 and g.tensors[att.inputs["mask"]].shape[-1] != L:
+        return -1
+    return k if n == k * L else (b * k if n == b * k * L else -1)
 
 
 def takes_attention(g: Graph, m: dict) -> bool:
-    """The rule's check: one query token per sequence (a step of K > 1 query tokens stays
-    generic) over caches ``[B, Hkv, L, D]`` of at most :data:`MAX_SEQS` sequences whose queries
-    are ``[B, Hq, 1, D]`` (any layout of B·Hq·D elements at batch 1), with no mask, one mask row
-    for every sequence, or one per sequence. At B > 1 the batch is an attention over B·Hkv KV
-    heads and B·Hq query heads (query head ``b·Hq + h`` reads KV head ``b·Hkv + h // rep``: the
-    flat layouts of q, the caches and the output), each sequence's groups reading its mask row."""
+    """The rule's check: B sequences of K query tokens each (:meth:`fusec.ir.Graph.query_tokens`),
+    B·K at most :data:`MAX_SEQS`, over caches ``[B, Hkv, L, D]`` whose queries are ``[B, Hq, K,
+    D]`` (any layout of Hq·D elements at batch 1 with one token). One query token: no mask, one
+    mask row for every sequence, or one per sequence. K > 1: a mask (bool or additive, ``[B, 1,
+    K, L]`` or one ``[1, 1, K, L]`` for every sequence) over the cache's rows, which makes the K
+    rows causal. At B > 1 the batch is an attention over B·Hkv KV heads and B·Hq query heads
+    (query head ``b·Hq + h`` reads KV head ``b·Hkv + h // rep``: the flat layouts of q, the caches
+    and the output), each sequence's groups reading its mask rows; at K > 1 each of a head's K
+    query rows is a query head of its own (module docstring)."""
     att = m["_anchor"]
-    b = _seqs(g, att)
+    b, k = _seqs(g, att), g.query_tokens()
     q = g.tensors[att.inputs["q"]]
-    if g.query_tokens() != 1 or b > MAX_SEQS or _mask_rows(g, att) < 0:
+    if b * k > MAX_SEQS or _mask_rows(g, att) < 0:
         return False
+    if k > 1:
+        return len(q.shape) == 4 and q.shape[0] == b and q.shape[2] == k and _mask_rows(g, att) > 0 \
+            and att.attrs.get("mask_kind", 0) in (1, 2)
     if b == 1:
         return True
     return len(q.shape) == 4 and q.shape[0] == b and q.shape[2] == 1
@@ -230,9 +261,10 @@ def takes_attention(g: Graph, m: dict) -> bool:
 
 def split_attention(c: Ctx, m: dict) -> list[Op]:
     """``attention`` -> ``attention_partial`` (about ``min(ceil(L/16), num_sms // groups)`` splits
-    per query-head group, ``groups = B * Hkv * q_groups(Hq / Hkv)`` for B sequences; a batch
-    (B > 1) gets the attrs ``batch`` B and, with a mask of one row per sequence, ``mask_rows`` B:
-    group ``gi`` reads mask row ``gi // (groups / B)``),
+    per query-head group, ``groups = B * Hkv * q_groups(K * Hq / Hkv)`` for B sequences of K
+    query tokens; a batch (B > 1) gets the attrs ``batch`` B and, with a mask of one row per
+    sequence, ``mask_rows`` B: group ``gi`` reads mask row ``gi // (groups / B)``; a step of K > 1
+    query tokens the attrs ``query_tokens`` K and ``mask_rows`` K or B·K, :func:`_query_mask_rows`),
     blocks of a multiple of 16 rows, at most :data:`MAX_BLOCK`; L the cache's rows, its capacity
     for a run-time length) whose last tile per group merges (``attention_merge="last_tile"``),
     or ``attention_partial`` + ``attention_reduce`` (``"reduce"``). A non-zero
@@ -266,6 +298,9 @@ def split_attention(c: Ctx, m: dict) -> list[Op]:
         attrs["batch"] = b
         if _mask_rows(g, att) == b:
             attrs["mask_rows"] = b
+    if g.query_tokens() > 1:   # K query rows per head: the mask's rows (K, or K per sequence)
+        attrs["query_tokens"] = g.query_tokens()
+        attrs["mask_rows"] = _mask_rows(g, att)
     ins = {"q": att.inputs["q"], "kcache": att.inputs["k"], "vcache": att.inputs["v"],
            "pos": att.inputs["pos"]}
     if "mask" in att.inputs:
@@ -286,7 +321,7 @@ def split_attention(c: Ctx, m: dict) -> list[Op]:
 @register
 class AttentionPartial(Instruction):
     name = "attention_partial"
-    #: a batch of up to MAX_SEQS sequences of one query token each (``takes_attention``)
+    #: a batch of B sequences of K query tokens each, B·K up to MAX_SEQS (``takes_attention``)
     max_rows = MAX_SEQS
     #: every ``attention`` op that ``rms_qkv_rope`` left (it always splits; counts one fusion)
     rules = (Rule(sem("attention"), build=split_attention, check=takes_attention, priority=20),)
@@ -355,7 +390,9 @@ class AttentionPartial(Instruction):
                        Int("KS", lambda op, g: op.attrs.get("q_groups", 1)),
                        Expr("MB", lambda op, g, bufs: "true" if AttentionPartial.multi_block(op, g) else "false"),
                        Int("MK", lambda op, g: op.attrs.get("mask_kind", 0), default=0),
-                       Type("tm", "mask", when=lambda op: "mask" in op.inputs)),
+                       Type("tm", "mask", when=lambda op: "mask" in op.inputs),
+                       # K query tokens per sequence: each query row's own mask row
+                       Int("QK", lambda op, g: op.attrs.get("query_tokens", 1), default=1)),
                 args=(Ptr("q"), Ptr("kcache"), Ptr("vcache"), Ptr("pos"), Ptr("o_part"), Ptr("ml_part"),
                       Ptr("out", when=_merges),
                       Expr("tickets", lambda op, g, bufs: bufs.counters(op.name, AttentionPartial._dims(op, g)[1]),
@@ -424,9 +461,9 @@ class AttentionPartial(Instruction):
         pos = cls._pos(op, env)
         active = active_splits(pos, nc, _per_split(op))
         reads = tile.reads[:3] if "mask" in op.inputs else tile.reads[:2]
-        if "mask_rows" in op.attrs:   # a batch's mask: the group's sequence row at the run-time length
-            row = _mask_row(op, gi)
-            reads[2] = Region.of(env.g, op.inputs["mask"], row * L, (row + 1) * L)
+        if "mask_rows" in op.attrs:   # the group's mask rows (its sequence's) at the run-time length
+            rows = _query_mask_rows(op, gi)
+            reads[2] = Region.of(env.g, op.inputs["mask"], min(rows) * L, (max(rows) + 1) * L)
         if tile.params["chunk"] >= active:   # no rows at this position: no partial either
             return reads, []
         r0, r1 = split_rows(tile.params["chunk"], pos, active)
@@ -498,14 +535,16 @@ class AttentionPartial(Instruction):
         rows = cls._rows(op, env)   # the caches' KV heads, flat over a batch's sequences
         kc, vc = (env.read(op.inputs[t]).reshape(-1, rows, d) for t in ("kcache", "vcache"))
         mask_all = None
-        if "mask" in op.inputs:   # the group's row of the mask (its sequence's, mask_rows)
-            mask_all = env.read(op.inputs["mask"]).reshape(-1, rows)[_mask_row(op, gi)]
+        if "mask" in op.inputs:   # each query row's row of the mask [rep, rows] (its sequence's, mask_rows)
+            mask_all = env.read(op.inputs["mask"]).reshape(-1, rows)[_query_mask_rows(op, gi)]
         for b0 in range(r0, r1, chunk):
             b1 = min(b0 + chunk, r1)
             kh = _kv_head(op, gi)
             k, v = kc[kh, b0:b1].float(), vc[kh, b0:b1].float()
-            mask = mask_all[b0:b1] if mask_all is not None else None
-            s = apply_mask((q @ k.T) * op.attrs["scale"], mask, op.attrs.get("mask_kind", 0))
+            s = (q @ k.T) * op.attrs["scale"]
+            if mask_all is not None:   # each query row under its own mask row
+                s = torch.stack([apply_mask(s[j], mask_all[j, b0:b1], op.attrs.get("mask_kind", 0))
+                                 for j in range(s.shape[0])])
             mb = s.max(-1).values
             if b0 == r0:   # the first block (the only one of a split of at most chunk rows)
                 m = mb

@@ -97,18 +97,20 @@ def seq_ranges(batch: int, k: int, elt_bytes: int) -> list[tuple[int, int]]:
 
 def batch_rows(g: Graph, m: dict) -> int:
     """For a rule's check (bindings ``m`` with ``x`` and ``w``): the rows M of the linear's ``x``
-    ([M, K], K the weight ``w``'s last dim) where they are 1 or the step's batch B
-    (:meth:`fusec.ir.Graph.batch`) of at most :data:`MAX_SEQS` whose inputs ``matvec_seqs`` can
-    stage (:func:`seq_group` > 0); 0 otherwise (a linear over several rows of one sequence, too
-    many rows, not a whole number of rows, or inputs that cannot be staged: the linear stays
-    generic)."""
+    ([M, K], K the weight ``w``'s last dim) where they are 1 or the step's activation rows
+    R = B·K (:meth:`fusec.ir.Graph.rows`: B sequences of K query tokens each, docs/batch.md) of
+    at most :data:`MAX_SEQS` whose inputs ``matvec_seqs`` can stage (:func:`seq_group` > 0); 0
+    otherwise (a linear over some other number of rows, too many rows, not a whole number of
+    rows, or inputs that cannot be staged: the linear stays generic). The R rows of a K-token
+    step are computed as the sequences of a batch are: each its own input row and output row
+    (``x`` [B, K, H] flattens to [R, H] row-major, ``out`` [R, N] likewise)."""
     w = g.tensors[m["w"]]
     if len(w.shape) != 2:
         return 0
     n, k = g.tensors[m["x"]].numel, w.shape[1]
     if n == k:
         return 1
-    if n % k or n // k > MAX_SEQS or n // k != g.batch() or not seq_group(n // k, k, elt(g, m["x"])):
+    if n % k or n // k > MAX_SEQS or n // k != g.rows() or not seq_group(n // k, k, elt(g, m["x"])):
         return 0
     return n // k
 
