@@ -420,7 +420,16 @@ __device__ __forceinline__ void rms_prologue(const TX* x, const TW* w, float eps
 // arithmetic and weighs chunks without a branch (exp(-inf) = 0), one L2 round trip; 0, or more
 // than 32 (4 or fewer KV heads on 132 SMs): the max pass, then a loop whose loads follow a
 // branch per chunk (several round trips in the PTX). Same sums in the same order either way.
-template <typename TO, int D, int NC>
+// OHQ > 0 (a step of QK query tokens whose output HF transposes: attention's out_tokens): query
+// row h = (b * OHQ + hh) * QK + k of [B, OHQ, QK, D] goes to row (b * QK + k) * OHQ + hh of the
+// output [B, QK, OHQ, D] (attention_out_row); 0: row h.
+template <int QK, int OHQ>
+__device__ __forceinline__ int attention_out_row(int h) {
+  if constexpr (OHQ > 0 && QK > 1) return ((h / (OHQ * QK)) * QK + h % QK) * OHQ + (h / QK) % OHQ;
+  else return h;
+}
+
+template <typename TO, int D, int NC, int QK = 1, int OHQ = 0>
 __device__ __forceinline__ void merge_split_kv(const float* __restrict__ o_part, const float* __restrict__ ml,
                                                TO* __restrict__ out, int h0, int h1, int na = NC) {
   constexpr int NP = NC < 32 ? NC : 32;
@@ -451,7 +460,7 @@ __device__ __forceinline__ void merge_split_kv(const float* __restrict__ o_part,
         num += w * ov[c];
         den += w * lv[c];
       }
-      out[h * D + t] = from_f<TO>(den > 0.f ? num / den : 0.f);   // every row masked: 0, as SDPA
+      out[attention_out_row<QK, OHQ>(h) * D + t] = from_f<TO>(den > 0.f ? num / den : 0.f);   // all masked: 0, as SDPA
     }
   } else {
     for (int idx = threadIdx.x; idx < (h1 - h0) * D; idx += blockDim.x) {
@@ -465,7 +474,7 @@ __device__ __forceinline__ void merge_split_kv(const float* __restrict__ o_part,
         num += w * __ldcg(o_part + (h * NC + c) * D + t);
         den += w * __ldcg(ml + (h * NC + c) * 2 + 1);
       }
-      out[h * D + t] = from_f<TO>(den > 0.f ? num / den : 0.f);   // every row masked: 0, as SDPA
+      out[attention_out_row<QK, OHQ>(h) * D + t] = from_f<TO>(den > 0.f ? num / den : 0.f);   // all masked: 0, as SDPA
     }
   }
 }

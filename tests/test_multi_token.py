@@ -72,7 +72,9 @@ def _k_token_kinds(step, model, k: int, batch: int = 1) -> None:
     ``matvec`` or ``matvec_residual`` with ``batch`` B·K), the hidden state's RMSNorms the
     batched matvecs' prologues, and each attention an ``attention_partial`` (``query_tokens`` K,
     ``mask_rows`` B·K, HF's bool mask [B, 1, K, L]) of several splits per query-head group over
-    B·Hkv KV heads and B·Hq·K query rows; the KV writes take K rows (generic)."""
+    B·Hkv KV heads and B·Hq·K query rows whose merge writes the output transposed to [B, K, Hq,
+    D] (``out_tokens``: the o projection reads it, no permute between them); the KV writes take
+    K rows (generic)."""
     g = step.schedule.graph
     cfg = model.config
     assert (g.query_tokens(), g.batch(), g.rows()) == (k, batch, batch * k)
@@ -91,9 +93,12 @@ def _k_token_kinds(step, model, k: int, batch: int = 1) -> None:
     tiles: dict[str, int] = {}
     for ins in step.schedule.instrs:
         tiles[ins.op] = tiles.get(ins.op, 0) + 1
+    # the o projection reads the attention's output itself (no permute between them)
+    assert {g.root(o.outputs["out"]) for o in att} <= {g.root(m.inputs["x"]) for m in mv if "x" in m.inputs}
     for o in att:
         a = o.attrs
         assert a["query_tokens"] == k and a["mask_rows"] == batch * k and a["mask_kind"] == 1, a
+        assert a["out_tokens"] and tuple(g.tensors[o.outputs["out"]].shape) == (batch, k, hq, cfg.head_dim)
         assert a["n_q"] == batch * hq * k and a["n_kv"] == batch * hkv and a.get("batch", 1) == batch
         assert tuple(g.tensors[o.inputs["mask"]].shape) == (batch, 1, k, LENGTH)
         groups = a["n_kv"] * a.get("q_groups", 1)
@@ -326,11 +331,29 @@ def test_hf_assisted_decoding_refuses_a_static_cache():
                        cache_implementation="static", compile_config=cc)
 
 
+def test_k_token_step_with_the_reduce_merge_matches_eager(steps):
+    """With ``attention_merge="reduce"`` a K = 4 step's attention is ``attention_partial`` and
+    ``attention_reduce``, the reduce writing the output transposed (``out_tokens``): every row's
+    logits and the caches equal eager's after prompts of 3 and 17 tokens, no fallback."""
+    model = hf_tiny.llama(seed=2)
+    err, w, cache_err = k_steps_against_eager(model, 4, 29, prompts=(3, 17), length=LENGTH,
+                                              options={"attention_merge": "reduce"})
+    assert err < 1e-5 and cache_err < 1e-5, (err, cache_err)
+    assert not w.fallbacks and w.compiled == 2, (w.fallbacks, w.compiled)
+    multi = next(s for s in steps if s.schedule.graph.query_tokens() == 4)
+    ops = _ops(multi.schedule.graph)
+    red = [o for o in ops if o.kind == "attention_reduce"]
+    assert len(red) == model.config.num_hidden_layers and all(o.attrs["out_tokens"] for o in red)
+    assert not any(o.attrs.get("out_tokens") for o in ops if o.kind == "attention_partial")
+    g = multi.schedule.graph
+    assert {g.root(o.outputs["out"]) for o in red} <= {g.root(m.inputs["x"]) for m in ops if m.kind == "matvec_residual"}
+
+
 def test_k_token_kernel_compiles_with_nvrtc(steps):
     """The K = 4 step's megakernel of tiny Llama (the batched matvecs of the 4 rows with their
     folded norms, the generic RoPE and K-row KV writes, ``attention_partial_merge`` with ``QK`` 4
     reading the mask row of each query row) renders and compiles for sm_90a without register
-    spills, fp32 and bf16."""
+    spills, fp32 and bf16; the merge writes the output as HF transposes it (``OHQ`` 4)."""
     import re
     from fusec.cuda.codegen import render
     from fusec.cuda.jit import compile_cuda
@@ -348,7 +371,8 @@ def test_k_token_kernel_compiles_with_nvrtc(steps):
         assert step.schedule.graph.query_tokens() == 4
         src = render(step.schedule).source
         calls = {c for c in re.findall(r"attention_partial_merge<[^;]*;", src) if "bufs" in c}
-        assert calls and all(re.search(r", 1, bool, 4>\(", c) for c in calls), calls   # MK 1, QK 4
+        # MK 1, QK 4, OHQ 4: the output written transposed [1, 4, Hq, D] for the o projection
+        assert calls and all(re.search(r", 1, bool, 4, 4>\(", c) for c in calls), calls
         assert "matvec_seqs<" in src
         kernel = compile_cuda(src, "fusec_step.cu")
         kernel.assert_no_spills()

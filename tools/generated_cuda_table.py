@@ -50,7 +50,7 @@ ROWS: tuple[tuple[str, str, str], ...] = (
      "16-byte weight loads, then its FMAs); `dot_rows`/`row_dot` (R weight rows per warp, "
      "`FUSEC_LOADS_IN_FLIGHT` loads in flight); `stage_vec`, `rms_prologue` (the input vector, or its "
      "norm, in shared memory); `gate_act`, `glu_row` (a GLU MLP's gate activation and one "
-     "intermediate row); `merge_split_kv` (the log-sum-exp merge of split-KV partials)"),
+     "intermediate row); `attention_out_row`, `merge_split_kv` (the log-sum-exp merge of split-KV partials; its output row of a query row, transposed in a step of K > 1 query tokens)"),
     ("`struct Instr`, `wait_all`", r"^struct Instr \{",
      "the instruction word (a field per `fusec.abi.Word`); the wait loop (a poll: the abort flag, "
      "the timer, a `__nanosleep(FUSEC_POLL_SLEEP)`, the counter's acquire load), with the watchdog"),

@@ -78,7 +78,12 @@ causal order among the K new tokens and the cache comes from HF's mask ``[B, 1, 
 ``b·K + k`` (``k`` of a shared mask): the call passes a tile its sequence's first row (as at
 K = 1) and the template (``QK`` = K) adds ``((g·REP + j) % K)·L`` for its row ``j``
 (:func:`_query_mask_rows`). A mask is required: every cache row ``[0, L)`` is split and the mask
-decides, as for a batch with a mask.
+decides, as for a batch with a mask. HF transposes the output ``[B, Hq, K, D]`` to ``[B, K, Hq, D]``
+for the o projection (``transpose(1, 2).contiguous()``: at K > 1 an ``aten.permute`` that copies,
+a generic op on one SM, a dependency level of its own); the rule :func:`transposed_output` makes
+it the merge's (the last tile's, or ``attention_reduce``'s): attr ``out_tokens``, the merged row
+of query row ``(b·Hq + h)·K + k`` written at row ``(b·K + k)·Hq + h`` of the permute's output
+(:func:`out_rows`; the templates' ``OHQ`` = Hq).
 """
 from __future__ import annotations
 
@@ -95,7 +100,7 @@ from fusec.ir.pattern import sem
 from fusec.instructions.base import COST_ROWS, CTA_THREADS, Instruction, Region, Tile, register, split_range
 from fusec.instructions.call import P0, P1, SMEM, Call, Expr, Float, Int, Ptr, Type
 from fusec.instructions.matvec_rows import MAX_SEQS, elt
-from fusec.instructions.rule import Ctx, Rule
+from fusec.instructions.rule import Ctx, Fusion, Rule
 
 
 def merge_partials(o: torch.Tensor, ml: torch.Tensor) -> torch.Tensor:
@@ -155,6 +160,47 @@ def _active_parts(op: Op, g: Graph, h0: int, h1: int, nc: int, d: int, active: i
         out += [Region.of(g, slots[o_slot], h * nc * d, (h * nc + active) * d),
                 Region.of(g, slots[ml_slot], h * nc * 2, (h * nc + active) * 2)]
     return out
+
+
+def out_rows(op: Op, h0: int, h1: int) -> list[int]:
+    """The output rows (of D elements) that the merged query rows ``[h0, h1)`` of ``op`` (an
+    ``attention_partial`` or ``attention_reduce``) are written at: the same rows, or with attr
+    ``out_tokens`` (a K-token step's output transposed to ``[B, K, Hq, D]``, :func:`transposed_output`)
+    query row ``(b·Hq + h)·K + k`` at ``(b·K + k)·Hq + h`` (the template's ``attention_out_row``)."""
+    if not op.attrs.get("out_tokens"):
+        return list(range(h0, h1))
+    k = op.attrs["query_tokens"]
+    hq = op.attrs["n_q"] // (op.attrs.get("batch", 1) * k)
+    return [((i // (hq * k)) * k + i % k) * hq + (i // k) % hq for i in range(h0, h1)]
+
+
+def _out_regions(op: Op, g: Graph, h0: int, h1: int, d: int) -> list[Region]:
+    """The regions of ``op``'s output that its merged query rows ``[h0, h1)`` are written to
+    (:func:`out_rows`; consecutive rows as one region)."""
+    runs: list[list[int]] = []
+    for r in out_rows(op, h0, h1):
+        if runs and runs[-1][1] == r:
+            runs[-1][1] = r + 1
+        else:
+            runs.append([r, r + 1])
+    return [Region.of(g, op.outputs["out"], a * d, b * d) for a, b in runs]
+
+
+def _write_rows(op: Op, env: Env, h0: int, h1: int, rows: torch.Tensor) -> None:
+    """Write the merged query rows ``[h0, h1)`` (``rows`` [h1 - h0, D]) of ``op`` at their output rows."""
+    dt = env.g.tensors[op.outputs["out"]].dtype
+    out = env.flat(op.outputs["out"]).view(-1, rows.shape[-1])
+    if op.attrs.get("out_tokens"):
+        out[out_rows(op, h0, h1)] = rows.to(dt)
+    else:
+        out[h0:h1] = rows.to(dt)
+
+
+def _out_heads(op: Op) -> int:
+    """The templates' OHQ: Hq where the output is written transposed (``out_tokens``), else 0."""
+    if not op.attrs.get("out_tokens"):
+        return 0
+    return op.attrs["n_q"] // (op.attrs.get("batch", 1) * op.attrs["query_tokens"])
 
 
 def _merges(op: Op) -> bool:
@@ -318,13 +364,41 @@ def split_attention(c: Ctx, m: dict) -> list[Op]:
     return [part, red]
 
 
+def transposed_output(c: Ctx, anchor: Op) -> Fusion | None:
+    """The rule's match: an ``aten.permute`` with dims ``[0, 2, 1, 3]`` of the whole output
+    ``[B, Hq, K, D]`` of a K-token step's attention (K > 1: the ``attention_partial`` that merges
+    in its last tile, or the ``attention_reduce``), read by nothing else, becomes that op's
+    output written transposed (attr ``out_tokens``: :func:`out_rows`); the permute goes (one
+    generic op on one SM and its level less per layer). None where it does not apply."""
+    g = c.g
+    args = anchor.attrs.get("args") or ()
+    if set(anchor.inputs) != {"in0"} or len(args) != 2 or list(args[1]) != [0, 2, 1, 3] or "out" not in anchor.outputs:
+        return None
+    p = c.prod(anchor.inputs["in0"], ("attention_partial", "attention_reduce"))
+    if p is None or p.attrs.get("query_tokens", 1) == 1 or p.attrs.get("out_tokens") or "out" not in p.outputs:
+        return None
+    made, x, out = (g.tensors[t] for t in (p.outputs["out"], anchor.inputs["in0"], anchor.outputs["out"]))
+    if g.root(anchor.inputs["in0"]) != g.root(p.outputs["out"]) or len(x.shape) != 4 or x.numel != made.numel or \
+            x.shape[2] != p.attrs["query_tokens"] or out.numel != made.numel or out.dtype != made.dtype or \
+            out.alias_of is not None or made.alias_of is not None or out.sym or made.sym:
+        return None
+
+    def build() -> list[Op]:
+        return [Op(p.name, p.kind, dict(p.inputs), {**p.outputs, "out": anchor.outputs["out"]},
+                   dict(p.attrs, out_tokens=True), p.mutates, p.source, p.layer)]
+    keep = tuple(t for s, t in p.outputs.items() if s != "out") + (anchor.outputs["out"],)
+    return Fusion([p, anchor], keep, build, place="first")
+
+
 @register
 class AttentionPartial(Instruction):
     name = "attention_partial"
     #: a batch of B sequences of K query tokens each, B·K up to MAX_SEQS (``takes_attention``)
     max_rows = MAX_SEQS
     #: every ``attention`` op that ``rms_qkv_rope`` left (it always splits; counts one fusion)
-    rules = (Rule(sem("attention"), build=split_attention, check=takes_attention, priority=20),)
+    rules = (Rule(sem("attention"), build=split_attention, check=takes_attention, priority=20),
+             # a K-token step's output transposed for the o projection: the merge writes it so
+             Rule(match=transposed_output, anchors=("aten.permute.default",), priority=21))
 
     @classmethod
     def _dims(cls, op: Op, g: Graph):
@@ -369,7 +443,7 @@ class AttentionPartial(Instruction):
                 merge = 0
                 if "out" in op.outputs:   # any tile of the group may be the one that merges it
                     reads += cls._group_parts(op, g, gi, rep, d, nc)
-                    writes = writes + [cls._group_out(op, g, gi, rep, d)]
+                    writes = writes + cls._group_out(op, g, gi, rep, d)
                     merge = rep * (nc * (d + 2) * 4 + d * elt(g, op.outputs["out"])) // nc
                 tiles.append(Tile(op.name, len(tiles), {"group": gi, "chunk": c},
                                   reads, writes, 0, kv + rep * d * (2 + 4) + rep * 8 + merge))
@@ -392,7 +466,9 @@ class AttentionPartial(Instruction):
                        Int("MK", lambda op, g: op.attrs.get("mask_kind", 0), default=0),
                        Type("tm", "mask", when=lambda op: "mask" in op.inputs),
                        # K query tokens per sequence: each query row's own mask row
-                       Int("QK", lambda op, g: op.attrs.get("query_tokens", 1), default=1)),
+                       Int("QK", lambda op, g: op.attrs.get("query_tokens", 1), default=1),
+                       # the output transposed to [B, K, Hq, D] (out_tokens): Hq
+                       Int("OHQ", lambda op, g: _out_heads(op), default=0)),
                 args=(Ptr("q"), Ptr("kcache"), Ptr("vcache"), Ptr("pos"), Ptr("o_part"), Ptr("ml_part"),
                       Ptr("out", when=_merges),
                       Expr("tickets", lambda op, g, bufs: bufs.counters(op.name, AttentionPartial._dims(op, g)[1]),
@@ -430,8 +506,9 @@ class AttentionPartial(Instruction):
                 Region.of(g, op.outputs["ml_part"], h0 * nc * 2, h1 * nc * 2)]
 
     @staticmethod
-    def _group_out(op, g, gi, rep, d):
-        return Region.of(g, op.outputs["out"], gi * rep * d, (gi + 1) * rep * d)
+    def _group_out(op, g, gi, rep, d) -> list[Region]:
+        """The output regions of query-head group ``gi`` (one; several with ``out_tokens``)."""
+        return _out_regions(op, g, gi * rep, (gi + 1) * rep, d)
 
     @staticmethod
     def _part_writes(op, g, gi, c, rep, d, nc):
@@ -484,7 +561,7 @@ class AttentionPartial(Instruction):
             return [], []
         active = active_splits(cls._pos(op, env), nc, _per_split(op))
         return _active_parts(op, env.g, gi * rep, (gi + 1) * rep, nc, d, active), \
-            [cls._group_out(op, env.g, gi, rep, d)]
+            cls._group_out(op, env.g, gi, rep, d)
 
     @staticmethod
     def _is_last(op: Op, env: Env, gi: int, nc: int, peek: bool = False) -> bool:
@@ -504,8 +581,7 @@ class AttentionPartial(Instruction):
             active = active_splits(cls._pos(op, env), nc, _per_split(op))   # the partials of this step
             o = env.read(op.outputs["o_part"]).reshape(nq, nc, d)[hs, :active]
             ml = env.read(op.outputs["ml_part"]).reshape(nq, nc, 2)[hs, :active]
-            dt = env.g.tensors[op.outputs["out"]].dtype
-            env.flat(op.outputs["out"])[gi * rep * d:(gi + 1) * rep * d] = merge_partials(o, ml).reshape(-1).to(dt)
+            _write_rows(op, env, gi * rep, (gi + 1) * rep, merge_partials(o, ml))
 
     @classmethod
     def _partial(cls, op: Op, tile: Tile, env: Env) -> None:
@@ -576,7 +652,7 @@ class AttentionReduce(Instruction):
                      Region.of(g, op.inputs["ml_part"], h0 * nc * 2, h1 * nc * 2)]
             if "pos" in op.inputs:   # active splits: the count comes from the position
                 reads.append(Region.whole(g, op.inputs["pos"]))
-            writes = [Region.of(g, op.outputs["out"], h0 * d, h1 * d)]
+            writes = _out_regions(op, g, h0, h1, d)
             tiles.append(Tile(op.name, i, {"heads": [h0, h1]}, reads, writes, 0,
                               (h1 - h0) * (nc * (d + 2) * 4 + d * elt(g, op.outputs["out"]))))
         return tiles
@@ -586,7 +662,9 @@ class AttentionReduce(Instruction):
     call = Call(lambda op: "attention_reduce_active" if _active_reduce(op) else "attention_reduce",
                 targs=(Type("to", "out"), Int("D", lambda op, g: op.attrs["head_dim"]),
                        Int("NC", lambda op, g: op.attrs["n_chunks"]),
-                       Int("MK", lambda op, g: op.attrs.get("mask_kind", 0), when=_active_reduce)),
+                       Int("MK", lambda op, g: op.attrs.get("mask_kind", 0), when=_active_reduce),
+                       Int("QK", lambda op, g: op.attrs.get("query_tokens", 1), default=1),
+                       Int("OHQ", lambda op, g: _out_heads(op), default=0)),
                 args=(Ptr("o_part"), Ptr("ml_part"), Ptr("pos", when=_active_reduce),
                       Expr("L", lambda op, g, bufs: bufs.length(_partial_of(op, g).inputs["kcache"], 2),
                            when=_active_reduce),
@@ -621,6 +699,4 @@ class AttentionReduce(Instruction):
         active = cls._active(op, env)
         o = env.read(op.inputs["o_part"]).reshape(nq, nc, d)[h0:h1, :active]
         ml = env.read(op.inputs["ml_part"]).reshape(nq, nc, 2)[h0:h1, :active]
-        out = merge_partials(o, ml)
-        dt = env.g.tensors[op.outputs["out"]].dtype
-        env.flat(op.outputs["out"])[h0 * d:h1 * d] = out.reshape(-1).to(dt)
+        _write_rows(op, env, h0, h1, merge_partials(o, ml))
