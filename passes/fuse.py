@@ -25,7 +25,8 @@ Guarantees, with the same values:
 The rules of the kinds today (docs/pipeline.md, "Instruction kinds"), by priority: a rolled
 sliding window's ``kv_roll`` into pieces with a halo ``index_select`` before it (5); RMSNorm ->
 Q/K/V -> RoPE -> KV write into ``rms_qkv_rope`` (10); attention split into ``attention_partial``
-[+ ``attention_reduce``] (20); RMSNorm -> gate/up -> SiLU/GELU product into ``rms_gate_up_silu``
+[+ ``attention_reduce``] (20), and a K-token step's transposed attention output (the ``aten.permute``
+HF makes for the o projection) into its merge (21); RMSNorm -> gate/up -> SiLU/GELU product into ``rms_gate_up_silu``
 (30), and gate/up over an un-normed vector into the same kind with its norm off (35: post-norm
 layers such as OLMo-2's); linear + residual add into ``matvec_residual`` (40); RMSNorm ->
 linear into ``rms_lm_head`` (50) and its logits' argmax into that op's ``token`` (60); sibling

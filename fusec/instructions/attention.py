@@ -467,8 +467,8 @@ class AttentionPartial(Instruction):
                        Type("tm", "mask", when=lambda op: "mask" in op.inputs),
                        # K query tokens per sequence: each query row's own mask row
                        Int("QK", lambda op, g: op.attrs.get("query_tokens", 1), default=1),
-                       # the output transposed to [B, K, Hq, D] (out_tokens): Hq
-                       Int("OHQ", lambda op, g: _out_heads(op), default=0)),
+                       # the merge's output transposed to [B, K, Hq, D] (out_tokens): Hq
+                       Int("OHQ", lambda op, g: _out_heads(op), default=0, when=_merges)),
                 args=(Ptr("q"), Ptr("kcache"), Ptr("vcache"), Ptr("pos"), Ptr("o_part"), Ptr("ml_part"),
                       Ptr("out", when=_merges),
                       Expr("tickets", lambda op, g, bufs: bufs.counters(op.name, AttentionPartial._dims(op, g)[1]),
