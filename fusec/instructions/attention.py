@@ -378,8 +378,8 @@ def transposed_output(c: Ctx, anchor: Op) -> Fusion | None:
     if p is None or p.attrs.get("query_tokens", 1) == 1 or p.attrs.get("out_tokens") or "out" not in p.outputs:
         return None
     made, x, out = (g.tensors[t] for t in (p.outputs["out"], anchor.inputs["in0"], anchor.outputs["out"]))
-    if g.root(anchor.inputs["in0"]) != g.root(p.outputs["out"]) or len(x.shape) != 4 or x.numel != made.numel or \
-            x.shape[2] != p.attrs["query_tokens"] or out.numel != made.numel or out.dtype != made.dtype or \
+    if g.root(anchor.inputs["in0"]) != g.root(p.outputs["out"]) or tuple(x.shape) != tuple(made.shape) or \
+            len(x.shape) != 4 or x.shape[2] != p.attrs["query_tokens"] or out.numel != made.numel or out.dtype != made.dtype or \
             out.alias_of is not None or made.alias_of is not None or out.sym or made.sym:
         return None
 
