@@ -45,15 +45,18 @@ stays written by ``K``, so every other reader must still wait for ``K``.
 
 In a step of more than one activation row (:meth:`fusec.ir.Graph.rows`: B > 1 sequences or K > 1
 query tokens, recorded on the graph when it was built, whatever ``fuse`` made of the attention)
-only a batched consumer folds (a ``matvec`` with attribute ``batch`` B equal to the step's rows,
-:func:`fusec.instructions.matvec_rows.seqs`; docs/batch.md), and only where it stages all B
-inputs in one group (:func:`fusec.instructions.matvec_rows.seq_group` == B for the staged x):
-its prologue then computes the whole ``[B, K]`` x in shared memory, each member over its rows as
-its generic form does (an RMSNorm normalises each sequence's row with that row's own sum of
-squares; the norm weight is shared), and the template (``matvec_seqs`` with ``STAGED``) skips
-its own staging. A step of K > 1 query tokens, a consumer without ``batch`` (the other kinds
-stay batch-1 only) or a batch staged in several groups (its x would not fit at once) folds
-nothing.
+only a batched consumer folds (a ``matvec``, ``rms_qkv_rope`` or ``rms_gate_up_silu`` with
+attribute ``batch`` B equal to the step's rows, :func:`fusec.instructions.matvec_rows.seqs`;
+docs/batch.md), and only where it stages all B inputs in one group
+(:func:`fusec.instructions.matvec_rows.seq_group` == B for the staged x): its prologue then
+computes the whole ``[B, K]`` x in shared memory, each member over its rows as its generic form
+does (an RMSNorm normalises each sequence's row with that row's own sum of squares; the norm
+weight is shared), and the template (``matvec_seqs``, ``rms_qkv_rope_seqs``,
+``rms_gate_up_silu_seqs`` with ``STAGED``) skips its own staging. Its scratch is at most
+``MAX_SCRATCH_BYTES_BATCH`` less what the kind's own shared memory takes past the staging budget
+(a batched ``rms_qkv_rope``'s per-head scratch: :func:`_batch_limit`). A step of K > 1 query
+tokens, a consumer without ``batch`` (the other kinds stay batch-1 only) or a batch staged in
+several groups (its x would not fit at once) folds nothing.
 
 Expects: a graph after ``chain`` (or after ``fuse``, with chains off). Guarantees: the same
 values; each folded ``P`` is gone and its members are K's ``pre`` (K's outputs ``x`` and
@@ -67,7 +70,7 @@ from typing import NamedTuple
 
 from fusec.instructions.base import KINDS
 from fusec.instructions.chain import step_name
-from fusec.instructions.matvec_rows import batched, elt, normed, seq_group, seqs
+from fusec.instructions.matvec_rows import STAGE_BYTES, batched, elt, normed, seq_group, seqs
 from fusec.instructions.prologue import MAX_SCRATCH_BYTES, MAX_SCRATCH_BYTES_BATCH, can_member, externals, has, scratch_bytes
 from fusec.ir import Graph, Op
 
@@ -183,9 +186,9 @@ def _prologue_io(g: Graph, op: Op, pre: list[Op], x_root: str,
     (other tiles of ``op`` may have written it)."""
     ext, outs, written = _io(g, pre)
     writes = {g.root(w) for w in op.writes()}
-    if batched(op) and seq_group(seqs(op), g.tensors[op.inputs["w"]].shape[1], elt(g, x_root)) != seqs(op):
+    if batched(op) and seq_group(seqs(op), g.tensors[x_root].numel // seqs(op), elt(g, x_root)) != seqs(op):
         return None   # the batch's inputs are staged in several groups: not all at once in shared memory
-    limit = MAX_SCRATCH_BYTES_BATCH if batched(op) else MAX_SCRATCH_BYTES
+    limit = _batch_limit(g, op) if batched(op) else MAX_SCRATCH_BYTES
     if not all(can_member(m, g) for m in pre) or scratch_bytes(g, pre, ext, x_root) > limit \
             or any(g.root(t) in written for t in ext) or any(g.root(t) in written for t in inputs.values()) \
             or any(g.root(t) in writes for t in ext):
@@ -196,6 +199,15 @@ def _prologue_io(g: Graph, op: Op, pre: list[Op], x_root: str,
     for i, t in enumerate(t for t in outs if g.root(t) != x_root):
         new_outputs[f"pre_out{i}"] = t
     return new_inputs, new_outputs, outs
+
+
+def _batch_limit(g: Graph, op: Op) -> int:
+    """A batched consumer's prologue scratch at most (bytes): :data:`MAX_SCRATCH_BYTES_BATCH`,
+    less what the kind's own shared memory takes beyond the staging budget
+    (:data:`fusec.instructions.matvec_rows.STAGE_BYTES`: a batched ``rms_qkv_rope``'s heads after
+    its staged rows), so that the two stay within what a matvec's staged x and scratch take."""
+    own = 4 * KINDS[op.kind].own_smem(op, g)
+    return MAX_SCRATCH_BYTES_BATCH - max(0, own - STAGE_BYTES)
 
 
 def _drop(g: Graph, tensors: list[str]) -> None:

@@ -15,11 +15,12 @@ from fusec.fallbacks import FallbackWatch
 LENGTHS = (5, 2, 7, 3, 6, 1, 4)
 
 
-def _left_padded(model, batch: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random prompts of ``LENGTHS[:batch]`` tokens (past 7 sequences the lengths again, in
+def _left_padded(model, batch: int, gen: torch.Generator,
+                 lengths: tuple[int, ...] = LENGTHS) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random prompts of ``lengths[:batch]`` tokens (past their number the lengths again, in
     order), left-padded with token 0 to the longest, as a tokenizer with
     ``padding_side="left"`` makes them: (input_ids, attention_mask), [B, T]."""
-    lens = [LENGTHS[i % len(LENGTHS)] for i in range(batch)]
+    lens = [lengths[i % len(lengths)] for i in range(batch)]
     t = max(lens)
     ids = torch.randint(1, model.config.vocab_size, (batch, t), generator=gen)
     mask = torch.zeros(batch, t, dtype=torch.long)
@@ -41,7 +42,8 @@ def _mask4d(full: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def batch_steps_against_eager(model, batch: int, seed: int, n: int = 4, length: int = 24,
                               device: str = "cpu", options: dict | None = None,
-                              mask_dtype: torch.dtype | None = None) -> tuple[list[float], object, list]:
+                              mask_dtype: torch.dtype | None = None,
+                              lengths: tuple[int, ...] = LENGTHS) -> tuple[list[float], object, list]:
     """A batch of ``batch`` left-padded random prompts (:data:`LENGTHS`), prefilled eagerly on two
     StaticCaches of ``length`` rows, then ``n`` decode steps with random tokens, the
     cache-length ``attention_mask`` and per-sequence ``position_ids`` (as generate() passes
@@ -49,9 +51,10 @@ def batch_steps_against_eager(model, batch: int, seed: int, n: int = 4, length: 
     and eagerly: (per step the largest relative logits error over the sequences, each on its
     own, the FallbackWatch, the two caches). ``mask_dtype``: the decode steps pass the mask as
     the 4-D ``[B, 1, 1, L]`` mask SDPA reads (:func:`_mask4d`: bool, or additive float) instead
-    of the ``[B, L]`` one HF turns into it."""
+    of the ``[B, L]`` one HF turns into it. ``lengths``: the prompts' lengths (default
+    :data:`LENGTHS`)."""
     gen = torch.Generator().manual_seed(seed)
-    ids, mask = _left_padded(model, batch, gen)
+    ids, mask = _left_padded(model, batch, gen, lengths)
     ids, mask = ids.to(device), mask.to(device)
     caches = [hf_tiny.static_cache(model, length) for _ in range(2)]
     with torch.no_grad():

@@ -1,9 +1,10 @@
 """The rest of a batch-B decode layer across the SMs (docs/batch.md, issue 32).
 
-At B > 1 the RMSNorms before q/k/v and gate/up fold into the batched matvecs that read them as
-their prologue (``passes/prologue.py``: each tile computes the B normed rows in its shared
-memory, each row with its own sum of squares, and the template ``matvec_seqs`` with ``STAGED``
-skips its staging), instead of one generic op on one SM each. Checked against eager per
+At B > 1 the RMSNorms before q/k/v and gate/up are the batched fused kinds' own
+(tests/test_batch_fused.py), the final norm the batched lm_head matvec's prologue; a norm in
+front of a batched matvec folds into it as its prologue (``passes/prologue.py``: each tile
+computes the B normed rows in its shared memory, each row with its own sum of squares, and the
+template ``matvec_seqs`` with ``STAGED`` skips its staging), instead of one generic op on one SM. Checked against eager per
 sequence through ``torch.compile(model, backend="fusec")`` with default options, no fallback,
 and by NVRTC compiles of the batch kernel at Llama-3.2-1B's widths without spills."""
 from __future__ import annotations
@@ -32,12 +33,13 @@ def _normed_matvecs(g) -> list:
 
 @pytest.mark.parametrize("batch", [2, 4])
 @pytest.mark.parametrize("factory", [hf_tiny.llama, hf_tiny.qwen3])
-def test_batch_norms_are_prologues_of_the_batched_matvecs(factory, batch, steps):
+def test_batch_norms_are_in_the_fused_kinds_and_the_lm_head_prologue(factory, batch, steps):
     """A batch of left-padded prompts, 4 decode steps through ``torch.compile(backend="fusec")``
     (default options) against eager, every sequence on its own (< 1e-5 fp32), no fallback; no
     RMSNorm of the hidden state is left as an op of its own: each layer's two norms are the
-    prologues of its q/k/v and gate/up matvecs (the q/k/v's norm in each of the three, as the
-    gate/up's in both: parallel readers compute their own copy), each over the B rows."""
+    batched fused kinds' own (``rms_qkv_rope``, ``rms_gate_up_silu``: each tile norms the B rows,
+    tests/test_batch_fused.py), and the final norm is the prologue of the batched lm_head
+    matvec, over the B rows."""
     model = factory()
     errs, w, _ = batch_steps_against_eager(model, batch, 300 + 10 * batch + (factory is hf_tiny.qwen3))
     assert max(errs) < 1e-5, errs
@@ -48,31 +50,19 @@ def test_batch_norms_are_prologues_of_the_batched_matvecs(factory, batch, steps)
     for s in steps:
         g = s.schedule.graph
         assert g.batch() == batch
-        # the final norm is the lm_head's prologue too; the first layer's q/k/v norm is in the
-        # ``embedding > rmsnorm`` chain in front of the layers (the embedding gather is no
-        # prologue member, so that chain does not fold: it is one level either way)
-        normed = _normed_matvecs(g)
-        assert len(normed) == 5 * layers + 1 - 3, [o.name for o in normed]
-        for o in normed:
-            assert g.tensors[xin(o)].numel == batch * hidden
+        normed = _normed_matvecs(g)   # the lm_head
+        assert len(normed) == 1 and g.tensors[xin(normed[0])].numel == batch * hidden, [o.name for o in normed]
+        fused = [o for o in g.ops if o.kind in ("rms_qkv_rope", "rms_gate_up_silu")]
+        assert len(fused) == 2 * layers and all(o.attrs["batch"] == batch and "norm_w" in o.inputs for o in fused)
         # the hidden state's norms are gone as ops of their own (Qwen3's q/k norms over the heads
-        # stay: they are over head_dim, in front of the RoPE)
-        top = [o for o in g.ops if o.kind == "rmsnorm" and g.tensors[o.inputs["w"]].numel == hidden]
+        # are the rms_qkv_rope's per-head norms)
+        top = [o for o in g.ops if o.kind == "rmsnorm"]
         assert not top, [o.name for o in top]
-        # layer 0 as tools/layer_ops.py lists it (the tiny models have 2 layers: layer 0 runs its
-        # gate/up and the next layer's q/k/v, all five with the norm as their prologue)
+        # layer 0 as tools/layer_ops.py lists it (docs/batch.md, "What stays one tile"): only the
+        # cache counter's table_lookup is left of one tile
         rows = layer_ops.layer_rows(s.schedule, 0)
         assert "rmsnorm" not in [k for k, _, _ in rows]
-        assert sum(w == "rmsnorm" for _, _, w in rows) == 5
-        # what is left of one tile (docs/batch.md, "What stays one tile"): the q RoPE (Qwen3: its
-        # q-norm > RoPE chain), the cache counter's table_lookup, the k RoPE > KV write chain, the
-        # v KV write, and at these tiny widths the SiLU product (below the range split's
-        # 2 * RANGE_CHUNK elements; at published widths it is range tiles)
-        one = sorted((k, w) for k, n, w in rows if n == 1)
-        q_rope = ("chain", "rmsnorm > rope") if factory is hf_tiny.qwen3 else ("rope", "")
-        k_rope = "rmsnorm > rope > kv_write" if factory is hf_tiny.qwen3 else "rope > kv_write"
-        assert one == sorted([q_rope, ("table_lookup", ""), ("chain", k_rope), ("kv_write", ""),
-                              ("silu_mul", "")]), one
+        assert [(k, w) for k, n, w in rows if n == 1] == [("table_lookup", "")], rows
 
 
 def test_batch_prologue_folds_into_the_matvecs_of_query_tokens(steps):
@@ -97,6 +87,7 @@ def test_batch_prologue_folds_into_the_matvecs_of_query_tokens(steps):
     assert len(_normed_matvecs(g)) == 5 * layers + 1 - 3
     assert all(o.attrs["batch"] == 4 for o in _normed_matvecs(g))
     assert not any(o.kind == "rmsnorm" for o in g.ops)   # none on its own (the chain's is a member)
+    assert not {"rms_qkv_rope", "rms_gate_up_silu"} & set(g.count_kinds())   # nor do the fused kinds take K rows
 
 
 def _norm_qkv_graph(batch: int, dtype: torch.dtype):

@@ -31,9 +31,10 @@ def _tiles_per_op(step) -> dict[str, int]:
 @pytest.mark.parametrize("factory", [hf_tiny.llama, hf_tiny.qwen3])
 def test_batch_linears_are_batched_matvec_tiles(factory, batch, steps):
     """A batch of left-padded prompts, 4 decode steps through ``torch.compile(backend="fusec")``
-    against eager (every sequence on its own), no fallback; every linear of the step (q/k/v,
-    o_proj and down_proj with their residual add, gate/up, the lm_head) is a batched matvec op
-    spread over many SMs, none a generic ``linear``."""
+    against eager (every sequence on its own), no fallback; every linear of the step is a batched
+    op spread over many SMs, none a generic ``linear``: o_proj and down_proj with their residual
+    add and the lm_head batched matvecs, q/k/v and gate/up the batched fused kinds
+    (``rms_qkv_rope``, ``rms_gate_up_silu``: tests/test_batch_fused.py)."""
     model = factory()
     errs, w, _ = batch_steps_against_eager(model, batch, 100 + 10 * batch + (factory is hf_tiny.qwen3))
     assert max(errs) < 1e-5, errs
@@ -46,10 +47,13 @@ def test_batch_linears_are_batched_matvec_tiles(factory, batch, steps):
         kinds = g.count_kinds()
         assert "linear" not in kinds and "aten.mm.default" not in kinds
         layers = cfg.num_hidden_layers
-        # per layer: o_proj and down_proj take the residual add; q, k, v, gate, up; the lm_head
-        assert kinds["matvec_residual"] == 2 * layers and kinds["matvec"] == 5 * layers + 1
+        # per layer: o_proj and down_proj take the residual add; q/k/v and gate/up fused; the lm_head
+        assert kinds["matvec_residual"] == 2 * layers and kinds["matvec"] == 1
+        assert kinds["rms_qkv_rope"] == kinds["rms_gate_up_silu"] == layers
         tiles = _tiles_per_op(s)
         for o in g.ops:
+            if o.kind in ("rms_qkv_rope", "rms_gate_up_silu"):
+                assert o.attrs["batch"] == batch and tiles[o.name] >= 8, (o.name, tiles[o.name])
             if o.kind in BATCHED:
                 assert o.attrs["batch"] == batch
                 # x, or the folded prologue's result (the norm before q/k/v and gate/up: B rows)
@@ -63,16 +67,18 @@ def test_batch_linears_are_batched_matvec_tiles(factory, batch, steps):
 
 
 def test_batch_step_folds_prologues_into_the_batched_matvecs(steps):
-    """OLMo-2's post-norm and residual add before its MLP fold into the matvec that reads them at
-    batch 1; at B = 2 they fold too, into the batched matvecs (the prologue computes the B rows,
-    each normed on its own: docs/batch.md): eager's logits, no fallback."""
+    """OLMo-2's post-norm and residual add before its MLP fold into the op that reads them at
+    batch 1; at B = 2 they fold too, into the batched matvecs and the batched ``rms_gate_up_silu``
+    of its MLP (the prologue computes the B rows, each normed on its own: docs/batch.md): eager's
+    logits, no fallback."""
     errs, w, _ = batch_steps_against_eager(hf_tiny.olmo2(), 2, 5, n=2)
     assert max(errs) < 1e-5, errs
     assert not w.fallbacks and w.compiled, w.fallbacks
     for s in steps:
         g = s.schedule.graph
         pre = [o for o in g.ops if "pre" in o.attrs]
-        assert pre and all(o.kind == "matvec" and o.attrs.get("batch") == 2 for o in pre)
+        assert pre and all(o.kind in ("matvec", "rms_gate_up_silu") and o.attrs.get("batch") == 2 for o in pre)
+        assert any(o.kind == "matvec" for o in pre)
 
 
 @pytest.mark.parametrize("factory", [hf_tiny.phi2, hf_tiny.falcon])

@@ -115,6 +115,21 @@ def batch_rows(g: Graph, m: dict) -> int:
     return n // k
 
 
+def fused_batch(g: Graph, x: str, k: int, elt_bytes: int) -> int:
+    """For the rules of the fused RMSNorm kinds at B > 1 (``rms_qkv_rope``, ``rms_gate_up_silu``:
+    docs/batch.md): the sequences B their op computes over ``x``, rows of ``k`` elements staged
+    as ``elt_bytes`` each: 1 in a batch-1 step (x of ``k`` elements); the step's batch B where x
+    is ``[B, k]``, B <= :data:`MAX_SEQS`, and all B rows are staged at once (:func:`seq_group`
+    is B: these kinds stage one group); 0 otherwise (a step of K > 1 query tokens, rows that do
+    not fit: the subgraph stays batched matvecs and generic ops)."""
+    n, b = g.tensors[x].numel, g.batch()
+    if g.query_tokens() != 1 or n != b * k:
+        return 0
+    if b == 1:
+        return 1
+    return b if b <= MAX_SEQS and seq_group(b, k, elt_bytes) == b else 0
+
+
 def batch_attrs(g: Graph, m: dict) -> dict:
     """A rule's attributes of a row-tiled matvec op: ``batch`` B where x has B > 1 rows (none at
     batch 1: the op is the one of before)."""
@@ -229,8 +244,8 @@ def rms_types(w: str, out: str = "out") -> tuple:
             Type("tw", w), Type("to", out))
 
 
-#: H: the hidden size (elements of x)
-HIDDEN = Int("H", lambda op, g: g.tensors[prologue.xin(op)].numel)
+#: H: the hidden size (elements of x; of one sequence's row in a batched op, :func:`seqs`)
+HIDDEN = Int("H", lambda op, g: g.tensors[prologue.xin(op)].numel // seqs(op))
 
 
 #: WF32: the norm weight applied in fp32 (Gemma); C++ default false
@@ -248,7 +263,12 @@ NORM = Flag("norm", fn=normed, default="true")
 
 
 def rms_prologue(op: Op, env: Env):
-    """RMSNorm of ``op.inputs["x"]`` with ``norm_w``/``eps``, recomputed per tile; fp32 [H]."""
+    """RMSNorm of ``op.inputs["x"]`` with ``norm_w``/``eps``, recomputed per tile; fp32 [H]
+    (a batched op's B rows each with its own sum of squares, flat [B * H])."""
+    if batched(op):
+        x = env.read(op.inputs["x"]).reshape(seqs(op), -1)
+        return rms_normalize(x, env.read(op.inputs["norm_w"]), op.attrs["eps"], op.attrs["norm_dtype"],
+                             op.attrs.get("w_fp32", False)).float().reshape(-1)
     x = env.read(op.inputs["x"]).reshape(-1)
     return rms_normalize(x, env.read(op.inputs["norm_w"]), op.attrs["eps"], op.attrs["norm_dtype"],
                          op.attrs.get("w_fp32", False)).float()

@@ -54,7 +54,8 @@ from fusec.instructions.call import Flag
 MAX_ELEMS = 16384
 #: shared memory the members' intermediates take per CTA at most (bytes)
 MAX_SCRATCH_BYTES = 64 * 1024
-#: the same for a batched consumer (a ``matvec`` of B sequences, docs/batch.md), whose members run
+#: the same for a batched consumer (a ``matvec``, ``rms_qkv_rope`` or ``rms_gate_up_silu`` of B
+#: sequences, docs/batch.md), whose members run
 #: over B rows: next to its staged x (at most ``matvec_rows.STAGE_BYTES``, 128 KiB) it stays under
 #: the 227 KiB of an sm_90 CTA
 MAX_SCRATCH_BYTES_BATCH = 96 * 1024

@@ -12,7 +12,7 @@ import torch
 
 from fusec.ir import Graph, Op
 from fusec.ir.pieces import ALIGN, Rows, piece_of
-from fusec.instructions.matvec_rows import rms_attrs
+from fusec.instructions.matvec_rows import MAX_SEQS, fused_batch, rms_attrs
 from fusec.instructions.rule import Ctx, Fusion
 
 
@@ -74,6 +74,35 @@ def _rows_view(g: Graph, base: str, rows: Rows, d: int, ws: int) -> str:
                         offset=rows.start * per_row)
 
 
+def _seq_cos_sin(g: Graph, rope_q: Op, rope_k: Op, batch: int) -> tuple[str, str] | None:
+    """At B > 1: the cos and sin that both ropes read when they are the step's own rows, one per
+    sequence (``[B, .., rd]``: HF's rotary embedding of ``position_ids`` [B, 1], which
+    ``fold_position`` does not table: docs/batch.md), as ``(cos, sin)``; None where q and k read
+    different ones, or they are not ``batch`` contiguous rows of static size."""
+    got = []
+    for s in ("cos", "sin"):
+        t = rope_q.inputs[s]
+        info = g.tensors[t]
+        if g.span(t) != g.span(rope_k.inputs[s]) or info.sym or g.tensors[g.root(t)].sym \
+                or not info.shape or info.shape[0] != batch or info.numel % batch:
+            return None
+        got.append(t)
+    cos, sin = got
+    if g.tensors[cos].dtype != g.tensors[sin].dtype or g.tensors[cos].numel != g.tensors[sin].numel:
+        return None
+    return cos, sin
+
+
+def _batch_ok(g: Graph, lin_q: Op, rms: Op | None, wk: Op, batch: int) -> bool:
+    """At B > 1: the caches are written at one row for all sequences (HF's StaticCache: one
+    ``cache_position``), x is the B sequences' rows ``[B, H]`` and all B of them fit the
+    staging budget at once in the dtype the kind stages (the norm's output, or x's own):
+    :func:`fusec.instructions.matvec_rows.fused_batch`."""
+    h = g.tensors[lin_q.inputs["w"]].shape[1]
+    staged = g.tensors[rms.outputs["out"]].dtype if rms is not None else g.tensors[lin_q.inputs["x"]].dtype
+    return g.tensors[wk.inputs["pos"]].numel == 1 and fused_batch(g, lin_q.inputs["x"], h, staged.itemsize) == batch
+
+
 def match_qkv(c: Ctx, att: Op) -> Fusion | None:
     """At an ``attention``: its q is ``rope(linear(...))``, its k/v caches' last ``kv_write``s
     before it (one position) write ``rope(linear(...))`` and ``linear(...)`` (or, for all three,
@@ -86,7 +115,17 @@ def match_qkv(c: Ctx, att: Op) -> Fusion | None:
     OLMo-2), with biases on all three or none, and q and k rotated by the same cos/sin
     ``table_lookup``s, over the same first ``rotary_dim`` values of each head (partial rotary, no
     per-head norm then) or all of them. Procedural: the caches are found by program order, and
-    the optional parts make several shapes of one subgraph."""
+    the optional parts make several shapes of one subgraph.
+
+    In a step of B > 1 sequences of one query token each (at most
+    :data:`fusec.instructions.matvec_rows.MAX_SEQS`; docs/batch.md) the op gets attribute
+    ``batch`` B: x is ``[B, H]``, the caches ``[B, Hkv, L, D]`` written at one shared row, and the
+    cos/sin either the tables at one position (the step's positions one counter) or the step's
+    own rows per sequence (:func:`_seq_cos_sin`: inputs ``cos_table``/``sin_table`` [B, rd] and
+    no ``rope_pos``). Refused at B > 1 (the layer stays batched matvecs and generic ops): q/k
+    norms over the whole projection (OLMo-2), a step of K > 1 query tokens, a batch whose
+    staged x does not fit one group (:func:`_batch_ok`). A per-head norm at B > 1 takes whole
+    heads per tile (no ``qk_part``: heads are not split into pieces with tickets)."""
     g = c.g
     rope_q = c.prod(att.inputs["q"], "rope")
     kw = [o for o in g.ops[: g.ops.index(att)] if o.kind == "kv_write"]
@@ -134,9 +173,19 @@ def match_qkv(c: Ctx, att: Op) -> Fusion | None:
         if g.tensors[lins["q"].inputs["x"]].sym or g.tensors[x_root].sym \
                 or any(g.root(o.outputs[s]) == x_root for o in g.ops for s in o.mutates):
             return None
+    batch = g.batch()
+    if g.query_tokens() != 1 or not 1 <= batch <= MAX_SEQS:
+        return None
     cos_k, sin_k = (c.prod(rope_k.inputs[s], "table_lookup") for s in ("cos", "sin"))
     cos_q, sin_q = (c.prod(rope_q.inputs[s], "table_lookup") for s in ("cos", "sin"))
-    if None in (cos_k, sin_k, cos_q, sin_q) or cos_k is not cos_q or sin_k is not sin_q \
+    # at B > 1 the cos/sin may be the step's own [B, .., rd] rows (positions per sequence, which
+    # fold_position does not table): both ropes read the same ones (None: the tables)
+    seq_cs = None
+    if batch > 1 and None in (cos_k, sin_k, cos_q, sin_q):
+        seq_cs = _seq_cos_sin(g, rope_q, rope_k, batch)
+        if seq_cs is None:
+            return None
+    elif None in (cos_k, sin_k, cos_q, sin_q) or cos_k is not cos_q or sin_k is not sin_q \
             or cos_q.inputs["pos"] != sin_q.inputs["pos"]:
         return None
     kc = g.tensors[g.root(wk.outputs["cache"])]
@@ -144,7 +193,9 @@ def match_qkv(c: Ctx, att: Op) -> Fusion | None:
     n_rows = {h: rows[h].size if rows[h] is not None else g.tensors[lins[h].inputs["w"]].shape[0] for h in "qkv"}
     nq = n_rows["q"] // d
     nkv = kc.shape[1]
-    if kc.shape[0] != 1 or n_rows["k"] != nkv * d or nq % nkv or (all(fused) and n_rows["v"] != nkv * d):
+    if kc.shape[0] != batch or n_rows["k"] != nkv * d or nq % nkv or (all(fused) and n_rows["v"] != nkv * d):
+        return None
+    if batch > 1 and not _batch_ok(g, lins["q"], rms, wk, batch):
         return None
     ws = _head_stride(g, lins["q"], rows, d) if all(fused) else d
     if ws is None:
@@ -161,15 +212,17 @@ def match_qkv(c: Ctx, att: Op) -> Fusion | None:
                    for hn in norms.values()):
             whole = all(g.tensors[hn.inputs["w"]].numel == g.tensors[hn.inputs["x"]].shape[-1]
                         == g.tensors[hn.inputs["x"]].numel == n * d for hn, n in ((qn, nq), (kn, nkv)))
-            if not whole:
+            if not whole or batch > 1:   # a norm over the whole projection: batch 1 only
                 return None
     # q and k rotate the same first rd values of each head (partial rotary: rd < D, not with a
     # per-head norm), over the full head as the rope reads it, with tables rd wide
     rd = rope_q.attrs.get("rotary_dim", d)
-    table = g.tensors[cos_q.inputs["table"]]
+    cos_t, sin_t = seq_cs if seq_cs is not None else (cos_q.inputs["table"], sin_q.inputs["table"])
+    table = g.tensors[cos_t]
     if rope_k.attrs.get("rotary_dim", d) != rd or not (0 < rd <= d and rd % 2 == 0) or (rd < d and norms) \
             or any(g.tensors[r.inputs["x"]].shape[-1] != d for r in (rope_q, rope_k)) \
-            or table.numel != table.shape[0] * rd or g.tensors[sin_q.inputs["table"]].numel != table.numel:
+            or table.numel != table.shape[0] * rd or g.tensors[sin_t].numel != table.numel \
+            or (seq_cs is not None and table.numel != batch * rd):
         return None
 
     def build() -> list[Op]:
@@ -180,9 +233,10 @@ def match_qkv(c: Ctx, att: Op) -> Fusion | None:
         else:
             w_of = {h: lins[h].inputs["w"] for h in "qkv"}
             b_of = {h: lins[h].inputs["b"] for h in "qkv" if "b" in lins[h].inputs}
-        ins.update({"wq": w_of["q"], "wk": w_of["k"], "wv": w_of["v"],
-                    "cos_table": cos_q.inputs["table"], "sin_table": sin_q.inputs["table"],
-                    "rope_pos": cos_q.inputs["pos"], "kv_pos": wk.inputs["pos"]})
+        ins.update({"wq": w_of["q"], "wk": w_of["k"], "wv": w_of["v"], "cos_table": cos_t, "sin_table": sin_t})
+        if seq_cs is None:   # one position for every sequence: the tables' row at it
+            ins["rope_pos"] = cos_q.inputs["pos"]
+        ins["kv_pos"] = wk.inputs["pos"]
         # without an rmsnorm: x as the linears read it, staged in its own dtype (TN = TX)
         norm = {**rms_attrs(g, rms), "w_fp32": rms.attrs.get("w_fp32", False)} if rms is not None else \
             {"norm": False, "norm_dtype": g.tensors[ins["x"]].dtype, "w_fp32": False}
@@ -193,6 +247,8 @@ def match_qkv(c: Ctx, att: Op) -> Fusion | None:
             ins["bq"], ins["bk"], ins["bv"] = (b_of[h] for h in "qkv")
         if ws != d:
             attrs["w_stride"] = ws
+        if batch > 1:
+            attrs["batch"] = batch
         outs = {"q": rope_q.outputs["out"], "kcache": wk.outputs["cache"], "vcache": wv.outputs["cache"]}
         name = g.fresh_name("rms_qkv_rope")
         if norms:
@@ -202,7 +258,9 @@ def match_qkv(c: Ctx, att: Op) -> Fusion | None:
                 attrs["qk_norm"] = "proj"
             attrs["qk_w_fp32"] = bool(norms["q"].attrs.get("w_fp32", False))
             # the q and k heads' projections before their norm, when a head is split over tiles
-            outs["qk_part"] = g.new_tensor(f"{name}_qk_part", (nq + nkv, d), torch.float32)
+            # (batch 1 only: at B > 1 a tile holds whole heads)
+            if batch == 1:
+                outs["qk_part"] = g.new_tensor(f"{name}_qk_part", (nq + nkv, d), torch.float32)
         return [Op(name, "rms_qkv_rope", ins, outs, attrs=attrs, mutates=("kcache", "vcache"),
                    source=rope_q.source)]
 

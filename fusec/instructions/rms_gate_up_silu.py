@@ -7,7 +7,11 @@ the norm may be Gemma's (attr ``w_fp32``, :func:`fusec.ir.semantics.rms_normaliz
 the norm (attr ``norm`` False: no ``norm_w``, no ``eps``) the rows read x itself: the MLP of a
 post-norm block (HF ``Olmo2DecoderLayer``: its MLP reads the residual stream), or of one whose
 norm no fused kind takes (a LayerNorm's output, a norm shared with the attention's projections).
-Shapes: x [H], norm_w [H], Wg/Wu [F, H], out [F].
+Shapes: x [H], norm_w [H], Wg/Wu [F, H], out [F]. In a step of a batch of B <= 16 sequences
+of one query token each (docs/batch.md; attribute ``batch``, set by the rules where all B rows
+fit shared memory at once: :func:`fusec.instructions.matvec_rows.fused_batch`) x [B, H] and out
+[B, F]: template ``rms_gate_up_silu_seqs`` (templates/rms_gate_up_silu_seqs.cu.j2), each gate and
+up row loaded once for the B sequences, each row its own RMSNorm.
 """
 from __future__ import annotations
 
@@ -18,7 +22,8 @@ from fusec.ir import Graph, Op, Role
 from fusec.ir.pattern import ABSENT, sem, var
 from fusec.instructions.base import Instruction, Tile, register
 from fusec.instructions.call import P0, P1, RED, SMEM, Call, Expr, Float, Int, Ptr, Type
-from fusec.instructions.matvec_rows import HIDDEN, NORM, WF32, normed, rms_attrs, row_tiles, staged
+from fusec.instructions.matvec_rows import (HIDDEN, MAX_SEQS, NORM, WF32, batched, fused_batch, normed, rms_attrs,
+                                            row_tiles, seqs, staged)
 from fusec.instructions.prologue import STAGED, TakesPrologue, adjust_tiles, vec_inputs, xin
 from fusec.instructions.rule import Rule
 
@@ -30,6 +35,17 @@ _GLU = ("silu_mul", "gelu_mul")
 _NORMED = sem("rmsnorm", "rms", x=var("x"), w=var("norm_w"))
 
 
+def _normed_batch(g: Graph, m: dict) -> int:
+    """The normed form's sequences (:func:`fusec.instructions.matvec_rows.fused_batch`: 1 at
+    batch 1, B where the B normed rows fit shared memory at once, 0 otherwise)."""
+    return fused_batch(g, m["x"], g.tensors[m["wg"]].shape[-1], g.tensors[m["rms"].outputs["out"]].dtype.itemsize)
+
+
+def _batch(b: int) -> dict:
+    """The op's attribute ``batch`` at B > 1 (none at batch 1: the op of before)."""
+    return {"batch": b} if b > 1 else {}
+
+
 def _plain_ok(g: Graph, m: dict) -> bool:
     """The plain form's limits: gate and up read one vector (one root buffer: each linear reads
     its own view of it) that no op writes in place (the fused op reads it where the product
@@ -39,7 +55,8 @@ def _plain_ok(g: Graph, m: dict) -> bool:
     x, wg, wu = g.tensors[m["x"]], g.tensors[m["wg"]], g.tensors[m["wu"]]
     if g.root(m["x"]) != g.root(m["x_up"]) or len(wg.shape) != 2 or wg.shape != wu.shape or wg.dtype != wu.dtype:
         return False
-    if x.numel != wg.shape[1] or any(g.tensors[g.root(w)].role != Role.WEIGHT for w in (m["wg"], m["wu"])):
+    if len(wg.shape) != 2 or not fused_batch(g, m["x"], wg.shape[1], x.dtype.itemsize) \
+            or any(g.tensors[g.root(w)].role != Role.WEIGHT for w in (m["wg"], m["wu"])):
         return False
     out = g.tensors[m["_anchor"].outputs["out"]].dtype
     if g.tensors[m["gate"]].dtype != out or g.tensors[m["up"]].dtype != out:
@@ -60,19 +77,23 @@ def _staged(op: Op, g: Graph, bufs) -> str:
 @register
 class RmsGateUpSilu(TakesPrologue, Instruction):
     name = "rms_gate_up_silu"
+    #: B <= 16 sequences of one query token (attribute ``batch``: docs/batch.md)
+    max_rows = MAX_SEQS
     #: RMSNorm -> gate and up linears (no bias, one input) -> SiLU or GELU product (30); the
     #: same without the norm (35: a normed input keeps its norm in the op; a pair that reads a
     #: norm whose output is read elsewhere too takes the normed vector as x)
     rules = (Rule(sem(_GLU, gate=sem("linear", x=_NORMED, w=var("wg"), b=ABSENT),
                       up=sem("linear", x=_NORMED, w=var("wu"), b=ABSENT)),
                   inputs={"x": "x", "norm_w": "norm_w", "wg": "wg", "wu": "wu"}, outputs={"out": "_anchor.out"},
+                  check=lambda g, m: _normed_batch(g, m) > 0,
                   attrs=lambda g, m: {**rms_attrs(g, m["rms"]), "act": m["_anchor"].attrs.get("act", "silu"),
-                                      "w_fp32": m["rms"].attrs.get("w_fp32", False)},
+                                      "w_fp32": m["rms"].attrs.get("w_fp32", False), **_batch(_normed_batch(g, m))},
                   priority=30),
              Rule(sem(_GLU, gate=sem("linear", bind="gate", x=var("x"), w=var("wg"), b=ABSENT),
                       up=sem("linear", bind="up", x=var("x_up"), w=var("wu"), b=ABSENT)),
                   inputs={"x": "x", "wg": "wg", "wu": "wu"}, outputs={"out": "_anchor.out"},
-                  attrs=lambda g, m: {"act": m["_anchor"].attrs.get("act", "silu"), "norm": False},
+                  attrs=lambda g, m: {"act": m["_anchor"].attrs.get("act", "silu"), "norm": False,
+                                      **_batch(g.batch())},
                   check=_plain_ok, priority=35))
 
     @classmethod
@@ -83,9 +104,12 @@ class RmsGateUpSilu(TakesPrologue, Instruction):
                                              op.outputs["out"], rows))
 
     #: without the norm: TNW float, TN = TX, norm_w nullptr, eps 0 (unused), NORM false
-    call = Call("rms_gate_up_silu",
+    #: a batch: ``rms_gate_up_silu_seqs`` with F (the rows) and B after H
+    call = Call(lambda op: "rms_gate_up_silu_seqs" if batched(op) else "rms_gate_up_silu",
                 targs=(Type("tx", "x"), Type("tnw", "norm_w", otherwise="float"), Expr("tn", _staged),
-                       Type("tw", "wg"), Type("to", "out"), HIDDEN, WF32,
+                       Type("tw", "wg"), Type("to", "out"), HIDDEN,
+                       Int("F", lambda op, g: g.tensors[op.inputs["wg"]].shape[0], when=batched),
+                       Int("B", lambda op, g: seqs(op), when=batched), WF32,
                        Int("act", lambda op, g: ACTS.index(op.attrs.get("act", "silu")), default=0),
                        NORM, STAGED),
                 args=(Ptr("x"), Ptr("norm_w"), Float("eps", "eps", fallback=0.0), Ptr("wg"), Ptr("wu"), Ptr("out"),
@@ -94,7 +118,19 @@ class RmsGateUpSilu(TakesPrologue, Instruction):
 
     @classmethod
     def own_smem(cls, op: Op, g: Graph) -> int:
+        """Floats: x's elements at batch 1; a batch's staged ``[B, H]`` in its dtype (the norm's
+        output, or x's own), rounded up to 16 bytes."""
+        if batched(op):
+            e = (op.attrs["norm_dtype"] if normed(op) else g.tensors[xin(op)].dtype).itemsize   # TN (_staged)
+            return -(-g.tensors[xin(op)].numel * e // 16) * 4
         return g.tensors[xin(op)].numel
+
+    @classmethod
+    def cuda_args(cls, op: Op, g: Graph, bufs) -> dict:
+        args = super().cuda_args(op, g, bufs)
+        if batched(op):   # the batched dot (matvec_seqs, seqs_rows) and the kind's batch template
+            args["uses"] = ("matvec_seqs", "seqs_rows", "rms_gate_up_silu_seqs")
+        return args
 
     @classmethod
     def run_tile(cls, op: Op, tile: Tile, env: Env) -> None:
@@ -104,6 +140,8 @@ class RmsGateUpSilu(TakesPrologue, Instruction):
         r0, r1 = tile.params["rows"]
         dt = env.g.tensors[op.outputs["out"]].dtype
         n = staged(op, env, normed(op))
+        if batched(op):
+            return cls._run_seqs(op, env, n.view(seqs(op), -1), r0, r1, dt)
         gate = (env.read(op.inputs["wg"])[r0:r1].float() @ n).to(dt).float()
         up = (env.read(op.inputs["wu"])[r0:r1].float() @ n).to(dt).float()
         act = op.attrs.get("act", "silu")
@@ -112,3 +150,16 @@ class RmsGateUpSilu(TakesPrologue, Instruction):
         else:   # GELU is its own op in PyTorch: rounded before the product
             a = torch.nn.functional.gelu(gate, approximate="tanh" if act == "gelu_tanh" else "none").to(dt).float()
         env.flat(op.outputs["out"])[r0:r1] = (a * up).to(dt)
+
+    @classmethod
+    def _run_seqs(cls, op: Op, env: Env, n: torch.Tensor, r0: int, r1: int, dt: torch.dtype) -> None:
+        """A batched op's rows ``[r0, r1)`` for each sequence: n [B, H] its staged rows (fp32);
+        the same roundings as at batch 1, per sequence; out [B, F] at those rows."""
+        gate = (n @ env.read(op.inputs["wg"])[r0:r1].float().T).to(dt).float()
+        up = (n @ env.read(op.inputs["wu"])[r0:r1].float().T).to(dt).float()
+        act = op.attrs.get("act", "silu")
+        if act == "silu":
+            a = torch.nn.functional.silu(gate)
+        else:
+            a = torch.nn.functional.gelu(gate, approximate="tanh" if act == "gelu_tanh" else "none").to(dt).float()
+        env.flat(op.outputs["out"]).view(seqs(op), -1)[:, r0:r1] = (a * up).to(dt)

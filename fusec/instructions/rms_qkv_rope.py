@@ -58,6 +58,17 @@ rounded to the model dtype where PyTorch rounds (after the norm, after each proj
 RoPE). The caches' rows L may be a run-time length (:attr:`fusec.ir.TensorInfo.sym`): the
 template takes it as an argument (:meth:`fusec.cuda.codegen.Buffers.length`) for the row's
 address and its check; the tables keep the capacity's rows.
+
+A batch of B <= 16 sequences of one query token each (docs/batch.md; attribute ``batch``, set by
+the matcher: :func:`fusec.instructions.qkv_match.match_qkv`): x [B, H], q [B, Hq*D], caches
+[B, Hkv, L, D] written at the one row ``kv_pos`` (HF's StaticCache: one cache position for every
+sequence), cos/sin either the tables at ``rope_pos`` (shared) or, with no ``rope_pos``
+(:func:`seq_rope`), the step's own rows [B, rd], sequence s reading row s (its own position:
+left-padded prompts). The tiles are batch 1's units; each weight row is loaded once for the B
+sequences (template ``rms_qkv_rope_seqs``, templates/rms_qkv_rope_seqs.cu.j2, its dot
+``rows_dot_seqs`` of templates/seqs_rows.cu.j2), each sequence's RMSNorm its own. Batch 1 only:
+the head split into pieces with tickets (a per-head norm takes whole heads at B > 1) and the
+q/k norms over the whole projection (refused by the matcher).
 """
 from __future__ import annotations
 
@@ -69,7 +80,7 @@ from fusec.ir import Graph, Op
 from fusec.ir.semantics import rms_normalize
 from fusec.instructions.base import Instruction, Region, Tile, register, split_range
 from fusec.instructions.call import P0, P1, P2, RED, SMEM, Call, Expr, Flag, Float, Int, Ptr, Type
-from fusec.instructions.matvec_rows import HIDDEN, NORM, WF32, elt, normed, rms_types, staged
+from fusec.instructions.matvec_rows import HIDDEN, MAX_SEQS, NORM, WF32, batched, elt, normed, rms_types, seqs, staged
 from fusec.instructions.prologue import STAGED, TakesPrologue, adjust_tiles, externals, has, xin
 from fusec.instructions.qkv_match import match_qkv
 from fusec.instructions.rule import Rule
@@ -118,9 +129,25 @@ def pair_rows(d: int, rd: int, p0: int, p1: int) -> list[tuple[int, int]]:
     return out
 
 
+def seq_rope(op: Op) -> bool:
+    """Whether a batched op's cos/sin are the step's rows, one per sequence (inputs
+    ``cos_table``/``sin_table`` [B, rd], no ``rope_pos``), not tables at one position."""
+    return "rope_pos" not in op.inputs
+
+
+def staged_floats(op: Op, g: Graph) -> int:
+    """A batched op's staged x, ``[B, H]`` in the staged dtype (the norm's output or x's own:
+    attribute ``norm_dtype``), in floats rounded up to 16 bytes: where the head scratch starts
+    (templates/rms_qkv_rope_seqs.cu.j2)."""
+    nbytes = g.tensors[xin(op)].numel * op.attrs["norm_dtype"].itemsize
+    return -(-nbytes // 16) * 4
+
+
 @register
 class RmsQkvRope(TakesPrologue, Instruction):
     name = "rms_qkv_rope"
+    #: B <= 16 sequences of one query token (attribute ``batch``: docs/batch.md)
+    max_rows = MAX_SEQS
     #: first of all rules: it needs the ``attention`` op (to find the q and the caches) unsplit
     rules = (Rule(match=match_qkv, anchors=("attention",), priority=10),)
 
@@ -180,6 +207,7 @@ class RmsQkvRope(TakesPrologue, Instruction):
             vec = externals(op) + vec
         pieces = cls._pieces(op, g, want)
         proj = proj_norm(op)
+        nseq = seqs(op)   # a batch: each sequence's q rows and cache rows (docs/batch.md)
         ranges = cls._ranges(op, g, want)
         n_qk = sum(1 for u0, _ in ranges if u0 < (nq + nkv) * half)   # proj: the tiles that take the ticket
         vec_bytes = sum(g.tensors[v].nbytes for v in vec if g.tensors[g.root(v)].role.value != "constant")
@@ -198,18 +226,19 @@ class RmsQkvRope(TakesPrologue, Instruction):
                     if piece:
                         writes.append(Region.of(g, op.outputs["qk_part"], h * d + a, h * d + b))
                     elif out == "q":
-                        writes.append(Region.of(g, op.outputs["q"], row * d + a, row * d + b))
+                        writes += [Region.of(g, op.outputs["q"], (s * nq + row) * d + a, (s * nq + row) * d + b)
+                                   for s in range(nseq)]
                 if piece and not proj:   # the head's last piece reads all its pre-norm values
                     reads.append(Region.of(g, op.outputs["qk_part"], h * d, (h + 1) * d))
                 if (piece and not proj) or (not piece and out != "q"):   # the whole head (or its cache rows)
-                    writes.append(cls._head_out(op, g, h))
+                    writes += [cls._head_out(op, g, h, s=s) for s in range(nseq)]
             qk = proj and u0 < (nq + nkv) * half
             if qk:   # the last q/k tile reads every pre-norm value and writes all of q and of k
                 reads.append(Region.whole(g, op.outputs["qk_part"]))
                 writes += [Region.whole(g, op.outputs["q"]), Region.whole(g, op.outputs["kcache"])]
             abytes = vec_bytes + (2 * (u1 - u0) * 4 + ((nq + nkv) * d * (4 + elt(g, xin(op)))) // n_qk if qk
                                   else 2 * (u1 - u0) * 4 + (d * 4 + d * elt(g, xin(op))) // pieces if split
-                                  else 2 * (u1 - u0) * 2 * elt(g, xin(op)))
+                                  else nseq * 2 * (u1 - u0) * 2 * elt(g, xin(op)))
             params = {"units": [u0, u1], "pieces": pieces}
             if proj:
                 params["qk_tiles"] = n_qk
@@ -217,16 +246,17 @@ class RmsQkvRope(TakesPrologue, Instruction):
         return adjust_tiles(op, g, tiles)
 
     @classmethod
-    def _head_out(cls, op: Op, g: Graph, h: int, pos: int | None = None, L: int | None = None) -> Region:
-        """Where q/k/v head ``h`` goes: its q rows, or its KV head's cache row at position ``pos``
-        (None: every position, as planned, since the row depends on the run-time position) of a
-        cache of ``L`` rows (None: the graph's)."""
+    def _head_out(cls, op: Op, g: Graph, h: int, pos: int | None = None, L: int | None = None,
+                  s: int = 0) -> Region:
+        """Where q/k/v head ``h`` of sequence ``s`` (0 at batch 1) goes: its q rows, or its KV
+        head's cache row at position ``pos`` (None: every position, as planned, since the row
+        depends on the run-time position) of a cache of ``L`` rows (None: the graph's)."""
         nq, nkv, d, L_g = cls._layout(op, g)
         L = L_g if L is None else L
         _, out, row = cls._head(op, h, nq, nkv)
         if out == "q":
-            return Region.of(g, op.outputs["q"], row * d, (row + 1) * d)
-        base = row * L * d
+            return Region.of(g, op.outputs["q"], (s * nq + row) * d, (s * nq + row + 1) * d)
+        base = (s * nkv + row) * L * d
         return Region.of(g, op.outputs[out], base + pos * d, base + (pos + 1) * d) if pos is not None else \
             Region.of(g, op.outputs[out], base, base + L * d)
 
@@ -243,11 +273,14 @@ class RmsQkvRope(TakesPrologue, Instruction):
             return [*tile.params["units"], tile.params["qk_tiles"]]
         return [*tile.params["units"], tile.params.get("pieces", 1)]
 
-    call = Call("rms_qkv_rope",
+    #: batch 1: ``rms_qkv_rope``; a batch (B > 1): ``rms_qkv_rope_seqs``
+    #: (templates/rms_qkv_rope_seqs.cu.j2), which takes B and whether the cos/sin are per sequence too
+    call = Call(lambda op: "rms_qkv_rope_seqs" if batched(op) else "rms_qkv_rope",
                 targs=(*rms_types("wq", "q"), Type("tt", "cos_table"), Type("tc", "kcache"),
                        Type("thn", "q_norm_w", "norm_w", otherwise="float"), HIDDEN, Int("NQ", lambda op, g: op.attrs["n_q"]),
                        Int("NKV", lambda op, g: op.attrs["n_kv"]), Int("D", lambda op, g: op.attrs["head_dim"]),
                        Int("RP", lambda op, g: g.tensors[op.inputs["cos_table"]].shape[0]),
+                       Int("B", lambda op, g: seqs(op), when=batched), Flag("seqrope", fn=seq_rope, when=batched),
                        Flag("headnorm", has="q_norm_w"),
                        # BIAS and TB are passed for the bias, fp32-weight-norm and staged variants
                        Flag("bias", has="bq", when=_explicit), Type("tb", "bq", "wq", when=_explicit), WF32,
@@ -274,14 +307,21 @@ class RmsQkvRope(TakesPrologue, Instruction):
 
     @classmethod
     def cuda_args(cls, op: Op, g: Graph, bufs) -> dict:
-        if g.tensors[g.root(op.outputs["kcache"])].shape[0] != 1:
-            raise NotImplementedError("rms_qkv_rope: KV cache batch must be 1")
+        if g.tensors[g.root(op.outputs["kcache"])].shape[0] != seqs(op):
+            raise NotImplementedError("rms_qkv_rope: the KV caches' batch must be the op's sequences")
         if bufs.symbol(op.outputs["kcache"], 2) != bufs.symbol(op.outputs["vcache"], 2):
             raise NotImplementedError("rms_qkv_rope: K and V caches of different run-time lengths")
-        return super().cuda_args(op, g, bufs)
+        args = super().cuda_args(op, g, bufs)
+        if batched(op):   # the batched dot (matvec_seqs, seqs_rows) and the kind's batch template
+            args["uses"] = ("matvec_seqs", "seqs_rows", "rms_qkv_rope_seqs")
+        return args
 
     @classmethod
     def own_smem(cls, op: Op, g: Graph) -> int:
+        """Floats: batch 1, x (H, as floats) and one head's projections (D); a batch, the staged
+        ``[B, H]`` (:func:`staged_floats`) and, with a per-head norm, B heads' projections."""
+        if batched(op):
+            return staged_floats(op, g) + (seqs(op) * op.attrs["head_dim"] if "q_norm_w" in op.inputs else 0)
         return g.tensors[xin(op)].numel + op.attrs["head_dim"]
 
     @staticmethod
@@ -359,12 +399,13 @@ class RmsQkvRope(TakesPrologue, Instruction):
         proj = proj_norm(op)
         for h, p0, p1 in cls._spans(op, env.g, *tile.params["units"]):
             _, out, row = cls._head(op, h, nq, nkv)
-            base = row * d if out == "q" else row * L * d + pos * d
-            for a, b in cls._rows(op, p0, p1):
-                if proj and out != "vcache":   # before the ticket: the units' pre-norm values
-                    writes.append(Region.of(env.g, op.outputs["qk_part"], h * d + a, h * d + b))
-                else:
-                    writes.append(Region.of(env.g, op.outputs[out], base + a, base + b))
+            for s in range(seqs(op)):   # each sequence's rows (one at batch 1)
+                base = (s * nq + row) * d if out == "q" else ((s * nkv + row) * L + pos) * d
+                for a, b in cls._rows(op, p0, p1):
+                    if proj and out != "vcache":   # before the ticket: the units' pre-norm values
+                        writes.append(Region.of(env.g, op.outputs["qk_part"], h * d + a, h * d + b))
+                    else:
+                        writes.append(Region.of(env.g, op.outputs[out], base + a, base + b))
         if proj:
             part = env.g.root(op.outputs["qk_part"])
             return [r for r in tile.reads if r.tensor != part], writes
@@ -372,6 +413,8 @@ class RmsQkvRope(TakesPrologue, Instruction):
 
     @classmethod
     def run_tile(cls, op: Op, tile: Tile, env: Env) -> None:
+        if batched(op):
+            return cls._run_seqs(op, tile, env)
         nq, nkv, d, _ = cls._layout(op, env.g)
         half = d // 2
         a = op.attrs
@@ -438,6 +481,64 @@ class RmsQkvRope(TakesPrologue, Instruction):
                 cache[0, row, kv_pos, i2] = y2.to(cache.dtype)
         if cls._takes_qk(op, tile) and cls._is_last_qk(op, tile, env):
             cls._finish_proj(op, env, cos, sin, kv_pos)
+
+    @classmethod
+    def _run_seqs(cls, op: Op, tile: Tile, env: Env) -> None:
+        """A batched op's tile (B sequences; docs/batch.md): the units' rows of W against each
+        sequence's staged vector (``[B, H]``: its own RMSNorm, or a folded prologue's rows), the
+        bias, one rounding; q/k heads: the per-head norm (whole heads), RoPE with each sequence's
+        cos/sin row (its own, :func:`seq_rope`, else the tables' row at the shared position);
+        sequence s's q heads to ``q[s]``, its k/v heads to its caches' row ``kv_pos`` (one row
+        for every sequence: HF's StaticCache writes at one ``cache_position``)."""
+        nq, nkv, d, _ = cls._layout(op, env.g)
+        half, a, nseq = d // 2, op.attrs, seqs(op)
+        dt = a["dtype"]
+        from fusec.ir.aten_exec import index_fault
+        kv_pos = int(env.read(op.inputs["kv_pos"]).reshape(-1)[0])
+        L = env.length(op.outputs["kcache"], 2)
+        if not 0 <= kv_pos < L:   # the kernel's fault KV_POS: no access, the step is invalid
+            raise index_fault(op, "KV-cache write position", kv_pos, L, Fault.KV_POS)
+        r = rotary_dim(op) // 2
+        if seq_rope(op):   # [B, rd]: each sequence's own row
+            cos = env.read(op.inputs["cos_table"]).reshape(nseq, -1).float()
+            sin = env.read(op.inputs["sin_table"]).reshape(nseq, -1).float()
+        else:   # the tables' row at the one position, for every sequence
+            rp, rows = int(env.read(op.inputs["rope_pos"]).reshape(-1)[0]), env.read(op.inputs["cos_table"]).shape[0]
+            if not 0 <= rp < rows:
+                raise index_fault(op, "RoPE position", rp, rows, Fault.ROPE_POS)
+            cos = env.read(op.inputs["cos_table"])[rp].reshape(1, -1).float().expand(nseq, -1)
+            sin = env.read(op.inputs["sin_table"])[rp].reshape(1, -1).float().expand(nseq, -1)
+        n = staged(op, env, normed(op)).view(nseq, -1)   # [B, H]
+        q = env.flat(op.outputs["q"]).view(nseq, nq, d)
+        for h, p0, p1 in cls._spans(op, env.g, *tile.params["units"]):
+            w, out, row = cls._head(op, h, nq, nkv)
+            wt = env.read(op.inputs[w])
+            ps = torch.arange(p0, p1)   # units p0 .. p1: rows i1, i2 of the head (pair_rows)
+            rot = ps < r
+            i1, i2 = torch.where(rot, ps, ps + r), torch.where(rot, ps + r, ps + half)
+            wr = row * w_stride(op)
+            y1, y2 = n @ wt[wr + i1].float().T, n @ wt[wr + i2].float().T   # [B, units]
+            if "bq" in op.inputs:
+                b = env.read(op.inputs["b" + w[1]]).reshape(-1).float()
+                y1, y2 = y1 + b[wr + i1], y2 + b[wr + i2]
+            y1, y2 = y1.to(dt).float(), y2.to(dt).float()
+            if out != "vcache":
+                nw = op.inputs.get("q_norm_w" if out == "q" else "k_norm_w")
+                if nw is not None:   # whole heads (p0 = 0, p1 = half): each sequence's head normed
+                    y = rms_normalize(torch.cat([y1, y2], -1).to(dt), env.read(nw), a["qk_eps"], dt,
+                                      a.get("qk_w_fp32", False)).float()
+                    y1, y2 = y[:, :half], y[:, half:]
+                pr = ps[rot]
+                c1, c2, s1, s2 = cos[:, pr], cos[:, pr + r], sin[:, pr], sin[:, pr + r]
+                a1, a2 = y1[:, rot], y2[:, rot]
+                y1, y2 = y1.clone(), y2.clone()
+                y1[:, rot], y2[:, rot] = a1 * c1 - a2 * s1, a2 * c2 + a1 * s2
+            if out == "q":
+                q[:, row, i1], q[:, row, i2] = y1.to(dt), y2.to(dt)
+            else:
+                cache = env.read(op.outputs[out])
+                cache[:, row, kv_pos, i1] = y1.to(cache.dtype)
+                cache[:, row, kv_pos, i2] = y2.to(cache.dtype)
 
     @classmethod
     def _finish_proj(cls, op: Op, env: Env, cos: torch.Tensor, sin: torch.Tensor, kv_pos: int) -> None:
