@@ -446,13 +446,16 @@ def test_token_views_run_the_megakernel():
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("factory", [hf_tiny.llama, hf_tiny.qwen3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_batch_decode_matches_eager(dtype):
+def test_batch_decode_matches_eager(dtype, factory):
     """A batch of 4 left-padded prompts (tests/test_batch_decode.py) on the GPU: the batched
-    linear and the per-sequence masked attention of the megakernel give every sequence eager's
-    logits (fp32: 1e-4; bf16: 3e-2), one fusec step, no fallback."""
+    fused kinds (``rms_qkv_rope_seqs`` with each sequence's RoPE row, Qwen3's per-head norms over
+    whole heads; ``rms_gate_up_silu_seqs``), the batched linears and the per-sequence masked
+    attention of the megakernel give every sequence eager's logits (fp32: 1e-4; bf16: 3e-2), one
+    fusec step, no fallback."""
     from test_batch_decode import batch_steps_against_eager
-    model = hf_tiny.llama().to(device="cuda", dtype=dtype)
+    model = factory().to(device="cuda", dtype=dtype)
     errs, w, _ = batch_steps_against_eager(model, 4, 11, n=6, device="cuda")
     assert not w.fallbacks and w.compiled, w.fallbacks
     assert max(errs) < (1e-4 if dtype == torch.float32 else 3e-2), errs

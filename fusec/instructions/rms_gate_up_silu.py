@@ -48,14 +48,15 @@ def _batch(b: int) -> dict:
 
 def _plain_ok(g: Graph, m: dict) -> bool:
     """The plain form's limits: gate and up read one vector (one root buffer: each linear reads
-    its own view of it) that no op writes in place (the fused op reads it where the product
-    was), with weights of the model of one shape [F, H] and dtype (H = x's elements), and the
-    linears' outputs and the product of one dtype (run_tile rounds both dots to it); no
-    run-time lengths."""
+    its own view of it; a batch's B rows of it that fit shared memory at once,
+    :func:`fusec.instructions.matvec_rows.fused_batch`) that no op writes in place (the fused op
+    reads it where the product was), with weights of the model of one shape [F, H] and dtype
+    (H = x's elements, or a row's), and the linears' outputs and the product of one dtype
+    (run_tile rounds both dots to it); no run-time lengths."""
     x, wg, wu = g.tensors[m["x"]], g.tensors[m["wg"]], g.tensors[m["wu"]]
     if g.root(m["x"]) != g.root(m["x_up"]) or len(wg.shape) != 2 or wg.shape != wu.shape or wg.dtype != wu.dtype:
         return False
-    if len(wg.shape) != 2 or not fused_batch(g, m["x"], wg.shape[1], x.dtype.itemsize) \
+    if not fused_batch(g, m["x"], wg.shape[1], x.dtype.itemsize) \
             or any(g.tensors[g.root(w)].role != Role.WEIGHT for w in (m["wg"], m["wu"])):
         return False
     out = g.tensors[m["_anchor"].outputs["out"]].dtype
