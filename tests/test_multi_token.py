@@ -220,8 +220,9 @@ def test_rows_and_query_tokens_of_a_decode_step():
 
 
 def test_batch_step_folds_only_into_batched_matvecs_after_its_attention_is_rewritten():
-    """The ``prologue`` pass folds into the matvecs of a batch step (B = 2, OLMo-2: its post-norm
-    and residual add before the MLP) only where they compute all B rows (``batch`` 2: the
+    """The ``prologue`` pass folds into the matvec kinds of a batch step (B = 2, OLMo-2: its
+    post-norm and residual add before the MLP, a batched ``rms_gate_up_silu``; its final norm
+    into the lm_head) only where they compute all B rows (``batch`` 2: the
     prologue runs over the B rows, docs/batch.md), even where no ``attention`` op is left to read
     B off (a kind that takes a batch's attention replaces it: here its kind is renamed): B is the
     graph's, recorded at capture."""
@@ -257,7 +258,7 @@ def test_batch_step_folds_only_into_batched_matvecs_after_its_attention_is_rewri
     assert (g.batch(), g.rows()) == (2, 2)
     g = prologue.run(g)
     pre = [o for o in g.ops if "pre" in o.attrs]
-    assert pre and all(o.kind == "matvec" and o.attrs.get("batch") == 2 for o in pre)
+    assert pre and all(o.kind in ("matvec", "rms_gate_up_silu") and o.attrs.get("batch") == 2 for o in pre)
 
 
 def test_query_length_that_varies_or_exceeds_eight_falls_back_with_a_line(caplog):
