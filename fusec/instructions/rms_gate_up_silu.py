@@ -140,7 +140,7 @@ class RmsGateUpSilu(TakesPrologue, Instruction):
         SiLU unrounded (as the ``silu_mul`` semantics), GELU rounded; the product rounded once."""
         r0, r1 = tile.params["rows"]
         dt = env.g.tensors[op.outputs["out"]].dtype
-        n = staged(op, env, normed(op))
+        n = env.once((op.name, "staged"), lambda: staged(op, env, normed(op)))   # alike for every tile
         if batched(op):
             return cls._run_seqs(op, env, n.view(seqs(op), -1), r0, r1, dt)
         gate = (env.read(op.inputs["wg"])[r0:r1].float() @ n).to(dt).float()

@@ -13,7 +13,7 @@ alias is read in that shape. Fresh buffers never have symbolic dims.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -60,6 +60,14 @@ class Env:
         for t in g.tensors.values():
             if t.role == Role.CONSTANT and t.alias_of is None:
                 self.bufs[t.name] = t.value
+
+    def once(self, key: Any, make: Callable[[], Any]) -> Any:
+        """``make()``, computed once per step for ``key`` (kept in :attr:`memo`): what every tile
+        of an op computes alike from the op's inputs (a staged, normed vector)."""
+        got = self.memo.get(key)
+        if got is None:
+            got = self.memo[key] = make()
+        return got
 
     def take_ticket(self, key: Any) -> int:
         """Atomic fetch-and-add of the ticket ``key`` (0 at the start of a step): returns the

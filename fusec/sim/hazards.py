@@ -140,16 +140,25 @@ def check_hazards(s: Schedule, regions: Regions | None = None, limit: int = 20,
                 acc.setdefault(r.tensor, []).append((ins.id, True, post, r))
     found = []
     op_of = [ins.op for ins in s.instrs]
+    pre, post = hb.pre, hb.post
     for buf, lst in acc.items():
         for wid, wpost, wreg, others in _overlapping(lst):
             wop = op_of[wid]
+            wbit = 2 * wid + wpost
+            wmask = post[wid] if wpost else pre[wid]   # the phases before the write's
+            wknown = wid in regions
             for oid, owrite, opost, oreg in others:
+                # ordered (program order a before b): a's phase happens before b's, i.e. its bit
+                # is in b's happens-before set (HappensBefore.ordered, inlined: the hot loop)
+                if oid < wid:
+                    if (wmask >> (2 * oid + opost)) & 1:
+                        continue
+                elif ((post[oid] if opost else pre[oid]) >> wbit) & 1:
+                    continue
                 same_op = op_of[oid] == wop
-                if same_op and (oid not in regions or wid not in regions):
+                if same_op and (not wknown or oid not in regions):
                     continue  # planned regions of one op's tiles may overlap (KV row chosen at run time)
                 (a, ap), (b, bp) = ((oid, opost), (wid, wpost)) if oid < wid else ((wid, wpost), (oid, opost))
-                if hb.ordered(a, ap, b, bp):
-                    continue
                 if same_op and hb.ordered(b, bp, a, ap):
                     continue  # tiles of one op ordered at run time (a ticket), in either order
                 if oid < wid:

@@ -63,59 +63,66 @@ class Simulator:
         env = Env(s.graph, flat_args) if self.numeric else None
         rng = random.Random(self.seed + e)
         heads = [0] * s.num_sms
-        missing: dict[int, set[int]] = {}
+        counters = self.counters
+        instrs, queues = s.instrs, s.queues
+        # each SM's head instruction waits for ``missing[sm]`` unfinished instructions; an
+        # instruction's id maps to the SMs whose heads wait for it (in the order they were armed)
+        missing = [0] * s.num_sms
         blockers: dict[int, list[int]] = {}
         ready: list[int] = []
         regions = {}
         order: list[int] = []
         post_regions = {}
+        waits = [tuple(dict.fromkeys(ins.waits)) for ins in instrs]   # as a set, in a fixed order
 
         def arm(sm: int) -> None:
-            q = s.queues[sm]
+            q = queues[sm]
             if heads[sm] >= len(q):
                 return
-            ins = s.instrs[q[heads[sm]]]
-            miss = {w for w in ins.waits if self.counters[w] < e}
-            if miss:
-                missing[sm] = miss
-                for w in miss:
+            n = 0
+            for w in waits[q[heads[sm]]]:
+                if counters[w] < e:
+                    n += 1
                     blockers.setdefault(w, []).append(sm)
+            if n:
+                missing[sm] = n
             else:
                 ready.append(sm)
 
         for sm in range(s.num_sms):
             arm(sm)
-        remaining = len(s.instrs)
+        remaining = len(instrs)
         inputs = set(s.graph.inputs)
+        kinds = {}   # op name -> its instruction class
         undo: list[tuple[str, int, int, torch.Tensor]] = []   # input regions as they were before a write
         try:
             while remaining:
                 if not ready:
                     raise self._deadlock(heads, e)
                 sm = ready.pop(rng.randrange(len(ready)))
-                ins = s.instrs[s.queues[sm][heads[sm]]]
-                op = self.ops[ins.op]
+                ins = instrs[queues[sm][heads[sm]]]
                 order.append(ins.id)
                 if env is not None:
-                    cls = kind_of(op)
+                    op = self.ops[ins.op]
+                    cls = kinds.get(ins.op)
+                    if cls is None:
+                        cls = kinds[ins.op] = kind_of(op)
                     env.current = ins.id
-                    regions[ins.id] = cls.runtime_regions(op, ins.tile, env)
+                    regions[ins.id] = got = cls.runtime_regions(op, ins.tile, env)
                     after = cls.ticket_regions(op, ins.tile, env)
                     if after[0] or after[1]:
                         post_regions[ins.id] = after
-                    for r in (*regions[ins.id][1], *after[1]):
+                    for r in (*got[1], *after[1]):
                         if r.tensor in inputs:
                             undo.append((r.tensor, r.start, r.stop, env.flat(r.tensor)[r.start:r.stop].clone()))
                     cls.run_tile(op, ins.tile, env)
-                self.counters[ins.id] += 1
+                counters[ins.id] += 1
                 remaining -= 1
                 heads[sm] += 1
                 arm(sm)
-                for other in blockers.pop(ins.id, []):
-                    m = missing[other]
-                    m.discard(ins.id)
-                    if not m:
-                        del missing[other]
+                for other in blockers.pop(ins.id, ()):
+                    missing[other] -= 1
+                    if not missing[other]:
                         ready.append(other)
         except BaseException:
             # a failed step (an index fault, a deadlock) leaves nothing behind: the caller's tensors
