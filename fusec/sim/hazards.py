@@ -90,15 +90,19 @@ def happens_before(s: Schedule, extra: dict[int, list[int]] | None = None,
 
 #: accesses to one buffer from which the candidates of each write are found with numpy
 _VECTOR_MIN = 48
+#: schedules of up to this many instructions have their happens-before as a bit matrix (two
+#: bytes arrays of n x n/4 bytes: 8 MB at 4096), which screens the pairs with numpy
+_MATRIX_MAX = 4096
 
 
-def _overlapping(lst: list[tuple[int, bool, bool, Region]]):
-    """Per write access of ``lst`` (one buffer's accesses, in program order): (its instruction,
-    its post phase, its region, the accesses of other instructions that overlap it, in ``lst``'s
-    order, less the writes of later instructions: each pair of writes is seen once, from the
-    later one). A long list is scanned with numpy, one comparison of all its regions per write
-    (the 1B schedule's check compared 14 million pairs in Python); a short one in Python."""
-    writers = [x for x in lst if x[1]]
+def _overlapping(lst: list[tuple[int, bool, bool, Region]], only: set[int] | None = None):
+    """Per write access of ``lst`` (one buffer's accesses, in program order; ``only``: those at
+    these positions of ``lst``): (its instruction, its post phase, its region, the accesses of
+    other instructions that overlap it, in ``lst``'s order, less the writes of later
+    instructions: each pair of writes is seen once, from the later one). A long list is scanned
+    with numpy, one comparison of all its regions per write (the 1B schedule's check compared 14
+    million pairs in Python); a short one in Python."""
+    writers = [x for j, x in enumerate(lst) if x[1] and (only is None or j in only)]
     if len(lst) < _VECTOR_MIN:
         for wid, _, wpost, wreg in writers:
             yield wid, wpost, wreg, [x for x in lst if x[0] != wid and wreg.overlaps(x[3])
@@ -112,6 +116,41 @@ def _overlapping(lst: list[tuple[int, bool, bool, Region]]):
     for wid, _, wpost, wreg in writers:
         hit = (starts < wreg.stop) & (stops > wreg.start) & (ids != wid) & ~(writes & (ids > wid))
         yield wid, wpost, wreg, [lst[j] for j in np.flatnonzero(hit).tolist()]
+
+
+def _bit_matrix(hb: HappensBefore, n: int) -> np.ndarray:
+    """``hb`` as bytes: [2, n, ceil(2n / 8)] uint8, ``[0]`` the ``pre`` sets and ``[1]`` the
+    ``post`` sets of the n instructions, bit ``k`` of a set at byte ``k >> 3``, bit ``k & 7``."""
+    nb = (2 * n + 7) // 8
+    return np.stack([np.frombuffer(b"".join(x.to_bytes(nb, "little") for x in sets), np.uint8).reshape(n, nb)
+                     for sets in (hb.pre, hb.post)])
+
+
+def _suspects(lst: list[tuple[int, bool, bool, Region]], hbm: np.ndarray) -> set[int]:
+    """The positions in ``lst`` (one buffer's accesses) of the writes that overlap an access of
+    another instruction (less the writes of later ones, as :func:`_overlapping`) whose phase is
+    not ordered before it in program order by the happens-before matrix ``hbm``
+    (:func:`_bit_matrix`): every pair at once with numpy. The other writes have no hazard; these
+    the exact check looks at (the accesses of one op's tiles may be exempt)."""
+    n = len(lst)
+    ids = np.fromiter((x[0] for x in lst), np.int64, n)
+    writes = np.fromiter((x[1] for x in lst), np.bool_, n)
+    posts = np.fromiter((x[2] for x in lst), np.int64, n)
+    starts = np.fromiter((x[3].start for x in lst), np.int64, n)
+    stops = np.fromiter((x[3].stop for x in lst), np.int64, n)
+    wj = np.flatnonzero(writes)
+    wid, wpo = ids[wj, None], posts[wj, None]
+    hit = (starts < stops[wj, None]) & (stops > starts[wj, None]) & (ids != wid) & ~(writes & (ids > wid))
+    r, c = np.nonzero(hit)
+    if not len(r):
+        return set()
+    oid, opo, w, wp = ids[c], posts[c], wid[r, 0], wpo[r, 0]
+    lower = oid < w   # the earlier access in program order: a (phase ap); the later: b (bp)
+    a, ap = np.where(lower, oid, w), np.where(lower, opo, wp)
+    b, bp = np.where(lower, w, oid), np.where(lower, wp, opo)
+    bit = 2 * a + ap
+    ordered = (hbm[bp, b, bit >> 3] >> (bit & 7)) & 1
+    return {int(wj[x]) for x in np.unique(r[ordered == 0])}
 
 
 def check_hazards(s: Schedule, regions: Regions | None = None, limit: int = 20,
@@ -141,8 +180,14 @@ def check_hazards(s: Schedule, regions: Regions | None = None, limit: int = 20,
     found = []
     op_of = [ins.op for ins in s.instrs]
     pre, post = hb.pre, hb.post
+    hbm = _bit_matrix(hb, len(s.instrs)) if len(s.instrs) <= _MATRIX_MAX else None
     for buf, lst in acc.items():
-        for wid, wpost, wreg, others in _overlapping(lst):
+        only = None
+        if hbm is not None and len(lst) >= _VECTOR_MIN:   # the writes with a pair that is not ordered
+            only = _suspects(lst, hbm)
+            if not only:
+                continue
+        for wid, wpost, wreg, others in _overlapping(lst, only):
             wop = op_of[wid]
             wbit = 2 * wid + wpost
             wmask = post[wid] if wpost else pre[wid]   # the phases before the write's
