@@ -16,6 +16,7 @@ instruction that took it before, as on the GPU; see :meth:`fusec.ir.env.Env.take
 """
 from __future__ import annotations
 
+import heapq
 import logging
 import random
 from typing import Any
@@ -65,25 +66,52 @@ class Simulator:
         heads = [0] * s.num_sms
         counters = self.counters
         instrs, queues = s.instrs, s.queues
-        # each SM's head instruction waits for ``missing[sm]`` unfinished instructions; an
-        # instruction's id maps to the SMs whose heads wait for it (in the order they were armed)
+        # each SM's head instruction waits for ``missing[sm]`` unfinished instructions or ops. An
+        # instruction as scheduled (``regular``) waits for every tile of its producer ops on other
+        # SMs, its own SM's tiles of them being earlier in its queue (done): it waits for those
+        # ops until every tile of theirs is done (``left``). Another (waits set by hand, or a
+        # queue out of program order) waits for its listed instructions. ``blockers`` (an
+        # instruction id) and ``op_blockers`` (an op) list the SMs whose heads wait for them as
+        # (arm order, SM): an SM whose last wait ends is ready in the order the SMs were armed,
+        # as when each SM waited for every instruction (the same interleaving for a seed)
         missing = [0] * s.num_sms
-        blockers: dict[int, list[int]] = {}
+        blockers: dict[int, list[tuple[int, int]]] = {}
+        op_blockers: dict[str, list[tuple[int, int]]] = {}
         ready: list[int] = []
         regions = {}
         order: list[int] = []
         post_regions = {}
-        waits = [tuple(dict.fromkeys(ins.waits)) for ins in instrs]   # as a set, in a fixed order
+        left: dict[str, int] = {}
+        last_on: dict[tuple[str, int], int] = {}   # (op, SM) -> the queue index of its last tile there
+        qpos = [0] * len(instrs)
+        for ins in instrs:
+            left[ins.op] = left.get(ins.op, 0) + (counters[ins.id] < e)
+        for sm, q in enumerate(queues):
+            for k, iid in enumerate(q):
+                last_on[(instrs[iid].op, sm)] = qpos[iid] = k
+        regular = [ins.index is not None and not ins.edited
+                   and all(last_on.get((o, ins.sm), -1) < qpos[ins.id] for o in ins.wait_ops) for ins in instrs]
+        wait_ops = [tuple(dict.fromkeys(ins.wait_ops)) if r else () for ins, r in zip(instrs, regular)]
+        armed = [0]
 
         def arm(sm: int) -> None:
             q = queues[sm]
             if heads[sm] >= len(q):
                 return
+            iid = q[heads[sm]]
+            armed[0] += 1
+            key = (armed[0], sm)
             n = 0
-            for w in waits[q[heads[sm]]]:
-                if counters[w] < e:
-                    n += 1
-                    blockers.setdefault(w, []).append(sm)
+            if regular[iid]:
+                for o in wait_ops[iid]:
+                    if left[o]:
+                        n += 1
+                        op_blockers.setdefault(o, []).append(key)
+            else:
+                for w in dict.fromkeys(instrs[iid].waits):   # as a set, in a fixed order
+                    if counters[w] < e:
+                        n += 1
+                        blockers.setdefault(w, []).append(key)
             if n:
                 missing[sm] = n
             else:
@@ -117,10 +145,15 @@ class Simulator:
                             undo.append((r.tensor, r.start, r.stop, env.flat(r.tensor)[r.start:r.stop].clone()))
                     cls.run_tile(op, ins.tile, env)
                 counters[ins.id] += 1
+                left[ins.op] -= 1
                 remaining -= 1
                 heads[sm] += 1
                 arm(sm)
-                for other in blockers.pop(ins.id, ()):
+                waiting = blockers.pop(ins.id, None)
+                if not left[ins.op] and ins.op in op_blockers:
+                    done = op_blockers.pop(ins.op)
+                    waiting = done if waiting is None else list(heapq.merge(waiting, done))
+                for _, other in waiting or ():
                     missing[other] -= 1
                     if not missing[other]:
                         ready.append(other)
