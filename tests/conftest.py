@@ -65,17 +65,13 @@ def pytest_collection_finish(session):
     of it, and it runs after 100000 new objects instead of 700. A compile makes millions of
     short-lived objects, and each collection of the oldest generation walked every live one
     (0.1-0.2 s): the collector took 10-15% of the suite's CPU time (fusec.pipeline.gc_paused is
-    the same trade in the passes). About 100 MB more per worker. Dynamo's collection of the two
-    young generations after each frame it compiles (``run_gc_after_compile``, to give back device
-    memory) is off too: with that threshold they hold up to two million objects, and it took
-    20-80 ms per compile (several hundred compiles a run). With a GPU the defaults stay: a step's
-    device memory goes back only when the collector frees it."""
+    the same trade in the passes). About 100 MB more per worker. With a GPU the defaults stay: a
+    step's device memory goes back only when the collector frees it."""
     if torch.cuda.is_available():
         return
     gc.collect()
     gc.freeze()
     gc.set_threshold(100_000, 20, 20)
-    torch._dynamo.config.run_gc_after_compile = False
 
 
 def pytest_collection_modifyitems(config, items):
