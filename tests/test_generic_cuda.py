@@ -92,6 +92,7 @@ def test_family_kernels_compile_fused_and_unfused(name, tmp_path, monkeypatch):
     def keep(g, flat, *args, **kwargs):
         captured.append((g, list(flat)))
         return compile_graph(g, flat, *args, **kwargs)
+    keep.keeps_cache = True   # only records: the run-wide artifact cache stays on (conftest.py)
     monkeypatch.setattr(artifacts, "compile_graph", keep)
     fused = compile_model(model, (), kw, {"num_sms": 16, "max_fusions": None}).schedule
     ((g, flat),) = captured

@@ -89,6 +89,7 @@ def _record_splits(monkeypatch) -> list:
         s = split(gm)
         made.append(s)
         return s
+    record.keeps_cache = True   # only records: the run-wide artifact cache stays on (conftest.py)
     monkeypatch.setattr(backend, "split_host_scalars", record)
     return made
 
