@@ -80,6 +80,12 @@ inline bool index_ok(i64 v, i64 bound, int code) {
 }
 """
 
+#: the host compiler's optimization level: -O0 compiles twice as fast as -O1 (the zoo's 2800
+#: lines: 0.7 s against 1.5 s) and computes the same values: no fast-math, no FMA contraction
+#: (``-ffp-contract=off``), SSE floats, the same libm
+OPT_LEVEL = "-O0"
+
+
 def compiler() -> str | None:
     """The host C++ compiler (``$CXX``, else g++ or clang++), or None."""
     for c in (os.environ.get("CXX"), "g++", "clang++"):
@@ -113,7 +119,7 @@ def build(gens: list[dict], workdir: str | Path | None = None) -> ctypes.CDLL:
     d = Path(workdir or tempfile.mkdtemp(prefix="fusec_host_"))
     src, lib = d / "ops.cpp", d / "ops.so"
     src.write_text("\n".join(parts))
-    res = subprocess.run([cxx, "-std=c++17", "-O1", "-fPIC", "-shared", "-ffp-contract=off", "-w",
+    res = subprocess.run([cxx, "-std=c++17", OPT_LEVEL, "-fPIC", "-shared", "-ffp-contract=off", "-w",
                           "-o", str(lib), str(src)], capture_output=True, text=True)
     if res.returncode:
         raise RuntimeError(f"host compile of {src} failed:\n{res.stderr[-4000:]}")
