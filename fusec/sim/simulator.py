@@ -84,12 +84,14 @@ class Simulator:
         left: dict[str, int] = {}
         last_on: dict[tuple[str, int], int] = {}   # (op, SM) -> the queue index of its last tile there
         qpos = [0] * len(instrs)
+        q_sm = [-1] * len(instrs)   # the SM whose queue holds the instruction
         for ins in instrs:
             left[ins.op] = left.get(ins.op, 0) + (counters[ins.id] < e)
         for sm, q in enumerate(queues):
             for k, iid in enumerate(q):
                 last_on[(instrs[iid].op, sm)] = qpos[iid] = k
-        regular = [ins.index is not None and not ins.edited
+                q_sm[iid] = sm
+        regular = [ins.index is not None and not ins.edited and q_sm[ins.id] == ins.sm
                    and all(last_on.get((o, ins.sm), -1) < qpos[ins.id] for o in ins.wait_ops) for ins in instrs]
         wait_ops = [tuple(dict.fromkeys(ins.wait_ops)) if r else () for ins, r in zip(instrs, regular)]
         armed = [0]
