@@ -191,18 +191,23 @@ def test_batched_calls_match_their_templates():
 #: Llama-3.2-1B's widths (benchmarks/families.py), one layer and a small vocabulary
 LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=32, num_key_value_heads=8,
                 head_dim=64, num_hidden_layers=1, vocab_size=256, rope_theta=500000.0, tie_word_embeddings=True)
+#: Qwen3-0.6B's widths, likewise (per-head q/k norms over 128 values)
+QWEN3_06B = dict(hidden_size=1024, intermediate_size=3072, num_attention_heads=16, num_key_value_heads=8,
+                 head_dim=128, num_hidden_layers=1, vocab_size=256, tie_word_embeddings=True)
 
 
-def _llama_1b_batch_schedule(batch: int, dtype: torch.dtype):
+def _batch_schedule(batch: int, dtype: torch.dtype, family: str = "llama"):
     """The schedule of one decode step of ``batch`` left-padded sequences of a one-layer model of
-    Llama-3.2-1B's widths (random weights, a 64-row StaticCache), captured and lowered for 132
-    SMs (not run)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    Llama-3.2-1B's widths (``family`` "qwen3": Qwen3-0.6B's; random weights, a 64-row
+    StaticCache), captured and lowered for 132 SMs (not run)."""
+    import transformers
     import step_util
     from fusec.config import Options
     from fusec.pipeline import Dumper, lower
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**LLAMA_1B)).to(dtype).eval()
+    cfg, cls = (transformers.Qwen3Config(**QWEN3_06B), transformers.Qwen3ForCausalLM) if family == "qwen3" else \
+        (transformers.LlamaConfig(**LLAMA_1B), transformers.LlamaForCausalLM)
+    model = cls(cfg).to(dtype).eval()
     gen = torch.Generator().manual_seed(batch)
     ids, mask = _left_padded(model, batch, gen, lengths=(5, 2, 7, 3) * 4)
     cache = hf_tiny.static_cache(model, 64)
@@ -217,25 +222,28 @@ def _llama_1b_batch_schedule(batch: int, dtype: torch.dtype):
     return lower(g, flat, Options.from_dict({"num_sms": 132}), Dumper(None))
 
 
-@pytest.mark.parametrize("batch,dtype", [(4, torch.bfloat16), (8, torch.bfloat16), (16, torch.bfloat16),
-                                         (4, torch.float32)])
-def test_batch_fused_kinds_compile_without_spills_at_llama_1b_widths(batch, dtype, tmp_path):
+@pytest.mark.parametrize("family,batch,dtype", [("llama", 4, torch.bfloat16), ("llama", 8, torch.bfloat16),
+                                                ("llama", 16, torch.bfloat16), ("llama", 4, torch.float32),
+                                                ("qwen3", 16, torch.bfloat16), ("qwen3", 4, torch.float32)])
+def test_batch_fused_kinds_compile_without_spills_at_published_widths(family, batch, dtype, tmp_path):
     """At Llama-3.2-1B's widths the batch step's layer is the two batched fused kinds, and the
     kernel (``rms_qkv_rope_seqs``: B staged normed rows of 2048, 32 + 8 + 8 heads of 64, each
     sequence's cos/sin row; ``rms_gate_up_silu_seqs``: 8192 rows) compiles with NVRTC for sm_90a:
     neither kind function has a stack frame or spills, nor does the kernel spill, within the
-    CTA's shared memory."""
+    CTA's shared memory. Likewise at Qwen3-0.6B's widths (whole heads of 128 with their per-head
+    norms: ``qkv_heads_seqs``)."""
     pytest.importorskip("cuda.bindings.nvrtc")
     from fusec.cuda.codegen import MAX_SMEM_BYTES, render
     from fusec.cuda.jit import compile_cuda
     from fusec.instructions import KINDS
-    sched = _llama_1b_batch_schedule(batch, dtype)
+    sched = _batch_schedule(batch, dtype, family)
     g = sched.graph
-    _assert_fused(g, batch, 1, head_norm=False)
+    _assert_fused(g, batch, 1, head_norm=family == "qwen3")
     src = render(sched).source
     t = "__nv_bfloat16" if dtype == torch.bfloat16 else "float"
-    assert re.search(rf"rms_qkv_rope_seqs<[^()]*, 2048, 32, 8, 64, {batch}, {batch}, true, false>\(", src)
-    assert re.search(rf"rms_gate_up_silu_seqs<{', '.join([t] * 5)}, 2048, 8192, {batch}>\(", src)
+    h, heads, f, norm = (1024, "16, 8, 128", 3072, "true") if family == "qwen3" else (2048, "32, 8, 64", 8192, "false")
+    assert re.search(rf"rms_qkv_rope_seqs<[^()]*, {h}, {heads}, {batch}, {batch}, true, {norm}>\(", src)
+    assert re.search(rf"rms_gate_up_silu_seqs<{', '.join([t] * 5)}, {h}, {f}, {batch}>\(", src)
     kernel = compile_cuda(src, "fusec_step.cu", options=("-Xptxas", "-v"), cache_dir=str(tmp_path))
     assert "warning" not in kernel.log, kernel.log
     for fn in ("rms_qkv_rope_seqs", "rms_gate_up_silu_seqs"):
