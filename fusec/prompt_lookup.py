@@ -207,6 +207,7 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: in
     from fusec.fallbacks import FallbackWatch
     from fusec.fallbacks import warn as warn_fallback
     from fusec.frontend.static_cache import length_symbolic
+    from fusec.generation.batch import host_counted
     import importlib
     gen_mod = importlib.import_module("fusec.generate")   # the module (fusec.generate is also the function)
 
@@ -223,7 +224,7 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: in
         with gen_mod._prefill_attention(cuda):
             logits = model(input_ids=input_ids, past_key_values=cache, use_cache=True,
                            **gen_mod._last_logits_only(model)).logits[:, -1]
-        if gen_mod.host_counted(cache):
+        if host_counted(cache):
             raise FusecError("fusec.generate: prompt_lookup_num_tokens needs a cache whose layers count "
                              "positions on the device; this model's sliding-window layers count them on the "
                              "host (Mistral, Gemma-2/3, StarCoder2): call it without prompt_lookup_num_tokens")

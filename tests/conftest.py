@@ -31,6 +31,20 @@ sys.path.insert(0, os.path.dirname(__file__))
 # (tests/test_artifact_cache.py, test_warm_start.py, test_precompiled.py) turn it on in folders of
 # their own.
 os.environ.setdefault("FUSEC_CACHE", "0")
+if not torch.cuda.is_available():
+    # A graph fusec does not take runs eagerly in this suite, not through inductor: inductor's
+    # CPU code is C++ that it compiles with the system's compiler, 15-20 s for one fallback
+    # graph on a cold cache (test_multi_token.py took 122 s instead of 58 s, 2026-12-05), and
+    # what these tests check is fusec's choice and its log line, whose values eager gives as
+    # well. Options that name a fallback keep it (tests/test_fallback.py runs inductor's).
+    os.environ.setdefault("FUSEC_FALLBACK", "eager")
+    # dynamo's own per-compile costs that this suite does not need: a gc.collect(1) after each
+    # compile (the collector is tuned below) and a timed pass over the new guards for a debug
+    # log line ("Guard eval latency"), about 40 ms each per compile; ~900 compiles in a run
+    torch._dynamo.config.run_gc_after_compile = False
+    import torch._dynamo.guards as _dynamo_guards
+    if hasattr(_dynamo_guards, "profile_guard_manager"):
+        _dynamo_guards.profile_guard_manager = lambda *args, **kwargs: 0.0
 #: the run-wide artifact cache folder, made empty by the run's first process (pytest_configure,
 #: inherited by xdist's workers); "" where FUSEC_CACHE was set by whoever started the run
 SHARED_CACHE_ENV = "FUSEC_TEST_SHARED_CACHE"
@@ -72,6 +86,14 @@ def pytest_collection_finish(session):
     gc.collect()
     gc.freeze()
     gc.set_threshold(100_000, 20, 20)
+
+
+def pytest_sessionfinish(session):
+    """Without a GPU, the objects alive at the end of the session are frozen out of the
+    collector too: pytest's unraisable-exception plugin then collects five times over the
+    whole heap of the run's compiles (8 s per process, measured 2026-12-05)."""
+    if not torch.cuda.is_available():
+        gc.freeze()
 
 
 def pytest_collection_modifyitems(config, items):

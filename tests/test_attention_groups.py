@@ -1,4 +1,4 @@
-"""Query-head groups of split-KV attention (fusec.instructions.attention.q_groups): a GQA group of
+"""Query-head groups of split-KV attention (fusec.instructions.attention_rules.q_groups): a GQA group of
 more than MAX_TILE_HEADS query heads (Falcon-7B's 71 over one KV head, StarCoder2-3B's 12) is cut
 into equal parts, each its own tile group reading the shared KV head; decode through
 torch.compile equals eager on the CPU simulator, and the kernel compiles."""
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import hf_tiny
-from fusec.instructions.attention import MAX_TILE_HEADS, q_groups
+from fusec.instructions.attention_rules import MAX_TILE_HEADS, q_groups
 
 
 def test_the_parts_are_the_fewest_equal_ones_of_at_most_max_tile_heads():

@@ -162,7 +162,7 @@ def test_select_matches_hf_warpers():
     from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
                                                          TopPLogitsWarper)
 
-    from fusec.generate import _gumbel_, _select
+    from fusec.generation.selection import gumbel_ as _gumbel_, select as _select
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(1, 50, generator=g)
     x = TemperatureLogitsWarper(0.7)(None, logits.clone())

@@ -12,6 +12,8 @@ import fusec
 import hf_tiny
 from fusec.errors import FusecError
 from fusec.fallbacks import FallbackWatch
+from fusec.generation import arguments
+from fusec.generation import batch as batch_state
 
 OPTS = {"num_sms": 8}
 FAST = {"num_sms": 8, "check_hazards": False}   # tests of the driver loop: skip the hazard check
@@ -260,14 +262,14 @@ def test_mask_checks(gen_module):
     without a mask gets ones."""
     ids = torch.randint(1, 128, (2, 4))
     with FallbackWatch() as w:
-        right = gen_module._check_mask(torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]]), ids)
+        right = arguments.check_mask(torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]]), ids)
     assert right.dtype == torch.int64 and right.tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
     assert len(w.warnings) == 1 and "right-padding" in w.warnings[0] and not w.fallbacks
-    assert gen_module._check_mask(torch.ones(1, 4, dtype=torch.bool), ids[:1]) is None
-    assert gen_module._check_mask(torch.tensor([0, 1, 1, 1]), ids[:1]).tolist() == [[0, 1, 1, 1]]
+    assert arguments.check_mask(torch.ones(1, 4, dtype=torch.bool), ids[:1]) is None
+    assert arguments.check_mask(torch.tensor([0, 1, 1, 1]), ids[:1]).tolist() == [[0, 1, 1, 1]]
     model = hf_tiny.llama(layers=1)
-    _, mask = gen_module._check_args(ids, None, 4, False, 1.0, None, None, None, None, None, None,
-                                     torch.device("cpu"))
+    _, mask = arguments.check_args(ids, None, 4, False, 1.0, None, None, None, None, None, None,
+                                   torch.device("cpu"))
     assert mask.tolist() == [[1] * 4] * 2
-    assert gen_module._positions(torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])).tolist() == [[0, 0, 0, 1], [0, 1, 2, 3]]
-    assert gen_module._pad_id(model, None, [5, 6]) == 5 and gen_module._pad_id(model, 3, [5]) == 3
+    assert batch_state.positions(torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])).tolist() == [[0, 0, 0, 1], [0, 1, 2, 3]]
+    assert arguments.pad_id(model, None, [5, 6]) == 5 and arguments.pad_id(model, 3, [5]) == 3

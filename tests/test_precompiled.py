@@ -238,17 +238,19 @@ class RangeOut(torch.nn.Module):
         return self.lin(x), range(len(x)), type(x)
 
 
-def test_a_step_returning_a_range_is_precompiled(cache_on, caplog):
+@pytest.mark.parametrize("fallback", ["inductor", "eager"])
+def test_a_step_returning_a_range_is_precompiled(cache_on, caplog, fallback):
     """Dynamo rebuilds a ``range`` in a step's output by loading ``range`` by name and refuses a
     frame whose globals shadow it: the precompiled function's globals hold every builtin but
     ``range`` (a review found the step falling back to a plain torch.compile), and the step's
-    output equals eager's."""
+    output equals eager's. The step has no attention, so fusec hands it to the fallback: with
+    ``fallback="eager"`` the loaded graph module itself runs (it had no ``forward`` before)."""
     from fusec.frontend.precompiled import PrecompiledStep
     torch.manual_seed(0)
     m = RangeOut().eval()
     x = torch.randn(4, 8)
     with caplog.at_level(logging.INFO, logger="fusec"), torch.no_grad():
-        step = PrecompiledStep(m, m, {"num_sms": 8, "cache": True})
+        step = PrecompiledStep(m, m, {"num_sms": 8, "cache": True, "fallback": fallback})
         got, ref = step(x), m(x)
     assert step.compiled is None and _records(caplog, "stage precompiled   traced"), caplog.text[-1500:]
     assert torch.allclose(got[0], ref[0], atol=1e-6) and got[1:] == ref[1:]

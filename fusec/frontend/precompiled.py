@@ -154,10 +154,16 @@ def _hint(d: Any) -> int:
 
 
 def graph_from_bytes(data: bytes) -> torch.fx.GraphModule:
-    """The graph module :func:`graph_bytes` serialized."""
+    """The graph module :func:`graph_bytes` serialized, callable: ``GraphPickler`` rebuilds the
+    graph but not the module's generated ``forward``, which the eager fallback
+    (``fusec.frontend.backend.fallback``) returns (without it, a step that fell back with
+    ``fallback="eager"`` raised ``NotImplementedError: Module [GraphModuleImpl] is missing the
+    required "forward" function`` at its first call)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx._graph_pickler import GraphPickler
-    return GraphPickler.loads(data, FakeTensorMode())
+    gm = GraphPickler.loads(data, FakeTensorMode())
+    gm.recompile()
+    return gm
 
 
 def _run_code(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -358,7 +364,7 @@ class PrecompiledStep:
     """``module(*args, **kwargs)`` through a step precompiled once and loaded by later processes.
 
     Args:
-        module: the step (``fusec.generate``'s ``_DecodeStep``, or the HF model's call that
+        module: the step (``fusec.generate``'s ``DecodeStep``, or the HF model's call that
             :mod:`fusec.frontend.hf_generate` wraps for ``generate()``).
         model: the model inside it (its class and configuration key the entry).
         options: fusec options (:class:`fusec.config.Options`); with ``cache`` off or a

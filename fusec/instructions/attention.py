@@ -1,9 +1,9 @@
 """Split-KV decode attention (flash-decoding, Dao et al. 2023) with grouped-query attention.
 
 ``attention_partial``: one tile per (query-head group g, split c). A group is a KV head's GQA
-group of query heads, or a part of it: a group of more than :data:`MAX_TILE_HEADS` query heads
+group of query heads, or a part of it: a group of more than :data:`~.attention_rules.MAX_TILE_HEADS` query heads
 (Falcon-7B's 71 over one KV head, StarCoder2-3B's 12) is cut into ``q_groups`` equal parts
-(:func:`q_groups`), each its own tile group that reads the KV head's rows again (from L2), so that
+(:func:`~.attention_rules.q_groups`), each its own tile group that reads the KV head's rows again (from L2), so that
 no tile computes dozens of heads one after another while the other SMs idle. The valid rows
 ``[0, pos]`` are split evenly over the ``n_chunks`` tiles of a group at run time: tile c takes rows
 ``[c*(pos+1)//n_chunks, (c+1)*(pos+1)//n_chunks)`` (:func:`split_rows`), so every tile has work
@@ -29,7 +29,7 @@ records it as the op attr ``split_rows``, which the simulator and ``attention_re
 read): at a position only the first ``active = min(n_chunks, max(1, ceil((pos+1) / R)))`` splits
 of a group take rows, ``split_rows(c, pos, active)``: about R rows each (at most R while some
 splits are idle, at least ``R // 2`` when two or more work), so that a short cache needs no
-``n_chunks``-way merge; the block (``chunk``) grows to hold R rows (at most :data:`MAX_BLOCK`,
+``n_chunks``-way merge; the block (``chunk``) grows to hold R rows (at most :data:`~.attention_rules.MAX_BLOCK`,
 past it the block loop). A split ``c >= active`` reads its position and nothing of K or V,
 writes no partial, and still takes its ticket (the last-tile merge counts all ``n_chunks``
 tickets as before: it runs once, in the step's last tile, whatever ``active`` is). The merges
@@ -72,7 +72,7 @@ A step of K = 2..8 query tokens per sequence (speculative decoding's verificatio
 docs/batch.md "Several query tokens"; attr ``query_tokens`` K, B·K <= 16): the queries are
 ``[B, Hq, K, D]``, so query row ``i = (b·Hq + h)·K + k`` reads KV head ``i // (rep·K)``: the K rows
 of a query head are K more query heads of its KV head's GQA group (``n_q`` = B·Hq·K, groups of
-``rep·K`` rows, cut into ``q_groups`` parts of at most :data:`MAX_TILE_HEADS` as any group). The
+``rep·K`` rows, cut into ``q_groups`` parts of at most :data:`~.attention_rules.MAX_TILE_HEADS` as any group). The
 causal order among the K new tokens and the cache comes from HF's mask ``[B, 1, K, L]`` (or one
 ``[1, 1, K, L]`` for every sequence; attr ``mask_rows`` B·K or K): row ``i`` reads mask row
 ``b·K + k`` (``k`` of a shared mask): the call passes a tile its sequence's first row (as at
@@ -80,19 +80,16 @@ K = 1) and the template (``QK`` = K) adds ``((g·REP + j) % K)·L`` for its row 
 (:func:`_query_mask_rows`). A mask is required: every cache row ``[0, L)`` is split and the mask
 decides, as for a batch with a mask. HF transposes the output ``[B, Hq, K, D]`` to ``[B, K, Hq, D]``
 for the o projection (``transpose(1, 2).contiguous()``: at K > 1 an ``aten.permute`` that copies,
-a generic op on one SM, a dependency level of its own); the rule :func:`transposed_output` makes
+a generic op on one SM, a dependency level of its own); the rule :func:`~.attention_rules.transposed_output` makes
 it the merge's (the last tile's, or ``attention_reduce``'s): attr ``out_tokens``, the merged row
 of query row ``(b·Hq + h)·K + k`` written at row ``(b·K + k)·Hq + h`` of the permute's output
 (:func:`out_rows`; the templates' ``OHQ`` = Hq).
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
 from fusec.abi import Fault
-from fusec.cuda.knobs import KNOBS
 from fusec.ir.env import Env
 from fusec.ir import Graph, Op
 from fusec.ir.semantics import apply_mask
@@ -100,7 +97,8 @@ from fusec.ir.pattern import sem
 from fusec.instructions.base import COST_ROWS, CTA_THREADS, Instruction, Region, Tile, register, split_range
 from fusec.instructions.call import P0, P1, SMEM, Call, Expr, Float, Int, Ptr, Type
 from fusec.instructions.matvec_rows import MAX_SEQS, elt
-from fusec.instructions.rule import Ctx, Fusion, Rule
+from fusec.instructions.attention_rules import split_attention, takes_attention, transposed_output
+from fusec.instructions.rule import Rule
 
 
 def merge_partials(o: torch.Tensor, ml: torch.Tensor) -> torch.Tensor:
@@ -165,7 +163,7 @@ def _active_parts(op: Op, g: Graph, h0: int, h1: int, nc: int, d: int, active: i
 def out_rows(op: Op, h0: int, h1: int) -> list[int]:
     """The output rows (of D elements) that the merged query rows ``[h0, h1)`` of ``op`` (an
     ``attention_partial`` or ``attention_reduce``) are written at: the same rows, or with attr
-    ``out_tokens`` (a K-token step's output transposed to ``[B, K, Hq, D]``, :func:`transposed_output`)
+    ``out_tokens`` (a K-token step's output transposed to ``[B, K, Hq, D]``, :func:`~.attention_rules.transposed_output`)
     query row ``(b·Hq + h)·K + k`` at ``(b·K + k)·Hq + h`` (the template's ``attention_out_row``)."""
     if not op.attrs.get("out_tokens"):
         return list(range(h0, h1))
@@ -208,23 +206,6 @@ def _merges(op: Op) -> bool:
     return "out" in op.outputs
 
 
-#: the most rows of scores a split-KV tile keeps in shared memory (one block); a split of more
-#: rows runs over several blocks
-MAX_BLOCK = 256
-
-#: the most query heads one split-KV tile computes: its scores and value accumulators per head are
-#: registers and shared memory, and its heads run one after another (a tile of Falcon-7B's 71 heads
-#: took 35 µs and its merge 48 µs on the H200, docs/performance.md)
-MAX_TILE_HEADS = 8
-
-
-def q_groups(rep: int) -> int:
-    """The parts a GQA group of ``rep`` query heads is cut into: the fewest, ``k``, that divide
-    ``rep`` with at most :data:`MAX_TILE_HEADS` heads each (1 for ``rep <= 8``; 12 -> 2 of 6,
-    71 -> 71 of 1). Equal parts keep the template's heads per tile a constant."""
-    return next(k for k in range(1, rep + 1) if rep % k == 0 and rep // k <= MAX_TILE_HEADS)
-
-
 def _kv_head(op: Op, gi: int) -> int:
     """The KV head whose cache rows query-head group ``gi`` reads (in a batch, of the flat
     ``B * Hkv`` heads: sequence ``b``'s head ``h`` is ``b * Hkv + h``)."""
@@ -261,133 +242,6 @@ def _mask_arg(op: Op, g: Graph, bufs) -> str:
     length = bufs.length(mask, len(g.tensors[mask].shape) - 1)
     # at K > 1 the sequence's first of its K rows (the template adds its query row's token)
     return f"({ptr} + (size_t)(in.p0 / {per_seq}) * {length if qk == 1 else f'{qk} * {length}'})"
-
-
-def _seqs(g: Graph, att: Op) -> int:
-    """The sequences B of ``att``'s caches ``[B, Hkv, L, D]`` (dim 0)."""
-    return int(g.tensors[g.root(att.inputs["k"])].shape[0])
-
-
-def _mask_rows(g: Graph, att: Op) -> int:
-    """The rows of ``att``'s mask over its ``L`` cache rows in a step of K query tokens per
-    sequence (:meth:`fusec.ir.Graph.query_tokens`): 0 without a mask, K for one row per query
-    token that serves every sequence (K = 1: one row), B·K for K rows per sequence (``[B, 1, K,
-    L]``: HF's mask of a K-token step, of left-padded prompts at K = 1), -1 for any other layout."""
-    if "mask" not in att.inputs:
-        return 0
-    L = g.tensors[g.root(att.inputs["k"])].shape[2]
-    n, b, k = g.tensors[att.inputs["mask"]].numel, _seqs(g, att), g.query_tokens()
-    if k > 1 and g.tensors[att.inputs["mask"]].shape[-1] != L:
-        return -1
-    return k if n == k * L else (b * k if n == b * k * L else -1)
-
-
-def takes_attention(g: Graph, m: dict) -> bool:
-    """The rule's check: B sequences of K query tokens each (:meth:`fusec.ir.Graph.query_tokens`),
-    B·K at most :data:`MAX_SEQS`, over caches ``[B, Hkv, L, D]`` whose queries are ``[B, Hq, K,
-    D]`` (any layout of Hq·D elements at batch 1 with one token). One query token: no mask, one
-    mask row for every sequence, or one per sequence. K > 1: a mask (bool or additive, ``[B, 1,
-    K, L]`` or one ``[1, 1, K, L]`` for every sequence) over the cache's rows, which makes the K
-    rows causal. At B > 1 the batch is an attention over B·Hkv KV heads and B·Hq query heads
-    (query head ``b·Hq + h`` reads KV head ``b·Hkv + h // rep``: the flat layouts of q, the caches
-    and the output), each sequence's groups reading its mask rows; at K > 1 each of a head's K
-    query rows is a query head of its own (module docstring)."""
-    att = m["_anchor"]
-    b, k = _seqs(g, att), g.query_tokens()
-    q = g.tensors[att.inputs["q"]]
-    if b * k > MAX_SEQS or _mask_rows(g, att) < 0:
-        return False
-    if k > 1:
-        return len(q.shape) == 4 and q.shape[0] == b and q.shape[2] == k and _mask_rows(g, att) > 0 \
-            and att.attrs.get("mask_kind", 0) in (1, 2)
-    if b == 1:
-        return True
-    return len(q.shape) == 4 and q.shape[0] == b and q.shape[2] == 1
-
-
-def split_attention(c: Ctx, m: dict) -> list[Op]:
-    """``attention`` -> ``attention_partial`` (about ``min(ceil(L/16), num_sms // groups)`` splits
-    per query-head group, ``groups = B * Hkv * q_groups(K * Hq / Hkv)`` for B sequences of K
-    query tokens; a batch (B > 1) gets the attrs ``batch`` B and, with a mask of one row per
-    sequence, ``mask_rows`` B: group ``gi`` reads mask row ``gi // (groups / B)``; a step of K > 1
-    query tokens the attrs ``query_tokens`` K and ``mask_rows`` K or B·K, :func:`_query_mask_rows`),
-    blocks of a multiple of 16 rows, at most :data:`MAX_BLOCK`; L the cache's rows, its capacity
-    for a run-time length) whose last tile per group merges (``attention_merge="last_tile"``),
-    or ``attention_partial`` + ``attention_reduce`` (``"reduce"``). A non-zero
-    ``FUSEC_ATTN_SPLIT_ROWS`` among the ``defines`` becomes the attr ``split_rows`` of both (and
-    the reduce's input ``pos``), and the block grows to hold it (a multiple of 16, at most
-    :data:`MAX_BLOCK`): an active split holds up to that many rows while others idle."""
-    g, att = c.g, m["_anchor"]
-    kc = g.tensors[g.root(att.inputs["k"])]
-    b, hkv, L, d = kc.shape
-    nkv = b * hkv   # a batch of B sequences: B * Hkv KV heads (the cache's flat layout)
-    nq = g.tensors[att.inputs["q"]].numel // d
-    hs = q_groups(nq // nkv)
-    n_chunks = max(1, min(math.ceil(L / 16), c.options["num_sms"] // (nkv * hs)))
-    chunk = math.ceil(math.ceil(L / n_chunks) / 16) * 16
-    if chunk <= MAX_BLOCK:   # a split is one block: as few splits as hold L
-        n_chunks = math.ceil(L / chunk)
-    else:                    # splits of several blocks
-        chunk = MAX_BLOCK
-    per_split = int(c.options.get("defines", {}).get("FUSEC_ATTN_SPLIT_ROWS", KNOBS["FUSEC_ATTN_SPLIT_ROWS"]))
-    if per_split > 0:   # an idle split leaves up to per_split rows to each active one: one block
-        chunk = max(chunk, min(MAX_BLOCK, math.ceil(per_split / 16) * 16))
-    o_part = g.new_tensor(f"{att.name}_o_part", (nq, n_chunks, d), torch.float32)
-    ml_part = g.new_tensor(f"{att.name}_ml_part", (nq, n_chunks, 2), torch.float32)
-    attrs = {"scale": att.attrs["scale"], "n_q": nq, "n_kv": nkv, "head_dim": d,
-             "chunk": chunk, "n_chunks": n_chunks, "mask_kind": att.attrs.get("mask_kind", 0)}
-    if per_split > 0:   # only then: the default graph (and its dump) as before the knob
-        attrs["split_rows"] = per_split
-    if hs > 1:          # likewise: a group of at most MAX_TILE_HEADS query heads is one tile group
-        attrs["q_groups"] = hs
-    if b > 1:           # likewise: a batch-1 op has neither
-        attrs["batch"] = b
-        if _mask_rows(g, att) == b:
-            attrs["mask_rows"] = b
-    if g.query_tokens() > 1:   # K query rows per head: the mask's rows (K, or K per sequence)
-        attrs["query_tokens"] = g.query_tokens()
-        attrs["mask_rows"] = _mask_rows(g, att)
-    ins = {"q": att.inputs["q"], "kcache": att.inputs["k"], "vcache": att.inputs["v"],
-           "pos": att.inputs["pos"]}
-    if "mask" in att.inputs:
-        ins["mask"] = att.inputs["mask"]
-    part = Op(g.fresh_name(f"{att.name}_partial"), "attention_partial", ins,
-              {"o_part": o_part, "ml_part": ml_part}, attrs=attrs, source=att.source)
-    if c.options["attention_merge"] == "last_tile":
-        part.outputs["out"] = att.outputs["out"]
-        return [part]
-    red = Op(g.fresh_name(f"{att.name}_reduce"), "attention_reduce",
-             {"o_part": o_part, "ml_part": ml_part}, {"out": att.outputs["out"]},
-             attrs=dict(attrs), source=att.source)
-    if per_split > 0:   # the active splits come from the position
-        red.inputs["pos"] = att.inputs["pos"]
-    return [part, red]
-
-
-def transposed_output(c: Ctx, anchor: Op) -> Fusion | None:
-    """The rule's match: an ``aten.permute`` with dims ``[0, 2, 1, 3]`` of the whole output
-    ``[B, Hq, K, D]`` of a K-token step's attention (K > 1: the ``attention_partial`` that merges
-    in its last tile, or the ``attention_reduce``), read by nothing else, becomes that op's
-    output written transposed (attr ``out_tokens``: :func:`out_rows`); the permute goes (one
-    generic op on one SM and its level less per layer). None where it does not apply."""
-    g = c.g
-    args = anchor.attrs.get("args") or ()
-    if set(anchor.inputs) != {"in0"} or len(args) != 2 or list(args[1]) != [0, 2, 1, 3] or "out" not in anchor.outputs:
-        return None
-    p = c.prod(anchor.inputs["in0"], ("attention_partial", "attention_reduce"))
-    if p is None or p.attrs.get("query_tokens", 1) == 1 or p.attrs.get("out_tokens") or "out" not in p.outputs:
-        return None
-    made, x, out = (g.tensors[t] for t in (p.outputs["out"], anchor.inputs["in0"], anchor.outputs["out"]))
-    if g.root(anchor.inputs["in0"]) != g.root(p.outputs["out"]) or tuple(x.shape) != tuple(made.shape) or \
-            len(x.shape) != 4 or x.shape[2] != p.attrs["query_tokens"] or out.numel != made.numel or out.dtype != made.dtype or \
-            out.alias_of is not None or made.alias_of is not None or out.sym or made.sym:
-        return None
-
-    def build() -> list[Op]:
-        return [Op(p.name, p.kind, dict(p.inputs), {**p.outputs, "out": anchor.outputs["out"]},
-                   dict(p.attrs, out_tokens=True), p.mutates, p.source, p.layer)]
-    keep = tuple(t for s, t in p.outputs.items() if s != "out") + (anchor.outputs["out"],)
-    return Fusion([p, anchor], keep, build, place="first")
 
 
 @register

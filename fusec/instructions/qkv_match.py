@@ -265,3 +265,27 @@ def match_qkv(c: Ctx, att: Op) -> Fusion | None:
                    source=rope_q.source)]
 
     return Fusion(inner, (rope_q.outputs["out"],), build)
+
+
+def proj_norm(op: Op) -> bool:
+    """Whether the op's q/k RMSNorms are over the whole projection (OLMo-2; attribute
+    ``qk_norm`` "proj"), not per head."""
+    return op.attrs.get("qk_norm") == "proj"
+
+
+def w_stride(op: Op) -> int:
+    """Rows between two heads' first rows in ``wq``/``wk``/``wv`` (and the biases): attribute
+    ``w_stride`` (views of a fused weight interleaved per head, GPT-NeoX's ``3 * D``), else the
+    head's ``head_dim`` (consecutive heads)."""
+    return op.attrs.get("w_stride", op.attrs["head_dim"])
+
+
+def rotary_dim(op: Op) -> int:
+    """The rotated values per q/k head: attribute ``rotary_dim`` (partial rotary), else the head."""
+    return op.attrs.get("rotary_dim", op.attrs["head_dim"])
+
+
+def seq_rope(op: Op) -> bool:
+    """Whether a batched op's cos/sin are the step's rows, one per sequence (inputs
+    ``cos_table``/``sin_table`` [B, rd], no ``rope_pos``), not tables at one position."""
+    return "rope_pos" not in op.inputs

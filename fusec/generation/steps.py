@@ -1,0 +1,96 @@
+"""The decode steps that ``fusec.generate`` compiles: one model step that selects its next token
+on the device and writes it back in place (:class:`DecodeStep`, batch 1), and the masked step of
+a batch of left-padded sequences (:class:`BatchDecodeStep`)."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fusec.generation.selection import finish, select
+
+
+def takes(model: torch.nn.Module, name: str) -> bool:
+    """Whether the model's ``forward`` has a parameter ``name`` (HF's generate() passes
+    ``position_ids`` only to a forward that has it)."""
+    import inspect
+    try:
+        return name in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+class DecodeStep(torch.nn.Module):
+    """One decode step that picks its next token on the device and feeds it back in place.
+
+    ``forward(tokens, cache[, noise])``: ``tokens`` is the int64 ``[1, 1]`` device tensor of
+    the current token; the step runs the model on it, selects the next token (see
+    :func:`select`; ``noise``: Gumbel samples ``[1, V]`` when sampling), writes it into
+    ``tokens`` and returns it. With ``select_in_graph`` False (sampling, see
+    :func:`_selection_in_graph`), it returns the last logits ``[1, V]`` instead and the caller
+    selects and writes the token.
+    """
+
+    def __init__(self, model: torch.nn.Module, sample: bool, temperature: float, top_k: int | None,
+                 select_in_graph: bool):
+        super().__init__()
+        self.model = model
+        self.sample = sample
+        self.temperature = float(temperature)
+        self.top_k = top_k
+        self.select_in_graph = select_in_graph
+
+    def forward(self, tokens: torch.Tensor, cache: Any, noise: torch.Tensor | None = None) -> torch.Tensor:
+        logits = self.model(input_ids=tokens, past_key_values=cache, use_cache=True).logits[:, -1]
+        if not self.select_in_graph:
+            return logits
+        nxt = select(logits, noise if self.sample else None, self.temperature, self.top_k, None)
+        tokens.copy_(nxt.view(1, 1))
+        return nxt
+
+
+class BatchDecodeStep(DecodeStep):
+    """One decode step of a batch of B sequences (left-padded prompts), fed back in place.
+
+    ``forward(tokens, positions, mask, unfinished, cache[, noise])``:
+
+    - ``tokens``: int64 ``[B, 1]``, each sequence's current token;
+    - ``positions``: int64 ``[B, 1]``, each sequence's RoPE position (``position_ids``): the step
+      adds 1 in place after the model read it;
+    - ``mask``: the attention mask over the cache's L rows, either the complete bool mask
+      ``[B, 1, 1, L]`` that SDPA reads (True: attend; the caller sets the current row's column
+      before each step, :class:`fusec.generation.batch.Batch`) or the int64 ``[B, L]`` padding mask from which HF
+      builds the per-layer masks inside the step (for caches with sliding-window layers);
+    - ``unfinished``: int64 ``[B, 1]``, 1 while a sequence has produced no end-of-sequence token
+      (:func:`finish`; untouched when there are no eos ids);
+    - ``noise``: Gumbel samples ``[B, V]`` when sampling in the step.
+
+    It runs the model on ``tokens``, selects each sequence's next token (:func:`select`, row
+    by row), replaces the tokens of finished sequences by ``pad`` (:func:`finish`), writes them
+    into ``tokens`` and returns them (``[B]``). With ``select_in_graph`` False it returns the
+    last logits ``[B, V]`` instead; the caller selects, finishes and writes.
+    """
+
+    def __init__(self, model: torch.nn.Module, sample: bool, temperature: float, top_k: int | None,
+                 select_in_graph: bool, eos: tuple[int, ...], pad: int):
+        super().__init__(model, sample, temperature, top_k, select_in_graph)
+        self.eos = tuple(eos)   # plain settings: part of the precompiled step's key
+        self.pad = int(pad)
+        self.position_ids = takes(model, "position_ids")
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, unfinished: torch.Tensor,
+                cache: Any, noise: torch.Tensor | None = None) -> torch.Tensor:
+        if mask.dim() == 4:   # the mask spans the cache's rows: one length symbol for both
+            torch._check(mask.shape[-1] == cache.layers[0].keys.shape[-2])
+        pos = {"position_ids": positions} if self.position_ids else {}
+        logits = self.model(input_ids=tokens, attention_mask=mask, past_key_values=cache, use_cache=True,
+                            **pos).logits[:, -1]
+        if self.position_ids:
+            positions.add_(1)
+        if not self.select_in_graph:
+            return logits
+        nxt = select(logits, noise if self.sample else None, self.temperature, self.top_k, None)
+        if self.eos:
+            nxt = finish(nxt, unfinished, self.eos, self.pad)
+        tokens.copy_(nxt.view(tokens.shape))
+        return nxt

@@ -1,0 +1,160 @@
+"""The rules that make split-KV attention (:mod:`fusec.instructions.attention`'s kinds) from
+the graph: which ``attention`` ops the kinds take (:func:`takes_attention`: B sequences of K
+query tokens, their masks), how each splits into ``attention_partial`` tiles and an optional
+``attention_reduce`` (:func:`split_attention`: splits per query-head group, the block, the
+attrs the kinds read), and the permute of a K-token step's output that the merge writes
+transposed (:func:`transposed_output`). The kinds' module docstring gives the method."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from fusec.cuda.knobs import KNOBS
+from fusec.ir import Graph, Op
+from fusec.instructions.matvec_rows import MAX_SEQS
+from fusec.instructions.rule import Ctx, Fusion
+
+
+#: the most rows of scores a split-KV tile keeps in shared memory (one block); a split of more
+#: rows runs over several blocks
+MAX_BLOCK = 256
+
+#: the most query heads one split-KV tile computes: its scores and value accumulators per head are
+#: registers and shared memory, and its heads run one after another (a tile of Falcon-7B's 71 heads
+#: took 35 µs and its merge 48 µs on the H200, docs/performance.md)
+MAX_TILE_HEADS = 8
+
+
+def q_groups(rep: int) -> int:
+    """The parts a GQA group of ``rep`` query heads is cut into: the fewest, ``k``, that divide
+    ``rep`` with at most :data:`MAX_TILE_HEADS` heads each (1 for ``rep <= 8``; 12 -> 2 of 6,
+    71 -> 71 of 1). Equal parts keep the template's heads per tile a constant."""
+    return next(k for k in range(1, rep + 1) if rep % k == 0 and rep // k <= MAX_TILE_HEADS)
+
+
+def _seqs(g: Graph, att: Op) -> int:
+    """The sequences B of ``att``'s caches ``[B, Hkv, L, D]`` (dim 0)."""
+    return int(g.tensors[g.root(att.inputs["k"])].shape[0])
+
+
+def _mask_rows(g: Graph, att: Op) -> int:
+    """The rows of ``att``'s mask over its ``L`` cache rows in a step of K query tokens per
+    sequence (:meth:`fusec.ir.Graph.query_tokens`): 0 without a mask, K for one row per query
+    token that serves every sequence (K = 1: one row), B·K for K rows per sequence (``[B, 1, K,
+    L]``: HF's mask of a K-token step, of left-padded prompts at K = 1), -1 for any other layout."""
+    if "mask" not in att.inputs:
+        return 0
+    L = g.tensors[g.root(att.inputs["k"])].shape[2]
+    n, b, k = g.tensors[att.inputs["mask"]].numel, _seqs(g, att), g.query_tokens()
+    if k > 1 and g.tensors[att.inputs["mask"]].shape[-1] != L:
+        return -1
+    return k if n == k * L else (b * k if n == b * k * L else -1)
+
+
+def takes_attention(g: Graph, m: dict) -> bool:
+    """The rule's check: B sequences of K query tokens each (:meth:`fusec.ir.Graph.query_tokens`),
+    B·K at most :data:`MAX_SEQS`, over caches ``[B, Hkv, L, D]`` whose queries are ``[B, Hq, K,
+    D]`` (any layout of Hq·D elements at batch 1 with one token). One query token: no mask, one
+    mask row for every sequence, or one per sequence. K > 1: a mask (bool or additive, ``[B, 1,
+    K, L]`` or one ``[1, 1, K, L]`` for every sequence) over the cache's rows, which makes the K
+    rows causal. At B > 1 the batch is an attention over B·Hkv KV heads and B·Hq query heads
+    (query head ``b·Hq + h`` reads KV head ``b·Hkv + h // rep``: the flat layouts of q, the caches
+    and the output), each sequence's groups reading its mask rows; at K > 1 each of a head's K
+    query rows is a query head of its own (module docstring)."""
+    att = m["_anchor"]
+    b, k = _seqs(g, att), g.query_tokens()
+    q = g.tensors[att.inputs["q"]]
+    if b * k > MAX_SEQS or _mask_rows(g, att) < 0:
+        return False
+    if k > 1:
+        return len(q.shape) == 4 and q.shape[0] == b and q.shape[2] == k and _mask_rows(g, att) > 0 \
+            and att.attrs.get("mask_kind", 0) in (1, 2)
+    if b == 1:
+        return True
+    return len(q.shape) == 4 and q.shape[0] == b and q.shape[2] == 1
+
+
+def split_attention(c: Ctx, m: dict) -> list[Op]:
+    """``attention`` -> ``attention_partial`` (about ``min(ceil(L/16), num_sms // groups)`` splits
+    per query-head group, ``groups = B * Hkv * q_groups(K * Hq / Hkv)`` for B sequences of K
+    query tokens; a batch (B > 1) gets the attrs ``batch`` B and, with a mask of one row per
+    sequence, ``mask_rows`` B: group ``gi`` reads mask row ``gi // (groups / B)``; a step of K > 1
+    query tokens the attrs ``query_tokens`` K and ``mask_rows`` K or B·K, :func:`_query_mask_rows`),
+    blocks of a multiple of 16 rows, at most :data:`MAX_BLOCK`; L the cache's rows, its capacity
+    for a run-time length) whose last tile per group merges (``attention_merge="last_tile"``),
+    or ``attention_partial`` + ``attention_reduce`` (``"reduce"``). A non-zero
+    ``FUSEC_ATTN_SPLIT_ROWS`` among the ``defines`` becomes the attr ``split_rows`` of both (and
+    the reduce's input ``pos``), and the block grows to hold it (a multiple of 16, at most
+    :data:`MAX_BLOCK`): an active split holds up to that many rows while others idle."""
+    g, att = c.g, m["_anchor"]
+    kc = g.tensors[g.root(att.inputs["k"])]
+    b, hkv, L, d = kc.shape
+    nkv = b * hkv   # a batch of B sequences: B * Hkv KV heads (the cache's flat layout)
+    nq = g.tensors[att.inputs["q"]].numel // d
+    hs = q_groups(nq // nkv)
+    n_chunks = max(1, min(math.ceil(L / 16), c.options["num_sms"] // (nkv * hs)))
+    chunk = math.ceil(math.ceil(L / n_chunks) / 16) * 16
+    if chunk <= MAX_BLOCK:   # a split is one block: as few splits as hold L
+        n_chunks = math.ceil(L / chunk)
+    else:                    # splits of several blocks
+        chunk = MAX_BLOCK
+    per_split = int(c.options.get("defines", {}).get("FUSEC_ATTN_SPLIT_ROWS", KNOBS["FUSEC_ATTN_SPLIT_ROWS"]))
+    if per_split > 0:   # an idle split leaves up to per_split rows to each active one: one block
+        chunk = max(chunk, min(MAX_BLOCK, math.ceil(per_split / 16) * 16))
+    o_part = g.new_tensor(f"{att.name}_o_part", (nq, n_chunks, d), torch.float32)
+    ml_part = g.new_tensor(f"{att.name}_ml_part", (nq, n_chunks, 2), torch.float32)
+    attrs = {"scale": att.attrs["scale"], "n_q": nq, "n_kv": nkv, "head_dim": d,
+             "chunk": chunk, "n_chunks": n_chunks, "mask_kind": att.attrs.get("mask_kind", 0)}
+    if per_split > 0:   # only then: the default graph (and its dump) as before the knob
+        attrs["split_rows"] = per_split
+    if hs > 1:          # likewise: a group of at most MAX_TILE_HEADS query heads is one tile group
+        attrs["q_groups"] = hs
+    if b > 1:           # likewise: a batch-1 op has neither
+        attrs["batch"] = b
+        if _mask_rows(g, att) == b:
+            attrs["mask_rows"] = b
+    if g.query_tokens() > 1:   # K query rows per head: the mask's rows (K, or K per sequence)
+        attrs["query_tokens"] = g.query_tokens()
+        attrs["mask_rows"] = _mask_rows(g, att)
+    ins = {"q": att.inputs["q"], "kcache": att.inputs["k"], "vcache": att.inputs["v"],
+           "pos": att.inputs["pos"]}
+    if "mask" in att.inputs:
+        ins["mask"] = att.inputs["mask"]
+    part = Op(g.fresh_name(f"{att.name}_partial"), "attention_partial", ins,
+              {"o_part": o_part, "ml_part": ml_part}, attrs=attrs, source=att.source)
+    if c.options["attention_merge"] == "last_tile":
+        part.outputs["out"] = att.outputs["out"]
+        return [part]
+    red = Op(g.fresh_name(f"{att.name}_reduce"), "attention_reduce",
+             {"o_part": o_part, "ml_part": ml_part}, {"out": att.outputs["out"]},
+             attrs=dict(attrs), source=att.source)
+    if per_split > 0:   # the active splits come from the position
+        red.inputs["pos"] = att.inputs["pos"]
+    return [part, red]
+
+
+def transposed_output(c: Ctx, anchor: Op) -> Fusion | None:
+    """The rule's match: an ``aten.permute`` with dims ``[0, 2, 1, 3]`` of the whole output
+    ``[B, Hq, K, D]`` of a K-token step's attention (K > 1: the ``attention_partial`` that merges
+    in its last tile, or the ``attention_reduce``), read by nothing else, becomes that op's
+    output written transposed (attr ``out_tokens``: :func:`out_rows`); the permute goes (one
+    generic op on one SM and its level less per layer). None where it does not apply."""
+    g = c.g
+    args = anchor.attrs.get("args") or ()
+    if set(anchor.inputs) != {"in0"} or len(args) != 2 or list(args[1]) != [0, 2, 1, 3] or "out" not in anchor.outputs:
+        return None
+    p = c.prod(anchor.inputs["in0"], ("attention_partial", "attention_reduce"))
+    if p is None or p.attrs.get("query_tokens", 1) == 1 or p.attrs.get("out_tokens") or "out" not in p.outputs:
+        return None
+    made, x, out = (g.tensors[t] for t in (p.outputs["out"], anchor.inputs["in0"], anchor.outputs["out"]))
+    if g.root(anchor.inputs["in0"]) != g.root(p.outputs["out"]) or tuple(x.shape) != tuple(made.shape) or \
+            len(x.shape) != 4 or x.shape[2] != p.attrs["query_tokens"] or out.numel != made.numel or out.dtype != made.dtype or \
+            out.alias_of is not None or made.alias_of is not None or out.sym or made.sym:
+        return None
+
+    def build() -> list[Op]:
+        return [Op(p.name, p.kind, dict(p.inputs), {**p.outputs, "out": anchor.outputs["out"]},
+                   dict(p.attrs, out_tokens=True), p.mutates, p.source, p.layer)]
+    keep = tuple(t for s, t in p.outputs.items() if s != "out") + (anchor.outputs["out"],)
+    return Fusion([p, anchor], keep, build, place="first")
