@@ -119,6 +119,27 @@ def test_batch_decode_of_other_families_matches_eager(factory, steps):
     assert steps and all(s.schedule.graph.batch() == 2 and not s.fallen_back for s in steps)
 
 
+def _assert_fused(g, batch: int, layers: int, head_norm: bool, seq_rope: bool = True) -> None:
+    """Every layer's q/k/v (norm, projections, RoPE, KV writes) is one batched ``rms_qkv_rope`` and
+    its gate/up (norm, projections, SiLU product) one batched ``rms_gate_up_silu``; no generic
+    RoPE, KV write, SiLU product or linear is left. ``seq_rope``: the cos/sin are the step's rows,
+    one per sequence (else the tables at the one position)."""
+    kinds = g.count_kinds()
+    assert kinds.get("rms_qkv_rope") == layers and kinds.get("rms_gate_up_silu") == layers, kinds
+    assert not {"rope", "kv_write", "silu_mul", "linear"} & set(kinds), kinds
+    for o in g.ops:
+        if o.kind == "rms_qkv_rope":
+            assert o.attrs["batch"] == batch and "qk_part" not in o.outputs   # whole heads per tile
+            assert ("q_norm_w" in o.inputs) == head_norm
+            assert ("rope_pos" not in o.inputs) == seq_rope
+            if seq_rope:   # [B, .., D]: each sequence's own cos/sin row
+                cos = g.tensors[o.inputs["cos_table"]]
+                assert cos.shape[0] == batch and cos.numel == batch * o.attrs["head_dim"]
+            assert g.tensors[g.root(o.outputs["kcache"])].shape[0] == batch
+        if o.kind == "rms_gate_up_silu":
+            assert o.attrs["batch"] == batch
+
+
 def _compile_config(**kw):
     from transformers.generation import CompileConfig
     cc = CompileConfig(backend="fusec", **kw)
@@ -130,7 +151,8 @@ def _compile_config(**kw):
 def test_batch_generate_equals_eager(factory, steps):
     """generate() of 3 left-padded prompts (input_ids [3, T] and their attention_mask) with a
     static cache and a fusec CompileConfig: the greedy tokens equal eager generate()'s, and every
-    decode call after the prefill ran one fusec step over the batch, with no fallback."""
+    decode call after the prefill ran one fusec step over the batch, with no fallback, each layer
+    in the batched fused kinds."""
     model = factory()
     model.generation_config.pad_token_id = 0
     model.config.pad_token_id = 0
@@ -146,6 +168,7 @@ def test_batch_generate_equals_eager(factory, steps):
     (step,) = steps
     assert step.calls == 9 and not step.fallen_back
     assert step.schedule.graph.batch() == 3
+    _assert_fused(step.schedule.graph, 3, model.config.num_hidden_layers, head_norm=factory is hf_tiny.qwen3)
 
 
 def test_batch_kernel_compiles_with_nvrtc(steps):

@@ -16,33 +16,12 @@ import pytest
 import torch
 
 import hf_tiny
-from test_batch_decode import _compile_config, _left_padded, batch_steps_against_eager
+from test_batch_decode import _assert_fused, _left_padded, batch_steps_against_eager
 from fusec.fallbacks import FallbackWatch
 
 _spec = importlib.util.spec_from_file_location("layer_ops", Path(__file__).resolve().parent.parent / "tools" / "layer_ops.py")
 layer_ops = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(layer_ops)
-
-
-def _assert_fused(g, batch: int, layers: int, head_norm: bool, seq_rope: bool = True) -> None:
-    """Every layer's q/k/v (norm, projections, RoPE, KV writes) is one batched ``rms_qkv_rope`` and
-    its gate/up (norm, projections, SiLU product) one batched ``rms_gate_up_silu``; no generic
-    RoPE, KV write, SiLU product or linear is left. ``seq_rope``: the cos/sin are the step's rows,
-    one per sequence (else the tables at the one position)."""
-    kinds = g.count_kinds()
-    assert kinds.get("rms_qkv_rope") == layers and kinds.get("rms_gate_up_silu") == layers, kinds
-    assert not {"rope", "kv_write", "silu_mul", "linear"} & set(kinds), kinds
-    for o in g.ops:
-        if o.kind == "rms_qkv_rope":
-            assert o.attrs["batch"] == batch and "qk_part" not in o.outputs   # whole heads per tile
-            assert ("q_norm_w" in o.inputs) == head_norm
-            assert ("rope_pos" not in o.inputs) == seq_rope
-            if seq_rope:   # [B, .., D]: each sequence's own cos/sin row
-                cos = g.tensors[o.inputs["cos_table"]]
-                assert cos.shape[0] == batch and cos.numel == batch * o.attrs["head_dim"]
-            assert g.tensors[g.root(o.outputs["kcache"])].shape[0] == batch
-        if o.kind == "rms_gate_up_silu":
-            assert o.attrs["batch"] == batch
 
 
 @pytest.mark.parametrize("batch", [2, 3, 4])
@@ -112,27 +91,6 @@ def test_batch_fused_kinds_at_one_shared_position(steps):
     assert not w.fallbacks and w.compiled, w.fallbacks
     for s in steps:
         _assert_fused(s.schedule.graph, 3, model.config.num_hidden_layers, head_norm=False, seq_rope=False)
-
-
-def test_batch_generate_takes_the_fused_kinds(steps):
-    """HF generate() of 4 left-padded prompts of different lengths (static cache, a fusec
-    CompileConfig): the greedy tokens equal eager generate()'s, every decode call ran one fusec
-    step with the batched fused kinds, no fallback."""
-    model = hf_tiny.llama(seed=5)
-    model.generation_config.pad_token_id = 0
-    model.config.pad_token_id = 0
-    ids, mask = _left_padded(model, 4, torch.Generator().manual_seed(5))
-    kw = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, cache_implementation="static")
-    ref = model.generate(ids, **kw)
-    torch._dynamo.reset()
-    with FallbackWatch() as w:
-        out = model.generate(ids, compile_config=_compile_config(), **kw)
-    torch._dynamo.reset()
-    assert not w.fallbacks, w.fallbacks
-    assert torch.equal(out, ref)
-    (step,) = steps
-    assert step.calls == 7 and not step.fallen_back
-    _assert_fused(step.schedule.graph, 4, model.config.num_hidden_layers, head_norm=False)
 
 
 def test_batch_refusals_leave_the_layer_as_before(steps):

@@ -156,23 +156,29 @@ def test_batched_call_matches_the_template(kind):
             assert p.split("=")[1].strip() == str(a.default), (a.name, p)
 
 
-def _width_graph(batch: int, dtype: torch.dtype):
-    """An IR graph of Llama-3.2-1B's matvec widths as batched ops (no weights read): q_proj
-    (2048 -> 2048), down_proj with its residual (8192 -> 2048), lm_head (2048 -> 128256); x
-    [B, K] inputs, out [B, N] outputs. (graph, flat inputs)"""
-    from fusec.ir import Graph, Role, TensorInfo
+#: Llama-3.2-1B's matvec widths as batched ops: (name, K, N, kind): q_proj (2048 -> 2048),
+#: down_proj with its residual (8192 -> 2048), lm_head (2048 -> 128256)
+LLAMA_1B_WIDTHS = (("q", 2048, 2048, "matvec"), ("down", 8192, 2048, "matvec_residual"),
+                   ("head", 2048, 128256, "matvec"))
+
+
+def width_graph(batch: int, dtype: torch.dtype, widths=LLAMA_1B_WIDTHS):
+    """An IR graph of ``widths`` ((name, K, N, kind) each) as batched ops of ``batch`` sequences
+    (no weights read): x [B, K] inputs, out [B, N] outputs (``matvec_residual``: with its residual
+    [B, N]). (graph, flat inputs)"""
+    from fusec.ir import Graph, Op, Role, TensorInfo
     g, flat = Graph(), []
-    widths = [("q", 2048, 2048, "matvec"), ("down", 8192, 2048, "matvec_residual"), ("head", 2048, 128256, "matvec")]
+
+    def inp(name, shape, role):
+        g.add_tensor(TensorInfo(name, shape, dtype, role, input_index=len(flat)))
+        flat.append(torch.empty(*shape, dtype=dtype))
     for name, k, n, kind in widths:
         ins = {"x": f"x_{name}", "w": f"w_{name}"}
-        g.add_tensor(TensorInfo(ins["x"], (batch, k), dtype, Role.INPUT, input_index=len(flat)))
-        flat.append(torch.empty(batch, k, dtype=dtype))
-        g.add_tensor(TensorInfo(ins["w"], (n, k), dtype, Role.WEIGHT, input_index=len(flat)))
-        flat.append(torch.empty(n, k, dtype=dtype))
+        inp(ins["x"], (batch, k), Role.INPUT)
+        inp(ins["w"], (n, k), Role.WEIGHT)
         if kind == "matvec_residual":
             ins["residual"] = f"r_{name}"
-            g.add_tensor(TensorInfo(ins["residual"], (batch, n), dtype, Role.INPUT, input_index=len(flat)))
-            flat.append(torch.empty(batch, n, dtype=dtype))
+            inp(ins["residual"], (batch, n), Role.INPUT)
         g.add_tensor(TensorInfo(f"y_{name}", (batch, n), dtype, Role.OUTPUT))
         g.ops.append(Op(name, kind, ins, {"out": f"y_{name}"}, attrs={"batch": batch}))
     g.inputs = [t for t, info in g.tensors.items() if info.input_index is not None]
@@ -199,7 +205,7 @@ def test_batched_matvec_compiles_without_spills_at_llama_1b_widths(batch, dtype,
     from fusec.cuda.jit import compile_cuda
     from fusec.instructions.matvec_rows import STAGE_BYTES, seq_group
     from fusec.pipeline import Dumper, lower
-    g, flat = _width_graph(batch, dtype)
+    g, flat = width_graph(batch, dtype)
     sched = lower(g, flat, Options.from_dict({"num_sms": 132}), Dumper(None))
     ops = sched.graph.op_by_name()
     elt = dtype.itemsize

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import hf_tiny
+from test_batch_matvec import width_graph
 from fusec.instructions import KINDS
 
 TEMPLATE = Path(__file__).resolve().parent.parent / "templates" / "matvec_seqs.cu.j2"
@@ -232,34 +233,10 @@ WIDTHS = (("q", 2048, 2048, "matvec"), ("k", 2048, 512, "matvec"), ("down", 8192
           ("up", 2048, 8192, "matvec"), ("head", 2048, 128256, "matvec"))
 
 
-def _width_graph(batch: int, dtype: torch.dtype):
-    """An IR graph of :data:`WIDTHS` as batched ops of ``batch`` sequences (no weights read): x
-    [B, K] inputs, out [B, N] outputs. (graph, flat inputs)"""
-    from fusec.ir import Graph, Op, Role, TensorInfo
-    g, flat = Graph(), []
-
-    def inp(name, shape, role):
-        g.add_tensor(TensorInfo(name, shape, dtype, role, input_index=len(flat)))
-        flat.append(torch.empty(*shape, dtype=dtype))
-    for name, k, n, kind in WIDTHS:
-        ins = {"x": f"x_{name}", "w": f"w_{name}"}
-        inp(ins["x"], (batch, k), Role.INPUT)
-        inp(ins["w"], (n, k), Role.WEIGHT)
-        if kind == "matvec_residual":
-            ins["residual"] = f"r_{name}"
-            inp(ins["residual"], (batch, n), Role.INPUT)
-        g.add_tensor(TensorInfo(f"y_{name}", (batch, n), dtype, Role.OUTPUT))
-        g.ops.append(Op(name, kind, ins, {"out": f"y_{name}"}, attrs={"batch": batch}))
-    g.inputs = [t for t, info in g.tensors.items() if info.input_index is not None]
-    g.outputs = [f"y_{name}" for name, *_ in WIDTHS]
-    g.batch_size = batch
-    return g, flat
-
-
 def _lowered(batch: int, dtype: torch.dtype):
     from fusec.config import Options
     from fusec.pipeline import Dumper, lower
-    g, flat = _width_graph(batch, dtype)
+    g, flat = width_graph(batch, dtype, WIDTHS)
     return lower(g, flat, Options.from_dict({"num_sms": 132}), Dumper(None))
 
 

@@ -261,6 +261,22 @@ def test_batch_step_folds_only_into_batched_matvecs_after_its_attention_is_rewri
     assert pre and all(o.kind in ("matvec", "rms_gate_up_silu") and o.attrs.get("batch") == 2 for o in pre)
 
 
+def _prefilled_pair(model, length: int, prompt: torch.Tensor) -> list:
+    """Two StaticCaches of ``length`` rows with ``prompt`` prefilled eagerly in each (one for the
+    compiled model, one for eager)."""
+    caches = [hf_tiny.static_cache(model, length) for _ in range(2)]
+    for c in caches:
+        model(input_ids=prompt, past_key_values=c, use_cache=True)
+    return caches
+
+
+def _same_step(compiled, model, caches: list, tok: torch.Tensor) -> None:
+    """One step of ``tok`` through ``compiled`` and eagerly on the two caches: equal logits."""
+    a = compiled(input_ids=tok, past_key_values=caches[0], use_cache=True).logits
+    b = model(input_ids=tok, past_key_values=caches[1], use_cache=True).logits
+    assert ((a - b).norm() / b.norm()).item() < 1e-5
+
+
 def test_query_length_that_varies_or_exceeds_eight_falls_back_with_a_line(caplog):
     """A K = 2 step runs fusec; then K = 3 on the same compiled model (dynamo recompiles with
     the query length symbolic) falls back with one line saying the query length varies, and a
@@ -268,26 +284,17 @@ def test_query_length_that_varies_or_exceeds_eight_falls_back_with_a_line(caplog
     still equals eager."""
     model = hf_tiny.llama()
     gen = torch.Generator().manual_seed(9)
-    caches = [hf_tiny.static_cache(model, 48) for _ in range(2)]
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="fusec", options=OPTS)
     with torch.no_grad(), caplog.at_level(logging.WARNING, logger="fusec"), FallbackWatch() as w:
-        prompt = torch.randint(0, 128, (1, 4), generator=gen)
-        for c in caches:
-            model(input_ids=prompt, past_key_values=c, use_cache=True)
+        caches = _prefilled_pair(model, 48, torch.randint(0, 128, (1, 4), generator=gen))
         for k in (2, 3):
-            tok = torch.randint(0, 128, (1, k), generator=gen)
-            a = compiled(input_ids=tok, past_key_values=caches[0], use_cache=True).logits
-            b = model(input_ids=tok, past_key_values=caches[1], use_cache=True).logits
-            assert ((a - b).norm() / b.norm()).item() < 1e-5
+            _same_step(compiled, model, caches, torch.randint(0, 128, (1, k), generator=gen))
         assert len(w.fallbacks) == 1, w.fallbacks
         torch._dynamo.reset()
         compiled = torch.compile(model, backend="fusec", options=OPTS)
         fresh = [hf_tiny.static_cache(model, 48) for _ in range(2)]
-        prompt = torch.randint(0, 128, (1, 12), generator=gen)
-        a = compiled(input_ids=prompt, past_key_values=fresh[0], use_cache=True).logits
-        b = model(input_ids=prompt, past_key_values=fresh[1], use_cache=True).logits
-        assert ((a - b).norm() / b.norm()).item() < 1e-5
+        _same_step(compiled, model, fresh, torch.randint(0, 128, (1, 12), generator=gen))
     torch._dynamo.reset()
     assert w.compiled == 1 and len(w.fallbacks) == 2, (w.compiled, w.fallbacks)
     msgs = [r.message for r in caplog.records if "not a decode step of at most 8 query tokens" in r.message]
@@ -307,10 +314,7 @@ def test_by_default_a_short_prefill_falls_back_as_before(caplog):
     compiled = torch.compile(model, backend="fusec")
     with torch.no_grad(), caplog.at_level(logging.WARNING, logger="fusec"), FallbackWatch() as w:
         for n in (4, 1):
-            tok = torch.randint(0, 128, (1, n), generator=gen)
-            a = compiled(input_ids=tok, past_key_values=caches[0], use_cache=True).logits
-            b = model(input_ids=tok, past_key_values=caches[1], use_cache=True).logits
-            assert ((a - b).norm() / b.norm()).item() < 1e-5
+            _same_step(compiled, model, caches, torch.randint(0, 128, (1, n), generator=gen))
     torch._dynamo.reset()
     assert w.compiled == 1 and len(w.fallbacks) == 1, (w.compiled, w.fallbacks)
     assert "(4 query tokens, more than 1; option query_tokens=4 takes it" in w.fallbacks[0]
@@ -529,17 +533,11 @@ def test_a_k_token_step_of_more_than_16_rows_falls_back_with_a_line(caplog):
     with one line naming the rows, equal to eager, instead of compiling a step of generic ops."""
     model = hf_tiny.llama()
     gen = torch.Generator().manual_seed(13)
-    caches = [hf_tiny.static_cache(model, 32) for _ in range(2)]
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="fusec", options=OPTS)
     with torch.no_grad(), caplog.at_level(logging.WARNING, logger="fusec"), FallbackWatch() as w:
-        prompt = torch.randint(0, 128, (3, 4), generator=gen)
-        for c in caches:
-            model(input_ids=prompt, past_key_values=c, use_cache=True)
-        tok = torch.randint(0, 128, (3, 8), generator=gen)
-        a = compiled(input_ids=tok, past_key_values=caches[0], use_cache=True).logits
-        b = model(input_ids=tok, past_key_values=caches[1], use_cache=True).logits
-        assert ((a - b).norm() / b.norm()).item() < 1e-5
+        caches = _prefilled_pair(model, 32, torch.randint(0, 128, (3, 4), generator=gen))
+        _same_step(compiled, model, caches, torch.randint(0, 128, (3, 8), generator=gen))
     torch._dynamo.reset()
     assert w.compiled == 0 and len(w.fallbacks) == 1, (w.compiled, w.fallbacks)
     assert "(3 sequences of 8 query tokens, 24 rows, more than 16)" in w.fallbacks[0], w.fallbacks

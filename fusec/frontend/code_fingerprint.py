@@ -126,12 +126,23 @@ def _hooks(model: torch.nn.Module) -> list[tuple[str, Any]]:
     return out
 
 
+def _injected(name: str) -> bool:
+    """A module global that no source defines: dynamo puts the functions it compiled into the
+    globals of the modules whose frames it traced (``__compiled_fn_47_<uuid>``,
+    ``__resume_at_...``, ``__transformed_code_...``) and ``torch._dynamo.reset()`` takes them
+    out again; a dunder (``__getattr__``: import machinery). Counting them made the digest of one
+    model change within a process between two calls (a precompiled step traced anew)."""
+    return name.startswith("__")
+
+
 def model_code_digest(model: torch.nn.Module) -> str:
     """Hex sha256 of the code ``model``'s forward may run (see the module docstring)."""
     h = hashlib.sha256()
     for name in _model_modules(model):
         mod = sys.modules[name]
         for k, v in sorted(vars(mod).items()):
+            if _injected(k):
+                continue
             if isinstance(v, types.FunctionType):
                 h.update(f"{name}.{k}\0".encode() + function_digest(v))
             elif isinstance(v, type) and v.__module__ == name:
