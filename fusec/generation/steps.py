@@ -27,7 +27,7 @@ class DecodeStep(torch.nn.Module):
     the current token; the step runs the model on it, selects the next token (see
     :func:`select`; ``noise``: Gumbel samples ``[1, V]`` when sampling), writes it into
     ``tokens`` and returns it. With ``select_in_graph`` False (sampling, see
-    :func:`_selection_in_graph`), it returns the last logits ``[1, V]`` instead and the caller
+    :func:`fusec.generate._selection_in_graph`), it returns the last logits ``[1, V]`` instead and the caller
     selects and writes the token.
     """
 
