@@ -223,6 +223,63 @@ def test_code_digest_ignores_what_dynamo_puts_into_module_globals():
     assert model_code_digest(model) == base
     torch._dynamo.reset()
     assert model_code_digest(model) == base
+    # a graph break (a pre-hook on each attention) compiled by a backend that returns a plain
+    # function of another module: dynamo's compiled functions then carry that module's name,
+    # which must not join the modules the digest reads
+    hooks = [layer.self_attn.register_forward_pre_hook(_graph_break, with_kwargs=True)
+             for layer in model.model.layers]
+    base = model_code_digest(model)
+    with torch.no_grad():
+        torch.compile(model, backend=_plain_backend)(input_ids=torch.randint(0, 128, (1, 1)),
+                                                     past_key_values=cache, use_cache=True)
+    assert model_code_digest(model) == base
+    torch._dynamo.reset()
+    for h in hooks:
+        h.remove()
+
+
+def _graph_break(module, args, kwargs):
+    torch._dynamo.graph_break()
+
+
+def _plain_backend(gm, example_inputs):
+    """A backend that returns a plain Python function of this module."""
+    def run(*args):
+        return gm(*args)
+    return run
+
+
+def test_code_digest_sees_a_module_function_with_a_leading_double_underscore():
+    """A model module's own ``def __scale`` (not a dunder, not dynamo's) rebound changes the
+    digest: only dynamo's prefixes and true dunders are skipped (a loaded step would run the old
+    function's graph otherwise)."""
+    import types
+    from fusec.frontend.code_fingerprint import model_code_digest
+    mod = types.ModuleType("fusec_test_dunder_model")
+    exec(textwrap.dedent("""
+        import torch
+        def __scale(x):
+            return x * 2.0
+        def times3(x):
+            return x * 3.0
+        def helper(x):
+            return globals()["__scale"](x)
+        class M(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = torch.nn.Linear(4, 4)
+            def forward(self, x):
+                return helper(self.lin(x))
+    """), mod.__dict__)
+    mod.M.__module__ = mod.__name__
+    sys.modules[mod.__name__] = mod
+    try:
+        model = mod.M()
+        base = model_code_digest(model)
+        mod.__dict__["__scale"] = mod.times3   # a function of the same module: no module joins
+        assert model_code_digest(model) != base
+    finally:
+        del sys.modules[mod.__name__]
 
 
 def test_precompiled_step_lowers_as_torch_compile(cache_on, steps, monkeypatch):

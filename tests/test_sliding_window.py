@@ -300,12 +300,13 @@ def test_counter_uses_stay_correct(extra):
     """20 steps against eager: a host-computed position past the cache's rows stays in fusec (the
     position tables cover option ``position_rows``, 32768 by default for host positions: no
     fallback), a counter used otherwise than as an added position falls back per value (eagerly:
-    inductor gave wrong values there); every step equals eager."""
+    inductor gave wrong values there: the option names inductor, the default outside this
+    suite, so that the switch to eager is what keeps the values right); every step equals eager."""
     model = _CounterModel(extra).eval()
     ce, cc = _CounterCache(), _CounterCache()
     gen = torch.Generator().manual_seed(1)
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend="fusec", options={"num_sms": 8})
+    compiled = torch.compile(model, backend="fusec", options={"num_sms": 8, "fallback": "inductor"})
     with FallbackWatch() as w, torch.no_grad():
         for _ in range(20):
             x = torch.randn(1, 1, 64, generator=gen)

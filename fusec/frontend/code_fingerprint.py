@@ -91,7 +91,9 @@ def _model_modules(model: torch.nn.Module) -> list[str]:
     names = {type(m).__module__ for m in model.modules()}
     for name in list(names):
         mod = sys.modules.get(name)
-        for v in vars(mod).values() if mod is not None else ():
+        for k, v in vars(mod).items() if mod is not None else ():
+            if _injected(k):   # dynamo's compiled functions carry their backend's module
+                continue
             home = getattr(v, "__module__", None) if isinstance(v, (types.FunctionType, type)) else None
             if isinstance(home, str) and home in sys.modules:
                 names.add(home)
@@ -126,13 +128,20 @@ def _hooks(model: torch.nn.Module) -> list[tuple[str, Any]]:
     return out
 
 
+#: the prefixes of the globals dynamo puts into the modules whose frames it traced
+#: (torch/_dynamo: ``__compiled_fn_47_<uuid>``, ``__resume_at_...``, ``__transformed_code_...``, the
+#: polyfills and helpers it installs); some stay after ``torch._dynamo.reset()``
+_DYNAMO_PREFIXES = ("__compiled_fn", "__resume_at", "__transformed_code", "__import_", "___",
+                    "__comprehension_", "__subclass_", "__gen_rand_values", "__warnings_warn_wrapper")
+
+
 def _injected(name: str) -> bool:
-    """A module global that no source defines: dynamo puts the functions it compiled into the
-    globals of the modules whose frames it traced (``__compiled_fn_47_<uuid>``,
-    ``__resume_at_...``, ``__transformed_code_...``) and ``torch._dynamo.reset()`` takes them
-    out again; a dunder (``__getattr__``: import machinery). Counting them made the digest of one
-    model change within a process between two calls (a precompiled step traced anew)."""
-    return name.startswith("__")
+    """A module global that no source of the model defines: one dynamo put there
+    (:data:`_DYNAMO_PREFIXES`), or a dunder (``__getattr__``, ``__builtins__``: import
+    machinery). Counting dynamo's made the digest of one model change within a process between
+    two calls (a precompiled step traced anew). A module's own ``def __helper`` (no trailing
+    ``__``) counts as any function."""
+    return name.startswith(_DYNAMO_PREFIXES) or (name.startswith("__") and name.endswith("__"))
 
 
 def model_code_digest(model: torch.nn.Module) -> str:
