@@ -145,12 +145,7 @@ class RmsGateUpSilu(TakesPrologue, Instruction):
             return cls._run_seqs(op, env, n.view(seqs(op), -1), r0, r1, dt)
         gate = (env.read(op.inputs["wg"])[r0:r1].float() @ n).to(dt).float()
         up = (env.read(op.inputs["wu"])[r0:r1].float() @ n).to(dt).float()
-        act = op.attrs.get("act", "silu")
-        if act == "silu":
-            a = torch.nn.functional.silu(gate)
-        else:   # GELU is its own op in PyTorch: rounded before the product
-            a = torch.nn.functional.gelu(gate, approximate="tanh" if act == "gelu_tanh" else "none").to(dt).float()
-        env.flat(op.outputs["out"])[r0:r1] = (a * up).to(dt)
+        env.flat(op.outputs["out"])[r0:r1] = _product(op, gate, up, dt)
 
     @classmethod
     def _run_seqs(cls, op: Op, env: Env, n: torch.Tensor, r0: int, r1: int, dt: torch.dtype) -> None:
@@ -158,9 +153,15 @@ class RmsGateUpSilu(TakesPrologue, Instruction):
         the same roundings as at batch 1, per sequence; out [B, F] at those rows."""
         gate = (n @ env.read(op.inputs["wg"])[r0:r1].float().T).to(dt).float()
         up = (n @ env.read(op.inputs["wu"])[r0:r1].float().T).to(dt).float()
-        act = op.attrs.get("act", "silu")
-        if act == "silu":
-            a = torch.nn.functional.silu(gate)
-        else:
-            a = torch.nn.functional.gelu(gate, approximate="tanh" if act == "gelu_tanh" else "none").to(dt).float()
-        env.flat(op.outputs["out"]).view(seqs(op), -1)[:, r0:r1] = (a * up).to(dt)
+        env.flat(op.outputs["out"]).view(seqs(op), -1)[:, r0:r1] = _product(op, gate, up, dt)
+
+
+def _product(op: Op, gate: torch.Tensor, up: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
+    """``act(gate) * up`` rounded once to ``dt`` (gate and up: rounded dots, fp32): SiLU
+    unrounded (as the ``silu_mul`` semantics), GELU rounded first (its own op in PyTorch)."""
+    act = op.attrs.get("act", "silu")
+    if act == "silu":
+        a = torch.nn.functional.silu(gate)
+    else:
+        a = torch.nn.functional.gelu(gate, approximate="tanh" if act == "gelu_tanh" else "none").to(dt).float()
+    return (a * up).to(dt)
