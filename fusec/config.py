@@ -53,9 +53,9 @@ MAX_NUM_SMS = 1024
 #: the most query tokens per sequence a step takes (speculative decoding verifies K <= 8 draft
 #: tokens; a longer query is a prefill, which runs eagerly)
 MAX_QUERY_TOKENS = 8
-#: the most activation rows B·K of a step of K > 1 query tokens per sequence: what the fused kinds
-#: take (``fusec.instructions.matvec_rows.MAX_SEQS``, their ``max_rows``); a larger one runs eagerly
-#: (one line) instead of as generic ops on one SM each (docs/batch.md, "Several query tokens")
+#: the most activation rows B·K of a step (B sequences of K query tokens each): what the fused
+#: kinds take (``fusec.instructions.matvec_rows.MAX_SEQS``, their ``max_rows``); a larger one runs
+#: on the fallback backend (one line) instead of as generic ops on one SM each (docs/batch.md)
 MAX_QUERY_ROWS = 16
 #: the longest ``max_cache_len`` (rows): the causal-mask proof and the position tables at 2**20
 #: rows took 12 s and 5 GB on a tiny model (2**22: 65 s, 17.6 GB)

@@ -107,6 +107,16 @@ def test_batch_decode_matches_eager(factory, batch, steps):
         assert "fusec.sdpa.default" not in g.count_kinds()
 
 
+def test_a_batch_of_more_than_16_sequences_falls_back_with_a_line():
+    """B = 17 sequences (more rows than the fused kinds take: every op would be generic on one
+    SM) fall back with one line naming the batch, and the logits equal eager's."""
+    model = hf_tiny.llama(layers=1)
+    errs, w, _ = batch_steps_against_eager(model, 17, 17, n=1)
+    assert max(errs) < 1e-6, errs
+    assert w.compiled == 0 and len(w.fallbacks) == 1, (w.compiled, w.fallbacks)
+    assert "(17 sequences, more than 16)" in w.fallbacks[0], w.fallbacks
+
+
 @pytest.mark.parametrize("factory", [hf_tiny.gpt2, hf_tiny.gemma2, hf_tiny.falcon, hf_tiny.phi2, hf_tiny.olmo2])
 def test_batch_decode_of_other_families_matches_eager(factory, steps):
     """Families whose layers differ from Llama's (LayerNorm rows and Conv1D: GPT-2; sliding and

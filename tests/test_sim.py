@@ -155,3 +155,39 @@ def test_tiles_cover_outputs_exactly(compiled):
         regs = sorted(regs)
         for (t1, a1, b1), (t2, a2, b2) in zip(regs, regs[1:]):
             assert t1 != t2 or b1 <= a2, f"{op}: overlapping writes"
+
+
+def test_first_step_runs_outside_aot_autograds_dispatch_mode(monkeypatch):
+    """AOT autograd runs a compiled graph's first call under its check of custom ops' aliasing (a
+    Python dispatch mode that sees every torch op); the step itself, the simulator's thousands of
+    ops, runs outside it (``fusec.frontend.compiled``; 20-25% of a tiny model's first call)."""
+    from fusec.frontend import compiled as compiled_mod
+    seen = {"entry": [], "engine": []}
+    build, call = compiled_mod.CompiledStep._build, compiled_mod.CompiledStep.__call__
+
+    def spy_build(self, args):
+        engine = build(self, args)
+
+        def engine_spy(a):
+            seen["engine"].append(torch._C._len_torch_dispatch_stack())
+            return engine(a)
+        return engine_spy
+
+    def spy_call(self, *args):
+        seen["entry"].append(compiled_mod._under_aot_check())
+        return call(self, *args)
+    monkeypatch.setattr(compiled_mod.CompiledStep, "_build", spy_build)
+    monkeypatch.setattr(compiled_mod.CompiledStep, "__call__", spy_call)
+    monkeypatch.setenv("FUSEC_CACHE", "0")   # a cold compile: AOT autograd runs
+    model = hf_tiny.llama(layers=1)
+    cache = hf_tiny.static_cache(model, 16)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, 128, (1, 3)), past_key_values=cache, use_cache=True)
+        step = torch.compile(model, backend="fusec")
+        for pos in (3, 4):
+            step(input_ids=torch.randint(0, 128, (1, 1)), past_key_values=cache, use_cache=True,
+                 cache_position=torch.tensor([pos]))
+    torch._dynamo.reset()
+    assert seen["entry"] == [True, False], seen   # the first call is under AOT's check, not the next
+    assert seen["engine"] == [0, 0], seen

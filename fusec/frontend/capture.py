@@ -52,8 +52,9 @@ def check_decode_step(gm: torch.fx.GraphModule, query_tokens: int = 1) -> None:
     [B, heads, K, head_dim] with B and K fixed sizes (docs/batch.md says which kinds take B * K
     > 1 rows and which ops then stay generic); a prefill has more query positions, and a batch
     size or a query length that varies between calls (a symbolic dim 0 or 2) is refused, as is a
-    step of K > 1 query tokens of more than :data:`fusec.config.MAX_QUERY_ROWS` rows B * K (no
-    fused kind takes them: every op would run generic on one SM).
+    step of more than :data:`fusec.config.MAX_QUERY_ROWS` rows B * K (more than 16 sequences of
+    one token, or fewer of K > 1 tokens: no fused kind takes them, every op would run generic on
+    one SM).
     A key that is a ``torch.cat`` of the past keys and the new one (HF ``DynamicCache``) changes
     shape every step: the message says to use a StaticCache. Eager attention that is not SDPA
     (its weights returned, logit softcapping): the message says why, at the model's source line.
@@ -73,11 +74,12 @@ def check_decode_step(gm: torch.fx.GraphModule, query_tokens: int = 1) -> None:
             continue
         n += 1
         if q.dim() != 4 or not isinstance(q.shape[0], int) or not isinstance(q.shape[2], int) \
-                or not 1 <= q.shape[2] <= query_tokens or (q.shape[2] > 1 and q.shape[0] * q.shape[2] > MAX_QUERY_ROWS):
+                or not 1 <= q.shape[2] <= query_tokens or q.shape[0] * q.shape[2] > MAX_QUERY_ROWS:
             shape = ", ".join(str(d) if isinstance(d, int) else f"{d} (varies between calls)" for d in q.shape)
             what = (f"a {q.dim()}-D query" if q.dim() != 4 else
                     "a batch size that varies" if not isinstance(q.shape[0], int) else
                     "a query length that varies" if not isinstance(q.shape[2], int) else
+                    f"{q.shape[0]} sequences, more than {MAX_QUERY_ROWS}" if q.shape[2] == 1 else
                     f"{q.shape[0]} sequences of {q.shape[2]} query tokens, {q.shape[0] * q.shape[2]} rows, more "
                     f"than {MAX_QUERY_ROWS}" if q.shape[2] <= query_tokens else
                     f"{q.shape[2]} query tokens, more than {query_tokens}" +

@@ -25,6 +25,16 @@ if TYPE_CHECKING:
 log = logging.getLogger("fusec")
 
 
+def _under_aot_check() -> bool:
+    """Whether the innermost Python dispatch mode is AOT autograd's check of custom ops'
+    aliasing (``torch._functorch`` ``_AnalyzeCustomOpInputOutputMode``), under which AOT runs a
+    compiled graph's first call. It sees every torch op the step itself runs: the CPU
+    simulator's (about 1.2 s more for a 16-layer tiny Llama's first step), none of which is an
+    op of the user's graph."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+    return type(_get_current_dispatch_mode()).__name__ == "_AnalyzeCustomOpInputOutputMode"
+
+
 class CompiledStep:
     """Runs one captured decode step; the passes run at the first call (real inputs needed).
 
@@ -119,8 +129,13 @@ class CompiledStep:
                 warn_fallback("fusec: running this graph eagerly: %s", e)
                 self.fallen_back = True
                 return self.aten_gm(*full)
-        with torch.no_grad():
-            out = self.engine(list(args))
+        if torch._C._len_torch_dispatch_stack() and _under_aot_check():
+            from torch.utils._python_dispatch import _disable_current_modes
+            with torch.no_grad(), _disable_current_modes():
+                out = self.engine(list(args))
+        else:
+            with torch.no_grad():
+                out = self.engine(list(args))
         self.calls += 1
         if (self.opts.profile and not self.profile_written and self._cuda_step is not None
                 and self.calls >= self.opts.profile_step and not torch.cuda.is_current_stream_capturing()):
