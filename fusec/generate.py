@@ -292,8 +292,10 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: in
             raise FusecError(f"fusec.generate: prompt_lookup_num_tokens takes one prompt without padding (batch 1): "
                              f"input_ids has shape {tuple(input_ids.shape)}"
                              + (", attention_mask has zeros" if input_ids.shape[0] == 1 else ""))
-        num = prompt_lookup.check_num(prompt_lookup_num_tokens, sample)
-        return prompt_lookup.generate(model, input_ids, max_new_tokens, num, eos, streamer, opts)[0]
+        num = prompt_lookup.fit_position_table(model, input_ids.shape[1] + max_new_tokens,
+                                               prompt_lookup.check_num(prompt_lookup_num_tokens, sample))
+        if num:
+            return prompt_lookup.generate(model, input_ids, max_new_tokens, num, eos, streamer, opts)[0]
     if sample:
         top_k = top_k or None
         top_p = None if top_p is None or float(top_p) >= 1.0 else float(top_p)

@@ -93,6 +93,34 @@ def check_num(num: Any, sample: bool) -> int:
     return num
 
 
+def position_table_rows(model: torch.nn.Module) -> int | None:
+    """Rows of the model's learned absolute position table (GPT-2's ``wpe``: an ``nn.Embedding``
+    other than the token embedding with ``config.max_position_embeddings`` rows), or None (RoPE
+    and other computed positions take any position)."""
+    rows = getattr(model.config, "max_position_embeddings", None)
+    if not isinstance(rows, int):
+        return None
+    tokens = model.get_input_embeddings()
+    return rows if any(isinstance(m, torch.nn.Embedding) and m is not tokens and m.num_embeddings == rows
+                       for m in model.modules()) else None
+
+
+def fit_position_table(model: torch.nn.Module, limit: int, num: int) -> int:
+    """The drafts per step, at most ``num``, whose verification steps stay inside a learned position
+    table: a step at length ``n`` (at most ``limit``, the prompt + max_new_tokens) runs its K = num
+    + 1 rows at positions ``n - 1 .. n + num - 1``, past what greedy decoding reads, so that
+    ``limit + num`` rows must exist. 0: no drafts fit (generate greedily, one token per step).
+    Logs one line when it takes fewer than ``num``."""
+    rows = position_table_rows(model)
+    if rows is None or limit + num <= rows:
+        return num
+    fit = max(0, rows - limit)
+    log.info("fusec.generate: prompt_lookup_num_tokens %d -> %d: the verification step's rows would pass "
+             "the model's %d-row position table (prompt + max_new_tokens = %d)%s", num, fit, rows, limit,
+             "; generating one token per step" if fit == 0 else "")
+    return fit
+
+
 def accept(inp: torch.Tensor, preds: torch.Tensor) -> torch.Tensor:
     """How many drafts a verification step accepts, as a device op.
 
@@ -137,6 +165,10 @@ class LookupDecoder:
         dev = hist.device
         self.n = torch.full((1,), n, dtype=torch.int64, device=dev)
         self.inp = torch.zeros(1, k, dtype=torch.int64, device=dev)
+        # every K compiles VerifyStep.forward, one code object: without the marks dynamo's
+        # automatic dynamic shapes would make the query length symbolic at a second K (a fallback)
+        torch._dynamo.mark_static(self.inp, 0)
+        torch._dynamo.mark_static(self.inp, 1)
         self.ar = torch.arange(k, device=dev)
         self.steps = torch.zeros(1, dtype=torch.int64, device=dev)      # steps taken before the limit
         self.accepted = torch.zeros(1, dtype=torch.int64, device=dev)   # drafts accepted by them

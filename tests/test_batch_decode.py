@@ -105,6 +105,10 @@ def test_batch_decode_matches_eager(factory, batch, steps):
         assert len(att) == model.config.num_hidden_layers and all(o.kind == "attention_partial" for o in att)
         assert all(o.attrs["mask_kind"] == 1 and g.tensors[o.inputs["mask"]].shape[0] == batch for o in att)
         assert "fusec.sdpa.default" not in g.count_kinds()
+        # the B tokens' rows are gathered by the embedding kind, one tile per sequence
+        emb = [o for o in g.ops if o.kind == "embedding"]
+        assert len(emb) == 1 and "aten.embedding.default" not in g.count_kinds(), g.count_kinds()
+        assert sum(1 for i in s.schedule.instrs if i.op == emb[0].name) == batch
 
 
 def test_a_batch_of_more_than_16_sequences_falls_back_with_a_line():

@@ -105,6 +105,30 @@ def test_negative_token_id_under_torch_compile_raises_and_writes_no_cache_row(ma
         assert torch.equal(k, layer.keys) and torch.equal(v, layer.values)
 
 
+def test_out_of_range_token_id_in_a_batch_row_raises():
+    """A batch of 3 sequences whose third token id is the vocabulary size: IndexFaultError naming
+    it (the embedding kind gathers each row's token in a tile of its own and checks each), as
+    eager raises IndexError; a batch of valid ids then runs."""
+    model = hf_tiny.llama(layers=1)
+    cache = hf_tiny.static_cache(model, 16)
+    v = model.config.vocab_size
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fusec", options={"num_sms": 4})
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[1, 2], [3, 4], [5, 6]]), past_key_values=cache, use_cache=True)
+        with pytest.raises(IndexError):
+            model(input_ids=torch.tensor([[1], [2], [v]]), past_key_values=cache, use_cache=True,
+                  cache_position=torch.tensor([2]))
+        with pytest.raises(IndexFaultError) as e:
+            compiled(input_ids=torch.tensor([[1], [2], [v]]), past_key_values=cache, use_cache=True,
+                     cache_position=torch.tensor([2]))
+        out = compiled(input_ids=torch.tensor([[1], [2], [3]]), past_key_values=cache, use_cache=True,
+                       cache_position=torch.tensor([2]))
+    torch._dynamo.reset()
+    assert (e.value.code, e.value.value, e.value.bound) == (1, v, v)
+    assert out.logits.shape == (3, 1, v) and torch.isfinite(out.logits).all()
+
+
 # ---- the generated CUDA forms (run on the host; compiled with NVRTC) ----
 
 def _host_run(g: Graph, flat, tmp_path):

@@ -67,6 +67,11 @@ def k_steps_against_eager(model, k: int, seed: int, prompts=PROMPTS, length: int
 LENGTH = 96
 
 
+def tiles_of(step, name: str) -> int:
+    """The instructions (tiles) of op ``name`` in ``step``'s schedule."""
+    return sum(1 for ins in step.schedule.instrs if ins.op == name)
+
+
 def _k_token_kinds(step, model, k: int, batch: int = 1) -> None:
     """The K-token step's ops are the fused kinds over its B·K rows: no ``linear`` left (each a
     ``matvec`` or ``matvec_residual`` with ``batch`` B·K), the hidden state's RMSNorms the
@@ -84,9 +89,11 @@ def _k_token_kinds(step, model, k: int, batch: int = 1) -> None:
     mv = [o for o in ops if o.kind in ("matvec", "matvec_residual")]
     assert len(mv) == 7 * cfg.num_hidden_layers + 1 and all(o.attrs.get("batch") == batch * k for o in mv)
     normed = [o for o in mv if o.attrs.get("pre") and o.attrs["pre"][-1].kind == "rmsnorm"]
-    # q/k/v (each its copy) and gate/up per layer but the first (its norm is in the embedding's
-    # chain), and the lm_head's final norm
-    assert len(normed) == 5 * cfg.num_hidden_layers - 3 + 1, [o.name for o in normed]
+    # q/k/v (each its copy) and gate/up per layer (the first layer's too: the K tokens' rows are
+    # gathered by the embedding kind, whose output the prologue reads), and the lm_head's final norm
+    assert len(normed) == 5 * cfg.num_hidden_layers + 1, [o.name for o in normed]
+    emb = [o for o in g.ops if o.kind == "embedding"]
+    assert len(emb) == 1 and tiles_of(step, emb[0].name) == batch * k
     att = [o for o in ops if o.kind == "attention_partial"]
     assert len(att) == cfg.num_hidden_layers
     hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads

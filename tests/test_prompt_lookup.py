@@ -118,3 +118,39 @@ def test_prompt_lookup_argument_errors():
             fusec.generate(m, ids, 4, prompt_lookup_num_tokens=bad)
     with pytest.raises(FusecError, match="greedy"):
         fusec.generate(m, ids, 4, prompt_lookup_num_tokens=3, do_sample=True)
+
+
+def test_a_second_n_in_one_process_compiles_its_own_step(steps):
+    """N = 1, then N = 2 and N = 3 on the same model in one process: each K = N + 1 is a fusec step
+    of its own, no fallback (every K compiles VerifyStep.forward, one code object: before, dynamo
+    made the second K's query length symbolic and the step fell back), greedy's tokens each time."""
+    m, ids = _varied(1)
+    ref = _hf_greedy(m, ids, 10)
+    torch._dynamo.reset()
+    for num in (1, 2, 3):
+        with FallbackWatch() as w:
+            out = fusec.generate(m, ids, 10, prompt_lookup_num_tokens=num, eos_token_id=[])
+        assert not w.fallbacks and w.compiled == 1, (num, w.fallbacks)
+        assert torch.equal(out, ref), num
+    torch._dynamo.reset()
+    assert sorted(s.schedule.graph.query_tokens() for s in steps if s.schedule is not None) == [2, 3, 4]
+
+
+def test_drafts_stay_inside_a_learned_position_table(caplog):
+    """GPT-2's learned positions (``wpe``, ``n_positions`` rows): near the table's end the drafts
+    per step shrink so that the verification rows stay inside it (greedy reads positions up to
+    prompt + max_new_tokens - 1 only); with no room left generation is one token per step; the
+    tokens are greedy's either way (before: IndexFaultError on wpe)."""
+    m = hf_tiny.gpt2()
+    rows = m.config.n_positions
+    g = torch.Generator().manual_seed(4)
+    for prompt, num, fit in ((rows - 10, 6, 4), (rows - 6, 3, 0)):
+        ids = torch.randint(1, m.config.vocab_size, (1, prompt), generator=g)
+        ref = _hf_greedy(m, ids, 6)
+        torch._dynamo.reset()
+        caplog.clear()
+        with caplog.at_level("INFO", logger="fusec"):
+            out = fusec.generate(m, ids, 6, prompt_lookup_num_tokens=num, eos_token_id=[])
+        torch._dynamo.reset()
+        assert torch.equal(out, ref), (prompt, num)
+        assert any(f"prompt_lookup_num_tokens {num} -> {fit}" in r.getMessage() for r in caplog.records)
