@@ -37,7 +37,8 @@ GELU (``aten.gelu``, ``gelu_new``'s chain) over an output of a ``matvec``, ``mat
 ``matvec_cols`` into that op's activation epilogue (66 and 67 for ``matvec_group``, 75 and 76
 for ``matvec``, 81 and 82 for ``matvec_cols``: :mod:`fusec.instructions.activation`); the
 ``kv_write``s of pieces of a ``matvec_cols`` product into its cache epilogue (78: GPT-2's k and
-v, :mod:`fusec.instructions.kv_epilogue`); ``aten.embedding`` into ``embedding`` (80).
+v, :mod:`fusec.instructions.kv_epilogue`); ``aten.embedding`` into ``embedding`` (80); an
+``argmax`` over the last dim of up to 16 rows that no ``rms_lm_head`` took into ``argmax_rows`` (85).
 """
 from __future__ import annotations
 

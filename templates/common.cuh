@@ -78,6 +78,12 @@ __device__ __forceinline__ unsigned atom_inc_acq_rel(unsigned* p, unsigned limit
   asm volatile("atom.acq_rel.gpu.global.inc.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(limit) : "memory");
   return old;
 }
+// torch.argmax's order of (value, index) candidates: NaN above every number, then larger values,
+// then the smaller index (rms_lm_head's and argmax_rows' merges)
+__device__ __forceinline__ bool argmax_better(float v, int r, float b, int br) {
+  if (v != v) return b == b || r < br;
+  return b == b && (v > b || (v == b && r < br));
+}
 __device__ __forceinline__ unsigned long long globaltimer() {
   unsigned long long t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));

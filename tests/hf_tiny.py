@@ -166,11 +166,11 @@ def falcon_7b(hidden=64, heads=4, layers=2, ffn=None, seed=0):
     return FalconForCausalLM(cfg).eval().requires_grad_(False)
 
 
-def gpt2(seed=0, layers=2):
+def gpt2(seed=0, layers=2, vocab=128):
     """A tiny ``GPT2LMHeadModel`` (learned positions, Conv1D projections, LayerNorm, gelu_new)."""
     from transformers import GPT2Config, GPT2LMHeadModel
     torch.manual_seed(seed)
-    cfg = GPT2Config(vocab_size=128, n_embd=64, n_layer=layers, n_head=4, n_positions=256, attn_implementation="sdpa")
+    cfg = GPT2Config(vocab_size=vocab, n_embd=64, n_layer=layers, n_head=4, n_positions=256, attn_implementation="sdpa")
     return GPT2LMHeadModel(cfg).eval().requires_grad_(False)
 
 

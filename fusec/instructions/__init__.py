@@ -2,7 +2,7 @@
 from fusec.instructions.base import KINDS, Instruction, Region, Tile, register  # noqa: F401
 from fusec.instructions import generic, embedding, rms_qkv_rope, attention, matvec_residual  # noqa: F401
 from fusec.instructions import rms_gate_up_silu, rms_lm_head, matvec, matvec_cols, layernorm, chain  # noqa: F401
-from fusec.instructions import matvec_group, kv_roll  # noqa: F401
+from fusec.instructions import matvec_group, kv_roll, argmax_rows  # noqa: F401
 
 
 def kind_of(op) -> type[Instruction]:
