@@ -30,14 +30,14 @@ def _model(seed: int):
 
 
 def _steps_against_eager(model, batch: int, tokens: list[torch.Tensor], steps_rec,
-                         prompt: torch.Tensor | None = None) -> list:
+                         prompt: torch.Tensor | None = None, device: str = "cpu") -> list:
     """Each of ``tokens`` ([batch, 1]) as one step through the compiled greedy step and eagerly,
     after a 3-token prefill (``prompt``, default random): equal tokens; the step's argmax is
     ``argmax_rows`` over several tiles. Returns the compiled step's outputs."""
     gen = torch.Generator().manual_seed(batch)
     caches = [hf_tiny.static_cache(model, 16) for _ in range(2)]
     with torch.no_grad():
-        p = torch.randint(0, VOCAB, (batch, 3), generator=gen) if prompt is None else prompt
+        p = (torch.randint(0, VOCAB, (batch, 3), generator=gen) if prompt is None else prompt).to(device)
         for c in caches:
             model(input_ids=p, past_key_values=c, use_cache=True)
     torch._dynamo.reset()
@@ -45,6 +45,7 @@ def _steps_against_eager(model, batch: int, tokens: list[torch.Tensor], steps_re
     outs = []
     with FallbackWatch() as w, torch.no_grad():
         for t in tokens:
+            t = t.to(device)
             a, b = compiled(t, caches[0]), _GreedyRows(model)(t, caches[1])
             assert torch.equal(a, b), (a, b)
             outs.append(a)
@@ -102,3 +103,14 @@ def test_kernel_compiles_with_nvrtc(steps, tmp_path):
     assert src.count("argmax_rows<__nv_bfloat16, 3, 3000, 5, 8>(") == 1, [
         ln for ln in src.splitlines() if "argmax_rows<" in ln]
     compile_cuda(src, "fusec_step.cu", cache_dir=str(tmp_path)).assert_no_spills()
+
+
+@pytest.mark.gpu
+def test_greedy_tokens_of_a_batch_equal_eager_on_the_gpu(steps):
+    """The kernel: B = 3 sequences, four steps, each sequence's greedy token equal to eager's (the
+    tiles' candidates and the last-ticket merge on the GPU; fp32: bf16 logits of two engines may
+    round a near tie apart)."""
+    gen = torch.Generator().manual_seed(8)
+    model = hf_tiny.qwen3(seed=4, vocab=VOCAB).to("cuda")
+    _steps_against_eager(model, 3, [torch.randint(0, VOCAB, (3, 1), generator=gen) for _ in range(4)], steps,
+                         device="cuda")
