@@ -97,10 +97,13 @@ def position_table_rows(model: torch.nn.Module) -> int | None:
     """Rows of the model's learned absolute position table (GPT-2's ``wpe``: an ``nn.Embedding``
     other than the token embedding with ``config.max_position_embeddings`` rows), or None (RoPE
     and other computed positions take any position)."""
-    rows = getattr(model.config, "max_position_embeddings", None)
+    rows = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     if not isinstance(rows, int):
         return None
-    tokens = model.get_input_embeddings()
+    try:
+        tokens = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        tokens = None
     return rows if any(isinstance(m, torch.nn.Embedding) and m is not tokens and m.num_embeddings == rows
                        for m in model.modules()) else None
 
