@@ -55,8 +55,9 @@ weight is shared), and the template (``matvec_seqs``, ``rms_qkv_rope_seqs``,
 ``rms_gate_up_silu_seqs`` with ``STAGED``) skips its own staging. Its scratch is at most
 ``MAX_SCRATCH_BYTES_BATCH`` less what the kind's own shared memory takes past the staging budget
 (a batched ``rms_qkv_rope``'s per-head scratch: :func:`_batch_limit`). A step of K > 1 query
-tokens, a consumer without ``batch`` (the other kinds stay batch-1 only) or a batch staged in
-several groups (its x would not fit at once) folds nothing.
+tokens folds the same way into its batched matvecs of B·K rows. A consumer without ``batch``
+(the other kinds stay batch-1 only) or a batch staged in several groups (its x would not fit
+at once) folds nothing.
 
 Expects: a graph after ``chain`` (or after ``fuse``, with chains off). Guarantees: the same
 values; each folded ``P`` is gone and its members are K's ``pre`` (K's outputs ``x`` and
