@@ -114,3 +114,43 @@ def test_greedy_tokens_of_a_batch_equal_eager_on_the_gpu(steps):
     model = hf_tiny.qwen3(seed=4, vocab=VOCAB).to("cuda")
     _steps_against_eager(model, 3, [torch.randint(0, VOCAB, (3, 1), generator=gen) for _ in range(4)], steps,
                          device="cuda")
+
+
+@pytest.mark.parametrize("batch,kind", [(3, "argmax_rows"), (1, "rms_lm_head")])
+def test_reference_executor_runs_the_fused_op_whole(batch, kind):
+    """The reference executor (``fusec.ir.semantics.execute``, which runs a fused op as one tile:
+    tests/test_fidelity.py runs it after every pass) writes the greedy tokens, of ``argmax_rows``
+    (B = 3) and of ``rms_lm_head``'s argmax epilogue (B = 1): the merge counts the tickets of its
+    own tiling (before: of the kernel's, so the one tile never merged)."""
+    import step_util
+    from fusec.ir import Role
+    from fusec.ir.semantics import execute
+    from fusec.passes import fold_position, fuse, normalize, recognize
+    model = _model(1)
+    cache = hf_tiny.static_cache(model, 24)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, VOCAB, (batch, 5), generator=gen), past_key_values=cache, use_cache=True)
+    aten_gm, g, flat = step_util.capture(_GreedyRows(model), {"tokens": torch.randint(0, VOCAB, (batch, 1), generator=gen),
+                                                             "cache": cache})
+    weights = {n: a for n, a in zip(g.inputs, flat) if g.tensors[n].role == Role.WEIGHT}
+    with torch.no_grad():
+        want = aten_gm(*[a.clone() for a in flat])
+        g = fuse.run(fold_position.run(recognize.run(normalize.run(g), weights), weights), 8)
+        assert kind in g.count_kinds() and "aten.argmax.default" not in g.count_kinds()
+        got = execute(g, [a.clone() for a in flat])
+    assert [t.tolist() for t in got] == [t.tolist() for t in want]
+
+
+def test_a_reduction_longer_than_fp32_holds_exactly_stays_generic():
+    """The candidates hold a column as an fp32 value (exact below 2**24): an argmax over 2**24
+    columns or more is no ``argmax_rows`` (the rule's check)."""
+    from fusec.instructions import argmax_rows
+    from fusec.ir import Graph, Op, TensorInfo
+    for cols, fused in ((argmax_rows.MAX_COLS - 1, True), (argmax_rows.MAX_COLS, False)):
+        g = Graph()
+        g.add_tensor(TensorInfo("x", (1, cols), torch.float32))
+        g.add_tensor(TensorInfo("y", (1,), torch.int64))
+        am = Op("am", "aten.argmax.default", {"in0": "x"}, {"out": "y"}, attrs={"args": (None, -1), "kwargs": {}})
+        g.ops.append(am)
+        assert argmax_rows._ok(g, {"x": "x", "_anchor": am}) is fused, cols

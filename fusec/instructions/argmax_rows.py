@@ -29,6 +29,8 @@ from fusec.instructions.rule import Ctx, Rule
 
 #: columns below which one more tile costs more (its ticket and merge) than its scan saves
 MIN_COLS = 512
+#: the candidates hold a column as an fp32 value: exact below 2**24
+MAX_COLS = 1 << 24
 
 
 def _rows_cols(g: Graph, x: str, dim) -> tuple[int, int]:
@@ -46,7 +48,8 @@ def _dim(a: Op):
 
 def _ok(g: Graph, m: dict) -> bool:
     """A float input, the last dim (or all elements) reduced, at most :data:`MAX_SEQS` rows, more
-    than one tile's worth of columns, one int64 output element per row."""
+    than one tile's worth of columns and fewer than :data:`MAX_COLS`, one int64 output element per
+    row."""
     am = m["_anchor"]
     x, out = g.tensors[m["x"]], g.tensors[am.outputs["out"]]
     dim = _dim(am)
@@ -55,7 +58,7 @@ def _ok(g: Graph, m: dict) -> bool:
     if dim is not None and (not isinstance(dim, int) or dim % len(x.shape) != len(x.shape) - 1):
         return False
     rows, cols = _rows_cols(g, m["x"], dim)
-    return rows <= MAX_SEQS and cols >= 2 * MIN_COLS and out.numel == rows and out.dtype == torch.int64
+    return rows <= MAX_SEQS and 2 * MIN_COLS <= cols < MAX_COLS and out.numel == rows and out.dtype == torch.int64
 
 
 def _build(c: Ctx, m: dict) -> list[Op]:
@@ -92,7 +95,7 @@ class ArgmaxRows(Instruction):
             reads += [Region.of(g, op.outputs["cand"], r * slots * 2, (r * slots + nt) * 2) for r in range(rows)]
             writes = [Region.of(g, op.outputs["cand"], (r * slots + i) * 2, (r * slots + i + 1) * 2)
                       for r in range(rows)] + [Region.whole(g, op.outputs["out"])]
-            tiles.append(Tile(op.name, i, {"cols": (c0, c1), "index": i}, reads, writes, 0,
+            tiles.append(Tile(op.name, i, {"cols": (c0, c1), "index": i, "nt": nt}, reads, writes, 0,
                               rows * (c1 - c0) * elt(g, op.inputs["x"]) + rows * 8))
         return tiles
 
@@ -108,9 +111,9 @@ class ArgmaxRows(Instruction):
                       Expr("ticket", lambda op, g, bufs: bufs.counters(op.name, 1)), P0, P1, P2))
 
     @classmethod
-    def _merge_regions(cls, op: Op, env: Env) -> list[Region]:
+    def _merge_regions(cls, op: Op, env: Env, nt: int) -> list[Region]:
         g = env.g
-        rows, slots, nt = op.attrs["rows"], g.tensors[op.outputs["cand"]].shape[1], n_tiles(op, g)
+        rows, slots = op.attrs["rows"], g.tensors[op.outputs["cand"]].shape[1]
         return [Region.of(g, op.outputs["cand"], r * slots * 2, (r * slots + nt) * 2) for r in range(rows)]
 
     @classmethod
@@ -123,16 +126,16 @@ class ArgmaxRows(Instruction):
     def ticket_regions(cls, op: Op, tile: Tile, env: Env):
         """The merge, after the ticket: every candidate and the output, if this tile's ticket is
         the step's last."""
-        nt = n_tiles(op, env.g)
+        nt = tile.params["nt"]
         if env.peek_ticket(op.name) % nt != nt - 1:
             return [], []
-        return cls._merge_regions(op, env), [Region.whole(env.g, op.outputs["out"])]
+        return cls._merge_regions(op, env, nt), [Region.whole(env.g, op.outputs["out"])]
 
     @classmethod
     def run_tile(cls, op: Op, tile: Tile, env: Env) -> None:
         rows, cols = op.attrs["rows"], op.attrs["cols"]
         c0, c1 = tile.params["cols"]
-        i, nt = tile.params["index"], n_tiles(op, env.g)
+        i, nt = tile.params["index"], tile.params["nt"]   # nt: this tiling's (1 in the reference executor)
         slots = env.g.tensors[op.outputs["cand"]].shape[1]
         x = env.read(op.inputs["x"]).reshape(rows, cols)[:, c0:c1].float()
         cand = env.flat(op.outputs["cand"]).view(rows, slots, 2)

@@ -79,7 +79,7 @@ class RmsLmHead(TakesPrologue, Instruction):
         if "token" in op.outputs:
             nt = len(tiles)
             for i, t in enumerate(tiles):
-                t.params["index"] = i
+                t.params["index"], t.params["nt"] = i, nt
                 t.writes += [Region.of(g, op.outputs["cand"], 2 * i, 2 * i + 2), Region.whole(g, op.outputs["token"])]
                 t.reads += [Region.of(g, op.outputs["cand"], 0, 2 * nt)]   # the merge, if last
                 t.act_bytes += 16
@@ -113,7 +113,7 @@ class RmsLmHead(TakesPrologue, Instruction):
         the step's last."""
         if "token" not in op.outputs:
             return [], []
-        nt = n_tiles(op, env.g)
+        nt = tile.params["nt"]
         if env.peek_ticket(op.name) % nt != nt - 1:
             return [], []
         return [Region.of(env.g, op.outputs["cand"], 0, 2 * nt)], [Region.whole(env.g, op.outputs["token"])]
@@ -127,7 +127,7 @@ class RmsLmHead(TakesPrologue, Instruction):
         env.flat(op.outputs["out"])[r0:r1] = logits
         if "token" not in op.outputs:
             return
-        nt, i = n_tiles(op, env.g), tile.params["index"]
+        nt, i = tile.params["nt"], tile.params["index"]   # nt: this tiling's (1 in the reference executor)
         cand = env.flat(op.outputs["cand"])
         best = int(torch.argmax(logits.float()))     # first index of the maximum
         cand[2 * i], cand[2 * i + 1] = float(logits[best]), float(r0 + best)
