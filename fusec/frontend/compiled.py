@@ -3,6 +3,7 @@ artifact cache (:func:`fusec.cache.artifacts.compile_graph`) and has the runtime
 made (:mod:`fusec.runtime.load`); then it runs the decode step on its target."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import operator
@@ -33,6 +34,12 @@ def _under_aot_check() -> bool:
     op of the user's graph."""
     from torch.utils._python_dispatch import _get_current_dispatch_mode
     return type(_get_current_dispatch_mode()).__name__ == "_AnalyzeCustomOpInputOutputMode"
+
+
+def _no_dispatch_modes():
+    """A context without the Python dispatch modes (:func:`_under_aot_check`'s among them)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+    return _disable_current_modes()
 
 
 class CompiledStep:
@@ -115,8 +122,7 @@ class CompiledStep:
                 t0 = time.perf_counter()
                 # AOT autograd runs a step's first call under a Python dispatch mode of its own (a
                 # check of custom ops' aliasing), which costs every torch op of the passes ~0.1 ms
-                from torch.utils._python_dispatch import _disable_current_modes
-                with _disable_current_modes():
+                with _no_dispatch_modes():
                     self.engine = self._build(list(args))
                 self._watched = self._watch(args)
                 log.info("stage %-13s the step is ready: its first call built it in %.2f s (the stages "
@@ -129,13 +135,9 @@ class CompiledStep:
                 warn_fallback("fusec: running this graph eagerly: %s", e)
                 self.fallen_back = True
                 return self.aten_gm(*full)
-        if torch._C._len_torch_dispatch_stack() and _under_aot_check():
-            from torch.utils._python_dispatch import _disable_current_modes
-            with torch.no_grad(), _disable_current_modes():
-                out = self.engine(list(args))
-        else:
-            with torch.no_grad():
-                out = self.engine(list(args))
+        with torch.no_grad(), (_no_dispatch_modes() if torch._C._len_torch_dispatch_stack() and _under_aot_check()
+                               else contextlib.nullcontext()):
+            out = self.engine(list(args))
         self.calls += 1
         if (self.opts.profile and not self.profile_written and self._cuda_step is not None
                 and self.calls >= self.opts.profile_step and not torch.cuda.is_current_stream_capturing()):

@@ -92,6 +92,7 @@ class ArgmaxRows(Instruction):
         tiles = []
         for i, (c0, c1) in enumerate(ranges):
             reads = [Region.of(g, op.inputs["x"], r * cols + c0, r * cols + c1) for r in range(rows)]
+            # then every row's NT candidates: what the merge reads, if this tile's ticket is the last
             reads += [Region.of(g, op.outputs["cand"], r * slots * 2, (r * slots + nt) * 2) for r in range(rows)]
             writes = [Region.of(g, op.outputs["cand"], (r * slots + i) * 2, (r * slots + i + 1) * 2)
                       for r in range(rows)] + [Region.whole(g, op.outputs["out"])]
@@ -111,12 +112,6 @@ class ArgmaxRows(Instruction):
                       Expr("ticket", lambda op, g, bufs: bufs.counters(op.name, 1)), P0, P1, P2))
 
     @classmethod
-    def _merge_regions(cls, op: Op, env: Env, nt: int) -> list[Region]:
-        g = env.g
-        rows, slots = op.attrs["rows"], g.tensors[op.outputs["cand"]].shape[1]
-        return [Region.of(g, op.outputs["cand"], r * slots * 2, (r * slots + nt) * 2) for r in range(rows)]
-
-    @classmethod
     def runtime_regions(cls, op: Op, tile: Tile, env: Env):
         """Before the ticket: the tile's columns and its candidates."""
         rows = op.attrs["rows"]
@@ -129,7 +124,7 @@ class ArgmaxRows(Instruction):
         nt = tile.params["nt"]
         if env.peek_ticket(op.name) % nt != nt - 1:
             return [], []
-        return cls._merge_regions(op, env, nt), [Region.whole(env.g, op.outputs["out"])]
+        return tile.reads[op.attrs["rows"]:], [Region.whole(env.g, op.outputs["out"])]
 
     @classmethod
     def run_tile(cls, op: Op, tile: Tile, env: Env) -> None:
