@@ -256,8 +256,8 @@ def _mma_functions(src: str) -> dict[str, str]:
     return {n: body for n, body in kp.functions(compile_ptx(src, "fusec_step.cu")).items() if "matvec_seqs" in n}
 
 
-#: the batches and dtypes compiled at Llama-3.2-1B's widths: bf16 at B = 2 .. 16 (11: two staged
-#: groups of the down projection's inputs, 6 + 5, one and two n-tiles), fp16 at two
+#: the batches and dtypes compiled at Llama-3.2-1B's widths: bf16 at B = 2 .. 16 (11 and 16: the
+#: down projection's inputs read from L2, one and two n-tiles), fp16 at two
 MMA_COMPILES = [(b, torch.bfloat16) for b in (2, 4, 8, 11, 16)] + [(8, torch.float16), (16, torch.float16)]
 
 
@@ -268,17 +268,22 @@ def test_mma_path_compiles_without_spills_at_llama_1b_widths(batch, dtype, tmp_p
     call takes the tensor-core path (``MMA`` true), its PTX holds the dtype's ``mma.sync``
     m16n8k16 with fp32 accumulators, and the kernel compiles with NVRTC for sm_90a without
     spills or a stack frame in any function; each op's shared memory holds its staged inputs
-    and the partial sums (:func:`fusec.instructions.matvec_rows.mma_smem`) within the CTA's."""
+    and the partial sums (:func:`fusec.instructions.matvec_rows.mma_smem`) within the CTA's, or
+    only the partial sums where B inputs do not fit at once (the down projection at B > 8: read
+    from L2 with the weights, :func:`fusec.instructions.matvec_rows.global_x`, SG 0)."""
     pytest.importorskip("cuda.bindings.nvrtc")
     from fusec.cuda.codegen import MAX_SMEM_BYTES, render
-    from fusec.instructions.matvec_rows import mma_smem, seq_group
+    from fusec.instructions.matvec_rows import global_x, mma_smem, seq_group
     sched = _lowered(batch, dtype)
     g = sched.graph
     for o in g.ops:
         if o.kind in ("matvec", "matvec_residual"):
             k = g.tensors[o.inputs["w"]].shape[1]
             floats = KINDS[o.kind].smem_floats(o, g)
-            assert floats == max(-(-seq_group(batch, k, 2) * k * 2 // 4), mma_smem(o, g))
+            if seq_group(batch, k, 2) < batch:   # read from L2, not staged (global_x): the partial sums
+                assert global_x(o, g) and floats == mma_smem(o, g) == 128 * 16 * -(-batch // 8)
+            else:
+                assert not global_x(o, g) and floats == max(-(-batch * k * 2 // 4), mma_smem(o, g))
             assert 4 * floats <= MAX_SMEM_BYTES
     src = render(sched).source
     assert mma_flags(src) == ["true"] * len(WIDTHS)

@@ -7,6 +7,9 @@ Llama-3.2-1B's published widths (hidden 2048, intermediate 8192, 32 query / 8 KV
 vocabulary 128256), B = 4, 8 and 16 left-padded prompts, decode steps through
 ``torch.compile(backend="fusec")`` against eager in bf16, every sequence on its own (the bound
 of the batch GPU test in tests/test_gpu.py: 3e-2), no fallback. Passed on the H200 (2026-12-05).
+Likewise steps of K query tokens (option ``query_tokens``) through the batched fused kinds
+(``rms_qkv_rope`` with ``tokens`` K, ``rms_gate_up_silu``: their pairs of rows on the tensor cores,
+templates/seqs_rows.cu.j2 ``mma_pairs``), their logits and the K cache rows they write.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import torch
 import hf_tiny
 from test_batch_decode import batch_steps_against_eager
 from test_batch_mma import mma_flags
+from test_batch_tokens_fused import assert_fused_k, k_step_against_eager
 
 pytestmark = pytest.mark.gpu
 
@@ -46,3 +50,19 @@ def test_bf16_batch_step_on_the_tensor_cores_matches_eager(factory, batch, steps
     assert sum(o.kind in ("matvec", "matvec_residual") for o in g.ops) == 2 * layers + 1, kinds
     flags = mma_flags(render(steps[-1].schedule).source)
     assert flags and set(flags) == {"true"}, flags
+
+
+@pytest.mark.parametrize("batch,k", [(1, 4), (1, 8), (2, 4)])
+@pytest.mark.parametrize("factory", [hf_tiny.llama, _published_llama], ids=["tiny", "published"])
+def test_bf16_k_token_step_on_the_tensor_cores_matches_eager(factory, batch, k, steps):
+    """One step of K query tokens per sequence (B = 1, and 2 left-padded prompts with HF
+    generate()'s positions) of the bf16 model on the GPU through ``torch.compile(backend="fusec",
+    options={"query_tokens": K})`` against eager: every (sequence, token) row's logits and the K
+    cache rows written within 3e-2 (relative L2), the other cache rows untouched, no fallback;
+    the layers are the batched fused kinds of B·K rows (tests/test_batch_tokens_fused.py)."""
+    model = factory().to(device="cuda", dtype=torch.bfloat16)
+    err, rows_err, rest_equal, w = k_step_against_eager(model, batch, k, 700 + 10 * batch + k, device="cuda")
+    assert not w.fallbacks and w.compiled, w.fallbacks
+    assert err == err and err < 3e-2 and rows_err < 3e-2 and rest_equal, (err, rows_err, rest_equal)
+    assert steps and not any(s.fallen_back for s in steps)
+    assert_fused_k(steps[-1], model, batch, k)

@@ -1,8 +1,10 @@
 """Steps of K > 1 query tokens per sequence (speculative decoding's verification of K draft
 tokens over a StaticCache) through torch.compile(backend="fusec"), on the CPU simulator: eager's
 logits of every one of the K rows and eager's caches, one fusec step, no fallback
-(docs/batch.md, "Several query tokens (K > 1)"). The step's linears are batched matvecs of its
-B·K rows (the norms their prologues) and its attention the split-KV ``attention_partial`` with
+(docs/batch.md, "Several query tokens (K > 1)"). The step's q/k/v (with RoPE and the K-row KV
+writes) and gate/up are the fused kinds ``rms_qkv_rope`` and ``rms_gate_up_silu`` of its B·K rows
+(tests/test_batch_tokens_fused.py), its other linears batched matvecs of the B·K rows, and its
+attention the split-KV ``attention_partial`` with
 the K query rows of a head as more query heads of its KV head's group, each under its own row
 of HF's causal mask ``[B, 1, K, L]``; NVRTC compiles them without spills at Llama-3.2-1B's
 widths."""
@@ -73,33 +75,47 @@ def tiles_of(step, name: str) -> int:
 
 
 def _k_token_kinds(step, model, k: int, batch: int = 1) -> None:
-    """The K-token step's ops are the fused kinds over its B·K rows: no ``linear`` left (each a
-    ``matvec`` or ``matvec_residual`` with ``batch`` B·K), the hidden state's RMSNorms the
-    batched matvecs' prologues, and each attention an ``attention_partial`` (``query_tokens`` K,
-    ``mask_rows`` B·K, HF's bool mask [B, 1, K, L]) of several splits per query-head group over
-    B·Hkv KV heads and B·Hq·K query rows whose merge writes the output transposed to [B, K, Hq,
-    D] (``out_tokens``: the o projection reads it, no permute between them); the KV writes take
-    K rows (generic)."""
+    """The K-token step's ops are the fused kinds over its B·K rows: no ``linear`` left; each
+    layer's q/k/v with their RMSNorm, RoPE and the K-row KV writes one ``rms_qkv_rope`` and its
+    gate/up with their norm and SiLU product one ``rms_gate_up_silu`` (``batch`` B·K, the former
+    ``tokens`` K: no ``rope``, ``kv_write`` or q/k/v ``permute`` left), the o and down projections
+    ``matvec_residual`` and the lm_head a ``matvec`` with the final norm its prologue (``batch``
+    B·K); each attention an ``attention_partial`` (``query_tokens`` K, ``mask_rows`` B·K, HF's
+    bool mask [B, 1, K, L]) of several splits per query-head group over B·Hkv KV heads and
+    B·Hq·K query rows whose merge writes the output transposed to [B, K, Hq, D] (``out_tokens``:
+    the o projection reads it, no permute between them)."""
     g = step.schedule.graph
     cfg = model.config
+    layers = cfg.num_hidden_layers
     assert (g.query_tokens(), g.batch(), g.rows()) == (k, batch, batch * k)
     ops = _ops(g)
     kinds = g.count_kinds()
     assert "linear" not in kinds and "attention" not in kinds and "fusec.sdpa.default" not in kinds, kinds
+    assert not {"rope", "kv_write", "silu_mul", "rmsnorm"} & {o.kind for o in ops}, kinds
+    # the q/k/v permutes are rms_qkv_rope's own: none left in a layer (B > 1: the rotary embedding's
+    # transpose of its positions' product, once in front of the layers)
+    assert not [o.source for o in ops if o.kind == "aten.permute.default" and o.layer is not None]
     mv = [o for o in ops if o.kind in ("matvec", "matvec_residual")]
-    assert len(mv) == 7 * cfg.num_hidden_layers + 1 and all(o.attrs.get("batch") == batch * k for o in mv)
+    assert len(mv) == 2 * layers + 1 and all(o.attrs.get("batch") == batch * k for o in mv)
     normed = [o for o in mv if o.attrs.get("pre") and o.attrs["pre"][-1].kind == "rmsnorm"]
-    # q/k/v (each its copy) and gate/up per layer (the first layer's too: the K tokens' rows are
-    # gathered by the embedding kind, whose output the prologue reads), and the lm_head's final norm
-    assert len(normed) == 5 * cfg.num_hidden_layers + 1, [o.name for o in normed]
+    assert len(normed) == 1, [o.name for o in normed]   # the lm_head's final norm
+    qkv = [o for o in ops if o.kind == "rms_qkv_rope"]
+    mlp = [o for o in ops if o.kind == "rms_gate_up_silu"]
+    assert len(qkv) == len(mlp) == layers
+    assert all(o.attrs["batch"] == batch * k and o.attrs["tokens"] == k for o in qkv)
+    assert all(o.attrs["batch"] == batch * k for o in mlp)
+    for o in qkv:   # q as the rope made it, [B, Hq, K, D]; the caches written at K positions
+        assert tuple(g.tensors[o.outputs["q"]].shape) == (batch, cfg.num_attention_heads, k, cfg.head_dim)
+        assert g.tensors[o.inputs["kv_pos"]].numel == k
     emb = [o for o in g.ops if o.kind == "embedding"]
     assert len(emb) == 1 and tiles_of(step, emb[0].name) == batch * k
     att = [o for o in ops if o.kind == "attention_partial"]
-    assert len(att) == cfg.num_hidden_layers
+    assert len(att) == layers
     hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
     tiles: dict[str, int] = {}
     for ins in step.schedule.instrs:
         tiles[ins.op] = tiles.get(ins.op, 0) + 1
+    assert all(tiles[o.name] > 1 for o in qkv + mlp)
     # the o projection reads the attention's output itself (no permute between them)
     assert {g.root(o.outputs["out"]) for o in att} <= {g.root(m.inputs["x"]) for m in mv if "x" in m.inputs}
     for o in att:
@@ -110,8 +126,6 @@ def _k_token_kinds(step, model, k: int, batch: int = 1) -> None:
         assert tuple(g.tensors[o.inputs["mask"]].shape) == (batch, 1, k, LENGTH)
         groups = a["n_kv"] * a.get("q_groups", 1)
         assert a["n_chunks"] > 1 and tiles[o.name] == groups * a["n_chunks"]
-    kw = [o for o in ops if o.kind == "kv_write"]
-    assert len(kw) == 2 * cfg.num_hidden_layers and all(g.tensors[o.inputs["pos"]].numel == k for o in kw)
 
 
 @pytest.mark.parametrize("k", [2, 4, 8])
@@ -362,10 +376,11 @@ def test_k_token_step_with_the_reduce_merge_matches_eager(steps):
 
 
 def test_k_token_kernel_compiles_with_nvrtc(steps):
-    """The K = 4 step's megakernel of tiny Llama (the batched matvecs of the 4 rows with their
-    folded norms, the generic RoPE and K-row KV writes, ``attention_partial_merge`` with ``QK`` 4
-    reading the mask row of each query row) renders and compiles for sm_90a without register
-    spills, fp32 and bf16; the merge writes the output as HF transposes it (``OHQ`` 4)."""
+    """The K = 4 step's megakernel of tiny Llama (``rms_qkv_rope_seqs`` of the 4 rows with
+    ``KT`` 4, last, writing the K cache rows; ``rms_gate_up_silu_seqs``, the batched matvecs of
+    the 4 rows, ``attention_partial_merge`` with ``QK`` 4 reading the mask row of each query row)
+    renders and compiles for sm_90a without register spills, fp32 and bf16; the merge writes the
+    output as HF transposes it (``OHQ`` 4)."""
     import re
     from fusec.cuda.codegen import render
     from fusec.cuda.jit import compile_cuda
@@ -385,7 +400,9 @@ def test_k_token_kernel_compiles_with_nvrtc(steps):
         calls = {c for c in re.findall(r"attention_partial_merge<[^;]*;", src) if "bufs" in c}
         # MK 1, QK 4, OHQ 4: the output written transposed [1, 4, Hq, D] for the o projection
         assert calls and all(re.search(r", 1, bool, 4, 4>\(", c) for c in calls), calls
-        assert "matvec_seqs<" in src
+        assert "matvec_seqs<" in src and "rms_gate_up_silu_seqs<" in src
+        qkv = {c for c in re.findall(r"rms_qkv_rope_seqs<[^;]*;", src) if "bufs" in c}
+        assert qkv and all(re.search(r", 4>\(", c) for c in qkv), qkv   # ..., WS 0, KT 4
         kernel = compile_cuda(src, "fusec_step.cu")
         kernel.assert_no_spills()
 

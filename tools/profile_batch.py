@@ -8,7 +8,7 @@ then ``torch.compile(model, backend="fusec", options={"profile_dir": OUT/bB, "pr
 the per-kind busy time and layer ``--layer``'s ops (when each was ready and done, µs), the
 same table ``fusec timeline OUT/bB/timeline.json --layer N`` prints.
 
-Usage (GPU):  PYTHONPATH=. python3 tools/profile_batch.py --out $OUT --batches 1 8
+Usage (GPU):  PYTHONPATH=. python3 tools/profile_batch.py --out $OUT --batches 1 8 --tokens 4
 """
 from __future__ import annotations
 
@@ -24,8 +24,9 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 import families  # noqa: E402
 
 
-def profile(model, batch: int, out: Path, prefill: int, layer: int, extra: dict) -> None:
-    """Profile step 3 of a batch-``batch`` decode and print its summary and layer ``layer``."""
+def profile(model, batch: int, out: Path, prefill: int, layer: int, extra: dict, k: int = 1) -> None:
+    """Profile step 3 of a ``[batch, k]`` decode step (k query tokens: the option ``query_tokens=k``)
+    and print its summary and layer ``layer``."""
     from transformers import StaticCache
 
     from fusec.fallbacks import FallbackWatch
@@ -34,7 +35,9 @@ def profile(model, batch: int, out: Path, prefill: int, layer: int, extra: dict)
     vocab = model.config.vocab_size
     prompt = torch.randint(1, vocab, (batch, prefill), device="cuda", generator=gen)
     cache = StaticCache(config=model.config, max_cache_len=1024)
-    d = out / f"{model.config.model_type}-b{batch}"
+    d = out / f"{model.config.model_type}-b{batch}" if k == 1 else out / f"{model.config.model_type}-k{k}"
+    if k > 1:
+        extra = {"query_tokens": k, **extra}
     with torch.no_grad():
         model(input_ids=prompt, past_key_values=cache)
         torch._dynamo.reset()
@@ -42,10 +45,10 @@ def profile(model, batch: int, out: Path, prefill: int, layer: int, extra: dict)
                                  options={"profile_dir": str(d), "profile_step": 3, **extra})
         with FallbackWatch() as w:
             for _ in range(3):
-                compiled(input_ids=torch.randint(1, vocab, (batch, 1), device="cuda", generator=gen),
+                compiled(input_ids=torch.randint(1, vocab, (batch, k), device="cuda", generator=gen),
                          past_key_values=cache)
         torch.cuda.synchronize()
-    print(f"\n=== batch {batch} {extra or ''}: fallbacks {w.fallbacks[:1]} compiled {w.compiled}")
+    print(f"\n=== batch {batch} tokens {k} {extra or ''}: fallbacks {w.fallbacks[:1]} compiled {w.compiled}")
     tl = Timeline.load(d / "timeline.json")
     s = tl.summary()
     print(f"span {s['span_us']:.1f} us, instructions {s['instructions']}, idle share {s['idle_share_mean']:.2f}")
@@ -65,6 +68,8 @@ def main() -> int:
     ap.add_argument("--family", default="llama")
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--batches", type=int, nargs="*", default=[1, 8])
+    ap.add_argument("--tokens", type=int, nargs="*", default=[],
+                    help="also profile batch-1 steps of K query tokens (option query_tokens=K)")
     ap.add_argument("--prefill", type=int, default=600)
     ap.add_argument("--layer", type=int, default=5)
     ap.add_argument("--options", default="{}", help="extra fusec options (JSON), e.g. knobs")
@@ -76,6 +81,8 @@ def main() -> int:
     print(label)
     for b in args.batches:
         profile(model, b, Path(args.out), args.prefill, args.layer, json.loads(args.options))
+    for k in args.tokens:
+        profile(model, 1, Path(args.out), args.prefill, args.layer, json.loads(args.options), k=k)
     return 0
 
 

@@ -79,6 +79,11 @@ TABLE: tuple[Knob, ...] = (
          "-0.012, §17); 2: also those rows' V chunks loaded in that batch (1B +0.003 / +0.012 / "
          "0.000, Qwen3 -0.015 / -0.021 / -0.047: not the default; as 1 where a lane's q chunks "
          "take more than 32 registers)"),
+    Knob("FUSEC_ATTN_KB", 2,
+         "FUSEC_ATTN_LANES: the cache rows per lane whose K loads a split-KV tile issues in one "
+         "batch (a CTA of 512 threads with D = 64 in bf16: 64 row slots, 2 rows each); a batch's "
+         "long splits (B = 16 on Llama-3.2-1B: one split of every row per KV head) make several "
+         "dependent batches (not yet measured against 4, 2026-12-05)"),
     Knob("FUSEC_ATTN_V_SCATTER", 1,
          "1: a split-KV tile's value pass sums a warp's row slices by a reduce-scatter (each "
          "shuffle step halves the values a lane keeps: 24 shuffles per warp instead of 64 on the "

@@ -116,18 +116,20 @@ def batch_rows(g: Graph, m: dict) -> int:
 
 
 def fused_batch(g: Graph, x: str, k: int, elt_bytes: int) -> int:
-    """For the rules of the fused RMSNorm kinds at B > 1 (``rms_qkv_rope``, ``rms_gate_up_silu``:
-    docs/batch.md): the sequences B their op computes over ``x``, rows of ``k`` elements staged
-    as ``elt_bytes`` each: 1 in a batch-1 step (x of ``k`` elements); the step's batch B where x
-    is ``[B, k]``, B <= :data:`MAX_SEQS`, and all B rows are staged at once (:func:`seq_group`
-    is B: these kinds stage one group); 0 otherwise (a step of K > 1 query tokens, rows that do
-    not fit: the subgraph stays batched matvecs and generic ops)."""
-    n, b = g.tensors[x].numel, g.batch()
-    if g.query_tokens() != 1 or n != b * k:
+    """For the rules of the fused RMSNorm kinds (``rms_qkv_rope``, ``rms_gate_up_silu``:
+    docs/batch.md): the activation rows R their op computes over ``x``, rows of ``k`` elements
+    staged as ``elt_bytes`` each: 1 in a step of one row (x of ``k`` elements); the step's rows
+    R = B·K (:meth:`fusec.ir.Graph.rows`: B sequences of K query tokens each) where x is
+    ``[R, k]`` (``[B, K, k]`` flattens to it row-major), R <= :data:`MAX_SEQS`, and all R rows
+    are staged at once (:func:`seq_group` is R: these kinds stage one group); 0 otherwise (x of
+    some other number of rows, rows that do not fit: the subgraph stays batched matvecs and
+    generic ops). Each row is computed as one sequence of a batch (its own RMSNorm)."""
+    n, r = g.tensors[x].numel, g.rows()
+    if n != r * k:
         return 0
-    if b == 1:
+    if r == 1:
         return 1
-    return b if b <= MAX_SEQS and seq_group(b, k, elt_bytes) == b else 0
+    return r if r <= MAX_SEQS and seq_group(r, k, elt_bytes) == r else 0
 
 
 def batch_attrs(g: Graph, m: dict) -> dict:
@@ -160,7 +162,8 @@ def _k(op: Op, g: Graph) -> int:
 #: sequences, the last one of the rest), between K and BIAS; passed only for a batch
 SEQ_ARGS = (Int("N", lambda op, g: g.tensors[op.inputs["w"]].shape[0], when=batched),
             Int("B", lambda op, g: seqs(op), when=batched),
-            Int("SG", lambda op, g: seq_group(seqs(op), _k(op, g), elt(g, prologue.xin(op))), when=batched))
+            Int("SG", lambda op, g: 0 if global_x(op, g) else seq_group(seqs(op), _k(op, g), elt(g, prologue.xin(op))),
+                when=batched))
 
 
 #: the dtypes whose batched matvec runs on the tensor cores (:func:`mma`)
@@ -180,20 +183,43 @@ def mma(op: Op, g: Graph) -> bool:
 MMA = Expr("mma", lambda op, g, bufs: "true" if mma(op, g) else "false", when=batched)
 
 
+def global_x(op: Op, g: Graph) -> bool:
+    """Whether a batched matvec on the tensor cores (:func:`mma`) reads its B inputs from global
+    memory (L2) with its weights instead of staging them (``matvec_seqs``'s SG 0, template
+    ``mma_rows_gx``): where they do not fit :data:`STAGE_BYTES` at once (:func:`seq_group` < B:
+    Llama-3.2-1B's down projection, K = 8192 bf16, at B > 8), which would stream the weights once
+    per staged group; not with a folded prologue (it stages all B itself)."""
+    if not batched(op) or not mma(op, g) or prologue.has(op):
+        return False
+    return seq_group(seqs(op), _k(op, g), elt(g, prologue.xin(op))) < seqs(op)
+
+
 def mma_smem(op: Op, g: Graph) -> int:
     """Shared memory (floats) the tensor-core path's partial sums take (in place of the staged
     inputs, after every warp is done with them): one warp's MMA fragments (128 floats per 8
-    sequences of the largest group) per warp of the CTA."""
-    return CTA_THREADS // 32 * 128 * -(-seq_group(seqs(op), _k(op, g), elt(g, prologue.xin(op))) // 8)
+    sequences of the largest group; all B where :func:`global_x`) per warp of the CTA."""
+    group = seqs(op) if global_x(op, g) else seq_group(seqs(op), _k(op, g), elt(g, prologue.xin(op)))
+    return CTA_THREADS // 32 * 128 * -(-group // 8)
+
+
+def pair_smem(op: Op) -> int:
+    """Shared memory (floats) a batched fused kind (``rms_gate_up_silu``, ``rms_qkv_rope`` at B > 1)
+    reserves after its staged rows for ``pairs_seqs``'s partial sums (templates/seqs_rows.cu.j2
+    ``mma_pairs``: one warp's MMA fragments, 128 floats per 8 rows, per warp of the CTA); 0 at
+    batch 1. Reserved whatever the dtypes (fp32 weights take the CUDA-core path and leave it unused)."""
+    return CTA_THREADS // 32 * 128 * -(-seqs(op) // 8) if batched(op) else 0
 
 
 def seq_smem(op: Op, g: Graph) -> int:
     """Shared memory (floats) of a row-tiled matvec that stages x itself: K at batch 1 (as
     before batches), a batch's staged group of :func:`seq_group` inputs (bytes rounded up), at
-    least the tensor-core path's partial sums (:func:`mma_smem`) where it takes that path."""
+    least the tensor-core path's partial sums (:func:`mma_smem`) where it takes that path; only
+    those where it reads its inputs from global memory (:func:`global_x`)."""
     k = _k(op, g)
     if single(op):
         return k
+    if global_x(op, g):
+        return mma_smem(op, g)
     e = elt(g, prologue.xin(op))
     staged = -(-seq_group(seqs(op), k, e) * k * e // 4)
     return max(staged, mma_smem(op, g)) if mma(op, g) else staged

@@ -7,11 +7,12 @@ the norm may be Gemma's (attr ``w_fp32``, :func:`fusec.ir.semantics.rms_normaliz
 the norm (attr ``norm`` False: no ``norm_w``, no ``eps``) the rows read x itself: the MLP of a
 post-norm block (HF ``Olmo2DecoderLayer``: its MLP reads the residual stream), or of one whose
 norm no fused kind takes (a LayerNorm's output, a norm shared with the attention's projections).
-Shapes: x [H], norm_w [H], Wg/Wu [F, H], out [F]. In a step of a batch of B <= 16 sequences
-of one query token each (docs/batch.md; attribute ``batch``, set by the rules where all B rows
-fit shared memory at once: :func:`fusec.instructions.matvec_rows.fused_batch`) x [B, H] and out
-[B, F]: template ``rms_gate_up_silu_seqs`` (templates/rms_gate_up_silu_seqs.cu.j2), each gate and
-up row loaded once for the B sequences, each row its own RMSNorm.
+Shapes: x [H], norm_w [H], Wg/Wu [F, H], out [F]. In a step of R = B·K <= 16 activation rows (B
+sequences of K query tokens each; docs/batch.md; attribute ``batch`` R, set by the rules where all
+R rows fit shared memory at once: :func:`fusec.instructions.matvec_rows.fused_batch`) x [R, H]
+and out [R, F] (``[B, K, H]`` and ``[B, K, F]`` row-major): template ``rms_gate_up_silu_seqs``
+(templates/rms_gate_up_silu_seqs.cu.j2), each gate and up row loaded once for the R rows, each
+row its own RMSNorm.
 """
 from __future__ import annotations
 
@@ -22,8 +23,8 @@ from fusec.ir import Graph, Op, Role
 from fusec.ir.pattern import ABSENT, sem, var
 from fusec.instructions.base import Instruction, Tile, register
 from fusec.instructions.call import P0, P1, RED, SMEM, Call, Expr, Float, Int, Ptr, Type
-from fusec.instructions.matvec_rows import (HIDDEN, MAX_SEQS, NORM, WF32, batched, fused_batch, normed, rms_attrs,
-                                            row_tiles, seqs, staged)
+from fusec.instructions.matvec_rows import (HIDDEN, MAX_SEQS, NORM, WF32, batched, fused_batch, normed, pair_smem,
+                                            rms_attrs, row_tiles, seqs, staged)
 from fusec.instructions.prologue import STAGED, TakesPrologue, adjust_tiles, vec_inputs, xin
 from fusec.instructions.rule import Rule
 
@@ -36,25 +37,26 @@ _NORMED = sem("rmsnorm", "rms", x=var("x"), w=var("norm_w"))
 
 
 def _normed_batch(g: Graph, m: dict) -> int:
-    """The normed form's sequences (:func:`fusec.instructions.matvec_rows.fused_batch`: 1 at
-    batch 1, B where the B normed rows fit shared memory at once, 0 otherwise)."""
+    """The normed form's rows (:func:`fusec.instructions.matvec_rows.fused_batch`: 1 in a step of
+    one row, the step's R = B·K where the R normed rows fit shared memory at once, 0 otherwise)."""
     return fused_batch(g, m["x"], g.tensors[m["wg"]].shape[-1], g.tensors[m["rms"].outputs["out"]].dtype.itemsize)
 
 
 def _batch(b: int) -> dict:
-    """The op's attribute ``batch`` at B > 1 (none at batch 1: the op of before)."""
+    """The op's attribute ``batch`` at R = B·K > 1 rows (none at one row: the op of before)."""
     return {"batch": b} if b > 1 else {}
 
 
 def _plain_ok(g: Graph, m: dict) -> bool:
-    """The plain form's limits: gate and up read one vector (one root buffer: each linear reads
-    its own view of it; a batch's B rows of it that fit shared memory at once,
-    :func:`fusec.instructions.matvec_rows.fused_batch`) that no op writes in place (the fused op
+    """The plain form's limits: gate and up read one vector (the same elements of one root
+    buffer, each linear through its own view of them; the step's R = B·K rows of it where they
+    fit shared memory at once, :func:`fusec.instructions.matvec_rows.fused_batch`: attribute
+    ``batch`` R) that no op writes in place (the fused op
     reads it where the product was), with weights of the model of one shape [F, H] and dtype
     (H = x's elements, or a row's), and the linears' outputs and the product of one dtype
     (run_tile rounds both dots to it); no run-time lengths."""
     x, wg, wu = g.tensors[m["x"]], g.tensors[m["wg"]], g.tensors[m["wu"]]
-    if g.root(m["x"]) != g.root(m["x_up"]) or len(wg.shape) != 2 or wg.shape != wu.shape or wg.dtype != wu.dtype:
+    if g.span(m["x"]) != g.span(m["x_up"]) or len(wg.shape) != 2 or wg.shape != wu.shape or wg.dtype != wu.dtype:
         return False
     if not fused_batch(g, m["x"], wg.shape[1], x.dtype.itemsize) \
             or any(g.tensors[g.root(w)].role != Role.WEIGHT for w in (m["wg"], m["wu"])):
@@ -78,7 +80,7 @@ def _staged(op: Op, g: Graph, bufs) -> str:
 @register
 class RmsGateUpSilu(TakesPrologue, Instruction):
     name = "rms_gate_up_silu"
-    #: B <= 16 sequences of one query token (attribute ``batch``: docs/batch.md)
+    #: R = B·K <= 16 rows, B sequences of K query tokens (attribute ``batch`` R: docs/batch.md)
     max_rows = MAX_SEQS
     #: RMSNorm -> gate and up linears (no bias, one input) -> SiLU or GELU product (30); the
     #: same without the norm (35: a normed input keeps its norm in the op; a pair that reads a
@@ -94,7 +96,7 @@ class RmsGateUpSilu(TakesPrologue, Instruction):
                       up=sem("linear", bind="up", x=var("x_up"), w=var("wu"), b=ABSENT)),
                   inputs={"x": "x", "wg": "wg", "wu": "wu"}, outputs={"out": "_anchor.out"},
                   attrs=lambda g, m: {"act": m["_anchor"].attrs.get("act", "silu"), "norm": False,
-                                      **_batch(g.batch())},
+                                      **_batch(g.rows())},
                   check=_plain_ok, priority=35))
 
     @classmethod
@@ -120,10 +122,11 @@ class RmsGateUpSilu(TakesPrologue, Instruction):
     @classmethod
     def own_smem(cls, op: Op, g: Graph) -> int:
         """Floats: x's elements at batch 1; a batch's staged ``[B, H]`` in its dtype (the norm's
-        output, or x's own), rounded up to 16 bytes."""
+        output, or x's own), rounded up to 16 bytes, then the partial sums of its pairs of rows
+        (:func:`fusec.instructions.matvec_rows.pair_smem`)."""
         if batched(op):
             e = (op.attrs["norm_dtype"] if normed(op) else g.tensors[xin(op)].dtype).itemsize   # TN (_staged)
-            return -(-g.tensors[xin(op)].numel * e // 16) * 4
+            return -(-g.tensors[xin(op)].numel * e // 16) * 4 + pair_smem(op)
         return g.tensors[xin(op)].numel
 
     @classmethod

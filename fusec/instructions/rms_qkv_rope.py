@@ -66,7 +66,16 @@ sequence), cos/sin either the tables at ``rope_pos`` (shared) or, with no ``rope
 (:func:`seq_rope`), the step's own rows [B, rd], sequence s reading row s (its own position:
 left-padded prompts). The tiles are batch 1's units; each weight row is loaded once for the B
 sequences (template ``rms_qkv_rope_seqs``, templates/rms_qkv_rope_seqs.cu.j2, its dot
-``rows_dot_seqs`` of templates/seqs_rows.cu.j2), each sequence's RMSNorm its own. Batch 1 only:
+``rows_dot_seqs`` of templates/seqs_rows.cu.j2), each sequence's RMSNorm its own.
+
+A step of B sequences of K > 1 query tokens each (speculative decoding's verification) is R = B·K
+rows, computed as a batch of R (attributes ``batch`` R and ``tokens`` K; template argument ``KT``):
+row s is sequence s // K's token s % K; x [R, H]; q [B, Hq, K, D] (HF's q after its transpose and
+RoPE: the op absorbs the transpose), written at ``((b * Hq + head) * K + k) * D``; k/v heads to
+cache row ``kv_pos[k]`` of sequence b (kv_pos [K], HF's ``cache_position``, shared by the
+sequences); cos/sin either the step's rows [R, rd] (no ``rope_pos``) or a table's row
+``rope_pos[k]`` (rope_pos [K]: the K rows that the sequences share, ``rope_pos`` 0 .. K - 1).
+Batch 1 only:
 the head split into pieces with tickets (a per-head norm takes whole heads at B > 1) and the
 q/k norms over the whole projection (refused by the matcher).
 """
@@ -76,9 +85,10 @@ from fusec.ir.env import Env
 from fusec.ir import Graph, Op
 from fusec.instructions.base import Instruction, Region, Tile, register, split_range
 from fusec.instructions.call import P0, P1, P2, RED, SMEM, Call, Expr, Flag, Float, Int, Ptr, Type
-from fusec.instructions.matvec_rows import HIDDEN, MAX_SEQS, NORM, WF32, batched, elt, normed, rms_types, seqs
+from fusec.instructions.matvec_rows import (HIDDEN, MAX_SEQS, NORM, WF32, batched, elt, normed, pair_smem, rms_types,
+                                            seqs)
 from fusec.instructions.prologue import STAGED, TakesPrologue, adjust_tiles, externals, has, xin
-from fusec.instructions.qkv_match import match_qkv, proj_norm, rotary_dim, seq_rope, w_stride
+from fusec.instructions.qkv_match import match_qkv, proj_norm, rotary_dim, seq_rope, tokens, w_stride
 from fusec.instructions.rms_qkv_rope_sim import QkvRopeTiles
 from fusec.instructions.rule import Rule
 
@@ -89,9 +99,10 @@ def _bias_or_wf32(op: Op) -> bool:
 
 def _explicit(op: Op) -> bool:
     """BIAS and TB are written out: a later template argument (WF32, NORM, STAGED, RD, PROJNORM,
-    QKW32, WS) differs from its default."""
+    QKW32, WS, KT) differs from its default (they have no C++ default before WF32, so leaving
+    them out would shift every later argument)."""
     return _bias_or_wf32(op) or has(op) or not normed(op) or "rotary_dim" in op.attrs or proj_norm(op) \
-        or "w_stride" in op.attrs or bool(op.attrs.get("qk_w_fp32"))
+        or "w_stride" in op.attrs or bool(op.attrs.get("qk_w_fp32")) or tokens(op) > 1
 
 
 def pair_rows(d: int, rd: int, p0: int, p1: int) -> list[tuple[int, int]]:
@@ -119,7 +130,7 @@ def staged_floats(op: Op, g: Graph) -> int:
 @register
 class RmsQkvRope(TakesPrologue, QkvRopeTiles, Instruction):
     name = "rms_qkv_rope"
-    #: B <= 16 sequences of one query token (attribute ``batch``: docs/batch.md)
+    #: R = B·K <= 16 rows: B sequences of K query tokens (attributes ``batch`` R, ``tokens`` K: docs/batch.md)
     max_rows = MAX_SEQS
     #: first of all rules: it needs the ``attention`` op (to find the q and the caches) unsplit
     rules = (Rule(match=match_qkv, anchors=("attention",), priority=10),)
@@ -180,7 +191,7 @@ class RmsQkvRope(TakesPrologue, QkvRopeTiles, Instruction):
             vec = externals(op) + vec
         pieces = cls._pieces(op, g, want)
         proj = proj_norm(op)
-        nseq = seqs(op)   # a batch: each sequence's q rows and cache rows (docs/batch.md)
+        nrows, kt = seqs(op), tokens(op)   # R = B·K rows: each row's q rows, each sequence's cache rows
         ranges = cls._ranges(op, g, want)
         n_qk = sum(1 for u0, _ in ranges if u0 < (nq + nkv) * half)   # proj: the tiles that take the ticket
         vec_bytes = sum(g.tensors[v].nbytes for v in vec if g.tensors[g.root(v)].role.value != "constant")
@@ -199,19 +210,19 @@ class RmsQkvRope(TakesPrologue, QkvRopeTiles, Instruction):
                     if piece:
                         writes.append(Region.of(g, op.outputs["qk_part"], h * d + a, h * d + b))
                     elif out == "q":
-                        writes += [Region.of(g, op.outputs["q"], (s * nq + row) * d + a, (s * nq + row) * d + b)
-                                   for s in range(nseq)]
+                        writes += [Region.of(g, op.outputs["q"], cls._q_at(op, s, row) + a, cls._q_at(op, s, row) + b)
+                                   for s in range(nrows)]
                 if piece and not proj:   # the head's last piece reads all its pre-norm values
                     reads.append(Region.of(g, op.outputs["qk_part"], h * d, (h + 1) * d))
                 if (piece and not proj) or (not piece and out != "q"):   # the whole head (or its cache rows)
-                    writes += [cls._head_out(op, g, h, s=s) for s in range(nseq)]
+                    writes += [cls._head_out(op, g, h, s=s) for s in range(0, nrows, kt if out != "q" else 1)]
             qk = proj and u0 < (nq + nkv) * half
             if qk:   # the last q/k tile reads every pre-norm value and writes all of q and of k
                 reads.append(Region.whole(g, op.outputs["qk_part"]))
                 writes += [Region.whole(g, op.outputs["q"]), Region.whole(g, op.outputs["kcache"])]
             abytes = vec_bytes + (2 * (u1 - u0) * 4 + ((nq + nkv) * d * (4 + elt(g, xin(op)))) // n_qk if qk
                                   else 2 * (u1 - u0) * 4 + (d * 4 + d * elt(g, xin(op))) // pieces if split
-                                  else nseq * 2 * (u1 - u0) * 2 * elt(g, xin(op)))
+                                  else nrows * 2 * (u1 - u0) * 2 * elt(g, xin(op)))
             params = {"units": [u0, u1], "pieces": pieces}
             if proj:
                 params["qk_tiles"] = n_qk
@@ -219,17 +230,26 @@ class RmsQkvRope(TakesPrologue, QkvRopeTiles, Instruction):
         return adjust_tiles(op, g, tiles)
 
     @classmethod
+    def _q_at(cls, op: Op, s: int, row: int) -> int:
+        """The flat offset of q head ``row`` of the op's row ``s`` in ``q`` [B, Hq, K, D]
+        (sequence s // K, token s % K; K = 1: [B, Hq*D])."""
+        nq, d, kt = op.attrs["n_q"], op.attrs["head_dim"], tokens(op)
+        b, k = divmod(s, kt)
+        return ((b * nq + row) * kt + k) * d
+
+    @classmethod
     def _head_out(cls, op: Op, g: Graph, h: int, pos: int | None = None, L: int | None = None,
                   s: int = 0) -> Region:
-        """Where q/k/v head ``h`` of sequence ``s`` (0 at batch 1) goes: its q rows, or its KV
-        head's cache row at position ``pos`` (None: every position, as planned, since the row
-        depends on the run-time position) of a cache of ``L`` rows (None: the graph's)."""
+        """Where q/k/v head ``h`` of the op's row ``s`` (0 at batch 1; sequence s // K's token
+        s % K) goes: its q rows, or its sequence's KV head's cache row at position ``pos`` (the
+        token's; None: every position, as planned, since the row depends on the run-time
+        position) of a cache of ``L`` rows (None: the graph's)."""
         nq, nkv, d, L_g = cls._layout(op, g)
         L = L_g if L is None else L
         _, out, row = cls._head(op, h, nq, nkv)
         if out == "q":
-            return Region.of(g, op.outputs["q"], (s * nq + row) * d, (s * nq + row + 1) * d)
-        base = (s * nkv + row) * L * d
+            return Region.of(g, op.outputs["q"], cls._q_at(op, s, row), cls._q_at(op, s, row) + d)
+        base = (s // tokens(op) * nkv + row) * L * d
         return Region.of(g, op.outputs[out], base + pos * d, base + (pos + 1) * d) if pos is not None else \
             Region.of(g, op.outputs[out], base, base + L * d)
 
@@ -246,8 +266,9 @@ class RmsQkvRope(TakesPrologue, QkvRopeTiles, Instruction):
             return [*tile.params["units"], tile.params["qk_tiles"]]
         return [*tile.params["units"], tile.params.get("pieces", 1)]
 
-    #: batch 1: ``rms_qkv_rope``; a batch (B > 1): ``rms_qkv_rope_seqs``
-    #: (templates/rms_qkv_rope_seqs.cu.j2), which takes B and whether the cos/sin are per sequence too
+    #: batch 1: ``rms_qkv_rope``; R = B·K > 1 rows: ``rms_qkv_rope_seqs``
+    #: (templates/rms_qkv_rope_seqs.cu.j2), which takes R (its B), whether the cos/sin are per row
+    #: too and, last, KT = K (passed only at K > 1; BIAS and TB are then written out: ``_explicit``)
     call = Call(lambda op: "rms_qkv_rope_seqs" if batched(op) else "rms_qkv_rope",
                 targs=(*rms_types("wq", "q"), Type("tt", "cos_table"), Type("tc", "kcache"),
                        Type("thn", "q_norm_w", "norm_w", otherwise="float"), HIDDEN, Int("NQ", lambda op, g: op.attrs["n_q"]),
@@ -264,7 +285,9 @@ class RmsQkvRope(TakesPrologue, QkvRopeTiles, Instruction):
                        Flag("projnorm", fn=proj_norm, default="false"),
                        Flag("qkw32", fn=lambda op: op.attrs.get("qk_w_fp32", False), default="false"),
                        # rows between two heads' first rows in a fused weight (GPT-NeoX: 3 * D); 0: D
-                       Int("WS", lambda op, g: op.attrs.get("w_stride", 0), default=0)),
+                       Int("WS", lambda op, g: op.attrs.get("w_stride", 0), default=0),
+                       # query tokens per sequence (rows B·KT: row s is sequence s / KT's token s % KT)
+                       Int("KT", lambda op, g: tokens(op), default=1, when=batched)),
                 args=(Ptr("x"), Ptr("norm_w"), Float("eps", "eps", fallback=0.0), Ptr("wq"), Ptr("wk"), Ptr("wv"),
                       Ptr("cos_table"), Ptr("sin_table"), Ptr("rope_pos"), Ptr("kv_pos"), Ptr("q"), Ptr("kcache"),
                       Ptr("vcache"), Ptr("q_norm_w"), Ptr("k_norm_w"), Float("qk_eps", "qk_eps", 0.0),
@@ -280,7 +303,7 @@ class RmsQkvRope(TakesPrologue, QkvRopeTiles, Instruction):
 
     @classmethod
     def cuda_args(cls, op: Op, g: Graph, bufs) -> dict:
-        if g.tensors[g.root(op.outputs["kcache"])].shape[0] != seqs(op):
+        if g.tensors[g.root(op.outputs["kcache"])].shape[0] * tokens(op) != seqs(op):
             raise NotImplementedError("rms_qkv_rope: the KV caches' batch must be the op's sequences")
         if bufs.symbol(op.outputs["kcache"], 2) != bufs.symbol(op.outputs["vcache"], 2):
             raise NotImplementedError("rms_qkv_rope: K and V caches of different run-time lengths")
@@ -292,9 +315,11 @@ class RmsQkvRope(TakesPrologue, QkvRopeTiles, Instruction):
     @classmethod
     def own_smem(cls, op: Op, g: Graph) -> int:
         """Floats: batch 1, x (H, as floats) and one head's projections (D); a batch, the staged
-        ``[B, H]`` (:func:`staged_floats`) and, with a per-head norm, B heads' projections."""
+        ``[B, H]`` (:func:`staged_floats`), with a per-head norm B heads' projections, then the
+        partial sums of its pairs of rows (:func:`fusec.instructions.matvec_rows.pair_smem`)."""
         if batched(op):
-            return staged_floats(op, g) + (seqs(op) * op.attrs["head_dim"] if "q_norm_w" in op.inputs else 0)
+            return staged_floats(op, g) + (seqs(op) * op.attrs["head_dim"] if "q_norm_w" in op.inputs else 0) \
+                + pair_smem(op)
         return g.tensors[xin(op)].numel + op.attrs["head_dim"]
 
     @staticmethod
@@ -359,7 +384,8 @@ class RmsQkvRope(TakesPrologue, QkvRopeTiles, Instruction):
         nq, nkv, d, _ = cls._layout(op, env.g)
         L = env.length(op.outputs["kcache"], 2)
         half = d // 2
-        pos = int(env.read(op.inputs["kv_pos"]).reshape(-1)[0])
+        pos = env.read(op.inputs["kv_pos"]).reshape(-1).tolist()   # one per query token
+        kt = tokens(op)
         h = cls._split(op, tile)
         if h is not None:   # before the ticket: the piece's pre-norm values
             part = env.g.root(op.outputs["qk_part"])
@@ -372,8 +398,8 @@ class RmsQkvRope(TakesPrologue, QkvRopeTiles, Instruction):
         proj = proj_norm(op)
         for h, p0, p1 in cls._spans(op, env.g, *tile.params["units"]):
             _, out, row = cls._head(op, h, nq, nkv)
-            for s in range(seqs(op)):   # each sequence's rows (one at batch 1)
-                base = (s * nq + row) * d if out == "q" else ((s * nkv + row) * L + pos) * d
+            for s in range(seqs(op)):   # each row's (one at batch 1): sequence s // K's token s % K
+                base = cls._q_at(op, s, row) if out == "q" else ((s // kt * nkv + row) * L + pos[s % kt]) * d
                 for a, b in cls._rows(op, p0, p1):
                     if proj and out != "vcache":   # before the ticket: the units' pre-norm values
                         writes.append(Region.of(env.g, op.outputs["qk_part"], h * d + a, h * d + b))

@@ -1,8 +1,8 @@
 """What one tile of ``rms_qkv_rope`` computes, in torch (the simulator's reference for the
 kernel's tiles; :mod:`fusec.instructions.rms_qkv_rope` gives the method and the layout): the
 units' weight rows against the staged vector, bias, one rounding, the per-head or
-whole-projection q/k RMSNorm, RoPE, and the stores of q and the KV-cache row; at B > 1 every
-sequence at once (:meth:`QkvRopeTiles._run_seqs`)."""
+whole-projection q/k RMSNorm, RoPE, and the stores of q and the KV-cache row; at R = B·K > 1
+rows (B sequences of K query tokens) every row at once (:meth:`QkvRopeTiles._run_seqs`)."""
 from __future__ import annotations
 
 import functools
@@ -15,7 +15,7 @@ from fusec.ir.env import Env
 from fusec.ir.semantics import rms_normalize
 from fusec.instructions.base import Tile
 from fusec.instructions.matvec_rows import batched, normed, seqs, staged
-from fusec.instructions.qkv_match import proj_norm, rotary_dim, seq_rope, w_stride
+from fusec.instructions.qkv_match import proj_norm, rotary_dim, seq_rope, tokens, w_stride
 
 
 class QkvRopeTiles:
@@ -127,32 +127,40 @@ class QkvRopeTiles:
 
     @classmethod
     def _run_seqs(cls, op: Op, tile: Tile, env: Env) -> None:
-        """A batched op's tile (B sequences; docs/batch.md): the units' rows of W against each
-        sequence's staged vector (``[B, H]``: its own RMSNorm, or a folded prologue's rows), the
-        bias, one rounding; q/k heads: the per-head norm (whole heads), RoPE with each sequence's
-        cos/sin row (its own, :func:`seq_rope`, else the tables' row at the shared position);
-        sequence s's q heads to ``q[s]``, its k/v heads to its caches' row ``kv_pos`` (one row
-        for every sequence: HF's StaticCache writes at one ``cache_position``)."""
+        """A tile of an op of R = B·K > 1 rows (B sequences of K query tokens each, row s being
+        sequence s // K's token s % K; docs/batch.md): the units' rows of W against each row's
+        staged vector (``[R, H]``: its own RMSNorm, or a folded prologue's rows), the bias, one
+        rounding; q/k heads: the per-head norm (whole heads), RoPE with each row's cos/sin (its
+        own row of ``cos_table`` [R, rd], :func:`seq_rope`; else the tables' row ``rope_pos[k]``
+        for token k: K = 1, the one shared position); q heads to ``q`` [B, Hq, K, D] at
+        (sequence, head, token), k/v heads to the sequence's caches [B, Hkv, L, D] at row
+        ``kv_pos[k]`` (shared by the sequences: HF's StaticCache ``cache_position``). Raises the
+        kernel's faults KV_POS and ROPE_POS for a position out of range (no access)."""
         nq, nkv, d, _ = cls._layout(op, env.g)
-        half, a, nseq = d // 2, op.attrs, seqs(op)
+        half, a, nrows, kt = d // 2, op.attrs, seqs(op), tokens(op)
+        nseq = nrows // kt
         dt = a["dtype"]
         from fusec.ir.aten_exec import index_fault
-        kv_pos = int(env.read(op.inputs["kv_pos"]).reshape(-1)[0])
+        kv_pos = env.read(op.inputs["kv_pos"]).reshape(-1).to(torch.int64)
         L = env.length(op.outputs["kcache"], 2)
-        if not 0 <= kv_pos < L:   # the kernel's fault KV_POS: no access, the step is invalid
-            raise index_fault(op, "KV-cache write position", kv_pos, L, Fault.KV_POS)
+        for p in kv_pos.tolist():   # the kernel's fault KV_POS: no access, the step is invalid
+            if not 0 <= p < L:
+                raise index_fault(op, "KV-cache write position", p, L, Fault.KV_POS)
         r = rotary_dim(op) // 2
-        if seq_rope(op):   # [B, rd]: each sequence's own row
-            cos = env.read(op.inputs["cos_table"]).reshape(nseq, -1).float()
-            sin = env.read(op.inputs["sin_table"]).reshape(nseq, -1).float()
-        else:   # the tables' row at the one position, for every sequence
-            rp, rows = int(env.read(op.inputs["rope_pos"]).reshape(-1)[0]), env.read(op.inputs["cos_table"]).shape[0]
-            if not 0 <= rp < rows:
-                raise index_fault(op, "RoPE position", rp, rows, Fault.ROPE_POS)
-            cos = env.read(op.inputs["cos_table"])[rp].reshape(1, -1).float().expand(nseq, -1)
-            sin = env.read(op.inputs["sin_table"])[rp].reshape(1, -1).float().expand(nseq, -1)
-        n = staged(op, env, normed(op)).view(nseq, -1)   # [B, H]
-        q = env.flat(op.outputs["q"]).view(nseq, nq, d)
+        if seq_rope(op):   # [R, rd]: each row's own
+            cos = env.read(op.inputs["cos_table"]).reshape(nrows, -1).float()
+            sin = env.read(op.inputs["sin_table"]).reshape(nrows, -1).float()
+        else:   # the tables' row at token k's position, for every sequence
+            rps, rows = env.read(op.inputs["rope_pos"]).reshape(-1).tolist(), env.read(op.inputs["cos_table"]).shape[0]
+            for rp in rps:
+                if not 0 <= rp < rows:
+                    raise index_fault(op, "RoPE position", rp, rows, Fault.ROPE_POS)
+            at = torch.tensor(rps, dtype=torch.int64).repeat(nseq)   # row s: rope_pos[s % K]
+            cos = env.read(op.inputs["cos_table"])[at].reshape(nrows, -1).float()
+            sin = env.read(op.inputs["sin_table"])[at].reshape(nrows, -1).float()
+        n = staged(op, env, normed(op)).view(nrows, -1)   # [R, H]
+        q = env.flat(op.outputs["q"]).view(nseq, nq, kt, d)
+        seq = torch.arange(nseq)[:, None, None]
         for h, p0, p1 in cls._spans(op, env.g, *tile.params["units"]):
             w, out, row = cls._head(op, h, nq, nkv)
             wt = env.read(op.inputs[w])
@@ -160,14 +168,14 @@ class QkvRopeTiles:
             rot = ps < r
             i1, i2 = torch.where(rot, ps, ps + r), torch.where(rot, ps + r, ps + half)
             wr = row * w_stride(op)
-            y1, y2 = n @ wt[wr + i1].float().T, n @ wt[wr + i2].float().T   # [B, units]
+            y1, y2 = n @ wt[wr + i1].float().T, n @ wt[wr + i2].float().T   # [R, units]
             if "bq" in op.inputs:
                 b = env.read(op.inputs["b" + w[1]]).reshape(-1).float()
                 y1, y2 = y1 + b[wr + i1], y2 + b[wr + i2]
             y1, y2 = y1.to(dt).float(), y2.to(dt).float()
             if out != "vcache":
                 nw = op.inputs.get("q_norm_w" if out == "q" else "k_norm_w")
-                if nw is not None:   # whole heads (p0 = 0, p1 = half): each sequence's head normed
+                if nw is not None:   # whole heads (p0 = 0, p1 = half): each row's head normed
                     y = rms_normalize(torch.cat([y1, y2], -1).to(dt), env.read(nw), a["qk_eps"], dt,
                                       a.get("qk_w_fp32", False)).float()
                     y1, y2 = y[:, :half], y[:, half:]
@@ -176,12 +184,14 @@ class QkvRopeTiles:
                 a1, a2 = y1[:, rot], y2[:, rot]
                 y1, y2 = y1.clone(), y2.clone()
                 y1[:, rot], y2[:, rot] = a1 * c1 - a2 * s1, a2 * c2 + a1 * s2
+            y1, y2 = y1.view(nseq, kt, -1), y2.view(nseq, kt, -1)
             if out == "q":
-                q[:, row, i1], q[:, row, i2] = y1.to(dt), y2.to(dt)
+                qh = q[:, row]   # [B, K, D]
+                qh[..., i1], qh[..., i2] = y1.to(dt), y2.to(dt)
             else:
-                cache = env.read(op.outputs[out])
-                cache[:, row, kv_pos, i1] = y1.to(cache.dtype)
-                cache[:, row, kv_pos, i2] = y2.to(cache.dtype)
+                cache = env.read(op.outputs[out])[:, row]   # [B, L, D]: token k at row kv_pos[k]
+                cache[seq, kv_pos[None, :, None], i1] = y1.to(cache.dtype)
+                cache[seq, kv_pos[None, :, None], i2] = y2.to(cache.dtype)
 
     @classmethod
     def _finish_proj(cls, op: Op, env: Env, cos: torch.Tensor, sin: torch.Tensor, kv_pos: int) -> None:
