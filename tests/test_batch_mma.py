@@ -58,15 +58,22 @@ def mma_16816(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
 def mma_rows(w: np.ndarray, xs: np.ndarray, rows: int, k0: int, k1: int, k: int, s: int, acc: np.ndarray) -> None:
     """``mma_rows<T, K, S>`` of one warp: the 32-wide k steps [k0, k1) of the 16-row block ``w``
     (rows past ``rows`` read as zero) against ``xs`` [S, K]; ``acc`` [NT, 32, 4] (n-tile, lane,
-    d index) accumulates. Each lane's 16-byte chunks are the template's: row g and row g + 8 at
-    elements [8t, 8t + 8) of the step, sequence 8n + g's input at the same elements; the uint4
-    registers .x .y .z .w are elements (0, 1), (2, 3), (4, 5), (6, 7)."""
+    d index) accumulates: :func:`mma_rows2` with lane (g, t)'s rows g and g + 8 of the block
+    (the template writes mma_rows out on its own, the same loads and MMAs)."""
+    assert xs.shape == (s, k)
+    w = np.concatenate([w, np.zeros((max(0, 16 - len(w)), w.shape[1]))])[:16]
+    g = np.arange(8)
+    mma_rows2(w[:8], w[8:16], g < rows, g + 8 < rows, xs, k0, k1, J, acc)
+
+
+def mma_rows2(w0: np.ndarray, w1: np.ndarray, va: np.ndarray, vb: np.ndarray, xs: np.ndarray,
+              k0: int, k1: int, J: int, acc: np.ndarray) -> None:
+    """``mma_rows2<T, K, S, JS>`` of one warp: lane (g, t)'s A row g is ``w0[g]`` (valid where
+    ``va[g]``), its A row g + 8 ``w1[g]`` (``vb[g]``), against ``xs`` [S, K]; k steps [k0, k1),
+    J at a time; ``acc`` [NT, 32, 4] accumulates."""
+    s, k = xs.shape
     nt = (s + 7) // 8
     zero = np.zeros(8)
-
-    def chunk(m, r, e, ok):   # 8 elements of row r of m from element e, or zeros
-        return m[r, e:e + 8].astype(np.float64) if ok else zero
-
     for st in range(k0, k1, J):
         ra, rb = np.zeros((J, 32, 8)), np.zeros((J, 32, 8))
         for j in range(J):
@@ -74,8 +81,8 @@ def mma_rows(w: np.ndarray, xs: np.ndarray, rows: int, k0: int, k1: int, k: int,
             for lane in range(32):
                 g, t = lane >> 2, lane & 3
                 inn = st + j < k1 and (k % 32 == 0 or kk + 8 * t < k)
-                ra[j, lane] = chunk(w, g, kk + 8 * t, inn and g < rows)
-                rb[j, lane] = chunk(w, g + 8, kk + 8 * t, inn and g + 8 < rows)
+                ra[j, lane] = w0[g, kk + 8 * t:kk + 8 * t + 8] if inn and va[g] else zero
+                rb[j, lane] = w1[g, kk + 8 * t:kk + 8 * t + 8] if inn and vb[g] else zero
         for j in range(J):
             if st + j >= k1:
                 continue
@@ -85,9 +92,9 @@ def mma_rows(w: np.ndarray, xs: np.ndarray, rows: int, k0: int, k1: int, k: int,
                 for lane in range(32):
                     g, t = lane >> 2, lane & 3
                     inn = k % 32 == 0 or kk + 8 * t < k
-                    xb[lane] = chunk(xs, 8 * n + g, kk + 8 * t, inn and 8 * n + g < s)
-                # Mma16816<T>::run(acc[n], ra.x, rb.x, ra.y, rb.y, xb.x, xb.y), then .z .w
-                for h in (0, 1):
+                    if inn and 8 * n + g < s:
+                        xb[lane] = xs[8 * n + g, kk + 8 * t:kk + 8 * t + 8]
+                for h in (0, 1):   # Mma16816<T>::run(acc[n], ra.x, rb.x, ra.y, rb.y, xb.x, xb.y), then .z .w
                     a = np.concatenate([ra[j][:, 4 * h:4 * h + 2], rb[j][:, 4 * h:4 * h + 2],
                                         ra[j][:, 4 * h + 2:4 * h + 4], rb[j][:, 4 * h + 2:4 * h + 4]], axis=1)
                     acc[n] = mma_16816(a, xb[:, 4 * h:4 * h + 4], acc[n])

@@ -13,45 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from test_batch_mma import mma_16816
+from test_batch_mma import mma_16816, mma_rows2
 
 TEMPLATE = Path(__file__).resolve().parent.parent / "templates" / "seqs_rows.cu.j2"
 #: warps of a CTA (fusec.instructions.base.CTA_THREADS / 32); FUSEC_LOADS_IN_FLIGHT / 2
 NW, LOADS_HALF = 16, 4
-
-
-def mma_rows2(w0: np.ndarray, w1: np.ndarray, va: np.ndarray, vb: np.ndarray, xs: np.ndarray,
-              k0: int, k1: int, J: int, acc: np.ndarray) -> None:
-    """``mma_rows2<T, K, S, JS>`` of one warp: lane (g, t)'s A row g is ``w0[g]`` (valid where
-    ``va[g]``), its A row g + 8 ``w1[g]`` (``vb[g]``), against ``xs`` [S, K]; k steps [k0, k1),
-    J at a time; ``acc`` [NT, 32, 4] accumulates."""
-    s, k = xs.shape
-    nt = (s + 7) // 8
-    zero = np.zeros(8)
-    for st in range(k0, k1, J):
-        ra, rb = np.zeros((J, 32, 8)), np.zeros((J, 32, 8))
-        for j in range(J):
-            kk = (st + j) * 32
-            for lane in range(32):
-                g, t = lane >> 2, lane & 3
-                inn = st + j < k1 and (k % 32 == 0 or kk + 8 * t < k)
-                ra[j, lane] = w0[g, kk + 8 * t:kk + 8 * t + 8] if inn and va[g] else zero
-                rb[j, lane] = w1[g, kk + 8 * t:kk + 8 * t + 8] if inn and vb[g] else zero
-        for j in range(J):
-            if st + j >= k1:
-                continue
-            kk = (st + j) * 32
-            for n in range(nt):
-                xb = np.zeros((32, 8))
-                for lane in range(32):
-                    g, t = lane >> 2, lane & 3
-                    inn = k % 32 == 0 or kk + 8 * t < k
-                    if inn and 8 * n + g < s:
-                        xb[lane] = xs[8 * n + g, kk + 8 * t:kk + 8 * t + 8]
-                for h in (0, 1):   # Mma16816<T>::run(acc[n], ra.x, rb.x, ra.y, rb.y, xb.x, xb.y), then .z .w
-                    a = np.concatenate([ra[j][:, 4 * h:4 * h + 2], rb[j][:, 4 * h:4 * h + 2],
-                                        ra[j][:, 4 * h + 2:4 * h + 4], rb[j][:, 4 * h + 2:4 * h + 4]], axis=1)
-                    acc[n] = mma_16816(a, xb[:, 4 * h:4 * h + 4], acc[n])
 
 
 def emulate_pairs(u: int, rows0: np.ndarray, rows1: np.ndarray, xs: np.ndarray, wrong: str = ""):
