@@ -65,8 +65,9 @@ the matcher: :func:`fusec.instructions.qkv_match.match_qkv`): x [B, H], q [B, Hq
 sequence), cos/sin either the tables at ``rope_pos`` (shared) or, with no ``rope_pos``
 (:func:`seq_rope`), the step's own rows [B, rd], sequence s reading row s (its own position:
 left-padded prompts). The tiles are batch 1's units; each weight row is loaded once for the B
-sequences (template ``rms_qkv_rope_seqs``, templates/rms_qkv_rope_seqs.cu.j2, its dot
-``rows_dot_seqs`` of templates/seqs_rows.cu.j2), each sequence's RMSNorm its own.
+sequences (template ``rms_qkv_rope_seqs``, templates/rms_qkv_rope_seqs.cu.j2: a unit's two rows
+dotted with the B rows by ``pairs_seqs`` of templates/seqs_rows.cu.j2, on the tensor cores in
+bf16/fp16), each sequence's RMSNorm its own.
 
 A step of B sequences of K > 1 query tokens each (speculative decoding's verification) is R = B·K
 rows, computed as a batch of R (attributes ``batch`` R and ``tokens`` K; template argument ``KT``):
