@@ -6,7 +6,8 @@ random prompts of ``--prefill`` tokens prefilled eagerly into a ``StaticCache`` 
 then ``torch.compile(model, backend="fusec", options={"profile_dir": OUT/bB, "profile_step": 3})``
 (a profiling build: NOT the default kernel, a few % slower) runs 3 steps. Prints the step span,
 the per-kind busy time and layer ``--layer``'s ops (when each was ready and done, µs), the
-same table ``fusec timeline OUT/bB/timeline.json --layer N`` prints.
+same table ``fusec timeline OUT/bB/timeline.json --layer N`` prints, with each op's template marks
+(``FUSEC_MARK``: median µs after its tiles' waits; what each mark is, in the template).
 
 Usage (GPU):  PYTHONPATH=. python3 tools/profile_batch.py --out $OUT --batches 1 8 --tokens 4
 """
@@ -59,7 +60,7 @@ def profile(model, batch: int, out: Path, prefill: int, layer: int, extra: dict,
     for r in tl.op_windows(layer):
         print(f"  {r['op'][:28]:<28} {r['kind']:<18} tiles {r['tiles']:4d} ready {r['first_ready']:8.1f} "
               f"end {r['last_end']:8.1f} window {r['window_us']:6.1f} busy {r['mean_busy_us']:6.2f} "
-              f"GB/s {r['gbps_window']:6.0f}")
+              f"GB/s {r['gbps_window']:6.0f} marks {' '.join('-' if m is None else f'{m:.2f}' for m in r['marks_us'])}")
     torch._dynamo.reset()
 
 
