@@ -32,7 +32,11 @@ with the same values, by one op each:
   L] with one row per query token, HF's causal mask over the cache) is read by the attention:
   ``mask_kind`` 1 (bool, True attends) or 2 (additive float); the attention then reads every
   cache row and the mask decides (``pos``, the row the step's ``kv_write`` wrote, only orders it
-  after the write)
+  after the write). A K-token step's bool mask ``[1, 1, K, L]`` that equals ``row <= pos[k]``
+  for token k and its write positions ``pos`` [K] at every counter value (checked by evaluating
+  both) is replaced by those positions: ``mask_kind`` 3, ``mask`` and ``pos`` the K write
+  positions (:func:`_token_positions`), so that nothing of the cache's length is left outside
+  the caches (one step for every length) and the attention reads rows ``0 .. pos[K - 1]`` only
 
 Anything that does not match stays as it was. Dead ops are removed.
 """
@@ -45,7 +49,7 @@ import torch
 from fusec.ir import position
 from fusec.ir import Graph, Op, Ref, Role
 from fusec.ir.pattern import Matcher, cast, lit, op, sem, var
-from fusec.ir.semantics import default_scale
+from fusec.ir.semantics import TOKEN_POSITIONS, default_scale
 
 from fusec.passes import dce
 
@@ -363,6 +367,7 @@ def _attention(g: Graph, weights: dict[str, torch.Tensor]) -> int:
     dep = position.dependence(g)
     ctrs = position.counters(g)
     checked: dict[str, str | None] = {}
+    tokens_checked: dict[tuple[str, int], str | None] = {}
     n = 0
     new_ops = []
     for o in g.ops:
@@ -392,6 +397,12 @@ def _attention(g: Graph, weights: dict[str, torch.Tensor]) -> int:
             if ins["pos"] is None:   # a mask fusec cannot prove causal: the attention reads it
                 ins["pos"], ins["mask"] = _write_position(g, new_ops, kc[0]), mask
                 mask_kind = _mask_kind(g, mask, rows, g.tensors[q].shape[0], g.tensors[q].shape[2])
+                if mask_kind == 1 and ins["pos"] is not None:
+                    if (mask, rows) not in tokens_checked:
+                        tokens_checked[mask, rows] = _token_positions(g, mask, dep, ctrs, weights, rows)
+                    if tokens_checked[mask, rows] is not None:   # token k: rows 0 .. wp[k]
+                        ins["pos"] = ins["mask"] = tokens_checked[mask, rows]
+                        mask_kind = TOKEN_POSITIONS
         if mask_kind is None or ins["pos"] is None:
             log.info("attention %s left generic (mask or cache layout not recognized)", o.name)
             new_ops.append(o)
@@ -472,6 +483,48 @@ def _causal_counter(g: Graph, mask: str, dep, ctrs, weights, length: int) -> str
         elif not (m.is_floating_point() and torch.all(m[want] == 0) and torch.all(m[~want] <= torch.finfo(m.dtype).min)):
             return None   # masked rows -inf, or the dtype's lowest (HF's eager mask): softmax gives
     return c              # them weight 0 either way, as every row keeps its visible row p
+
+
+def _token_positions(g: Graph, mask: str, dep, ctrs, weights, length: int) -> str | None:
+    """For the bool ``mask`` [1, 1, K, length] of a step of K > 1 query tokens: a tensor of the
+    K write positions (a ``kv_write``'s ``pos``, int64) such that, for every value of the
+    position counter both depend on, mask row k is ``arange(length) <= pos[k]`` (HF's causal
+    mask over a static cache for one sequence's K new tokens, ``kv_idx <= q_idx``), checked at
+    the counter values whose K rows fit the cache (:func:`proof_positions`); None if there is
+    none. Every layer's attention then takes that tensor as its mask and its position
+    (``mask_kind`` :data:`~fusec.ir.semantics.TOKEN_POSITIONS`; the layers' counters advance
+    together, as at K = 1 where every layer reads the mask's counter): the mask's ops, which
+    read the cache's length, leave the step, so one step serves every length."""
+    info = g.tensors[mask]
+    k = info.shape[2] if len(info.shape) == 4 else 0
+    if info.dtype != torch.bool or tuple(info.shape) != (1, 1, k, length) or not 2 <= k < length:
+        return None
+    c = position.only_counter(dep, g, mask, ctrs)
+    if c is None:
+        return None
+    if g.lengths and any(op.attrs.get("symbolic") and not position.sizes_only(op) for op in position.subgraph_ops(g, mask)):
+        return None   # the mask uses the cache length as a value: no proof at one length covers all
+    cands = []
+    for o in g.ops:
+        if o.kind == "kv_write":
+            wp = o.inputs["pos"]
+            if wp not in cands and g.tensors[wp].dtype == torch.int64 and g.tensors[wp].numel == k \
+                    and position.only_counter(dep, g, wp, ctrs) == c:
+                cands.append(wp)
+    positions = [p for p in proof_positions(length) if p + k <= length]
+    ar = torch.arange(length)
+    for wp in cands[:1]:   # the first layer's (the others are alike)
+        vals = position.evaluate_many(g, [mask, wp], c, positions, weights)
+        ok = True
+        for m, w in zip(vals[mask].unbind(0), vals[wp].unbind(0)):
+            w = w.reshape(-1).to(torch.int64)
+            if not (0 <= int(w.min()) and int(w.max()) < length) \
+                    or not torch.equal(m.reshape(k, length), ar[None, :] <= w[:, None]):
+                ok = False
+                break
+        if ok:
+            return wp
+    return None
 
 
 def run(g: Graph, weights: dict[str, torch.Tensor] | None = None) -> Graph:

@@ -120,10 +120,15 @@ def _k_token_kinds(step, model, k: int, batch: int = 1) -> None:
     assert {g.root(o.outputs["out"]) for o in att} <= {g.root(m.inputs["x"]) for m in mv if "x" in m.inputs}
     for o in att:
         a = o.attrs
-        assert a["query_tokens"] == k and a["mask_rows"] == batch * k and a["mask_kind"] == 1, a
+        assert a["query_tokens"] == k and a["mask_rows"] == batch * k, a
         assert a["out_tokens"] and tuple(g.tensors[o.outputs["out"]].shape) == (batch, k, hq, cfg.head_dim)
         assert a["n_q"] == batch * hq * k and a["n_kv"] == batch * hkv and a.get("batch", 1) == batch
-        assert tuple(g.tensors[o.inputs["mask"]].shape) == (batch, 1, k, LENGTH)
+        if batch == 1:   # HF's causal mask proven: the K write positions are the mask (mask_kind 3)
+            assert a["mask_kind"] == 3 and o.inputs["mask"] == o.inputs["pos"], a
+            assert g.tensors[o.inputs["mask"]].numel == k and g.tensors[o.inputs["mask"]].dtype == torch.int64
+        else:            # left-padded prompts: each sequence's mask rows
+            assert a["mask_kind"] == 1, a
+            assert tuple(g.tensors[o.inputs["mask"]].shape) == (batch, 1, k, LENGTH)
         groups = a["n_kv"] * a.get("q_groups", 1)
         assert a["n_chunks"] > 1 and tiles[o.name] == groups * a["n_chunks"]
 
@@ -378,7 +383,8 @@ def test_k_token_step_with_the_reduce_merge_matches_eager(steps):
 def test_k_token_kernel_compiles_with_nvrtc(steps):
     """The K = 4 step's megakernel of tiny Llama (``rms_qkv_rope_seqs`` of the 4 rows with
     ``KT`` 4, last, writing the K cache rows; ``rms_gate_up_silu_seqs``, the batched matvecs of
-    the 4 rows, ``attention_partial_merge`` with ``QK`` 4 reading the mask row of each query row)
+    the 4 rows, ``attention_partial_merge`` with ``QK`` 4 and ``MK`` 3, token k attending the cache
+    rows up to its write position)
     renders and compiles for sm_90a without register spills, fp32 and bf16; the merge writes the
     output as HF transposes it (``OHQ`` 4)."""
     import re
@@ -398,8 +404,9 @@ def test_k_token_kernel_compiles_with_nvrtc(steps):
         assert step.schedule.graph.query_tokens() == 4
         src = render(step.schedule).source
         calls = {c for c in re.findall(r"attention_partial_merge<[^;]*;", src) if "bufs" in c}
-        # MK 1, QK 4, OHQ 4: the output written transposed [1, 4, Hq, D] for the o projection
-        assert calls and all(re.search(r", 1, bool, 4, 4>\(", c) for c in calls), calls
+        # MK 3 (the K write positions as the mask), QK 4, OHQ 4: the output written transposed
+        # [1, 4, Hq, D] for the o projection
+        assert calls and all(re.search(r", 3, i64, 4, 4>\(", c) for c in calls), calls
         assert "matvec_seqs<" in src and "rms_gate_up_silu_seqs<" in src
         qkv = {c for c in re.findall(r"rms_qkv_rope_seqs<[^;]*;", src) if "bufs" in c}
         assert qkv and all(re.search(r", 4>\(", c) for c in qkv), qkv   # ..., WS 0, KT 4
@@ -573,3 +580,39 @@ def test_query_rows_limit_is_the_fused_kinds_rows():
     from fusec.instructions import KINDS
     from fusec.instructions.matvec_rows import MAX_SEQS
     assert MAX_QUERY_ROWS == MAX_SEQS == KINDS["matvec"].max_rows == KINDS["attention_partial"].max_rows
+
+
+@pytest.mark.parametrize("fusions", [0, None], ids=["generic", "fused"])
+def test_k_token_causal_mask_becomes_the_write_positions(fusions, steps):
+    """A K = 4 step of one sequence: HF's causal mask ``[1, 1, 4, L]`` (built from the cache's
+    rows, ``kv_idx <= q_idx``) is proven ``row <= pos[k]`` and replaced by the K write positions
+    (``mask_kind`` 3; passes/recognize.py ``_token_positions``), so its ops leave the step; the
+    step equals eager at two prompt lengths, with the attention a fused ``attention_partial`` and
+    with nothing fused (``max_fusions=0``: the generic attention of fusec/cuda/gen/semantic.py),
+    and both kernels compile with NVRTC."""
+    from fusec.cuda.codegen import render
+    model = hf_tiny.llama()
+    gen = torch.Generator().manual_seed(23)
+    for plen in (5, 12):
+        caches = [hf_tiny.static_cache(model, 32) for _ in range(2)]
+        prompt = torch.randint(0, 128, (1, plen), generator=gen)
+        tok = torch.randint(0, 128, (1, 4), generator=gen)
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="fusec", options={"query_tokens": 4, "max_fusions": fusions})
+        with FallbackWatch() as w, torch.no_grad():
+            for c in caches:
+                model(input_ids=prompt, past_key_values=c, use_cache=True)
+            a = compiled(input_ids=tok, past_key_values=caches[0], use_cache=True).logits
+            b = model(input_ids=tok, past_key_values=caches[1], use_cache=True).logits
+        assert not w.fallbacks and w.compiled, w.fallbacks
+        assert ((a - b).norm() / b.norm()).item() < 1e-5
+        g = steps[-1].schedule.graph
+        att = [o for o in g.ops if o.kind in ("attention", "attention_partial")]
+        assert att and all(o.attrs["mask_kind"] == 3 and o.inputs["mask"] == o.inputs["pos"]
+                           and g.tensors[o.inputs["mask"]].numel == 4 for o in att), [o.attrs for o in att]
+        assert all(o.kind == ("attention" if fusions == 0 else "attention_partial") for o in att)
+        assert not [o for o in g.ops if o.kind.startswith(("aten.le", "aten.arange"))], "the mask's ops are left"
+    torch._dynamo.reset()
+    pytest.importorskip("cuda.bindings.nvrtc")
+    from fusec.cuda.jit import compile_cuda
+    compile_cuda(render(steps[-1].schedule).source, "fusec_step.cu").assert_no_spills()

@@ -92,7 +92,7 @@ import torch
 from fusec.abi import Fault
 from fusec.ir.env import Env
 from fusec.ir import Graph, Op
-from fusec.ir.semantics import apply_mask
+from fusec.ir.semantics import TOKEN_POSITIONS, apply_mask, token_mask
 from fusec.ir.pattern import sem
 from fusec.instructions.base import COST_ROWS, CTA_THREADS, Instruction, Region, Tile, register, split_range
 from fusec.instructions.call import P0, P1, SMEM, Call, Expr, Float, Int, Ptr, Type
@@ -375,10 +375,12 @@ class AttentionPartial(Instruction):
     @classmethod
     def _pos(cls, op: Op, env: Env) -> int:
         """The last cache row the tile group reads: the step's position, or L - 1 when a mask
-        decides (the mask, not the position, says which rows count)."""
-        if "mask" in op.inputs:
+        decides (the mask, not the position, says which rows count), or the last token's write
+        position where the mask is the K write positions (``mask_kind`` 3)."""
+        if "mask" in op.inputs and op.attrs.get("mask_kind", 0) != TOKEN_POSITIONS:
             return cls._rows(op, env) - 1
-        pos, rows = int(env.read(op.inputs["pos"]).reshape(-1)[0]), cls._rows(op, env)
+        # the position, or with the K write positions as the mask the last token's
+        pos, rows = int(env.read(op.inputs["pos"]).reshape(-1)[-1 if "mask" in op.inputs else 0]), cls._rows(op, env)
         if not 0 <= pos < rows:   # the kernel's fault ATTN_POS: no access, the step is invalid
             from fusec.ir.aten_exec import index_fault
             raise index_fault(op, "attention position", pos, rows, Fault.ATTN_POS)
@@ -392,7 +394,8 @@ class AttentionPartial(Instruction):
         pos = cls._pos(op, env)
         active = active_splits(pos, nc, _per_split(op))
         reads = tile.reads[:3] if "mask" in op.inputs else tile.reads[:2]
-        if "mask_rows" in op.attrs:   # the group's mask rows (its sequence's) at the run-time length
+        if "mask_rows" in op.attrs and op.attrs.get("mask_kind", 0) != TOKEN_POSITIONS:
+            # the group's mask rows (its sequence's) at the run-time length
             rows = _query_mask_rows(op, gi)
             reads[2] = Region.of(env.g, op.inputs["mask"], min(rows) * L, (max(rows) + 1) * L)
         if tile.params["chunk"] >= active:   # no rows at this position: no partial either
@@ -465,7 +468,11 @@ class AttentionPartial(Instruction):
         rows = cls._rows(op, env)   # the caches' KV heads, flat over a batch's sequences
         kc, vc = (env.read(op.inputs[t]).reshape(-1, rows, d) for t in ("kcache", "vcache"))
         mask_all = None
-        if "mask" in op.inputs:   # each query row's row of the mask [rep, rows] (its sequence's, mask_rows)
+        kind = op.attrs.get("mask_kind", 0)
+        if kind == TOKEN_POSITIONS:   # each query row's token: rows 0 .. pos[token]
+            mask_all = token_mask(env.read(op.inputs["mask"]), rows).reshape(-1, rows)[_query_mask_rows(op, gi)]
+            kind = 1
+        elif "mask" in op.inputs:   # each query row's row of the mask [rep, rows] (its sequence's, mask_rows)
             mask_all = env.read(op.inputs["mask"]).reshape(-1, rows)[_query_mask_rows(op, gi)]
         for b0 in range(r0, r1, chunk):
             b1 = min(b0 + chunk, r1)
@@ -473,7 +480,7 @@ class AttentionPartial(Instruction):
             k, v = kc[kh, b0:b1].float(), vc[kh, b0:b1].float()
             s = (q @ k.T) * op.attrs["scale"]
             if mask_all is not None:   # each query row under its own mask row
-                s = torch.stack([apply_mask(s[j], mask_all[j, b0:b1], op.attrs.get("mask_kind", 0))
+                s = torch.stack([apply_mask(s[j], mask_all[j, b0:b1], kind)
                                  for j in range(s.shape[0])])
             mb = s.max(-1).values
             if b0 == r0:   # the first block (the only one of a split of at most chunk rows)
@@ -533,7 +540,9 @@ class AttentionReduce(Instruction):
         if not _active_reduce(op):
             return nc
         rows = AttentionPartial._rows(_partial_of(op, env.g), env)
-        pos = rows - 1 if op.attrs.get("mask_kind", 0) else int(env.read(op.inputs["pos"]).reshape(-1)[0])
+        kind = op.attrs.get("mask_kind", 0)
+        pos = rows - 1 if kind not in (0, TOKEN_POSITIONS) else \
+            int(env.read(op.inputs["pos"]).reshape(-1)[-1 if kind == TOKEN_POSITIONS else 0])
         return active_splits(min(max(pos, 0), rows - 1), nc, _per_split(op))
 
     @classmethod

@@ -12,6 +12,7 @@ import torch
 
 from fusec.cuda.knobs import KNOBS
 from fusec.ir import Graph, Op
+from fusec.ir.semantics import TOKEN_POSITIONS
 from fusec.instructions.matvec_rows import MAX_SEQS
 from fusec.instructions.rule import Ctx, Fusion
 
@@ -41,12 +42,15 @@ def _seqs(g: Graph, att: Op) -> int:
 def _mask_rows(g: Graph, att: Op) -> int:
     """The rows of ``att``'s mask over its ``L`` cache rows in a step of K query tokens per
     sequence (:meth:`fusec.ir.Graph.query_tokens`): 0 without a mask, K for one row per query
-    token that serves every sequence (K = 1: one row), B·K for K rows per sequence (``[B, 1, K,
-    L]``: HF's mask of a K-token step, of left-padded prompts at K = 1), -1 for any other layout."""
+    token that serves every sequence (K = 1: one row; also the K write positions of ``mask_kind``
+    :data:`~fusec.ir.semantics.TOKEN_POSITIONS`), B·K for K rows per sequence (``[B, 1, K, L]``:
+    HF's mask of a K-token step, of left-padded prompts at K = 1), -1 for any other layout."""
     if "mask" not in att.inputs:
         return 0
     L = g.tensors[g.root(att.inputs["k"])].shape[2]
     n, b, k = g.tensors[att.inputs["mask"]].numel, _seqs(g, att), g.query_tokens()
+    if att.attrs.get("mask_kind", 0) == TOKEN_POSITIONS:   # the K write positions, shared by the sequences
+        return k if k > 1 and n == k else -1
     if k > 1 and g.tensors[att.inputs["mask"]].shape[-1] != L:
         return -1
     return k if n == k * L else (b * k if n == b * k * L else -1)
@@ -58,7 +62,8 @@ def takes_attention(g: Graph, m: dict) -> bool:
     D]`` (any layout of Hq·D elements at batch 1 with one token). One query token: no mask, one
     mask row for every sequence, or one per sequence. K > 1: a mask (bool or additive, ``[B, 1,
     K, L]`` or one ``[1, 1, K, L]`` for every sequence) over the cache's rows, which makes the K
-    rows causal. At B > 1 the batch is an attention over B·Hkv KV heads and B·Hq query heads
+    rows causal, or the K write positions (``mask_kind`` 3: token k attends rows ``<= pos[k]``).
+    At B > 1 the batch is an attention over B·Hkv KV heads and B·Hq query heads
     (query head ``b·Hq + h`` reads KV head ``b·Hkv + h // rep``: the flat layouts of q, the caches
     and the output), each sequence's groups reading its mask rows; at K > 1 each of a head's K
     query rows is a query head of its own (module docstring)."""
@@ -69,7 +74,7 @@ def takes_attention(g: Graph, m: dict) -> bool:
         return False
     if k > 1:
         return len(q.shape) == 4 and q.shape[0] == b and q.shape[2] == k and _mask_rows(g, att) > 0 \
-            and att.attrs.get("mask_kind", 0) in (1, 2)
+            and att.attrs.get("mask_kind", 0) in (1, 2, TOKEN_POSITIONS)
     if b == 1:
         return True
     return len(q.shape) == 4 and q.shape[0] == b and q.shape[2] == 1

@@ -152,6 +152,19 @@ def _kv_write(op: Op, env: Env) -> None:
     cache[:, :, rows] = val.reshape(cache.shape[0], cache.shape[1], len(rows), -1).to(cache.dtype)
 
 
+#: ``mask_kind`` of an attention whose mask input is its K write positions (a K-token step whose
+#: causal mask ``passes/recognize.py`` proved to be ``row <= pos[k]`` for token k)
+TOKEN_POSITIONS = 3
+
+
+def token_mask(pos: torch.Tensor, length: int) -> torch.Tensor:
+    """The bool mask ``[1, 1, K, length]`` of a K-token step from its write positions ``pos``
+    [K] (int64, HF's ``cache_position``): token k attends rows ``0 .. pos[k]`` (``mask_kind``
+    :data:`TOKEN_POSITIONS`; HF's causal mask over a static cache, ``kv_idx <= q_idx``)."""
+    k = pos.numel()
+    return (torch.arange(length)[None, :] <= pos.reshape(-1).to(torch.int64)[:, None]).reshape(1, 1, k, length)
+
+
 def mask_rows(mask: torch.Tensor, length: int) -> tuple[torch.Tensor, int, int]:
     """An attention mask as ``[Bm, Km, length]`` with its Bm (1: every sequence, or one per
     sequence) and Km (1: every query token, or one per query token): a mask of ``length``
@@ -177,9 +190,12 @@ def _attention(op: Op, env: Env) -> None:
     if K > 1:   # K query tokens per sequence: the mask decides (causal among them and the cache)
         _in_range(op, "attention position", int(env.read(op.inputs["pos"]).reshape(-1)[0]), L, Fault.ATTN_POS)
         qb = env.read(op.inputs["q"]).reshape(B, -1, K, kb.shape[-1])
-        m, bm, km = mask_rows(env.read(op.inputs["mask"]), L)
+        mask, kind = env.read(op.inputs["mask"]), op.attrs.get("mask_kind", 0)
+        if kind == TOKEN_POSITIONS:   # the write positions: token k attends rows 0 .. pos[k]
+            mask, kind = token_mask(mask, L), 1
+        m, bm, km = mask_rows(mask, L)
         o = torch.stack([torch.stack([attend(qb[b, :, t], kb[b], vb[b], L, op.attrs["scale"],
-                                             m[b % bm, t % km], op.attrs.get("mask_kind", 0))
+                                             m[b % bm, t % km], kind)
                                       for t in range(K)], 1) for b in range(B)])
         env.set(op.outputs["out"], o.to(info.dtype).reshape(info.shape))
         return

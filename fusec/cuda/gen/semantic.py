@@ -7,6 +7,7 @@ import math
 import re
 
 from fusec.abi import Fault
+from fusec.ir.semantics import TOKEN_POSITIONS
 from fusec.cuda.gen import emitter
 from fusec.cuda.gen.core import Ctx, broadcast_strides, literal, offset
 from fusec.cuda.gen.pointwise import Operand, elementwise
@@ -257,7 +258,9 @@ def _attention_tokens(ctx: Ctx) -> None:
     mask [Bm, 1, Km, L] (Bm 1 or B, Km 1 or K) decides over every cache row (mask_kind 1 or 2:
     HF's causal mask over the cache, token k attends rows <= pos0 + k). ``pos`` (the rows the
     step's KV write wrote) is checked at its first element (fault ATTN_POS) and orders the
-    attention after the write."""
+    attention after the write. ``mask_kind`` 3: the mask is the K write positions themselves
+    (passes/recognize.py proved HF's mask equal to ``row <= pos[k]``): token k attends rows
+    ``0 .. pos[k]``, rows up to ``pos[K - 1]`` (checked, fault ATTN_POS)."""
     op = ctx.op
     q, k, v, pos, mask = op.inputs["q"], op.inputs["k"], op.inputs["v"], op.inputs["pos"], op.inputs.get("mask")
     B, hkv, _, D = ctx.shape(k)
@@ -265,6 +268,19 @@ def _attention_tokens(ctx: Ctx) -> None:
     L, Lv = ctx.length(k, 2), ctx.length(v, 2)
     hq = ctx.shape(q)[1]
     kind = int(op.attrs.get("mask_kind", 0)) if mask is not None else 0
+    if kind == TOKEN_POSITIONS:   # the mask is the K write positions: token k attends rows <= pos[k]
+        if hq % hkv or tuple(ctx.shape(q)) != (B, hq, K, D) or ctx.numel(ctx.out) != B * hq * K * D \
+                or ctx.numel(mask) != K:
+            raise ctx.fail(f"attention of q {ctx.shape(q)} over {ctx.shape(k)} with {ctx.numel(mask)} write positions")
+        ctx.emit(f"const i64 p = {ctx.load_as(pos, str(K - 1), 'i64')};",
+                 f"if (!index_ok(p, {L}, {int(Fault.ATTN_POS)})) return;")
+        setup = [f"const int b_ = h / {hq * K}, k_ = h % {K};",
+                 f"const int kh = b_ * {hkv} + (h / {K} % {hq}) / {hq // hkv};",
+                 f"const i64 lim_ = {ctx.load_as(mask, 'k_', 'i64')};"]
+        _attend_rows(ctx, rows=B * hq * K, D=D, Dv=D, q_off=f"h * {D}", k_row=f"(kh * {L} + t) * {D}",
+                     v_row=f"(kh * {Lv} + t) * {D}", n_keys="(int)p + 1", scale=op.attrs["scale"],
+                     out_off=f"h * {D}", q=q, k=k, v=v, mask_expr="(t <= lim_)", mask_kind=1, setup=setup)
+        return
     mshape = ctx.shape(mask) if mask is not None else ()
     if kind not in (1, 2) or hq % hkv or tuple(ctx.shape(q)) != (B, hq, K, D) or ctx.numel(ctx.out) != B * hq * K * D \
             or len(mshape) != 4 or mshape[0] not in (1, B) or mshape[2] not in (1, K) or mshape[-1] != ctx.shape(k)[2]:
