@@ -486,18 +486,20 @@ def _causal_counter(g: Graph, mask: str, dep, ctrs, weights, length: int) -> str
 
 
 def _token_positions(g: Graph, mask: str, dep, ctrs, weights, length: int) -> str | None:
-    """For the bool ``mask`` [1, 1, K, length] of a step of K > 1 query tokens: a tensor of the
-    K write positions (a ``kv_write``'s ``pos``, int64) such that, for every value of the
-    position counter both depend on, mask row k is ``arange(length) <= pos[k]`` (HF's causal
-    mask over a static cache for one sequence's K new tokens, ``kv_idx <= q_idx``), checked at
-    the counter values whose K rows fit the cache (:func:`proof_positions`); None if there is
-    none. Every layer's attention then takes that tensor as its mask and its position
+    """For the bool ``mask`` [1 or B, 1, K, length] of a step of K > 1 query tokens: a tensor of
+    the K write positions (a ``kv_write``'s ``pos``, int64) such that, for every value of the
+    position counter both depend on, every sequence's mask row k is ``arange(length) <= pos[k]``
+    (HF's causal mask over a static cache for the K new tokens, ``kv_idx <= q_idx``; a batch
+    without padding repeats it per sequence) and ``pos[K - 1]`` is the largest position, checked
+    at the counter values whose K rows fit the cache (:func:`proof_positions`, evaluated in
+    chunks of about 16M mask elements); None if there is none. Every layer's attention then takes that tensor as its mask and its position
     (``mask_kind`` :data:`~fusec.ir.semantics.TOKEN_POSITIONS`; the layers' counters advance
     together, as at K = 1 where every layer reads the mask's counter): the mask's ops, which
     read the cache's length, leave the step, so one step serves every length."""
     info = g.tensors[mask]
     k = info.shape[2] if len(info.shape) == 4 else 0
-    if info.dtype != torch.bool or tuple(info.shape) != (1, 1, k, length) or not 2 <= k < length:
+    if info.dtype != torch.bool or len(info.shape) != 4 or info.shape[0] not in (1, g.batch()) \
+            or tuple(info.shape[1:]) != (1, k, length) or not 2 <= k < length:
         return None
     c = position.only_counter(dep, g, mask, ctrs)
     if c is None:
@@ -513,17 +515,18 @@ def _token_positions(g: Graph, mask: str, dep, ctrs, weights, length: int) -> st
                 cands.append(wp)
     positions = [p for p in proof_positions(length) if p + k <= length]
     ar = torch.arange(length)
-    for wp in cands[:1]:   # the first layer's (the others are alike)
-        vals = position.evaluate_many(g, [mask, wp], c, positions, weights)
-        ok = True
-        for m, w in zip(vals[mask].unbind(0), vals[wp].unbind(0)):
-            w = w.reshape(-1).to(torch.int64)
-            if not (0 <= int(w.min()) and int(w.max()) < length) \
-                    or not torch.equal(m.reshape(k, length), ar[None, :] <= w[:, None]):
-                ok = False
-                break
-        if ok:
-            return wp
+    step = max(1, (1 << 24) // (info.numel or 1))   # positions per evaluation: about 16M mask elements
+    for wp in cands[:1]:   # the first layer's (only it shares the mask's counter: HF's cache_position)
+        for i in range(0, len(positions), step):
+            vals = position.evaluate_many(g, [mask, wp], c, positions[i:i + step], weights)
+            for m, w in zip(vals[mask].unbind(0), vals[wp].unbind(0)):
+                w = w.reshape(-1).to(torch.int64)
+                # the last token's position the largest (the kinds read rows up to it), all inside
+                if not (0 <= int(w.min()) and int(w.max()) == int(w[-1]) < length) \
+                        or not torch.equal(m.reshape(-1, k, length), (ar[None, :] <= w[:, None]).expand(
+                            m.numel() // (k * length), k, length)):
+                    return None
+        return wp
     return None
 
 

@@ -582,21 +582,22 @@ def test_query_rows_limit_is_the_fused_kinds_rows():
     assert MAX_QUERY_ROWS == MAX_SEQS == KINDS["matvec"].max_rows == KINDS["attention_partial"].max_rows
 
 
-@pytest.mark.parametrize("fusions", [0, None], ids=["generic", "fused"])
-def test_k_token_causal_mask_becomes_the_write_positions(fusions, steps):
-    """A K = 4 step of one sequence: HF's causal mask ``[1, 1, 4, L]`` (built from the cache's
-    rows, ``kv_idx <= q_idx``) is proven ``row <= pos[k]`` and replaced by the K write positions
-    (``mask_kind`` 3; passes/recognize.py ``_token_positions``), so its ops leave the step; the
-    step equals eager at two prompt lengths, with the attention a fused ``attention_partial`` and
-    with nothing fused (``max_fusions=0``: the generic attention of fusec/cuda/gen/semantic.py),
-    and both kernels compile with NVRTC."""
+@pytest.mark.parametrize("fusions,batch", [(0, 1), (None, 1), (None, 2)], ids=["generic", "fused", "fused-b2"])
+def test_k_token_causal_mask_becomes_the_write_positions(fusions, batch, steps):
+    """A K = 4 step of one sequence (and of two without padding, whose mask HF repeats per
+    sequence): HF's causal mask ``[B, 1, 4, L]`` (built from the cache's rows, ``kv_idx <=
+    q_idx``) is proven ``row <= pos[k]`` and replaced by the K write positions (``mask_kind`` 3;
+    passes/recognize.py ``_token_positions``), so its ops leave the step; the step equals eager
+    at two prompt lengths, with the attention a fused ``attention_partial`` and with nothing fused
+    (``max_fusions=0``: the generic attention of fusec/cuda/gen/semantic.py), and the kernels
+    compile with NVRTC."""
     from fusec.cuda.codegen import render
     model = hf_tiny.llama()
     gen = torch.Generator().manual_seed(23)
     for plen in (5, 12):
         caches = [hf_tiny.static_cache(model, 32) for _ in range(2)]
-        prompt = torch.randint(0, 128, (1, plen), generator=gen)
-        tok = torch.randint(0, 128, (1, 4), generator=gen)
+        prompt = torch.randint(0, 128, (batch, plen), generator=gen)
+        tok = torch.randint(0, 128, (batch, 4), generator=gen)
         torch._dynamo.reset()
         compiled = torch.compile(model, backend="fusec", options={"query_tokens": 4, "max_fusions": fusions})
         with FallbackWatch() as w, torch.no_grad():

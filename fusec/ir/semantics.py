@@ -162,7 +162,8 @@ def token_mask(pos: torch.Tensor, length: int) -> torch.Tensor:
     [K] (int64, HF's ``cache_position``): token k attends rows ``0 .. pos[k]`` (``mask_kind``
     :data:`TOKEN_POSITIONS`; HF's causal mask over a static cache, ``kv_idx <= q_idx``)."""
     k = pos.numel()
-    return (torch.arange(length)[None, :] <= pos.reshape(-1).to(torch.int64)[:, None]).reshape(1, 1, k, length)
+    ar = torch.arange(length, device=pos.device)
+    return (ar[None, :] <= pos.reshape(-1).to(torch.int64)[:, None]).reshape(1, 1, k, length)
 
 
 def mask_rows(mask: torch.Tensor, length: int) -> tuple[torch.Tensor, int, int]:
@@ -188,7 +189,8 @@ def _attention(op: Op, env: Env) -> None:
     qshape = env.g.tensors[op.inputs["q"]].shape
     K = int(qshape[2]) if len(qshape) == 4 else 1
     if K > 1:   # K query tokens per sequence: the mask decides (causal among them and the cache)
-        _in_range(op, "attention position", int(env.read(op.inputs["pos"]).reshape(-1)[0]), L, Fault.ATTN_POS)
+        last = -1 if op.attrs.get("mask_kind", 0) == TOKEN_POSITIONS else 0   # mask_kind 3: rows up to pos[K - 1]
+        _in_range(op, "attention position", int(env.read(op.inputs["pos"]).reshape(-1)[last]), L, Fault.ATTN_POS)
         qb = env.read(op.inputs["q"]).reshape(B, -1, K, kb.shape[-1])
         mask, kind = env.read(op.inputs["mask"]), op.attrs.get("mask_kind", 0)
         if kind == TOKEN_POSITIONS:   # the write positions: token k attends rows 0 .. pos[k]
