@@ -96,22 +96,34 @@ def test_hf_generate_with_new_prompt_lengths_compiles_once(dynamic, steps):
     assert steps[-1].graph.lengths and not steps[-1].fallen_back
 
 
-def test_fusec_generate_one_step_for_every_length(steps):
-    """fusec.generate with four prompt lengths and max_new_tokens: one traced graph and one
-    step (its cache's length is symbolic), tokens equal HF's eager greedy generate()."""
+@pytest.mark.parametrize("lookup", [0, 3], ids=["greedy", "prompt-lookup"])
+def test_fusec_generate_one_step_for_every_length(lookup, steps):
+    """fusec.generate with several prompt lengths and max_new_tokens (each a new StaticCache
+    length): one traced graph and one step (its cache's length is symbolic), tokens equal HF's
+    eager greedy generate(). With prompt lookup (``lookup`` N: steps of K = N + 1 query tokens;
+    prompts that repeat, so that drafts are found) likewise: HF's causal mask of the K tokens,
+    built from the cache's rows, is proven ``row <= pos[k]`` and replaced by the K write
+    positions (``mask_kind`` 3, passes/recognize.py), which leaves no length outside the caches."""
     import fusec
     model = hf_tiny.llama()
-    gen = torch.Generator().manual_seed(13)
+    gen = torch.Generator().manual_seed(13 + lookup)
+    cases = ((4, 5), (70, 6), (9, 12), (150, 4)) if not lookup else ((6, 5), (75, 6), (20, 7))
+    extra = {"prompt_lookup_num_tokens": lookup} if lookup else {}
     with FallbackWatch() as w:
-        for plen, new in ((4, 5), (70, 6), (9, 12), (150, 4)):
+        for plen, new in cases:
             prompt = torch.randint(0, 128, (1, plen), generator=gen)
+            if lookup:
+                prompt[0, plen // 2:] = prompt[0, : plen - plen // 2].clone()   # repeats: drafts to look up
             out = fusec.generate(model, prompt, max_new_tokens=new, eos_token_id=[],
-                                 options={"num_sms": 16, "max_cache_len": 512})
+                                 options={"num_sms": 16, "max_cache_len": 512}, **extra)
             ref = model.generate(prompt, max_new_tokens=new, min_new_tokens=new, do_sample=False,
                                  cache_implementation="static")
             assert torch.equal(out, ref), (plen, new)
     assert not w.fallbacks, w.fallbacks
     assert len(steps) == 1 and steps[0].graph.lengths, [s.graph.lengths for s in steps]
+    if lookup:
+        att = [o for o in steps[0].schedule.graph.ops if o.kind == "attention_partial"]
+        assert att and all(o.attrs["mask_kind"] == 3 and o.inputs["mask"] == o.inputs["pos"] for o in att)
 
 
 class _Toy(torch.nn.Module):
@@ -406,27 +418,3 @@ def test_precompiled_paths_pass_gqa_to_sdpa_and_equal_eager(factory, tmp_path, m
         assert [o.attrs["args"][-1] for o in sdpa] == [True, True]   # enable_gqa: no repeat_kv
         kinds = s.schedule.graph.count_kinds()
         assert kinds["attention_partial"] == kinds["rms_qkv_rope"] == model.config.num_hidden_layers
-
-
-def test_prompt_lookup_one_step_for_every_length(steps):
-    """fusec.generate with prompt lookup (K = N + 1 query tokens per step) at three prompt
-    lengths and max_new_tokens, each a new StaticCache length: one step in all (HF's causal mask
-    of the K tokens, built from the cache's rows, is proven ``row <= pos[k]`` and replaced by the
-    K write positions: ``mask_kind`` 3, passes/recognize.py), its cache length symbolic, and the
-    tokens equal HF's eager greedy generate()."""
-    import fusec
-    model = hf_tiny.llama()
-    gen = torch.Generator().manual_seed(17)
-    with FallbackWatch() as w:
-        for plen, new in ((6, 5), (75, 6), (20, 7)):
-            prompt = torch.randint(0, 128, (1, plen), generator=gen)
-            prompt[0, plen // 2:] = prompt[0, : plen - plen // 2].clone()   # repeats: drafts to look up
-            out = fusec.generate(model, prompt, max_new_tokens=new, eos_token_id=[], prompt_lookup_num_tokens=3,
-                                 options={"num_sms": 16, "max_cache_len": 512})
-            ref = model.generate(prompt, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                                 cache_implementation="static")
-            assert torch.equal(out, ref), (plen, new)
-    assert not w.fallbacks, w.fallbacks
-    assert len(steps) == 1 and steps[0].graph.lengths, [s.graph.lengths for s in steps]
-    att = [o for o in steps[0].schedule.graph.ops if o.kind == "attention_partial"]
-    assert att and all(o.attrs["mask_kind"] == 3 and o.inputs["mask"] == o.inputs["pos"] for o in att)
