@@ -338,7 +338,7 @@ class AttentionPartial(Instruction):
     def cuda_args(cls, op: Op, g: Graph, bufs) -> dict:
         if bufs.symbol(op.inputs["kcache"], 2) != bufs.symbol(op.inputs["vcache"], 2):
             raise NotImplementedError("attention_partial: K and V caches of different run-time lengths")
-        return super().cuda_args(op, g, bufs)
+        return {**super().cuda_args(op, g, bufs), "uses": ("attention_rows",)}   # the rows' helpers
 
     @classmethod
     def smem_floats(cls, op: Op, g: Graph) -> int:
@@ -502,6 +502,10 @@ class AttentionPartial(Instruction):
 @register
 class AttentionReduce(Instruction):
     name = "attention_reduce"
+
+    @classmethod
+    def cuda_args(cls, op: Op, g: Graph, bufs) -> dict:
+        return {**super().cuda_args(op, g, bufs), "uses": ("attention_rows",)}   # active splits, positions
 
     @classmethod
     def tiles(cls, op: Op, g: Graph, want: int) -> list[Tile]:

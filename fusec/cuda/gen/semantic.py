@@ -268,33 +268,29 @@ def _attention_tokens(ctx: Ctx) -> None:
     L, Lv = ctx.length(k, 2), ctx.length(v, 2)
     hq = ctx.shape(q)[1]
     kind = int(op.attrs.get("mask_kind", 0)) if mask is not None else 0
-    if kind == TOKEN_POSITIONS:   # the mask is the K write positions: token k attends rows <= pos[k]
-        if hq % hkv or tuple(ctx.shape(q)) != (B, hq, K, D) or ctx.numel(ctx.out) != B * hq * K * D \
-                or ctx.numel(mask) != K:
-            raise ctx.fail(f"attention of q {ctx.shape(q)} over {ctx.shape(k)} with {ctx.numel(mask)} write positions")
-        ctx.emit(f"const i64 p = {ctx.load_as(pos, str(K - 1), 'i64')};",
-                 f"if (!index_ok(p, {L}, {int(Fault.ATTN_POS)})) return;")
-        setup = [f"const int b_ = h / {hq * K}, k_ = h % {K};",
-                 f"const int kh = b_ * {hkv} + (h / {K} % {hq}) / {hq // hkv};",
-                 f"const i64 lim_ = {ctx.load_as(mask, 'k_', 'i64')};"]
-        _attend_rows(ctx, rows=B * hq * K, D=D, Dv=D, q_off=f"h * {D}", k_row=f"(kh * {L} + t) * {D}",
-                     v_row=f"(kh * {Lv} + t) * {D}", n_keys="(int)p + 1", scale=op.attrs["scale"],
-                     out_off=f"h * {D}", q=q, k=k, v=v, mask_expr="(t <= lim_)", mask_kind=1, setup=setup)
-        return
     mshape = ctx.shape(mask) if mask is not None else ()
-    if kind not in (1, 2) or hq % hkv or tuple(ctx.shape(q)) != (B, hq, K, D) or ctx.numel(ctx.out) != B * hq * K * D \
-            or len(mshape) != 4 or mshape[0] not in (1, B) or mshape[2] not in (1, K) or mshape[-1] != ctx.shape(k)[2]:
+    if kind == TOKEN_POSITIONS:   # the mask is the K write positions: token k attends rows <= pos[k]
+        bad = ctx.numel(mask) != K
+    else:
+        bad = kind not in (1, 2) or len(mshape) != 4 or mshape[0] not in (1, B) or mshape[2] not in (1, K) \
+            or mshape[-1] != ctx.shape(k)[2]
+    if bad or hq % hkv or tuple(ctx.shape(q)) != (B, hq, K, D) or ctx.numel(ctx.out) != B * hq * K * D:
         raise ctx.fail(f"attention of q {ctx.shape(q)} over {ctx.shape(k)} with mask {mshape} (kind {kind})")
-    ctx.emit(f"const i64 p = {ctx.load_as(pos, '0', 'i64')};",
+    last = K - 1 if kind == TOKEN_POSITIONS else 0   # the row checked: every row read is at most it
+    ctx.emit(f"const i64 p = {ctx.load_as(pos, str(last), 'i64')};",
              f"if (!index_ok(p, {L}, {int(Fault.ATTN_POS)})) return;")
-    mb = "b_" if mshape[0] > 1 else "0"
-    mk = "k_" if mshape[2] > 1 else "0"
-    t = f"({mb} * {mshape[2]} + {mk}) * {L} + t"
-    mexpr = ctx.load_as(mask, t, "bool" if kind == 1 else "float")
     setup = [f"const int b_ = h / {hq * K}, k_ = h % {K}; (void)k_;",
              f"const int kh = b_ * {hkv} + (h / {K} % {hq}) / {hq // hkv};"]
+    if kind == TOKEN_POSITIONS:
+        setup.append(f"const i64 lim_ = {ctx.load_as(mask, 'k_', 'i64')};")
+        mexpr, n_keys, kind = "(t <= lim_)", "(int)p + 1", 1
+    else:
+        mb = "b_" if mshape[0] > 1 else "0"
+        mk = "k_" if mshape[2] > 1 else "0"
+        mexpr = ctx.load_as(mask, f"({mb} * {mshape[2]} + {mk}) * {L} + t", "bool" if kind == 1 else "float")
+        n_keys = str(L)
     _attend_rows(ctx, rows=B * hq * K, D=D, Dv=D, q_off=f"h * {D}", k_row=f"(kh * {L} + t) * {D}",
-                 v_row=f"(kh * {Lv} + t) * {D}", n_keys=str(L), scale=op.attrs["scale"], out_off=f"h * {D}",
+                 v_row=f"(kh * {Lv} + t) * {D}", n_keys=n_keys, scale=op.attrs["scale"], out_off=f"h * {D}",
                  q=q, k=k, v=v, mask_expr=mexpr, mask_kind=kind, setup=setup)
 
 
