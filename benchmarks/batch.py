@@ -73,7 +73,7 @@ def _step_row(model, batch: int, k: int, args, engine: str) -> dict[str, Any]:
         ref = model(input_ids=tok, past_key_values=caches[1]).logits.double()
         torch._dynamo.reset()
         if engine == "fusec":
-            opts = MULTI if k > 1 else None
+            opts = {**(MULTI if k > 1 else {}), **args.options} or None
             compiled = torch.compile(model, backend="fusec", options=opts) if opts else \
                 torch.compile(model, backend="fusec")
         else:
@@ -101,7 +101,8 @@ def _step_row(model, batch: int, k: int, args, engine: str) -> dict[str, Any]:
 def run(args) -> dict[str, Any]:
     model, label = families.build("llama", "published", DEVICE)
     floor = families.step_read_bytes(model) / args.bandwidth * 1e3
-    res: dict[str, Any] = {"config": label, "floor_ms": floor, "max_cache_len": args.max_cache_len,
+    res: dict[str, Any] = {"config": label, "options": args.options or "default", "floor_ms": floor,
+                           "max_cache_len": args.max_cache_len,
                            "prefill": args.prefill, "batch": {}, "tokens": {}, "generate": {}}
     shapes = [("batch", b, b, 1) for b in args.batches] + [("tokens", k, 1, k) for k in args.tokens]
     for table, key, b, k in shapes:
@@ -153,6 +154,8 @@ def print_table(res: dict[str, Any]) -> None:
     print(f"\n{res['config']}, bf16, StaticCache {res['max_cache_len']}, prefill {res['prefill']}; kernel "
           f"under a CUDA graph; floor {res['floor_ms']:.3f} ms (weights once); K > 1 with NON-DEFAULT "
           f"fusec option {json.dumps(MULTI)}")
+    if res.get("options", "default") != "default":
+        print(f"NON-DEFAULT fusec options in every fusec row: {json.dumps(res['options'])}")
     print(f"{'shape':<10} | {'fusec ms':>8} | {'x first row':>11} | {'floor share':>11} | {'inductor ms':>11} | "
           f"{'inductor/fusec':>14} | {'fell back?':<10} | {'rel err':>8}")
     for table, name in (("batch", "B"), ("tokens", "K")):
@@ -194,9 +197,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peer", choices=("inductor", "none"), default="inductor")
     ap.add_argument("--no-peer", type=lambda t: tuple(int(x) for x in t.split("x")), nargs="*", default=[],
                     metavar="BxK", help="shapes timed without the inductor peer (its compile takes long)")
+    ap.add_argument("--options", type=json.loads, default={},
+                    help="NON-DEFAULT fusec options (JSON) for every fusec row, e.g. '{\"defines\": "
+                         "{\"FUSEC_ATTN_KB\": 4}}' (an A/B; the results' JSON and table say so)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "build" / "batch-bench.json"))
     args = ap.parse_args(argv)
+    if args.options:
+        log.warning("NON-DEFAULT fusec options for every fusec row: %s", args.options)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("fusec").setLevel(logging.WARNING)
     print_table(run(args))

@@ -25,7 +25,8 @@ with the same values, by one op each:
   ``cache_position`` [K])
 * ``attention(q, k, v, pos[, mask]; scale, mask_kind)``  ``fusec.sdpa`` over KV caches, seen
   through the GQA ``repeat_kv`` expand. With a mask that equals ``kv_index <= pos`` for every
-  position (checked by evaluating the mask at every position of the cache) the mask is dropped
+  position (checked by evaluating the mask at every position of the cache; one row, or in a batch
+  [B, 1, 1, L] whose every sequence's row is causal: no prompt padded) the mask is dropped
   (``mask_kind`` 0). Any other mask over the ``L`` cache rows (HF generate()'s precomputed 4-D
   bool mask, a mask built from a user's ``attention_mask``; in a batch, [B, 1, 1, L] with one
   row per sequence, from left-padded prompts; with K query tokens per sequence, [1 or B, 1, K,
@@ -465,24 +466,33 @@ def _causal_counter(g: Graph, mask: str, dep, ctrs, weights, length: int) -> str
     causal mask ``row <= p`` at every position ``p`` in ``[0, length)``, or None. Those are the
     positions at which the step can write its row into that cache (the attention kinds read
     rows ``0..p``): a sliding-window layer's cache of W rows, before its window is full, sees
-    positions below W only, where its window mask (``p - W < row <= p``) is causal."""
+    positions below W only, where its window mask (``p - W < row <= p``) is causal. The mask is
+    one row for every head (``length`` elements), or ``[B, 1, 1, length]`` for a batch of B
+    sequences (HF's mask of a batch: one row per sequence, all of them causal when no prompt is
+    padded); evaluated in chunks of about 16M mask elements."""
+    info = g.tensors[mask]
     c = position.only_counter(dep, g, mask, ctrs)
-    if c is None or g.tensors[mask].shape[-1] != length or g.tensors[mask].numel != length:
+    if c is None or info.shape[-1] != length:
+        return None
+    if info.numel != length and (len(info.shape) != 4 or info.shape[0] != g.batch()
+                                 or tuple(info.shape[1:]) != (1, 1, length)):
         return None
     if g.lengths and any(op.attrs.get("symbolic") and not position.sizes_only(op) for op in position.subgraph_ops(g, mask)):
         return None   # the mask uses the cache length as a value: no proof at one length covers all
     positions = proof_positions(length)
-    vals = position.evaluate(g, mask, c, positions, weights)
     ar = torch.arange(length)
-    for p, m in zip(positions, vals):
-        m = m.reshape(-1)
-        want = ar <= p
-        if m.dtype == torch.bool:
-            if not torch.equal(m, want):
-                return None
-        elif not (m.is_floating_point() and torch.all(m[want] == 0) and torch.all(m[~want] <= torch.finfo(m.dtype).min)):
-            return None   # masked rows -inf, or the dtype's lowest (HF's eager mask): softmax gives
-    return c              # them weight 0 either way, as every row keeps its visible row p
+    step = max(1, (1 << 24) // (info.numel or 1))   # positions per evaluation: about 16M mask elements
+    for i in range(0, len(positions), step):
+        for p, m in zip(positions[i:i + step], position.evaluate(g, mask, c, positions[i:i + step], weights)):
+            m = m.reshape(-1, length)   # a row per sequence
+            want = (ar <= p).expand_as(m)
+            if m.dtype == torch.bool:
+                if not torch.equal(m, want):
+                    return None
+            elif not (m.is_floating_point() and torch.all(m[want] == 0)
+                      and torch.all(m[~want] <= torch.finfo(m.dtype).min)):
+                return None   # masked rows -inf, or the dtype's lowest (HF's eager mask): softmax
+    return c                  # gives them weight 0 either way, as every row keeps its visible row p
 
 
 def _token_positions(g: Graph, mask: str, dep, ctrs, weights, length: int) -> str | None:

@@ -257,8 +257,9 @@ NVRTC_CASES = {
                             {"FUSEC_MERGE_ONE_PASS": 0}),
     # length-polymorphic, capacity 4096 over 16 splits of one block of 256
     "poly_llama": (_poly_llama, 32, {}),
-    # R past the largest block: active splits of several blocks (MB)
-    "qwen2_gqa7_blocks": (lambda **o: _lowered(_qwen2_gqa7, torch.bfloat16, 132, 1024, **o), 320, {}),
+    # R past the block (FUSEC_ATTN_BLOCK_ROWS): active splits of several blocks (MB)
+    "qwen2_gqa7_blocks": (lambda **o: _lowered(_qwen2_gqa7, torch.bfloat16, 132, 1024, **o), 320,
+                          {"FUSEC_ATTN_BLOCK_ROWS": 256}),
     # a mask: the rows [0, L) over the active splits (mask_kind 2), the reduce's MK
     "masked_llama_fp32": (lambda **o: _lowered(_llama_8_2, torch.float32, 64, 96, masked=True, **o), 32, {}),
 }
@@ -273,6 +274,7 @@ def test_active_split_kernels_compile_without_spills(case, merge, tmp_path):
     pytest.importorskip("cuda.bindings.nvrtc")
     from fusec.cuda.codegen import render
     from fusec.cuda.jit import compile_cuda
+    from fusec.cuda.knobs import KNOBS
     from fusec.instructions.attention import AttentionPartial
     lower, r, extra = NVRTC_CASES[case]
     defines = {"FUSEC_ATTN_SPLIT_ROWS": r, **extra}
@@ -282,8 +284,9 @@ def test_active_split_kernels_compile_without_spills(case, merge, tmp_path):
     assert ("attention_reduce_active<" in plan.source) == (merge == "reduce")
     assert "attention_reduce<" not in plan.source
     att = [o for o in sched.graph.ops if o.kind == "attention_partial"]
-    assert all(AttentionPartial.multi_block(o, sched.graph) == (r > 256) for o in att)
-    assert all(o.attrs["chunk"] >= min(256, r) for o in att)   # an active split is one block, or MB
+    block = defines.get("FUSEC_ATTN_BLOCK_ROWS", KNOBS["FUSEC_ATTN_BLOCK_ROWS"])
+    assert all(AttentionPartial.multi_block(o, sched.graph) == (r > block) for o in att)
+    assert all(o.attrs["chunk"] >= min(block, r) for o in att)   # an active split is one block, or MB
     if case.startswith("masked"):
         assert all(o.attrs["mask_kind"] == 2 for o in sched.graph.ops if o.kind == "attention_partial")
     kernel = compile_cuda(plan.source, "fusec_step.cu", cache_dir=str(tmp_path))

@@ -299,8 +299,8 @@ def _width_graph(batch: int, dtype: torch.dtype, rows: int, runtime: bool) -> tu
                                                       (16, torch.float32, 1024, False)])
 def test_batch_attention_compiles_without_spills_at_llama_1b_widths(batch, dtype, rows, runtime, tmp_path):
     """The batch's ``attention_partial_merge`` at Llama-3.2-1B's attention widths (B·8 KV heads
-    on 132 SMs: 4 splits per group at B = 4, one at B = 16, which then runs its rows in blocks of
-    256: MB) compiles with NVRTC for sm_90a without spills or a stack frame; its mask argument is
+    on 132 SMs: 4 splits per group at B = 4, one at B = 16, which runs its rows in blocks of 512,
+    the knob FUSEC_ATTN_BLOCK_ROWS: MB) compiles with NVRTC for sm_90a without spills or a stack frame; its mask argument is
     the group's sequence row (``in.p0`` over the 8 groups of a sequence, times the mask's rows:
     a literal, or the run-time length's slot)."""
     pytest.importorskip("cuda.bindings.nvrtc")
@@ -312,12 +312,14 @@ def test_batch_attention_compiles_without_spills_at_llama_1b_widths(batch, dtype
     sched = lower(g, flat, Options.from_dict({"num_sms": 132}), Dumper(None))
     (op,) = [o for o in sched.graph.ops if o.kind == "attention_partial"]
     assert op.attrs["n_kv"] == 8 * batch and op.attrs["n_chunks"] == (4 if batch == 4 else 1)
+    assert op.attrs["chunk"] == (256 if batch == 4 else 512)
     src = render(sched).source
     calls = re.findall(r"attention_partial_merge<[^;]*;", src)
     t = "__nv_bfloat16" if dtype == torch.bfloat16 else "float"
     length = r"FUSEC_LEN\(bufs\[A\[\d+\]\]\)" if runtime else str(rows)
     mb = "true" if batch == 16 else "false"
-    want = (rf"attention_partial_merge<{t}, {t}, {t}, {32 * batch}, {8 * batch}, 64, 256, {op.attrs['n_chunks']}, 1, "
+    want = (rf"attention_partial_merge<{t}, {t}, {t}, {32 * batch}, {8 * batch}, 64, {op.attrs['chunk']}, "
+            rf"{op.attrs['n_chunks']}, 1, "
             rf"{mb}, 1, bool>\(.*, smem, \(\(\(const bool\*\)bufs\[A\[\d+\]\]\) \+ \(size_t\)\(in\.p0 / 8\) \* {length}\)\);")
     assert any(re.fullmatch(want, c) for c in calls), calls
     kernel = compile_cuda(src, "fusec_step.cu", cache_dir=str(tmp_path))

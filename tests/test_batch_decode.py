@@ -111,6 +111,49 @@ def test_batch_decode_matches_eager(factory, batch, steps):
         assert sum(1 for i in s.schedule.instrs if i.op == emb[0].name) == batch
 
 
+@pytest.mark.parametrize("batch", [3, 16])
+def test_a_batch_without_padding_reads_only_its_positions(batch, steps):
+    """B prompts of one length and decode steps without an ``attention_mask`` (a plain loop over
+    a batch that needs no padding): HF's mask [B, 1, 1, L] repeats the causal row of the shared
+    position for every sequence, which recognize proves at every position, so the attention
+    takes no mask (``mask_kind`` 0: it reads rows 0 .. pos, not all L with a mask per row, and the
+    mask's position-table lookup leaves the step); logits equal eager's over steps at several
+    positions, one fusec step, no fallback. A left-padded batch keeps its mask
+    (:func:`test_batch_decode_matches_eager`)."""
+    model = hf_tiny.llama()
+    gen = torch.Generator().manual_seed(batch)
+    length = 32
+    ids = torch.randint(1, model.config.vocab_size, (batch, 5), generator=gen)
+    caches = [hf_tiny.static_cache(model, length) for _ in range(2)]
+    with torch.no_grad():
+        for c in caches:
+            model(input_ids=ids, past_key_values=c, use_cache=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fusec")
+    errs = []
+    with FallbackWatch() as w, torch.no_grad():
+        for _ in range(4):
+            tok = torch.randint(1, model.config.vocab_size, (batch, 1), generator=gen)
+            a = compiled(input_ids=tok, past_key_values=caches[0]).logits.double()
+            b = model(input_ids=tok, past_key_values=caches[1]).logits.double()
+            errs.append(max(((a[i] - b[i]).norm() / b[i].norm()).item() for i in range(batch)))
+    torch._dynamo.reset()
+    assert max(errs) < 1e-5, errs
+    assert not w.fallbacks and w.compiled, w.fallbacks
+    assert steps and not any(s.fallen_back for s in steps) and sum(s.calls for s in steps) == 4
+    for s in steps:
+        g = s.schedule.graph
+        att = [o for o in g.ops for o in ([o] if o.kind != "chain" else o.attrs["ops"])
+               if o.kind.startswith("attention")]
+        assert len(att) == model.config.num_hidden_layers
+        assert all(o.kind == "attention_partial" and o.attrs["mask_kind"] == 0 and "mask" not in o.inputs
+                   for o in att), [(o.kind, o.attrs.get("mask_kind")) for o in att]
+        assert not any(g.tensors[t].dtype == torch.bool and g.tensors[t].shape[-1] == length
+                       for o in g.ops for t in o.outputs.values()), "the mask is still computed"
+    for layer_a, layer_b in zip(caches[0].layers, caches[1].layers):
+        assert torch.allclose(layer_a.keys, layer_b.keys, atol=1e-5)
+
+
 def test_a_batch_of_more_than_16_sequences_falls_back_with_a_line():
     """B = 17 sequences (more rows than the fused kinds take: every op would be generic on one
     SM) fall back with one line naming the batch, and the logits equal eager's."""

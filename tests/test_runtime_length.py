@@ -125,12 +125,13 @@ def test_one_schedule_serves_every_cache_length(heads, kv_heads):
 
 def test_splits_of_several_blocks_rescale_as_one_softmax():
     """Capacity 1024 over 2 splits per KV head (4 SMs): a split may hold 512 rows, two blocks of
-    256 (the online-softmax rescaling); at positions past 512 both splits run two blocks; with
-    the generic (unfused) attention too."""
+    256 (the knob FUSEC_ATTN_BLOCK_ROWS 256; the online-softmax rescaling); at positions past 512
+    both splits run two blocks; with the generic (unfused) attention too."""
     from fusec.instructions.attention import AttentionPartial
     model = hf_tiny.llama(heads=4, kv_heads=2)
     captured = polymorphic_capture(model, 1024)   # one trace, lowered twice
-    sched, flat, cap_cache, ids = polymorphic_step(model, 1024, num_sms=4, captured=captured)
+    sched, flat, cap_cache, ids = polymorphic_step(model, 1024, num_sms=4, captured=captured,
+                                                   defines={"FUSEC_ATTN_BLOCK_ROWS": 256})
     att = [op for op in sched.graph.ops if op.kind == "attention_partial"]
     assert att and all(op.attrs["chunk"] == 256 and op.attrs["n_chunks"] == 2 for op in att)
     assert all(AttentionPartial.multi_block(op, sched.graph) for op in att)
@@ -246,7 +247,7 @@ def _poly_source(cap: int, num_sms: int = 4, **defines):
 
 def test_kernel_reads_the_length_from_its_slot_and_compiles(tmp_path):
     """The polymorphic kernel names no cache length: two capacities with the same splits and
-    block (2048, 4096: two splits of several blocks of 256) give the same source but for the RoPE
+    block (4096, 16384: two splits of several blocks of 512) give the same source but for the RoPE
     tables' rows (RP, table_lookup's bound); the length is FUSEC_LEN of the slot "#len:s0"; the
     kernel compiles without spills, with the default knobs, all latency knobs off and the scalar
     score path."""
@@ -254,19 +255,19 @@ def test_kernel_reads_the_length_from_its_slot_and_compiles(tmp_path):
     from fusec.cuda.codegen import render
     from fusec.cuda.jit import compile_cuda
     from fusec.cuda.knobs import LATENCY_KNOBS_OFF
-    s1, p1 = _poly_source(2048)
-    s2, p2 = _poly_source(4096)
+    s1, p1 = _poly_source(4096)
+    s2, p2 = _poly_source(16384)
     assert p1.words == p2.words and p1.waits == p2.waits           # one schedule
     assert p1.buffers.count("#len:s0") == 1 and p1.buffers == p2.buffers
     slot = p1.buffers.index("#len:s0")
     assert f"FUSEC_LEN(bufs[{slot}])" in p1.source or "FUSEC_LEN(bufs[A[" in p1.source
     assert "#define FUSEC_LEN(b) ((int)(long long)(b))" in p1.source
-    for cap, src in ((2048, p1.source), (4096, p2.source)):
+    for cap, src in ((4096, p1.source), (16384, p2.source)):
         # the capacity appears only as the tables' rows
         for line in src.splitlines():
             if re.search(rf"\b{cap}\b", line):
                 assert "table_lookup" in line or "rms_qkv_rope<" in line, line
-    assert re.sub(r"\b2048\b", "CAP", p1.source) == re.sub(r"\b4096\b", "CAP", p2.source)
+    assert re.sub(r"\b4096\b", "CAP", p1.source) == re.sub(r"\b16384\b", "CAP", p2.source)
     assert "attention_partial_merge<" in p1.source and ", true>(" in p1.source   # MB: splits of several blocks
     compile_cuda(p1.source, "fusec_step.cu", cache_dir=str(tmp_path)).assert_no_spills()
     for defines in (LATENCY_KNOBS_OFF, {"FUSEC_ATTN_LANES": 0}, {"FUSEC_DISPATCH_BY_KIND": 0}):

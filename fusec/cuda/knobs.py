@@ -83,7 +83,19 @@ TABLE: tuple[Knob, ...] = (
          "FUSEC_ATTN_LANES: the cache rows per lane whose K loads a split-KV tile issues in one "
          "batch (a CTA of 512 threads with D = 64 in bf16: 64 row slots, 2 rows each); a batch's "
          "long splits (B = 16 on Llama-3.2-1B: one split of every row per KV head) make several "
-         "dependent batches (not yet measured against 4, 2026-12-05)"),
+         "dependent batches; 4 and 8 measured as 2 at B = 1, 8 and 16 (H100, 2026-12-05, "
+         "docs/batch.md)"),
+    Knob("FUSEC_ATTN_BLOCK_ROWS", 512,
+         "the most cache rows a split-KV tile scores in one block (shared memory: heads x rows x 4 "
+         "bytes); a split of more rows runs block after block, each a dependent round of scores, "
+         "softmax and values with the online-softmax rescaling. Lowering reads it (the op's "
+         "`chunk`): set it through the defines option. 256 until 2026-12-05: a batch of 16 on "
+         "Llama-3.2-1B (one split of every row per KV head, then 1024 rows in 4 blocks of 256) "
+         "took 1.782 ms with 256, 1.767 with 1024 (H100, docs/batch.md). 512, not 1024: with the "
+         "value pass's buffer a 1024-row block of 4 heads takes 33.8 KB, more than the 32 KB the "
+         "1B's batch-1 kernel has (its run-time-length kernel splits 32768 rows into 2048 per "
+         "split), and 40 KB more shared memory cost it 6-11 us (performance.md section 18). "
+         "Batch 1 on the 1B lowers as before up to 16 x 256 = 4096 cache rows"),
     Knob("FUSEC_ATTN_V_SCATTER", 1,
          "1: a split-KV tile's value pass sums a warp's row slices by a reduce-scatter (each "
          "shuffle step halves the values a lane keeps: 24 shuffles per warp instead of 64 on the "

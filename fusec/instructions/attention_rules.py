@@ -17,9 +17,14 @@ from fusec.instructions.matvec_rows import MAX_SEQS
 from fusec.instructions.rule import Ctx, Fusion
 
 
-#: the most rows of scores a split-KV tile keeps in shared memory (one block); a split of more
-#: rows runs over several blocks
-MAX_BLOCK = 256
+def max_block(options: dict) -> int:
+    """The most rows of scores a split-KV tile keeps in shared memory (one block; a split of more
+    rows runs over several, each a dependent round of scores, softmax and values): the kernel
+    knob ``FUSEC_ATTN_BLOCK_ROWS`` among the ``defines`` option, else its default, rounded down
+    to a multiple of 16 and at least 16. A block of ``rows`` takes ``heads * rows * 4`` bytes of
+    shared memory (at most :data:`MAX_TILE_HEADS` heads: 16 KiB at 512 rows)."""
+    rows = int(options.get("defines", {}).get("FUSEC_ATTN_BLOCK_ROWS", KNOBS["FUSEC_ATTN_BLOCK_ROWS"]))
+    return max(16, rows // 16 * 16)
 
 #: the most query heads one split-KV tile computes: its scores and value accumulators per head are
 #: registers and shared memory, and its heads run one after another (a tile of Falcon-7B's 71 heads
@@ -86,12 +91,12 @@ def split_attention(c: Ctx, m: dict) -> list[Op]:
     query tokens; a batch (B > 1) gets the attrs ``batch`` B and, with a mask of one row per
     sequence, ``mask_rows`` B: group ``gi`` reads mask row ``gi // (groups / B)``; a step of K > 1
     query tokens the attrs ``query_tokens`` K and ``mask_rows`` K or B·K, :func:`_query_mask_rows`),
-    blocks of a multiple of 16 rows, at most :data:`MAX_BLOCK`; L the cache's rows, its capacity
+    blocks of a multiple of 16 rows, at most :func:`max_block`; L the cache's rows, its capacity
     for a run-time length) whose last tile per group merges (``attention_merge="last_tile"``),
     or ``attention_partial`` + ``attention_reduce`` (``"reduce"``). A non-zero
     ``FUSEC_ATTN_SPLIT_ROWS`` among the ``defines`` becomes the attr ``split_rows`` of both (and
     the reduce's input ``pos``), and the block grows to hold it (a multiple of 16, at most
-    :data:`MAX_BLOCK`): an active split holds up to that many rows while others idle."""
+    :func:`max_block`): an active split holds up to that many rows while others idle."""
     g, att = c.g, m["_anchor"]
     kc = g.tensors[g.root(att.inputs["k"])]
     b, hkv, L, d = kc.shape
@@ -100,13 +105,14 @@ def split_attention(c: Ctx, m: dict) -> list[Op]:
     hs = q_groups(nq // nkv)
     n_chunks = max(1, min(math.ceil(L / 16), c.options["num_sms"] // (nkv * hs)))
     chunk = math.ceil(math.ceil(L / n_chunks) / 16) * 16
-    if chunk <= MAX_BLOCK:   # a split is one block: as few splits as hold L
+    block = max_block(c.options)
+    if chunk <= block:   # a split is one block: as few splits as hold L
         n_chunks = math.ceil(L / chunk)
-    else:                    # splits of several blocks
-        chunk = MAX_BLOCK
+    else:                # splits of several blocks
+        chunk = block
     per_split = int(c.options.get("defines", {}).get("FUSEC_ATTN_SPLIT_ROWS", KNOBS["FUSEC_ATTN_SPLIT_ROWS"]))
     if per_split > 0:   # an idle split leaves up to per_split rows to each active one: one block
-        chunk = max(chunk, min(MAX_BLOCK, math.ceil(per_split / 16) * 16))
+        chunk = max(chunk, min(block, math.ceil(per_split / 16) * 16))
     o_part = g.new_tensor(f"{att.name}_o_part", (nq, n_chunks, d), torch.float32)
     ml_part = g.new_tensor(f"{att.name}_ml_part", (nq, n_chunks, 2), torch.float32)
     attrs = {"scale": att.attrs["scale"], "n_q": nq, "n_kv": nkv, "head_dim": d,
