@@ -11,8 +11,9 @@ once ``pos + 1 >= n_chunks`` whatever the position. For each query head of g's g
 computes the running max ``m``, the sum of exponentials ``l`` and the unnormalized output
 ``o = sum exp(s-m) v`` (fp32), and writes them to the partial buffers. An empty split writes
 m = -inf, l = 0, o = 0. The scores of ``chunk`` rows (a block, at most the kernel knob
-``FUSEC_ATTN_BLOCK_ROWS``, 512) fit shared memory; a split of more rows (a long cache: the capacity's splits pass ``chunk``) runs over its blocks one
-by one with the online-softmax rescaling of flash-decoding (:meth:`AttentionPartial._partial`):
+``FUSEC_ATTN_BLOCK_ROWS``, 512) fit shared memory; a split of more rows (a long cache: the
+capacity's splits pass ``chunk``) runs over its blocks one by one with the online-softmax
+rescaling of flash-decoding (:meth:`AttentionPartial._partial`):
 per head the running ``m`` and ``l`` and, at each later block, ``o`` and ``l`` so far scaled by
 ``exp(m_old - m_new)`` before the block's terms are added.
 
@@ -29,14 +30,14 @@ records it as the op attr ``split_rows``, which the simulator and ``attention_re
 read): at a position only the first ``active = min(n_chunks, max(1, ceil((pos+1) / R)))`` splits
 of a group take rows, ``split_rows(c, pos, active)``: about R rows each (at most R while some
 splits are idle, at least ``R // 2`` when two or more work), so that a short cache needs no
-``n_chunks``-way merge; the block (``chunk``) grows to hold R rows (at most :func:`~.attention_rules.max_block`,
-past it the block loop). A split ``c >= active`` reads its position and nothing of K or V,
-writes no partial, and still takes its ticket (the last-tile merge counts all ``n_chunks``
+``n_chunks``-way merge; the block (``chunk``) grows to hold R rows (at most
+:func:`~.attention_rules.max_block`, past it the block loop). A split ``c >= active`` reads its
+position and nothing of K or V, writes no partial, and still takes its ticket (the last-tile merge counts all ``n_chunks``
 tickets as before: it runs once, in the step's last tile, whatever ``active`` is). The merges
 (the last tile's and ``attention_reduce``, which then also reads the position) read the first
 ``active`` partials of each head only: the others hold an earlier step's, or nothing. With a
 mask the rule counts the rows the mask splits, ``[0, L)`` (``pos`` is ``L - 1`` there, as
-everywhere in this kind). R = 0 (the default) keeps all ``n_chunks`` splits, and the kernel's
+everywhere in this kind). R = 0 (the default before 2026-12-04) keeps all ``n_chunks`` splits, and the kernel's
 machine code of before the knob.
 
 Last-tile merge (``attention_partial`` with an ``out`` output, option
