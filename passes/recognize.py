@@ -36,8 +36,13 @@ with the same values, by one op each:
   after the write). A K-token step's bool mask ``[1, 1, K, L]`` that equals ``row <= pos[k]``
   for token k and its write positions ``pos`` [K] at every counter value (checked by evaluating
   both) is replaced by those positions: ``mask_kind`` 3, ``mask`` and ``pos`` the K write
-  positions (:func:`_token_positions`), so that nothing of the cache's length is left outside
-  the caches (one step for every length) and the attention reads rows ``0 .. pos[K - 1]`` only
+  positions (:func:`fusec.ir.mask_proofs.token_positions`), so that nothing of the cache's
+  length is left outside the caches (one step for every length) and the attention reads rows
+  ``0 .. pos[K - 1]`` only.
+  A bool mask that stays (a left-padded batch's: HF's causal part AND the padding part) and one of
+  whose AND terms, a function of the position, attends no row past the last write position
+  (:func:`fusec.ir.mask_proofs.bounded_by_positions`) gets the attr ``mask_bound``: the attention
+  reads rows ``0 .. pos[-1]`` under the mask.
 
 Anything that does not match stays as it was. Dead ops are removed.
 """
@@ -47,7 +52,7 @@ import logging
 
 import torch
 
-from fusec.ir import position
+from fusec.ir import mask_proofs, position
 from fusec.ir import Graph, Op, Ref, Role
 from fusec.ir.pattern import Matcher, cast, lit, op, sem, var
 from fusec.ir.semantics import TOKEN_POSITIONS, default_scale
@@ -368,7 +373,7 @@ def _attention(g: Graph, weights: dict[str, torch.Tensor]) -> int:
     dep = position.dependence(g)
     ctrs = position.counters(g)
     checked: dict[str, str | None] = {}
-    tokens_checked: dict[tuple[str, int], str | None] = {}
+    tokens_checked: dict[tuple, str | None] = {}
     n = 0
     new_ops = []
     for o in g.ops:
@@ -382,10 +387,11 @@ def _attention(g: Graph, weights: dict[str, torch.Tensor]) -> int:
             kc = vc = None   # values of another head size than the keys: the attention kinds take one D
         ins: dict[str, str | None] = {}
         mask_kind: int | None = None
+        bound = False
         if kc and vc and kc[1] == vc[1] and not dropout and not is_causal and mask is not None:
             rows = g.tensors[kc[0]].shape[2]   # this layer's cache: a sliding window's may be shorter
             if (mask, rows) not in checked:
-                checked[mask, rows] = _causal_counter(g, mask, dep, ctrs, weights, rows)
+                checked[mask, rows] = mask_proofs.causal_counter(g, mask, dep, ctrs, weights, rows)
             ins = {"q": q, "k": kc[0], "v": vc[0], "pos": checked[mask, rows]}
             wp = _write_position(g, new_ops, kc[0])
             fixed_row = wp is not None and position.only_counter(dep, g, wp, ctrs) is None
@@ -400,10 +406,19 @@ def _attention(g: Graph, weights: dict[str, torch.Tensor]) -> int:
                 mask_kind = _mask_kind(g, mask, rows, g.tensors[q].shape[0], g.tensors[q].shape[2])
                 if mask_kind == 1 and ins["pos"] is not None:
                     if (mask, rows) not in tokens_checked:
-                        tokens_checked[mask, rows] = _token_positions(g, mask, dep, ctrs, weights, rows)
+                        tokens_checked[mask, rows] = mask_proofs.token_positions(g, mask, dep, ctrs, weights, rows)
                     if tokens_checked[mask, rows] is not None:   # token k: rows 0 .. wp[k]
                         ins["pos"] = ins["mask"] = tokens_checked[mask, rows]
                         mask_kind = TOKEN_POSITIONS
+                # the mask stays: is it bounded by the position? Only over a cache the step writes
+                # at its position (not a rolled window's fixed row, nor a window's shorter cache)
+                if mask_kind == 1 and ins["pos"] is not None and not fixed_row and rows == position.cache_length(g):
+                    key = (mask, rows, "bound")
+                    if key not in tokens_checked:
+                        tokens_checked[key] = mask_proofs.bounded_by_positions(
+                            g, mask, dep, ctrs, weights, rows, g.query_tokens())
+                    if tokens_checked[key] is not None:   # rows 0 .. its last element only
+                        ins["pos"], bound = tokens_checked[key], True
         if mask_kind is None or ins["pos"] is None:
             log.info("attention %s left generic (mask or cache layout not recognized)", o.name)
             new_ops.append(o)
@@ -411,7 +426,7 @@ def _attention(g: Graph, weights: dict[str, torch.Tensor]) -> int:
         d = g.tensors[q].shape[-1]
         new_ops.append(Op(o.name, "attention", ins, {"out": o.outputs["out"]},
                           attrs={"scale": float(scale) if scale is not None else default_scale(d),
-                                 "mask_kind": mask_kind},
+                                 "mask_kind": mask_kind, **({"mask_bound": True} if bound else {})},
                           source=o.source))
         n += 1
     g.ops = new_ops
@@ -444,100 +459,6 @@ def _mask_kind(g: Graph, mask: str, length: int, batch: int = 1, tokens: int = 1
     if info.dtype == torch.bool:
         return 1
     return 2 if info.dtype in (torch.float32, torch.bfloat16, torch.float16) else None
-
-
-#: cache lengths up to this have their mask checked at every position
-PROOF_ALL = 4096
-
-
-def proof_positions(length: int) -> list[int]:
-    """The positions at which a mask is checked to be causal over all ``length`` rows: every one
-    up to :data:`PROOF_ALL`; beyond, the first 1024, the last 256 and 512 spread between (a
-    mask that differs from causal only past a window or within chunks shows at the last rows;
-    checking all of a 32768-row capacity would evaluate 10^9 elements)."""
-    if length <= PROOF_ALL:
-        return list(range(length))
-    spread = range(0, length, max(1, length // 512))
-    return sorted(set(range(1024)) | set(range(length - 256, length)) | set(spread))
-
-
-def _causal_counter(g: Graph, mask: str, dep, ctrs, weights, length: int) -> str | None:
-    """The position counter for which ``mask`` (over an attention's ``length`` cache rows) is the
-    causal mask ``row <= p`` at every position ``p`` in ``[0, length)``, or None. Those are the
-    positions at which the step can write its row into that cache (the attention kinds read
-    rows ``0..p``): a sliding-window layer's cache of W rows, before its window is full, sees
-    positions below W only, where its window mask (``p - W < row <= p``) is causal. The mask is
-    one row for every head (``length`` elements), or ``[B, 1, 1, length]`` for a batch of B
-    sequences (HF's mask of a batch: one row per sequence, all of them causal when no prompt is
-    padded); evaluated in chunks of about 16M mask elements."""
-    info = g.tensors[mask]
-    c = position.only_counter(dep, g, mask, ctrs)
-    if c is None or info.shape[-1] != length:
-        return None
-    if info.numel != length and (len(info.shape) != 4 or info.shape[0] != g.batch()
-                                 or tuple(info.shape[1:]) != (1, 1, length)):
-        return None
-    if g.lengths and any(op.attrs.get("symbolic") and not position.sizes_only(op) for op in position.subgraph_ops(g, mask)):
-        return None   # the mask uses the cache length as a value: no proof at one length covers all
-    positions = proof_positions(length)
-    ar = torch.arange(length)
-    step = max(1, (1 << 24) // (info.numel or 1))   # positions per evaluation: about 16M mask elements
-    for i in range(0, len(positions), step):
-        for p, m in zip(positions[i:i + step], position.evaluate(g, mask, c, positions[i:i + step], weights)):
-            m = m.reshape(-1, length)   # a row per sequence
-            want = (ar <= p).expand_as(m)
-            if m.dtype == torch.bool:
-                if not torch.equal(m, want):
-                    return None
-            elif not (m.is_floating_point() and torch.all(m[want] == 0)
-                      and torch.all(m[~want] <= torch.finfo(m.dtype).min)):
-                return None   # masked rows -inf, or the dtype's lowest (HF's eager mask): softmax
-    return c                  # gives them weight 0 either way, as every row keeps its visible row p
-
-
-def _token_positions(g: Graph, mask: str, dep, ctrs, weights, length: int) -> str | None:
-    """For the bool ``mask`` [1 or B, 1, K, length] of a step of K > 1 query tokens: a tensor of
-    the K write positions (a ``kv_write``'s ``pos``, int64) such that, for every value of the
-    position counter both depend on, every sequence's mask row k is ``arange(length) <= pos[k]``
-    (HF's causal mask over a static cache for the K new tokens, ``kv_idx <= q_idx``; a batch
-    without padding repeats it per sequence) and ``pos[K - 1]`` is the largest position, checked
-    at the counter values whose K rows fit the cache (:func:`proof_positions`, evaluated in
-    chunks of about 16M mask elements); None if there is none. Every layer's attention then takes that tensor as its mask and its position
-    (``mask_kind`` :data:`~fusec.ir.semantics.TOKEN_POSITIONS`; the layers' counters advance
-    together, as at K = 1 where every layer reads the mask's counter): the mask's ops, which
-    read the cache's length, leave the step, so one step serves every length."""
-    info = g.tensors[mask]
-    k = info.shape[2] if len(info.shape) == 4 else 0
-    if info.dtype != torch.bool or len(info.shape) != 4 or info.shape[0] not in (1, g.batch()) \
-            or tuple(info.shape[1:]) != (1, k, length) or not 2 <= k < length:
-        return None
-    c = position.only_counter(dep, g, mask, ctrs)
-    if c is None:
-        return None
-    if g.lengths and any(op.attrs.get("symbolic") and not position.sizes_only(op) for op in position.subgraph_ops(g, mask)):
-        return None   # the mask uses the cache length as a value: no proof at one length covers all
-    cands = []
-    for o in g.ops:
-        if o.kind == "kv_write":
-            wp = o.inputs["pos"]
-            if wp not in cands and g.tensors[wp].dtype == torch.int64 and g.tensors[wp].numel == k \
-                    and position.only_counter(dep, g, wp, ctrs) == c:
-                cands.append(wp)
-    positions = [p for p in proof_positions(length) if p + k <= length]
-    ar = torch.arange(length)
-    step = max(1, (1 << 24) // (info.numel or 1))   # positions per evaluation: about 16M mask elements
-    for wp in cands[:1]:   # the first layer's (only it shares the mask's counter: HF's cache_position)
-        for i in range(0, len(positions), step):
-            vals = position.evaluate_many(g, [mask, wp], c, positions[i:i + step], weights)
-            for m, w in zip(vals[mask].unbind(0), vals[wp].unbind(0)):
-                w = w.reshape(-1).to(torch.int64)
-                # the last token's position the largest (the kinds read rows up to it), all inside
-                if not (0 <= int(w.min()) and int(w.max()) == int(w[-1]) < length) \
-                        or not torch.equal(m.reshape(-1, k, length), (ar[None, :] <= w[:, None]).expand(
-                            m.numel() // (k * length), k, length)):
-                    return None
-        return wp
-    return None
 
 
 def run(g: Graph, weights: dict[str, torch.Tensor] | None = None) -> Graph:

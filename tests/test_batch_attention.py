@@ -36,10 +36,13 @@ def _tiles_per_op(step) -> dict[str, int]:
     return n
 
 
-def _check_split(steps, model, batch: int, mask_kind: int = 1, q_groups: int = 1, merge: str = "last_tile") -> None:
+def _check_split(steps, model, batch: int, mask_kind: int = 1, q_groups: int = 1, merge: str = "last_tile",
+                 bound: bool = True) -> None:
     """Every recorded step's attentions are ``attention_partial`` ops over the batch's B·Hkv KV
     heads (none the generic ``attention``), each sequence's groups reading its mask row, tiled
-    one per (group, split) over many SMs."""
+    one per (group, split) over many SMs; ``bound``: the mask proven to attend no row past the
+    position (attr ``mask_bound``: HF's mask built in the step from a ``[B, L]`` attention_mask;
+    a 4-D mask the caller passes is an input, never proven)."""
     cfg = model.config
     hq = cfg.num_attention_heads
     hkv = getattr(cfg, "num_key_value_heads", None) or getattr(cfg, "num_kv_heads", None) or 1
@@ -59,6 +62,7 @@ def _check_split(steps, model, batch: int, mask_kind: int = 1, q_groups: int = 1
         for o in part:
             a = o.attrs
             assert a["batch"] == batch and a["mask_rows"] == batch and a["mask_kind"] == mask_kind
+            assert a.get("mask_bound", False) == bound, a
             assert a["n_q"] == batch * hq and a["n_kv"] == batch * hkv and a.get("q_groups", 1) == q_groups
             assert g.tensors[o.inputs["mask"]].shape[0] == batch
             groups = batch * hkv * q_groups
@@ -117,7 +121,7 @@ def test_batch_attention_with_a_4d_mask_equals_eager(mask_dtype, mask_kind, merg
                                            options={"attention_merge": merge})
     assert max(errs) < 1e-5, errs
     assert not w.fallbacks and w.compiled, w.fallbacks
-    _check_split(steps, model, 3, mask_kind=mask_kind, merge=merge)
+    _check_split(steps, model, 3, mask_kind=mask_kind, merge=merge, bound=False)
 
 
 def _batch_attention_graph(batch: int, hq: int, hkv: int, d: int, cap: int, nc: int, chunk: int, mask_kind: int,
@@ -229,13 +233,15 @@ def test_batch_of_several_query_tokens_stays_generic():
 
 
 #: the attention calls of tiny Llama's batch-1 steps before batches (bf16, 12 SMs, a 32-row cache):
-#: unmasked, and with a one-row mask (the call passes the mask pointer itself)
+#: unmasked, and with a one-row mask (the call passes the mask pointer itself); the masked call's
+#: MK is 4 since the mask (HF's causal part AND the attention_mask's) is proven to attend no row
+#: past the write position (fusec.ir.mask_proofs.bounded_by_positions; it was 1)
 BATCH1_CALLS = {
     False: "attention_partial_merge<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, 4, 2, 16, 32, 2, 1, false>("
            "((__nv_bfloat16*)bufs[A[0]]), ((__nv_bfloat16*)bufs[A[1]]), ((__nv_bfloat16*)bufs[A[2]]), "
            "((i64*)bufs[A[3]]), ((float*)bufs[A[4]]), ((float*)bufs[A[5]]), ((__nv_bfloat16*)bufs[A[6]]), "
            "(counters + A[7]), 32, 0.25f, in.p0, in.p1, smem);",
-    True: "attention_partial_merge<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, 4, 2, 16, 32, 2, 1, false, 1, bool>("
+    True: "attention_partial_merge<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, 4, 2, 16, 32, 2, 1, false, 4, bool>("
           "((__nv_bfloat16*)bufs[A[0]]), ((__nv_bfloat16*)bufs[A[1]]), ((__nv_bfloat16*)bufs[A[2]]), "
           "((i64*)bufs[A[3]]), ((float*)bufs[A[4]]), ((float*)bufs[A[5]]), ((__nv_bfloat16*)bufs[A[6]]), "
           "(counters + A[8]), 32, 0.25f, in.p0, in.p1, smem, ((bool*)bufs[A[7]]));",
@@ -245,7 +251,8 @@ BATCH1_CALLS = {
 @pytest.mark.parametrize("masked", [False, True])
 def test_batch1_attention_renders_as_before(masked):
     """A batch-1 step's ``attention_partial`` carries neither ``batch`` nor ``mask_rows`` and
-    renders the call it did before batches (with a one-row mask: the mask pointer itself)."""
+    renders the call it did before batches (with a one-row mask: the mask pointer itself; the
+    bound mask's MK 4)."""
     import step_util
     from fusec.config import Options
     from fusec.cuda.codegen import render
@@ -264,12 +271,13 @@ def test_batch1_attention_renders_as_before(masked):
     sched = lower(g, flat, Options.from_dict({"num_sms": 12}), Dumper(None))
     att = [o for o in sched.graph.ops if o.kind == "attention_partial"]
     assert att and not any("batch" in o.attrs or "mask_rows" in o.attrs for o in att)
-    assert all(o.attrs["mask_kind"] == int(masked) for o in att)
+    assert all(o.attrs["mask_kind"] == int(masked) and o.attrs.get("mask_bound", False) == masked for o in att)
     calls = {c for c in re.findall(r"attention_partial_merge<[^;]*;", render(sched).source) if "bufs" in c}
     assert calls == {BATCH1_CALLS[masked]}
 
 
-def _width_graph(batch: int, dtype: torch.dtype, rows: int, runtime: bool) -> tuple[Graph, list]:
+def _width_graph(batch: int, dtype: torch.dtype, rows: int, runtime: bool,
+                 bound: bool = False) -> tuple[Graph, list]:
     """An IR graph of one ``attention`` at Llama-3.2-1B's widths (32 query heads over 8 KV heads of
     64) for B sequences: q ``[B, 32, 1, 64]``, caches ``[B, 8, rows, 64]``, HF's bool mask ``[B,
     1, 1, rows]`` (``runtime``: the rows a run-time length of capacity ``rows``), no weights read.
@@ -291,24 +299,27 @@ def _width_graph(batch: int, dtype: torch.dtype, rows: int, runtime: bool) -> tu
     if runtime:
         g.lengths = {"s0": rows}
     g.ops.append(Op("att", "attention", {"q": "q", "k": "k", "v": "v", "pos": "pos", "mask": "mask"}, {"out": "out"},
-                    attrs={"scale": d ** -0.5, "mask_kind": 1}))
+                    attrs={"scale": d ** -0.5, "mask_kind": 1, **({"mask_bound": True} if bound else {})}))
     return g, flat
 
 
-@pytest.mark.parametrize("batch,dtype,rows,runtime", [(4, torch.bfloat16, 1024, False), (16, torch.bfloat16, 4096, True),
-                                                      (16, torch.float32, 1024, False)])
-def test_batch_attention_compiles_without_spills_at_llama_1b_widths(batch, dtype, rows, runtime, tmp_path):
+@pytest.mark.parametrize("batch,dtype,rows,runtime,bound", [(4, torch.bfloat16, 1024, False, False),
+                                                            (16, torch.bfloat16, 4096, True, False),
+                                                            (16, torch.float32, 1024, False, False),
+                                                            (16, torch.bfloat16, 4096, True, True)])
+def test_batch_attention_compiles_without_spills_at_llama_1b_widths(batch, dtype, rows, runtime, bound, tmp_path):
     """The batch's ``attention_partial_merge`` at Llama-3.2-1B's attention widths (B·8 KV heads
     on 132 SMs: 4 splits per group at B = 4, one at B = 16, which runs its rows in blocks of 512,
-    the knob FUSEC_ATTN_BLOCK_ROWS: MB) compiles with NVRTC for sm_90a without spills or a stack frame; its mask argument is
-    the group's sequence row (``in.p0`` over the 8 groups of a sequence, times the mask's rows:
-    a literal, or the run-time length's slot)."""
+    the knob FUSEC_ATTN_BLOCK_ROWS: MB) compiles with NVRTC for sm_90a without spills or a stack
+    frame; its mask argument is the group's sequence row (``in.p0`` over the 8 groups of a
+    sequence, times the mask's rows: a literal, or the run-time length's slot); a mask proven to
+    attend no row past the position (``bound``: attr ``mask_bound``) renders MK 4."""
     pytest.importorskip("cuda.bindings.nvrtc")
     from fusec.config import Options
     from fusec.cuda.codegen import render
     from fusec.cuda.jit import compile_cuda
     from fusec.pipeline import Dumper, lower
-    g, flat = _width_graph(batch, dtype, rows, runtime)
+    g, flat = _width_graph(batch, dtype, rows, runtime, bound)
     sched = lower(g, flat, Options.from_dict({"num_sms": 132}), Dumper(None))
     (op,) = [o for o in sched.graph.ops if o.kind == "attention_partial"]
     assert op.attrs["n_kv"] == 8 * batch and op.attrs["n_chunks"] == (4 if batch == 4 else 1)
@@ -320,7 +331,7 @@ def test_batch_attention_compiles_without_spills_at_llama_1b_widths(batch, dtype
     mb = "true" if batch == 16 else "false"
     want = (rf"attention_partial_merge<{t}, {t}, {t}, {32 * batch}, {8 * batch}, 64, {op.attrs['chunk']}, "
             rf"{op.attrs['n_chunks']}, 1, "
-            rf"{mb}, 1, bool>\(.*, smem, \(\(\(const bool\*\)bufs\[A\[\d+\]\]\) \+ \(size_t\)\(in\.p0 / 8\) \* {length}\)\);")
+            rf"{mb}, {4 if bound else 1}, bool>\(.*, smem, \(\(\(const bool\*\)bufs\[A\[\d+\]\]\) \+ \(size_t\)\(in\.p0 / 8\) \* {length}\)\);")
     assert any(re.fullmatch(want, c) for c in calls), calls
     kernel = compile_cuda(src, "fusec_step.cu", cache_dir=str(tmp_path))
     kernel.assert_no_spills()

@@ -104,6 +104,9 @@ def test_batch_decode_matches_eager(factory, batch, steps):
                if o.kind.startswith("attention")]
         assert len(att) == model.config.num_hidden_layers and all(o.kind == "attention_partial" for o in att)
         assert all(o.attrs["mask_kind"] == 1 and g.tensors[o.inputs["mask"]].shape[0] == batch for o in att)
+        # HF's mask, its causal part AND the padding, attends no row past the position: the
+        # attention reads rows 0 .. pos only (fusec.ir.mask_proofs.bounded_by_positions)
+        assert all(o.attrs.get("mask_bound") for o in att)
         assert "fusec.sdpa.default" not in g.count_kinds()
         # the B tokens' rows are gathered by the embedding kind, one tile per sequence
         emb = [o for o in g.ops if o.kind == "embedding"]

@@ -170,6 +170,35 @@ def test_a_step_using_its_length_as_a_value_compiles_per_length(scale_by_length,
     assert len(steps) == (1 + 3 if scale_by_length else 1)   # the symbolic one refused, then one per length
 
 
+def test_a_mask_grown_each_step_compiles_per_length_and_says_which_input(steps, caplog):
+    """A batch's ``attention_mask`` grown by a column each step (``[B, T + s]``, HF's usual idiom
+    outside generate()) has a size that is not the cache's rows: fusec compiles one step per
+    length, every call matching eager, and its log line names the caller's input and what to pass
+    instead (the mask over the cache's full length), not only the ATen graph's names."""
+    model = hf_tiny.llama(layers=1)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fusec")
+    gen = torch.Generator().manual_seed(5)
+    b, t, length = 2, 4, 32
+    caches = [hf_tiny.static_cache(model, length) for _ in range(2)]
+    mask = torch.ones(b, length, dtype=torch.long)
+    prompt = torch.randint(1, 100, (b, t), generator=gen)
+    with torch.no_grad():
+        for c in caches:
+            model(input_ids=prompt, attention_mask=mask[:, :t], past_key_values=c, use_cache=True)
+        with FallbackWatch() as w, caplog.at_level(logging.INFO, logger="fusec"):
+            for s in range(2):
+                kw = dict(input_ids=torch.randint(1, 100, (b, 1), generator=gen), attention_mask=mask[:, :t + s + 1],
+                          use_cache=True)
+                a = compiled(past_key_values=caches[0], **kw).logits
+                e = model(past_key_values=caches[1], **kw).logits
+                assert 0 < _rel(a, e) < 1e-5
+    torch._dynamo.reset()
+    assert not w.fallbacks and w.compiled, w.fallbacks
+    line = next(r.getMessage() for r in caplog.records if "no single step for every cache length" in r.getMessage())
+    assert "attention_mask" in line and "full length" in line, line
+
+
 def test_a_longer_cache_than_the_capacity_builds_the_step_again(steps, caplog):
     """max_cache_len 64: caches of 24 and 40 rows share one step; a 100-row cache builds it again
     for a larger capacity (one log line) and still matches eager."""

@@ -126,8 +126,9 @@ def _k_token_kinds(step, model, k: int, batch: int = 1) -> None:
         if batch == 1:   # HF's causal mask proven: the K write positions are the mask (mask_kind 3)
             assert a["mask_kind"] == 3 and o.inputs["mask"] == o.inputs["pos"], a
             assert g.tensors[o.inputs["mask"]].numel == k and g.tensors[o.inputs["mask"]].dtype == torch.int64
-        else:            # left-padded prompts: each sequence's mask rows
-            assert a["mask_kind"] == 1, a
+        else:            # left-padded prompts: each sequence's mask rows, over rows 0 .. pos[K - 1]
+            assert a["mask_kind"] == 1 and a.get("mask_bound") and o.inputs["pos"] != o.inputs["mask"], a
+            assert g.tensors[o.inputs["pos"]].numel == k and g.tensors[o.inputs["pos"]].dtype == torch.int64
             assert tuple(g.tensors[o.inputs["mask"]].shape) == (batch, 1, k, LENGTH)
         groups = a["n_kv"] * a.get("q_groups", 1)
         assert a["n_chunks"] > 1 and tiles[o.name] == groups * a["n_chunks"]

@@ -160,6 +160,7 @@ def aten_capture(gm: torch.fx.GraphModule, example_inputs: list[Any],
         lifted = len(ex) - len(owned)   # AOT lifts the graph module's own parameters first
         if owned and lifted >= 0:
             aten_gm.meta[MODEL_TENSORS] = [True] * lifted + owned
+            aten_gm.meta[INPUT_NAMES] = [""] * lifted + input_names(gm2)
         return compiler(aten_gm, ex)
     # imported here: 0.2-0.5 s of torch modules that a warm start (AOT skipped) never needs
     from torch._functorch.aot_autograd import aot_module_simplified
@@ -211,6 +212,25 @@ MODEL_TENSORS = "fusec_model_tensors"
 #: :func:`mark_model_tensors` for a later capture (dynamo drops its ``grapharg`` meta once the
 #: backend has returned)
 MODEL_TENSOR = "fusec_model_tensor"
+
+
+#: key of an ATen graph's ``meta``: per input, the caller's name for it (:func:`input_names`)
+INPUT_NAMES = "fusec_input_names"
+
+
+def input_names(gm: torch.fx.GraphModule) -> list[str]:
+    """Per placeholder of a dynamo graph, the caller's name for it as messages should say it:
+    dynamo's source without its frame prefix (``L['kwargs']['attention_mask'].size()[1]`` ->
+    ``attention_mask.size()[1]``), else the placeholder's name."""
+    out = []
+    for n in gm.graph.nodes:
+        if n.op != "placeholder":
+            continue
+        ga = n.meta.get("grapharg")
+        src = getattr(getattr(ga, "source", None), "name", None) if ga is not None else None
+        src = src() if callable(src) else src
+        out.append(re.sub(r"^L(\['kwargs'\])?\['(\w+)'\]", r"\2", src) if isinstance(src, str) else n.name)
+    return out
 
 
 def model_tensors(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> list[bool]:

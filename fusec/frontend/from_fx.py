@@ -8,7 +8,7 @@ from typing import Any, Callable
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from fusec.frontend.capture import MODEL_TENSORS, node_source
+from fusec.frontend.capture import INPUT_NAMES, MODEL_TENSORS, node_source
 from fusec.errors import NotLengthPolymorphic, UnsupportedOpError
 from fusec.instructions.generic import aten_category
 from fusec.ir import Graph, Op, Ref, Role, TensorInfo
@@ -68,7 +68,9 @@ class _Sizes:
         expr = sympy.sympify(_expr(x).xreplace(self.subs))
         if expr.free_symbols:
             raise NotLengthPolymorphic(f"{what} depends on the symbolic size {x.node.expr}, which is not a "
-                                       "KV cache's length")
+                                       "KV cache's length: a size that changes between calls apart from "
+                                       "the cache's rows (a mask: pass it over the cache's full length, "
+                                       "zeros past the current token)")
         return bool(expr) if isinstance(x, torch.SymBool) else float(expr) if isinstance(x, torch.SymFloat) \
             else int(expr)
 
@@ -116,14 +118,17 @@ def graph_from_aten(gm: torch.fx.GraphModule, example_inputs: list[Any],
               and isinstance(_meta(n), torch.Tensor) and _meta(n).dim() == 4 and _meta(n).is_floating_point()]
     sizes = _Sizes(caches, capacity_for)
     owned = gm.meta.get(MODEL_TENSORS)
+    names = gm.meta.get(INPUT_NAMES) or []
     env: dict[str, Any] = {}  # fx node name -> tensor name (or tuple element names, or a _Sym)
     idx = 0
     for n in nodes:
         if n.op == "placeholder":
             v = _meta(n)
+            user = names[idx] if idx < len(names) and names[idx] else ""
+            what = f"the input {user} (graph input {n.name})" if user else f"graph input {n.name}"
             if isinstance(v, (torch.SymInt, int)) and not isinstance(v, bool):
                 g.skip_args.append(idx)   # a size the graph takes as an argument: evaluated here
-                env[n.name] = _Sym(sizes.value(v, f"graph input {n.name}"), _depends(v))
+                env[n.name] = _Sym(sizes.value(v, what), _depends(v))
                 idx += 1
                 continue
             if not isinstance(v, torch.Tensor):
@@ -134,7 +139,7 @@ def graph_from_aten(gm: torch.fx.GraphModule, example_inputs: list[Any],
                 role = Role.WEIGHT
             else:
                 role = Role.INPUT
-            shape, sym = sizes.shape(v, f"graph input {n.name}")
+            shape, sym = sizes.shape(v, what)
             g.add_tensor(TensorInfo(n.name, shape, v.dtype, role, input_index=len(g.inputs), sym=sym))
             g.inputs.append(n.name)
             env[n.name] = n.name

@@ -142,6 +142,14 @@ def _active_reduce(op: Op) -> bool:
     return _per_split(op) > 0
 
 
+def _template_mask_kind(op: Op, g: Graph) -> int:
+    """The templates' MK: the op's ``mask_kind``, or 4 for a bool mask (kind 1) that attends no
+    row past the last write position (attr ``mask_bound``): read as kind 1, over rows up to
+    that position only (templates/attention_rows.cu.j2)."""
+    kind = op.attrs.get("mask_kind", 0)
+    return 4 if kind == 1 and op.attrs.get("mask_bound") else kind
+
+
 def _partial_of(op: Op, g: Graph) -> Op:
     """The ``attention_partial`` op whose partials ``attention_reduce`` ``op`` merges."""
     return next(o for o in g.ops if o.kind == "attention_partial" and o.outputs["o_part"] == op.inputs["o_part"])
@@ -318,7 +326,7 @@ class AttentionPartial(Instruction):
                        Int("CH", lambda op, g: op.attrs["chunk"]), Int("NC", lambda op, g: op.attrs["n_chunks"]),
                        Int("KS", lambda op, g: op.attrs.get("q_groups", 1)),
                        Expr("MB", lambda op, g, bufs: "true" if AttentionPartial.multi_block(op, g) else "false"),
-                       Int("MK", lambda op, g: op.attrs.get("mask_kind", 0), default=0),
+                       Int("MK", _template_mask_kind, default=0),
                        Type("tm", "mask", when=lambda op: "mask" in op.inputs),
                        # K query tokens per sequence: each query row's own mask row
                        Int("QK", lambda op, g: op.attrs.get("query_tokens", 1), default=1),
@@ -377,10 +385,11 @@ class AttentionPartial(Instruction):
     def _pos(cls, op: Op, env: Env) -> int:
         """The last cache row the tile group reads: the step's position, or L - 1 when a mask
         decides (the mask, not the position, says which rows count), or the last token's write
-        position where the mask is the K write positions (``mask_kind`` 3)."""
-        if "mask" in op.inputs and op.attrs.get("mask_kind", 0) != TOKEN_POSITIONS:
+        position where the mask is the K write positions (``mask_kind`` 3) or is proven to
+        attend no row past it (attr ``mask_bound``, :func:`fusec.ir.mask_proofs.bounded_by_positions`)."""
+        if "mask" in op.inputs and op.attrs.get("mask_kind", 0) != TOKEN_POSITIONS and not op.attrs.get("mask_bound"):
             return cls._rows(op, env) - 1
-        # the position, or with the K write positions as the mask the last token's
+        # the position, or with the K write positions as the mask (or a bound) the last token's
         pos, rows = int(env.read(op.inputs["pos"]).reshape(-1)[-1 if "mask" in op.inputs else 0]), cls._rows(op, env)
         if not 0 <= pos < rows:   # the kernel's fault ATTN_POS: no access, the step is invalid
             from fusec.ir.aten_exec import index_fault
@@ -528,7 +537,7 @@ class AttentionReduce(Instruction):
     call = Call(lambda op: "attention_reduce_active" if _active_reduce(op) else "attention_reduce",
                 targs=(Type("to", "out"), Int("D", lambda op, g: op.attrs["head_dim"]),
                        Int("NC", lambda op, g: op.attrs["n_chunks"]),
-                       Int("MK", lambda op, g: op.attrs.get("mask_kind", 0), when=_active_reduce),
+                       Int("MK", _template_mask_kind, when=_active_reduce),
                        Int("QK", lambda op, g: op.attrs.get("query_tokens", 1), default=1),
                        Int("OHQ", lambda op, g: _out_heads(op), default=0)),
                 args=(Ptr("o_part"), Ptr("ml_part"), Ptr("pos", when=_active_reduce),
@@ -546,8 +555,8 @@ class AttentionReduce(Instruction):
             return nc
         rows = AttentionPartial._rows(_partial_of(op, env.g), env)
         kind = op.attrs.get("mask_kind", 0)
-        pos = rows - 1 if kind not in (0, TOKEN_POSITIONS) else \
-            int(env.read(op.inputs["pos"]).reshape(-1)[-1 if kind == TOKEN_POSITIONS else 0])
+        pos = rows - 1 if kind not in (0, TOKEN_POSITIONS) and not op.attrs.get("mask_bound") else \
+            int(env.read(op.inputs["pos"]).reshape(-1)[-1])   # the one position, or the last token's
         return active_splits(min(max(pos, 0), rows - 1), nc, _per_split(op))
 
     @classmethod
