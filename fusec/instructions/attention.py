@@ -32,13 +32,14 @@ of a group take rows, ``split_rows(c, pos, active)``: about R rows each (at most
 splits are idle, at least ``R // 2`` when two or more work), so that a short cache needs no
 ``n_chunks``-way merge; the block (``chunk``) grows to hold R rows (at most
 :func:`~.attention_rules.max_block`, past it the block loop). A split ``c >= active`` reads its
-position and nothing of K or V, writes no partial, and still takes its ticket (the last-tile merge counts all ``n_chunks``
-tickets as before: it runs once, in the step's last tile, whatever ``active`` is). The merges
-(the last tile's and ``attention_reduce``, which then also reads the position) read the first
-``active`` partials of each head only: the others hold an earlier step's, or nothing. With a
-mask the rule counts the rows the mask splits, ``[0, L)`` (``pos`` is ``L - 1`` there, as
-everywhere in this kind). R = 0 (the default before 2026-12-04) keeps all ``n_chunks`` splits, and the kernel's
-machine code of before the knob.
+position and nothing of K or V, writes no partial, and still takes its ticket (the last-tile
+merge counts all ``n_chunks`` tickets as before: it runs once, in the step's last tile, whatever
+``active`` is). The merges (the last tile's and ``attention_reduce``, which then also reads the
+position) read the first ``active`` partials of each head only: the others hold an earlier
+step's, or nothing. With a mask the rule counts the rows the mask splits, ``[0, L)`` (``pos``
+is ``L - 1`` there, as everywhere in this kind, but for a mask proven bounded by the position,
+attr ``mask_bound``: rows ``[0, pos]``). R = 0 (the default before 2026-12-04) keeps all ``n_chunks`` splits,
+and the kernel's machine code of before the knob.
 
 Last-tile merge (``attention_partial`` with an ``out`` output, option
 ``attention_merge="last_tile"``): no reduce op. Each tile, after its partial stores, takes an
@@ -386,8 +387,10 @@ class AttentionPartial(Instruction):
         """The last cache row the tile group reads: the step's position, or L - 1 when a mask
         decides (the mask, not the position, says which rows count), or the last token's write
         position where the mask is the K write positions (``mask_kind`` 3) or is proven to
-        attend no row past it (attr ``mask_bound``, :func:`fusec.ir.mask_proofs.bounded_by_positions`)."""
-        if "mask" in op.inputs and op.attrs.get("mask_kind", 0) != TOKEN_POSITIONS and not op.attrs.get("mask_bound"):
+        attend no row past it (attr ``mask_bound``,
+        :func:`fusec.ir.mask_proofs.bounded_by_positions`)."""
+        if "mask" in op.inputs and op.attrs.get("mask_kind", 0) != TOKEN_POSITIONS \
+                and not op.attrs.get("mask_bound"):
             return cls._rows(op, env) - 1
         # the position, or with the K write positions as the mask (or a bound) the last token's
         pos, rows = int(env.read(op.inputs["pos"]).reshape(-1)[-1 if "mask" in op.inputs else 0]), cls._rows(op, env)
