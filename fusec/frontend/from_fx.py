@@ -68,9 +68,9 @@ class _Sizes:
         expr = sympy.sympify(_expr(x).xreplace(self.subs))
         if expr.free_symbols:
             raise NotLengthPolymorphic(f"{what} depends on the symbolic size {x.node.expr}, which is not a "
-                                       "KV cache's length: a size that changes between calls apart from "
-                                       "the cache's rows (a mask: pass it over the cache's full length, "
-                                       "zeros past the current token)")
+                                       "KV cache's length: a size of its own, compiled per value (a mask "
+                                       "grown each step compiles every step; over the cache's full length, "
+                                       "zeros past the current token, it compiles once per cache length)")
         return bool(expr) if isinstance(x, torch.SymBool) else float(expr) if isinstance(x, torch.SymFloat) \
             else int(expr)
 
