@@ -373,7 +373,8 @@ def _attention(g: Graph, weights: dict[str, torch.Tensor]) -> int:
     dep = position.dependence(g)
     ctrs = position.counters(g)
     checked: dict[str, str | None] = {}
-    tokens_checked: dict[tuple, str | None] = {}
+    tokens_checked: dict[tuple[str, int], str | None] = {}
+    bounds: dict[tuple[str, int], str | None] = {}
     n = 0
     new_ops = []
     for o in g.ops:
@@ -413,12 +414,11 @@ def _attention(g: Graph, weights: dict[str, torch.Tensor]) -> int:
                 # the mask stays: is it bounded by the position? Only over a cache the step writes
                 # at its position (not a rolled window's fixed row, nor a window's shorter cache)
                 if mask_kind == 1 and ins["pos"] is not None and not fixed_row and rows == position.cache_length(g):
-                    key = (mask, rows, "bound")
-                    if key not in tokens_checked:
-                        tokens_checked[key] = mask_proofs.bounded_by_positions(
+                    if (mask, rows) not in bounds:
+                        bounds[mask, rows] = mask_proofs.bounded_by_positions(
                             g, mask, dep, ctrs, weights, rows, g.query_tokens())
-                    if tokens_checked[key] is not None:   # rows 0 .. its last element only
-                        ins["pos"], bound = tokens_checked[key], True
+                    if bounds[mask, rows] is not None:   # rows 0 .. its last element only
+                        ins["pos"], bound = bounds[mask, rows], True
         if mask_kind is None or ins["pos"] is None:
             log.info("attention %s left generic (mask or cache layout not recognized)", o.name)
             new_ops.append(o)

@@ -143,6 +143,15 @@ def _active_reduce(op: Op) -> bool:
     return _per_split(op) > 0
 
 
+def reads_to_position(op: Op) -> bool:
+    """Whether a split-KV op's tiles read the cache rows up to the last element of its ``pos``
+    input (no mask; the K write positions as the mask, ``mask_kind`` 3; a mask proven to attend
+    no row past them, attr ``mask_bound``) rather than all ``L`` rows, where a mask decides
+    (templates/attention_rows.cu.j2 ``attention_last_row``)."""
+    return "mask" not in op.inputs or op.attrs.get("mask_kind", 0) == TOKEN_POSITIONS \
+        or bool(op.attrs.get("mask_bound"))
+
+
 def _template_mask_kind(op: Op, g: Graph) -> int:
     """The templates' MK: the op's ``mask_kind``, or 4 for a bool mask (kind 1) that attends no
     row past the last write position (attr ``mask_bound``): read as kind 1, over rows up to
@@ -389,11 +398,10 @@ class AttentionPartial(Instruction):
         position where the mask is the K write positions (``mask_kind`` 3) or is proven to
         attend no row past it (attr ``mask_bound``,
         :func:`fusec.ir.mask_proofs.bounded_by_positions`)."""
-        if "mask" in op.inputs and op.attrs.get("mask_kind", 0) != TOKEN_POSITIONS \
-                and not op.attrs.get("mask_bound"):
+        if not reads_to_position(op):
             return cls._rows(op, env) - 1
-        # the position, or with the K write positions as the mask (or a bound) the last token's
-        pos, rows = int(env.read(op.inputs["pos"]).reshape(-1)[-1 if "mask" in op.inputs else 0]), cls._rows(op, env)
+        # the position, or the last token's
+        pos, rows = int(env.read(op.inputs["pos"]).reshape(-1)[-1]), cls._rows(op, env)
         if not 0 <= pos < rows:   # the kernel's fault ATTN_POS: no access, the step is invalid
             from fusec.ir.aten_exec import index_fault
             raise index_fault(op, "attention position", pos, rows, Fault.ATTN_POS)
@@ -556,10 +564,9 @@ class AttentionReduce(Instruction):
         nc = op.attrs["n_chunks"]
         if not _active_reduce(op):
             return nc
-        rows = AttentionPartial._rows(_partial_of(op, env.g), env)
-        kind = op.attrs.get("mask_kind", 0)
-        pos = rows - 1 if kind not in (0, TOKEN_POSITIONS) and not op.attrs.get("mask_bound") else \
-            int(env.read(op.inputs["pos"]).reshape(-1)[-1])   # the one position, or the last token's
+        part = _partial_of(op, env.g)
+        rows = AttentionPartial._rows(part, env)
+        pos = int(env.read(op.inputs["pos"]).reshape(-1)[-1]) if reads_to_position(part) else rows - 1
         return active_splits(min(max(pos, 0), rows - 1), nc, _per_split(op))
 
     @classmethod

@@ -34,6 +34,19 @@ def proof_positions(length: int) -> list[int]:
     return sorted(set(range(1024)) | set(range(length - 256, length)) | set(spread))
 
 
+def _length_as_value(g: Graph, t: str) -> bool:
+    """Whether ``t``'s ops use the cache's run-time length as a value (not only as a size): then
+    no proof at the capacity covers the other lengths."""
+    return bool(g.lengths) and any(op.attrs.get("symbolic") and not position.sizes_only(op)
+                                   for op in position.subgraph_ops(g, t))
+
+
+def _chunks(positions: list[int], numel: int):
+    """``positions`` in chunks of about 16M evaluated elements of a tensor of ``numel``."""
+    step = max(1, (1 << 24) // (numel or 1))
+    return (positions[i:i + step] for i in range(0, len(positions), step))
+
+
 def causal_counter(g: Graph, mask: str, dep, ctrs, weights, length: int) -> str | None:
     """The position counter for which ``mask`` (over an attention's ``length`` cache rows) is the
     causal mask ``row <= p`` at every position ``p`` in ``[0, length)``, or None. Those are the
@@ -50,13 +63,11 @@ def causal_counter(g: Graph, mask: str, dep, ctrs, weights, length: int) -> str 
     if info.numel != length and (len(info.shape) != 4 or info.shape[0] != g.batch()
                                  or tuple(info.shape[1:]) != (1, 1, length)):
         return None
-    if g.lengths and any(op.attrs.get("symbolic") and not position.sizes_only(op) for op in position.subgraph_ops(g, mask)):
-        return None   # the mask uses the cache length as a value: no proof at one length covers all
+    if _length_as_value(g, mask):
+        return None
     positions = proof_positions(length)
     ar = torch.arange(length)
-    step = max(1, (1 << 24) // (info.numel or 1))   # positions per evaluation: about 16M mask elements
-    for i in range(0, len(positions), step):
-        ps = positions[i:i + step]
+    for ps in _chunks(positions, info.numel):
         m = position.evaluate_many(g, [mask], c, ps, weights)[mask].reshape(len(ps), -1, length)   # a row per sequence
         want = (ar[None, :] <= torch.tensor(ps)[:, None])[:, None, :].expand_as(m)
         if m.dtype == torch.bool:
@@ -87,8 +98,8 @@ def token_positions(g: Graph, mask: str, dep, ctrs, weights, length: int) -> str
     c = position.only_counter(dep, g, mask, ctrs)
     if c is None:
         return None
-    if g.lengths and any(op.attrs.get("symbolic") and not position.sizes_only(op) for op in position.subgraph_ops(g, mask)):
-        return None   # the mask uses the cache length as a value: no proof at one length covers all
+    if _length_as_value(g, mask):
+        return None
     cands = []
     for o in g.ops:
         if o.kind == "kv_write":
@@ -98,10 +109,9 @@ def token_positions(g: Graph, mask: str, dep, ctrs, weights, length: int) -> str
                 cands.append(wp)
     positions = [p for p in proof_positions(length) if p + k <= length]
     ar = torch.arange(length)
-    step = max(1, (1 << 24) // (info.numel or 1))   # positions per evaluation: about 16M mask elements
     for wp in cands[:1]:   # the first layer's (only it shares the mask's counter: HF's cache_position)
-        for i in range(0, len(positions), step):
-            vals = position.evaluate_many(g, [mask, wp], c, positions[i:i + step], weights)
+        for ps in _chunks(positions, info.numel):
+            vals = position.evaluate_many(g, [mask, wp], c, ps, weights)
             for m, w in zip(vals[mask].unbind(0), vals[wp].unbind(0)):
                 w = w.reshape(-1).to(torch.int64)
                 # the last token's position the largest (the kinds read rows up to it), all inside
@@ -162,8 +172,7 @@ def bounded_by_positions(g: Graph, mask: str, dep, ctrs, weights, length: int, k
         c = position.only_counter(dep, g, term, ctrs)
         if t.dtype != torch.bool or not t.shape or t.shape[-1] != length or c is None:
             continue
-        if g.lengths and any(op.attrs.get("symbolic") and not position.sizes_only(op)
-                             for op in position.subgraph_ops(g, term)):
+        if _length_as_value(g, term):
             continue
         bound = c if k == 1 else next(
             (o.inputs["pos"] for o in g.ops if o.kind == "kv_write" and g.tensors[o.inputs["pos"]].numel == k
@@ -178,10 +187,8 @@ def _no_row_past(g: Graph, term: str, bound: str, c: str, positions: list[int], 
     """``term`` has no True at a row past ``bound[-1]``, which is the largest of ``bound`` and
     inside ``[0, length)``, at every counter value of ``positions`` (``bound`` the counter
     ``c`` itself: its value; chunks of about 16M elements)."""
-    step = max(1, (1 << 24) // (g.tensors[term].numel or 1))
     ar = torch.arange(length)
-    for i in range(0, len(positions), step):
-        ps = positions[i:i + step]
+    for ps in _chunks(positions, g.tensors[term].numel):
         vals = position.evaluate_many(g, [term] if bound == c else [term, bound], c, ps, weights)
         w = torch.tensor(ps)[:, None] if bound == c else vals[bound].reshape(len(ps), -1).to(torch.int64)
         last = w[:, -1]

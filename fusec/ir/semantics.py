@@ -153,7 +153,7 @@ def _kv_write(op: Op, env: Env) -> None:
 
 
 #: ``mask_kind`` of an attention whose mask input is its K write positions (a K-token step whose
-#: causal mask ``passes/recognize.py`` proved to be ``row <= pos[k]`` for token k)
+#: causal mask ``fusec/ir/mask_proofs.py`` proved to be ``row <= pos[k]`` for token k)
 TOKEN_POSITIONS = 3
 
 

@@ -259,7 +259,7 @@ def _attention_tokens(ctx: Ctx) -> None:
     HF's causal mask over the cache, token k attends rows <= pos0 + k). ``pos`` (the rows the
     step's KV write wrote) is checked at its first element (fault ATTN_POS) and orders the
     attention after the write. ``mask_kind`` 3: the mask is the K write positions themselves
-    (passes/recognize.py proved HF's mask equal to ``row <= pos[k]``): token k attends rows
+    (fusec/ir/mask_proofs.py proved HF's mask equal to ``row <= pos[k]``): token k attends rows
     ``0 .. pos[k]``, rows up to ``pos[K - 1]`` (checked, fault ATTN_POS)."""
     op = ctx.op
     q, k, v, pos, mask = op.inputs["q"], op.inputs["k"], op.inputs["v"], op.inputs["pos"], op.inputs.get("mask")
