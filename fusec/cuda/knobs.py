@@ -62,9 +62,11 @@ TABLE: tuple[Knob, ...] = (
     Knob("FUSEC_ATTN_Q_EARLY", 1,
          "1 loads a split-KV tile's query heads into registers before its position, so the two "
          "L2 round trips overlap (alone 0.000 to -0.008 ms, §16)"),
-    Knob("FUSEC_STAGE_BATCH", 1,
+    Knob("FUSEC_STAGE_BATCH", 2,
          "1 loads all of a thread's 16-byte copies of a matvec's input before storing any to "
-         "shared memory (alone -0.005 ms, §16)"),
+         "shared memory where they are at most 8 (alone -0.005 ms, §16); 2 also more, in rounds "
+         "of 8 (a batch's inputs: B = 8 x 8192 bf16 is 16 copies per thread, each waiting for the "
+         "one before with 1; Llama-3.2-1B at B = 8 1.194 -> 1.157 ms, H200, docs/batch.md)"),
     Knob("FUSEC_ATTN_KV_EARLY", 1,
          "1 asks L2 for a split-KV tile's K and V rows before its counter waits (a kind's `early` "
          "macro, kernel.cu.j2 early_instr; alone -0.006 to -0.013 ms, §16; asking before the waits "
@@ -140,4 +142,7 @@ LATENCY_KNOBS_OFF: dict[str, int] = {"FUSEC_ATTN_SINGLE": 0, "FUSEC_MERGE_ONE_PA
 # before the waits (norm-early); and (no change, §17; commits cc3de9f, c42c6c6) the abort flag loaded
 # next to the counter in a poll (FUSEC_POLL_ONE_TRIP) and rms_qkv_rope's own loads in flight
 # (FUSEC_QKV_LOADS_IN_FLIGHT); a level's or a layer's weights asked of L2 ahead after each release
-# (FUSEC_L2_AHEAD, l2-ahead): docs/performance.md, "What was tried".
+# (FUSEC_L2_AHEAD, l2-ahead): docs/performance.md, "What was tried". At B > 1 (docs/batch.md):
+# the fused kinds' B RMSNorms in one round with the norm weight asked of L1, and a tile's first
+# weights asked of L2 while it stages its inputs (FUSEC_RMS_ROWS_ONE_ROUND, FUSEC_SEQS_L2_PREFETCH,
+# experiments/batch-prologue-l2.patch: 1.157 -> 1.229 / 1.219 ms at B = 8).
