@@ -24,6 +24,13 @@ class NotDecodeStepError(FallbackRequired):
     per sequence (for example a prefill), or has no attention or a growing KV cache."""
 
 
+class BatchSizeVaries(NotDecodeStepError):
+    """A decode step whose batch size is symbolic (dynamo made dim 0 dynamic after a call with
+    another batch size, or ``dynamic=True``): one step cannot serve every batch size, so the
+    backend compiles one per batch size seen (:class:`fusec.frontend.backend.SpecializingStep`)
+    instead of falling back."""
+
+
 class UnsupportedOpError(FallbackRequired):
     """The graph holds an ATen op that no instruction kind or generic kind can execute."""
 

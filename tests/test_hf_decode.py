@@ -76,30 +76,63 @@ def test_llama_fuses_into_instruction_kinds():
     assert leftovers <= {"aten.copy_.default"}, leftovers
 
 
-def test_batch_runs_fusec_and_a_varying_batch_falls_back_with_a_line_naming_it(caplog):
-    """A batch of 2 runs fusec (eager's logits, no fallback line: docs/batch.md); then a batch of
-    3, dynamo's symbolic batch, falls back with one line that says what is wrong in words, not
-    only as a shape."""
+def test_a_batch_size_that_varies_compiles_a_step_per_batch_size(caplog):
+    """A plain loop over batches of 2, 3, 2, 3 and 17 sequences (a StaticCache each): the second
+    batch size makes dynamo's batch dim symbolic, and fusec compiles one step per batch size (one
+    log line saying so) instead of falling back: every batch of at most 16 runs fusec with
+    eager's logits; the batch of 2 again compiles once more (dynamo tries its newest graph, the
+    symbolic one, first), the batch of 3 again reuses its step, and 17 sequences (more than a
+    step takes) fall back with one line naming that count."""
     model = hf_tiny.llama()
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="fusec", options={"num_sms": 8, "fallback": "eager"})
     gen = torch.Generator().manual_seed(2)
     from fusec.fallbacks import FallbackWatch
-    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="fusec"), FallbackWatch() as w:
-        for b in (2, 3):
+    seen = []
+    with torch.no_grad(), caplog.at_level(logging.INFO, logger="fusec"):
+        for b in (2, 3, 2, 3, 17):
+            with FallbackWatch() as w:
+                caches = [hf_tiny.static_cache(model, 16) for _ in range(2)]
+                prompt = torch.randint(0, 128, (b, 3), generator=gen)
+                for c in caches:
+                    model(input_ids=prompt, past_key_values=c, use_cache=True)
+                for _ in range(2):
+                    ids = torch.randint(0, 128, (b, 1), generator=gen)
+                    a = compiled(input_ids=ids, past_key_values=caches[0], use_cache=True).logits
+                    e = model(input_ids=ids, past_key_values=caches[1], use_cache=True).logits
+                    assert ((a - e).norm() / e.norm()).item() < 1e-5, b
+            seen.append((b, len(w.fallbacks), w.compiled))
+    torch._dynamo.reset()
+    assert seen == [(2, 0, 1), (3, 0, 1), (2, 0, 1), (3, 0, 0), (17, 1, 0)], seen
+    msgs = [r.message for r in caplog.records]
+    assert sum("the batch size varies between calls" in m and "one step per batch size" in m for m in msgs) == 1
+    refused = [m for m in msgs if "not a decode step of at most 1 query token" in m]
+    assert len(refused) == 1 and "(17 sequences, more than 16)" in refused[0], refused
+
+
+def test_dynamic_true_at_a_batch_of_3_runs_fusec():
+    """``torch.compile(model, backend="fusec", dynamic=True)`` at a fixed batch of 3: dynamo makes
+    the batch (and the floats it passes as 0-d tensors) symbolic; fusec compiles one step for
+    the batch size (the floats specialized by a capture in dynamo's context) instead of falling
+    back, a second cache of the same shape reuses it, and the logits are eager's."""
+    model = hf_tiny.llama()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fusec", dynamic=True, options={"num_sms": 8})
+    gen = torch.Generator().manual_seed(3)
+    from fusec.fallbacks import FallbackWatch
+    with torch.no_grad(), FallbackWatch() as w:
+        for _ in range(2):
             caches = [hf_tiny.static_cache(model, 16) for _ in range(2)]
-            prompt = torch.randint(0, 128, (b, 3), generator=gen)
+            prompt = torch.randint(0, 128, (3, 4), generator=gen)
             for c in caches:
                 model(input_ids=prompt, past_key_values=c, use_cache=True)
-            ids = torch.randint(0, 128, (b, 1), generator=gen)
-            a = compiled(input_ids=ids, past_key_values=caches[0], use_cache=True).logits
-            e = model(input_ids=ids, past_key_values=caches[1], use_cache=True).logits
-            assert ((a - e).norm() / e.norm()).item() < 1e-5
-            assert len(w.fallbacks) == b - 2, (b, w.fallbacks)
+            for _ in range(2):
+                ids = torch.randint(0, 128, (3, 1), generator=gen)
+                a = compiled(input_ids=ids, past_key_values=caches[0], use_cache=True).logits
+                e = model(input_ids=ids, past_key_values=caches[1], use_cache=True).logits
+                assert 0 < ((a - e).norm() / e.norm()).item() < 1e-5
     torch._dynamo.reset()
-    assert w.compiled == 1
-    msgs = [r.message for r in caplog.records if "not a decode step of at most 1 query token" in r.message]
-    assert len(msgs) == 1 and "(a batch size that varies)" in msgs[0], msgs
+    assert not w.fallbacks and w.compiled == 1, (w.fallbacks, w.compiled)
 
 
 @pytest.mark.parametrize("cache", [True, False])

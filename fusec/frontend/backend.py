@@ -15,14 +15,15 @@ from typing import Any, Callable
 import torch
 
 from fusec.frontend import warm
-from fusec.frontend.capture import aten_capture, check_decode_step, dynamo_seconds, mark_model_tensors
+from fusec.frontend.capture import (CONCRETE_SIZES, aten_capture, check_decode_step, concrete_sizes, dynamo_seconds,
+                                    mark_model_tensors)
 from fusec.frontend.host_scalars import HostSplit, split_host_scalars
 from fusec.frontend import symbolic
 from fusec.frontend import hf_rope, hf_sdpa
 from fusec.frontend.counters import mark_cache_counters_dynamic
 from fusec.frontend.compiled import CompiledStep
 from fusec.config import DEFAULT_MAX_CACHE_LEN, Options
-from fusec.errors import CapacityExceeded, FallbackRequired, FusecError, NotLengthPolymorphic
+from fusec.errors import BatchSizeVaries, CapacityExceeded, FallbackRequired, FusecError, NotLengthPolymorphic
 from fusec.fallbacks import warn as warn_fallback
 from fusec.pipeline import Dumper, build_ir
 
@@ -85,6 +86,13 @@ def _tensor_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], opts: Opt
         # dynamo's dynamic shapes (a second cache length, dynamic=True, mark_dynamic)
         try:
             check_decode_step(gm, opts.query_tokens)
+        except BatchSizeVaries as e:   # a step per batch size; each checked again with its sizes
+            mark_model_tensors(gm, example_inputs)
+            _specialize_floats(gm, example_inputs, opts)
+            where = str(e).split("attention query has shape ", 1)[-1].split(" (the batch", 1)[0]
+            log.info("fusec: the batch size varies between calls (attention query of shape %s); compiling one "
+                     "step per batch size", where)
+            return SpecializingStep(gm, opts)
         except FallbackRequired as e:   # one line for the graph, not one per shape
             warn_fallback("fusec: %s; using %s", e, opts.fallback)
             return fallback(gm, example_inputs, opts.fallback)
@@ -152,6 +160,22 @@ class SymbolicStep:
                 self._capture(list(args), live=False)
                 return self(*args)
         return self.per_length(*args)
+
+
+def _specialize_floats(gm: torch.fx.GraphModule, example_inputs: list[Any], opts: Options) -> None:
+    """Where dynamo passes Python floats to ``gm`` as 0-d tensors (``dynamic=True``: RMSNorm's eps),
+    a capture in dynamo's tracing context, now, makes it trace again with those floats
+    specialized (``RestartAnalysis`` propagates), as :class:`SymbolicStep`'s first capture does: a
+    step compiled per size at its first call, outside dynamo, could not read them
+    (``TensorifyScalarRestartAnalysis``, a fallback). Nothing happens for a graph without them."""
+    floats = [n for n in gm.graph.nodes if n.op == "placeholder"
+              and getattr(n.meta.get("grapharg"), "pass_arg_as_tensor", False)]
+    if not floats or not _in_dynamo():
+        return
+    try:
+        _compile(gm, list(example_inputs), opts, symbolic_sizes=True, live=True)
+    except NotLengthPolymorphic:   # the capture ran (no restart): the step is compiled per size
+        pass
 
 
 def _in_dynamo() -> bool:
@@ -277,7 +301,8 @@ def _symbolic(example_inputs: list[Any]) -> bool:
 class SpecializingStep:
     """The step for a graph with symbolic sizes that one step cannot serve for every value (a
     size that is not a cache length, a length used as a value: :class:`SymbolicStep` found
-    ``NotLengthPolymorphic``): compiled once per set of concrete sizes.
+    ``NotLengthPolymorphic``; a batch size that varies: ``BatchSizeVaries``): compiled once per
+    set of concrete sizes, each checked as a decode step with its own sizes.
 
     Each call's concrete tensor shapes, dtypes, devices and integer values form a key; the first
     call with a new key captures ``gm`` again with those inputs and compiles it (a small
@@ -333,11 +358,14 @@ def _specialized(gm: torch.fx.GraphModule, args: tuple, opts: Options) -> Callab
         if node.op == "placeholder":
             node.meta[symbolic.SYMBOLIC_META] = None
     keep = [i for i in range(len(args)) if i not in set(ints)]
+    module = torch.fx.GraphModule(gm, g)
+    # the checks that read dynamo's recorded shapes (check_decode_step) see this call's sizes
+    module.meta[CONCRETE_SIZES] = concrete_sizes(placeholders, args)
     # a specialized graph that fusec cannot take runs eagerly: inductor on these per-value
     # graphs returned wrong values (a model computing ``arange // (count + 1)`` from a Python
     # counter: 0.24-0.72 relative error from the sixth value on, found 2026-12-02)
     safe = dataclasses.replace(opts, fallback="eager") if opts.fallback == "inductor" else opts
-    inner = _compile(torch.fx.GraphModule(gm, g), [args[i] for i in keep], safe, live=False)
+    inner = _compile(module, [args[i] for i in keep], safe, live=False)
     return lambda *a: inner(*[a[i] for i in keep])
 
 

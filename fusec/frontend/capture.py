@@ -19,7 +19,7 @@ from torch._decomp import core_aten_decompositions
 from fusec.frontend.custom_ops import SDPA_TARGETS, rewrite_sdpa
 from fusec.frontend.eager_attention import find_eager_attention, rewrite_eager_attention
 from fusec.config import MAX_QUERY_ROWS, MAX_QUERY_TOKENS
-from fusec.errors import NotDecodeStepError
+from fusec.errors import BatchSizeVaries, NotDecodeStepError
 
 log = logging.getLogger("fusec.frontend.capture")
 stage_log = logging.getLogger("fusec")
@@ -41,6 +41,37 @@ def _val(node: Any) -> Any:
     return node.meta.get("example_value", node.meta.get("val")) if isinstance(node, torch.fx.Node) else None
 
 
+#: ``GraphModule.meta`` key of a specialized graph's concrete sizes (:func:`concrete_sizes`)
+CONCRETE_SIZES = "fusec_concrete_sizes"
+
+
+def concrete_sizes(placeholders: list[torch.fx.Node], args: Any) -> dict[Any, int]:
+    """Each symbol of dynamo's recorded input sizes (a placeholder's tensor dim, or an integer
+    placeholder, that varied between calls: ``s0``) mapped to its value in ``args``, one call's
+    inputs in placeholder order; sizes that are expressions of symbols are left out."""
+    sizes: dict[Any, int] = {}
+    for node, a in zip(placeholders, args):
+        v = _val(node)
+        if isinstance(v, torch.Tensor) and isinstance(a, torch.Tensor) and v.dim() == a.dim():
+            pairs = zip(v.shape, a.shape)
+        elif isinstance(v, torch.SymInt) and isinstance(a, (int, torch.SymInt)):
+            pairs = [(v, a)]
+        else:
+            continue
+        for d, n in pairs:
+            if isinstance(d, torch.SymInt) and d.node.expr.is_symbol:
+                sizes[d.node.expr] = int(n)
+    return sizes
+
+
+def _concrete(d: Any, sizes: dict[Any, int]) -> Any:
+    """``d`` (a recorded size) as an int where it is one or its symbols have values in ``sizes``."""
+    if isinstance(d, int) or not sizes or not isinstance(d, torch.SymInt):
+        return d
+    v = d.node.expr.xreplace(sizes)
+    return int(v) if isinstance(v, int) or v.is_number else d
+
+
 def check_decode_step(gm: torch.fx.GraphModule, query_tokens: int = 1) -> None:
     """Raise :class:`NotDecodeStepError` unless every attention call sees a fixed number of query
     tokens per sequence, at most ``query_tokens`` (the option of that name, at most
@@ -51,7 +82,9 @@ def check_decode_step(gm: torch.fx.GraphModule, query_tokens: int = 1) -> None:
     :func:`fusec.frontend.eager_attention.rewrite_eager_attention` makes one, whose query is
     [B, heads, K, head_dim] with B and K fixed sizes (docs/batch.md says which kinds take B * K
     > 1 rows and which ops then stay generic); a prefill has more query positions, and a batch
-    size or a query length that varies between calls (a symbolic dim 0 or 2) is refused, as is a
+    size or a query length that varies between calls (a symbolic dim 0 or 2) is refused
+    (:class:`~fusec.errors.BatchSizeVaries` where only the batch size varies: the backend then
+    compiles one step per batch size), as is a
     step of more than :data:`fusec.config.MAX_QUERY_ROWS` rows B * K (more than 16 sequences of
     one token, or fewer of K > 1 tokens: no fused kind takes them, every op would run generic on
     one SM).
@@ -67,27 +100,31 @@ def check_decode_step(gm: torch.fx.GraphModule, query_tokens: int = 1) -> None:
               node.args[1] if len(node.args) > 1 else node.kwargs.get("key"))
              for node in gm.graph.nodes if node.op == "call_function" and node.target in SDPA_TARGETS]
     calls += [(a.out, a.query, a.key) for a in eager]
+    sizes = getattr(gm, "meta", {}).get(CONCRETE_SIZES) or {}   # a graph specialized to one call's sizes
     n = 0
     for node, query, _ in calls:
         q = _val(query)
         if q is None:
             continue
         n += 1
-        if q.dim() != 4 or not isinstance(q.shape[0], int) or not isinstance(q.shape[2], int) \
-                or not 1 <= q.shape[2] <= query_tokens or q.shape[0] * q.shape[2] > MAX_QUERY_ROWS:
-            shape = ", ".join(str(d) if isinstance(d, int) else f"{d} (varies between calls)" for d in q.shape)
-            what = (f"a {q.dim()}-D query" if q.dim() != 4 else
-                    "a batch size that varies" if not isinstance(q.shape[0], int) else
-                    "a query length that varies" if not isinstance(q.shape[2], int) else
-                    f"{q.shape[0]} sequences, more than {MAX_QUERY_ROWS}" if q.shape[2] == 1 else
-                    f"{q.shape[0]} sequences of {q.shape[2]} query tokens, {q.shape[0] * q.shape[2]} rows, more "
-                    f"than {MAX_QUERY_ROWS}" if q.shape[2] <= query_tokens else
-                    f"{q.shape[2]} query tokens, more than {query_tokens}" +
-                    ("" if query_tokens >= MAX_QUERY_TOKENS or q.shape[2] > MAX_QUERY_TOKENS else
-                     f"; option query_tokens={q.shape[2]} takes it as speculative decoding's verification"))
-            raise NotDecodeStepError(
+        shape = [_concrete(d, sizes) for d in q.shape]
+        if len(shape) != 4 or not isinstance(shape[0], int) or not isinstance(shape[2], int) \
+                or not 1 <= shape[2] <= query_tokens or shape[0] * shape[2] > MAX_QUERY_ROWS:
+            text = ", ".join(str(d) if isinstance(d, int) else f"{d} (varies between calls)" for d in shape)
+            what = (f"a {len(shape)}-D query" if len(shape) != 4 else
+                    "a batch size that varies" if not isinstance(shape[0], int) else
+                    "a query length that varies" if not isinstance(shape[2], int) else
+                    f"{shape[0]} sequences, more than {MAX_QUERY_ROWS}" if shape[2] == 1 else
+                    f"{shape[0]} sequences of {shape[2]} query tokens, {shape[0] * shape[2]} rows, more "
+                    f"than {MAX_QUERY_ROWS}" if shape[2] <= query_tokens else
+                    f"{shape[2]} query tokens, more than {query_tokens}" +
+                    ("" if query_tokens >= MAX_QUERY_TOKENS or shape[2] > MAX_QUERY_TOKENS else
+                     f"; option query_tokens={shape[2]} takes it as speculative decoding's verification"))
+            varies = len(shape) == 4 and not isinstance(shape[0], int) and isinstance(shape[2], int) \
+                and 1 <= shape[2] <= query_tokens
+            raise (BatchSizeVaries if varies else NotDecodeStepError)(
                 f"not a decode step of at most {query_tokens} query token{'s' if query_tokens != 1 else ''} "
-                f"({what}): attention query has shape ({shape}) "
+                f"({what}): attention query has shape ({text}) "
                 f"(the batch and the query length must be fixed sizes, the query length at most "
                 f"{query_tokens}) at {node_source(node) or node.name}")
     if n == 0:
