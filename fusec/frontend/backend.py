@@ -172,10 +172,13 @@ def _specialize_floats(gm: torch.fx.GraphModule, example_inputs: list[Any], opts
               and getattr(n.meta.get("grapharg"), "pass_arg_as_tensor", False)]
     if not floats or not _in_dynamo():
         return
-    try:
-        _compile(gm, list(example_inputs), opts, symbolic_sizes=True, live=True)
-    except NotLengthPolymorphic:   # the capture ran (no restart): the step is compiled per size
-        pass
+    from torch._dynamo.exc import RestartAnalysis
+    try:   # AOT autograd's trace alone; its graph is not compiled
+        aten_capture(gm, list(example_inputs), lambda aten_gm, ex: aten_gm.forward)
+    except RestartAnalysis:
+        raise
+    except Exception as e:   # noqa: BLE001 - the per-size compile says what fails, if anything
+        log.debug("fusec: the capture in dynamo's context failed (%s: %s)", type(e).__name__, e)
 
 
 def _in_dynamo() -> bool:
@@ -336,8 +339,9 @@ class SpecializingStep:
                     self.warned = True
                     moving = [i for i, (a, b) in enumerate(zip(old, k)) if a != b]
                     log.warning("fusec: more than %d input sizes seen; every new size compiles a new kernel "
-                                "(arguments %s keep changing shape: pass an attention_mask of the static "
-                                "cache's full length, as generate() does)", self.MAX_ENTRIES, moving)
+                                "(arguments %s keep changing shape: a batch size that keeps changing, or an "
+                                "attention_mask shorter than the static cache: pass one of the cache's full "
+                                "length, as generate() does)", self.MAX_ENTRIES, moving)
         self.entries[k] = fn
         return fn(*args)
 
