@@ -66,3 +66,29 @@ def test_bf16_k_token_step_on_the_tensor_cores_matches_eager(factory, batch, k, 
     assert err == err and err < 3e-2 and rows_err < 3e-2 and rest_equal, (err, rows_err, rest_equal)
     assert steps and not any(s.fallen_back for s in steps)
     assert_fused_k(steps[-1], model, batch, k)
+
+
+def test_a_batch_size_that_varies_runs_a_step_per_size_on_the_gpu():
+    """A plain loop over batches of 2, 5 and 2 again (a StaticCache each) through one
+    ``torch.compile(model, backend="fusec")`` on the GPU (bf16, the tiny Llama): the second size
+    makes dynamo's batch symbolic, fusec compiles a kernel per batch size (no fallback), and every
+    sequence's logits are within 3e-2 of eager's (tests/test_hf_decode.py's CPU test)."""
+    from fusec.fallbacks import FallbackWatch
+    model = hf_tiny.llama().to(device="cuda", dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fusec")
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    with torch.no_grad(), FallbackWatch() as w:
+        for b in (2, 5, 2):
+            caches = [hf_tiny.static_cache(model, 32) for _ in range(2)]
+            prompt = torch.randint(1, 128, (b, 6), device="cuda", generator=gen)
+            for c in caches:
+                model(input_ids=prompt, past_key_values=c, use_cache=True)
+            for _ in range(3):
+                ids = torch.randint(1, 128, (b, 1), device="cuda", generator=gen)
+                a = compiled(input_ids=ids, past_key_values=caches[0], use_cache=True).logits.double()
+                e = model(input_ids=ids, past_key_values=caches[1], use_cache=True).logits.double()
+                errs = [((a[i] - e[i]).norm() / e[i].norm()).item() for i in range(b)]
+                assert all(x == x for x in errs) and max(errs) < 3e-2, (b, errs)
+    torch._dynamo.reset()
+    assert not w.fallbacks and w.compiled >= 2, (w.fallbacks, w.compiled)
