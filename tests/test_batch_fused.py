@@ -154,10 +154,10 @@ QWEN3_06B = dict(hidden_size=1024, intermediate_size=3072, num_attention_heads=1
                  head_dim=128, num_hidden_layers=1, vocab_size=256, tie_word_embeddings=True)
 
 
-def _batch_schedule(batch: int, dtype: torch.dtype, family: str = "llama"):
+def _batch_schedule(batch: int, dtype: torch.dtype, family: str = "llama", defines: dict | None = None):
     """The schedule of one decode step of ``batch`` left-padded sequences of a one-layer model of
     Llama-3.2-1B's widths (``family`` "qwen3": Qwen3-0.6B's; random weights, a 64-row
-    StaticCache), captured and lowered for 132 SMs (not run)."""
+    StaticCache), captured and lowered for 132 SMs (not run); ``defines``: kernel knobs."""
     import transformers
     import step_util
     from fusec.config import Options
@@ -177,7 +177,7 @@ def _batch_schedule(batch: int, dtype: torch.dtype, family: str = "llama"):
     kw = dict(input_ids=torch.randint(1, 256, (batch, 1), generator=gen), past_key_values=cache, use_cache=True,
               attention_mask=full, position_ids=mask.sum(-1, keepdim=True) - 1)
     _, g, flat = step_util.capture(model, kw)
-    return lower(g, flat, Options.from_dict({"num_sms": 132}), Dumper(None))
+    return lower(g, flat, Options.from_dict({"num_sms": 132, **({"defines": defines} if defines else {})}), Dumper(None))
 
 
 @pytest.mark.parametrize("family,batch,dtype", [("llama", 4, torch.bfloat16), ("llama", 8, torch.bfloat16),
@@ -210,3 +210,23 @@ def test_batch_fused_kinds_compile_without_spills_at_published_widths(family, ba
                                                               "spill_load_bytes")), (fn, res)
     assert all(r["spill_store_bytes"] == r["spill_load_bytes"] == 0 for r in kernel.resources.values())
     assert 4 * max(KINDS[o.kind].smem_floats(o, g) for o in g.ops if o.kind in KINDS) <= MAX_SMEM_BYTES
+
+
+@pytest.mark.parametrize("family,batch", [("llama", 8), ("qwen3", 16)])
+def test_rms_rows_over_the_cta_compile_without_spills(family, batch, tmp_path):
+    """The knob ``FUSEC_RMS_ROWS_CTA`` 1 (the batched fused kinds' B RMSNorms over the whole CTA,
+    templates/seqs_rows.cu.j2 ``rms_rows_cta``) at B = 8 of Llama-3.2-1B's widths and B = 16 of
+    Qwen3-0.6B's (4 chunks of 16 bytes per thread each): the kernel renders that path and compiles
+    with NVRTC without spills or a stack frame in the fused kinds."""
+    pytest.importorskip("cuda.bindings.nvrtc")
+    from fusec.cuda.codegen import render
+    from fusec.cuda.jit import compile_cuda
+    knob = {"FUSEC_RMS_ROWS_CTA": 1}
+    src = render(_batch_schedule(batch, torch.bfloat16, family, knob), defines=knob).source
+    assert "#define FUSEC_RMS_ROWS_CTA 1" in src and "rms_rows_cta" in src
+    kernel = compile_cuda(src, "fusec_step.cu", options=("-Xptxas", "-v"), cache_dir=str(tmp_path))
+    assert "warning" not in kernel.log, kernel.log
+    assert all(r["spill_store_bytes"] == r["spill_load_bytes"] == 0 for r in kernel.resources.values())
+    for fn in ("rms_qkv_rope_seqs", "rms_gate_up_silu_seqs"):
+        res = [r for f, r in kernel.resources.items() if f.startswith(f"_Z{len(fn)}{fn}")]
+        assert all(not r["stack_frame_bytes"] for r in res), (fn, res)
