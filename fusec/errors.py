@@ -27,8 +27,12 @@ class NotDecodeStepError(FallbackRequired):
 class BatchSizeVaries(NotDecodeStepError):
     """A decode step whose batch size is symbolic (dynamo made dim 0 dynamic after a call with
     another batch size, or ``dynamic=True``): one step cannot serve every batch size, so the
-    backend compiles one per batch size seen (:class:`fusec.frontend.backend.SpecializingStep`)
-    instead of falling back."""
+    backend compiles one per batch size seen (:class:`fusec.frontend.backend.PerBatchStep`)
+    instead of falling back. ``symbols``: dynamo's symbols the batch sizes are made of."""
+
+    def __init__(self, message: str, symbols: frozenset = frozenset()):
+        super().__init__(message)
+        self.symbols = symbols
 
 
 class UnsupportedOpError(FallbackRequired):

@@ -110,11 +110,62 @@ def test_a_batch_size_that_varies_compiles_a_step_per_batch_size(caplog):
     assert len(refused) == 1 and "(17 sequences, more than 16)" in refused[0], refused
 
 
-def test_dynamic_true_at_a_batch_of_3_runs_fusec():
-    """``torch.compile(model, backend="fusec", dynamic=True)`` at a fixed batch of 3: dynamo makes
-    the batch (and the floats it passes as 0-d tensors) symbolic; fusec compiles one step for
-    the batch size (the floats specialized by a capture in dynamo's context) instead of falling
-    back, a second cache of the same shape reuses it, and the logits are eager's."""
+def test_after_the_batch_varies_each_batch_size_serves_every_cache_length():
+    """A batch of 2, then a batch of 3 over StaticCaches of 16 to 32 rows (a plain loop): once
+    the batch size varied, each batch size's step still serves every cache length as at a fixed
+    batch (dynamo makes the length symbolic at the second length: one more compile, then none),
+    not one compile per (batch size, length); every step's logits are eager's."""
+    model = hf_tiny.llama()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fusec", options={"num_sms": 8})
+    gen = torch.Generator().manual_seed(5)
+    from fusec.fallbacks import FallbackWatch
+    seen = []
+    for b, length in [(2, 16), (3, 16), (3, 20), (3, 24), (3, 28), (3, 32)]:
+        caches = [hf_tiny.static_cache(model, length) for _ in range(2)]
+        with torch.no_grad(), FallbackWatch() as w:
+            prompt = torch.randint(1, 128, (b, 4), generator=gen)
+            for c in caches:
+                model(input_ids=prompt, past_key_values=c, use_cache=True)
+            ids = torch.randint(1, 128, (b, 1), generator=gen)
+            a = compiled(input_ids=ids, past_key_values=caches[0], use_cache=True).logits
+            e = model(input_ids=ids, past_key_values=caches[1], use_cache=True).logits
+            assert 0 < ((a - e).norm() / e.norm()).item() < 1e-5, (b, length)
+        seen.append((b, length, len(w.fallbacks), w.compiled))
+    torch._dynamo.reset()
+    assert seen == [(2, 16, 0, 1), (3, 16, 0, 1), (3, 20, 0, 1), (3, 24, 0, 0), (3, 28, 0, 0), (3, 32, 0, 0)], seen
+
+
+def test_a_dynamic_cache_with_a_varying_batch_falls_back_once_per_graph():
+    """HF's default DynamicCache (its keys grow by ``torch.cat``) over batches of 2 and 3, 10 steps
+    each: the graph with the symbolic batch is refused for the cache, not taken per batch size and
+    refused again at every step: at most one fallback line per dynamo graph, each naming the
+    DynamicCache."""
+    model = hf_tiny.llama()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fusec", options={"num_sms": 8, "fallback": "eager"})
+    gen = torch.Generator().manual_seed(6)
+    from fusec.fallbacks import FallbackWatch
+    lines = []
+    for b in (2, 3):
+        with torch.no_grad():
+            pkv = model(input_ids=torch.randint(1, 128, (b, 4), generator=gen), use_cache=True).past_key_values
+        with FallbackWatch() as w, torch.no_grad():
+            for _ in range(10):
+                compiled(input_ids=torch.randint(1, 128, (b, 1), generator=gen), past_key_values=pkv, use_cache=True)
+        lines += w.fallbacks
+    torch._dynamo.reset()
+    assert 1 <= len(lines) <= 4 and all("DynamicCache" in m for m in lines), lines
+
+
+@pytest.mark.parametrize("batch", [2, 3])
+def test_dynamic_true_at_a_fixed_batch_runs_fusec(batch):
+    """``torch.compile(model, backend="fusec", dynamic=True)`` at a fixed batch: dynamo makes the
+    batch (and the floats it passes as 0-d tensors) symbolic; fusec compiles one step for the
+    batch size (the floats specialized by a capture in dynamo's context) instead of falling back,
+    a second cache of the same shape reuses it, and the logits are eager's. A batch of 2 equals
+    the tiny model's KV heads and its 16-row cache its head size: dynamo specializes the batch's
+    symbol to a constant, which is a fixed size, not one that varies."""
     model = hf_tiny.llama()
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="fusec", dynamic=True, options={"num_sms": 8})
@@ -123,11 +174,11 @@ def test_dynamic_true_at_a_batch_of_3_runs_fusec():
     with torch.no_grad(), FallbackWatch() as w:
         for _ in range(2):
             caches = [hf_tiny.static_cache(model, 16) for _ in range(2)]
-            prompt = torch.randint(0, 128, (3, 4), generator=gen)
+            prompt = torch.randint(0, 128, (batch, 4), generator=gen)
             for c in caches:
                 model(input_ids=prompt, past_key_values=c, use_cache=True)
             for _ in range(2):
-                ids = torch.randint(0, 128, (3, 1), generator=gen)
+                ids = torch.randint(0, 128, (batch, 1), generator=gen)
                 a = compiled(input_ids=ids, past_key_values=caches[0], use_cache=True).logits
                 e = model(input_ids=ids, past_key_values=caches[1], use_cache=True).logits
                 assert 0 < ((a - e).norm() / e.norm()).item() < 1e-5

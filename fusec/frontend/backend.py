@@ -92,7 +92,7 @@ def _tensor_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], opts: Opt
             where = str(e).split("attention query has shape ", 1)[-1].split(" (the batch", 1)[0]
             log.info("fusec: the batch size varies between calls (attention query of shape %s); compiling one "
                      "step per batch size", where)
-            return SpecializingStep(gm, opts)
+            return PerBatchStep(gm, opts, e.symbols)
         except FallbackRequired as e:   # one line for the graph, not one per shape
             warn_fallback("fusec: %s; using %s", e, opts.fallback)
             return fallback(gm, example_inputs, opts.fallback)
@@ -160,6 +160,54 @@ class SymbolicStep:
                 self._capture(list(args), live=False)
                 return self(*args)
         return self.per_length(*args)
+
+
+class PerBatchStep:
+    """The step of a decode graph whose batch size varies between calls (``BatchSizeVaries``): one
+    step per batch size seen, built at its first call from ``gm`` with the batch made concrete
+    (:func:`fusec.frontend.symbolic.fix_symbols`) and its other symbolic sizes kept: a
+    :class:`SymbolicStep` (one step for every cache length, as at a fixed batch) where a cache
+    length is symbolic too, else the graph compiled once. At most ``MAX_ENTRIES`` batch sizes are
+    kept (every batch size a step takes, 1 to 16), the least recently used out."""
+
+    MAX_ENTRIES = 16
+
+    def __init__(self, gm: torch.fx.GraphModule, opts: Options, symbols: frozenset):
+        self.gm, self.opts, self.symbols = gm, opts, sorted(symbols, key=str)
+        self.placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        self.entries: dict[tuple, Callable] = {}
+
+    def __call__(self, *args: Any) -> Any:
+        sizes = concrete_sizes(self.placeholders, args)
+        values = {s: sizes[s] for s in self.symbols if s in sizes}
+        key = tuple(values.get(s) for s in self.symbols)
+        fn = self.entries.pop(key, None)
+        if fn is None:
+            fn = self._build(list(args), values)
+            if len(self.entries) >= self.MAX_ENTRIES:
+                self.entries.pop(next(iter(self.entries)))
+        self.entries[key] = fn
+        return fn(*args)
+
+    def _build(self, args: list[Any], values: dict[Any, int]) -> Callable:
+        module, keep = symbolic.fix_symbols(self.gm, args, values)
+        module.meta[CONCRETE_SIZES] = dict(values)   # the decode check sees this batch size
+        kept = [args[i] for i in keep]
+        safe = dataclasses.replace(self.opts, fallback="eager") if self.opts.fallback == "inductor" else self.opts
+        if symbolic.is_symbolic(module):   # a cache length too: one step for every length at this batch
+            log.info("fusec: compiling the step for a batch of %s (one step for every cache length)",
+                     "/".join(map(str, values.values())))
+            try:
+                check_decode_step(module, safe.query_tokens)
+            except FallbackRequired as e:
+                warn_fallback("fusec: %s; using %s", e, safe.fallback)
+                inner = fallback(module, kept, safe.fallback)
+                return lambda *a: inner(*[a[i] for i in keep])
+            inner = SymbolicStep(module, kept, safe)
+        else:
+            log.info("fusec: compiling the step for a batch of %s", "/".join(map(str, values.values())))
+            inner = _compile(module, kept, safe, live=False)
+        return lambda *a: inner(*[a[i] for i in keep])
 
 
 def _specialize_floats(gm: torch.fx.GraphModule, example_inputs: list[Any], opts: Options) -> None:
@@ -304,8 +352,8 @@ def _symbolic(example_inputs: list[Any]) -> bool:
 class SpecializingStep:
     """The step for a graph with symbolic sizes that one step cannot serve for every value (a
     size that is not a cache length, a length used as a value: :class:`SymbolicStep` found
-    ``NotLengthPolymorphic``; a batch size that varies: ``BatchSizeVaries``): compiled once per
-    set of concrete sizes, each checked as a decode step with its own sizes.
+    ``NotLengthPolymorphic``): compiled once per set of concrete sizes, each checked as a decode
+    step with its own sizes.
 
     Each call's concrete tensor shapes, dtypes, devices and integer values form a key; the first
     call with a new key captures ``gm`` again with those inputs and compiles it (a small
@@ -338,10 +386,11 @@ class SpecializingStep:
                 if not self.warned:
                     self.warned = True
                     moving = [i for i, (a, b) in enumerate(zip(old, k)) if a != b]
+                    names = [n.name for n in self.gm.graph.nodes if n.op == "placeholder"]
                     log.warning("fusec: more than %d input sizes seen; every new size compiles a new kernel "
-                                "(arguments %s keep changing shape: a batch size that keeps changing, or an "
-                                "attention_mask shorter than the static cache: pass one of the cache's full "
-                                "length, as generate() does)", self.MAX_ENTRIES, moving)
+                                "(inputs %s keep changing shape: an attention_mask shorter than the static "
+                                "cache? pass one of the cache's full length, as generate() does)",
+                                self.MAX_ENTRIES, ", ".join(names[i] if i < len(names) else str(i) for i in moving)[:300])
         self.entries[k] = fn
         return fn(*args)
 

@@ -65,8 +65,14 @@ def concrete_sizes(placeholders: list[torch.fx.Node], args: Any) -> dict[Any, in
 
 
 def _concrete(d: Any, sizes: dict[Any, int]) -> Any:
-    """``d`` (a recorded size) as an int where it is one or its symbols have values in ``sizes``."""
-    if isinstance(d, int) or not sizes or not isinstance(d, torch.SymInt):
+    """``d`` (a recorded size) as an int where it is one, where dynamo specialized its symbol to
+    a constant, or where its symbols have values in ``sizes``; else the symbolic size."""
+    if not isinstance(d, torch.SymInt):
+        return d
+    known = d.node.maybe_as_int()
+    if known is not None:
+        return known
+    if not sizes:
         return d
     v = d.node.expr.xreplace(sizes)
     return int(v) if isinstance(v, int) or v.is_number else d
@@ -102,6 +108,8 @@ def check_decode_step(gm: torch.fx.GraphModule, query_tokens: int = 1) -> None:
     calls += [(a.out, a.query, a.key) for a in eager]
     sizes = getattr(gm, "meta", {}).get(CONCRETE_SIZES) or {}   # a graph specialized to one call's sizes
     n = 0
+    varies: str | None = None   # a batch size that varies, raised after every other check passed
+    batch_symbols: set[Any] = set()
     for node, query, _ in calls:
         q = _val(query)
         if q is None:
@@ -112,21 +120,24 @@ def check_decode_step(gm: torch.fx.GraphModule, query_tokens: int = 1) -> None:
                 or not 1 <= shape[2] <= query_tokens or shape[0] * shape[2] > MAX_QUERY_ROWS:
             text = ", ".join(str(d) if isinstance(d, int) else f"{d} (varies between calls)" for d in shape)
             what = (f"a {len(shape)}-D query" if len(shape) != 4 else
-                    "a batch size that varies" if not isinstance(shape[0], int) else
                     "a query length that varies" if not isinstance(shape[2], int) else
+                    "a batch size that varies" if not isinstance(shape[0], int) else
                     f"{shape[0]} sequences, more than {MAX_QUERY_ROWS}" if shape[2] == 1 else
                     f"{shape[0]} sequences of {shape[2]} query tokens, {shape[0] * shape[2]} rows, more "
                     f"than {MAX_QUERY_ROWS}" if shape[2] <= query_tokens else
                     f"{shape[2]} query tokens, more than {query_tokens}" +
                     ("" if query_tokens >= MAX_QUERY_TOKENS or shape[2] > MAX_QUERY_TOKENS else
                      f"; option query_tokens={shape[2]} takes it as speculative decoding's verification"))
-            varies = len(shape) == 4 and not isinstance(shape[0], int) and isinstance(shape[2], int) \
-                and 1 <= shape[2] <= query_tokens
-            raise (BatchSizeVaries if varies else NotDecodeStepError)(
-                f"not a decode step of at most {query_tokens} query token{'s' if query_tokens != 1 else ''} "
-                f"({what}): attention query has shape ({text}) "
-                f"(the batch and the query length must be fixed sizes, the query length at most "
-                f"{query_tokens}) at {node_source(node) or node.name}")
+            msg = (f"not a decode step of at most {query_tokens} query token{'s' if query_tokens != 1 else ''} "
+                   f"({what}): attention query has shape ({text}) "
+                   f"(the batch and the query length must be fixed sizes, the query length at most "
+                   f"{query_tokens}) at {node_source(node) or node.name}")
+            if len(shape) == 4 and not isinstance(shape[0], int) and isinstance(shape[2], int) \
+                    and 1 <= shape[2] <= query_tokens:
+                varies = varies or msg
+                batch_symbols |= shape[0].node.expr.free_symbols
+                continue
+            raise NotDecodeStepError(msg)
     if n == 0:
         raise NotDecodeStepError("not a decode step: the graph has no attention call")
     for _, _, key in calls:
@@ -136,6 +147,8 @@ def check_decode_step(gm: torch.fx.GraphModule, query_tokens: int = 1) -> None:
                 "the KV cache grows by concatenation (a DynamicCache) at "
                 f"{node_source(grown) or grown.name}: fusec compiles decode steps over a static KV "
                 "cache; pass a transformers StaticCache (generate(): cache_implementation=\"static\")")
+    if varies:
+        raise BatchSizeVaries(varies, frozenset(batch_symbols))
 
 
 _VIEW_CALLS = {"view", "reshape", "expand", "contiguous", "transpose", "permute", "to", "clone",

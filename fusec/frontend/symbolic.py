@@ -107,6 +107,46 @@ def mark_symbolic(gm: torch.fx.GraphModule) -> None:
             n.meta[SYMBOL_NAMES_META] = names[i]
 
 
+def fix_symbols(gm: torch.fx.GraphModule, args: list[Any], values: dict[Any, int]) -> tuple[torch.fx.GraphModule, list[int]]:
+    """``(module, keep)``: ``gm`` with the sizes that depend on the symbols of ``values`` (dynamo's
+    symbol -> this call's value; a batch size that varies) made concrete and its other symbolic
+    sizes (a cache length) left symbolic, recorded as :func:`mark_symbolic` records them
+    (``SYMBOLIC_META``, ``SYMBOL_NAMES_META``); an integer input that is such a size is replaced
+    by its value in ``args`` and dropped, as is one dynamo specialized (a plain value in the
+    graph): ``keep`` lists the indices of ``args`` the module takes."""
+    import copy
+    fixed = set(values)
+    nodes = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    specs, names = symbolic_dims(gm), symbol_names(gm)
+    g = copy.deepcopy(gm.graph)
+    copies = [n for n in g.nodes if n.op == "placeholder"]
+
+    def depends(d: Any) -> bool:
+        return _symbolic(d) and bool(d.node.expr.free_symbols & fixed)
+
+    drop = []
+    for i, (n, c, spec, a) in enumerate(zip(nodes, copies, specs, args)):
+        v = n.meta.get("example_value")
+        if isinstance(a, int) and not isinstance(a, bool) and (spec != "int" or depends(v)):
+            # an integer input of a fixed value (dynamo specialized it), or a batch size
+            value = int(a)
+            for user in list(c.users):
+                user.args = torch.fx.node.map_arg(user.args, lambda x: value if x is c else x)
+                user.kwargs = torch.fx.node.map_arg(user.kwargs, lambda x: value if x is c else x)
+            drop.append(i)
+            continue
+        if isinstance(spec, tuple) and isinstance(v, torch.Tensor):
+            spec = tuple(d for d in spec if not depends(v.shape[d])) or None
+        c.meta[SYMBOLIC_META] = spec
+        if spec is not None and names is not None and names[i] is not None:
+            c.meta[SYMBOL_NAMES_META] = ({d: names[i][d] for d in spec} if isinstance(spec, tuple) else names[i])
+        else:
+            c.meta.pop(SYMBOL_NAMES_META, None)
+    for i in drop:
+        g.erase_node(copies[i])
+    return torch.fx.GraphModule(gm, g), [i for i in range(len(args)) if i not in set(drop)]
+
+
 def is_symbolic(gm: torch.fx.GraphModule) -> bool:
     """Whether any input of dynamo's graph has a symbolic size."""
     return any(s is not None for s in symbolic_dims(gm))
