@@ -28,11 +28,12 @@ class BatchSizeVaries(NotDecodeStepError):
     """A decode step whose batch size is symbolic (dynamo made dim 0 dynamic after a call with
     another batch size, or ``dynamic=True``): one step cannot serve every batch size, so the
     backend compiles one per batch size seen (:class:`fusec.frontend.backend.PerBatchStep`)
-    instead of falling back. ``symbols``: dynamo's symbols the batch sizes are made of."""
+    instead of falling back. ``symbols``: dynamo's symbols the batch sizes are made of;
+    ``shape``: the attention query's shape as the message writes it."""
 
-    def __init__(self, message: str, symbols: frozenset = frozenset()):
+    def __init__(self, message: str, symbols: frozenset = frozenset(), shape: str = ""):
         super().__init__(message)
-        self.symbols = symbols
+        self.symbols, self.shape = symbols, shape
 
 
 class UnsupportedOpError(FallbackRequired):

@@ -89,9 +89,8 @@ def _tensor_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], opts: Opt
         except BatchSizeVaries as e:   # a step per batch size; each checked again with its sizes
             mark_model_tensors(gm, example_inputs)
             _specialize_floats(gm, example_inputs, opts)
-            where = str(e).split("attention query has shape ", 1)[-1].split(" (the batch", 1)[0]
             log.info("fusec: the batch size varies between calls (attention query of shape %s); compiling one "
-                     "step per batch size", where)
+                     "step per batch size", e.shape)
             return PerBatchStep(gm, opts, e.symbols)
         except FallbackRequired as e:   # one line for the graph, not one per shape
             warn_fallback("fusec: %s; using %s", e, opts.fallback)
@@ -180,20 +179,15 @@ class PerBatchStep:
     def __call__(self, *args: Any) -> Any:
         sizes = concrete_sizes(self.placeholders, args)
         values = {s: sizes[s] for s in self.symbols if s in sizes}
-        key = tuple(values.get(s) for s in self.symbols)
-        fn = self.entries.pop(key, None)
-        if fn is None:
-            fn = self._build(list(args), values)
-            if len(self.entries) >= self.MAX_ENTRIES:
-                self.entries.pop(next(iter(self.entries)))
-        self.entries[key] = fn
+        fn, _ = _lru(self.entries, tuple(values.get(s) for s in self.symbols), self.MAX_ENTRIES,
+                     lambda: self._build(list(args), values))
         return fn(*args)
 
     def _build(self, args: list[Any], values: dict[Any, int]) -> Callable:
         module, keep = symbolic.fix_symbols(self.gm, args, values)
         module.meta[CONCRETE_SIZES] = dict(values)   # the decode check sees this batch size
         kept = [args[i] for i in keep]
-        safe = dataclasses.replace(self.opts, fallback="eager") if self.opts.fallback == "inductor" else self.opts
+        safe = _per_value_options(self.opts)
         if symbolic.is_symbolic(module):   # a cache length too: one step for every length at this batch
             log.info("fusec: compiling the step for a batch of %s (one step for every cache length)",
                      "/".join(map(str, values.values())))
@@ -375,23 +369,20 @@ class SpecializingStep:
 
     def __call__(self, *args: Any) -> Any:
         k = self.key(args)
-        fn = self.entries.pop(k, None)
-        if fn is None:
+
+        def build() -> Callable:
             log.info("fusec: compiling the step for concrete sizes %s",
                      [int(a) for a in args if isinstance(a, (int, torch.SymInt))])
-            fn = _specialized(self.gm, args, self.opts)
-            if len(self.entries) >= self.MAX_ENTRIES:
-                old = next(iter(self.entries))
-                self.entries.pop(old)
-                if not self.warned:
-                    self.warned = True
-                    moving = [i for i, (a, b) in enumerate(zip(old, k)) if a != b]
-                    names = [n.name for n in self.gm.graph.nodes if n.op == "placeholder"]
-                    log.warning("fusec: more than %d input sizes seen; every new size compiles a new kernel "
-                                "(inputs %s keep changing shape: an attention_mask shorter than the static "
-                                "cache? pass one of the cache's full length, as generate() does)",
-                                self.MAX_ENTRIES, ", ".join(names[i] if i < len(names) else str(i) for i in moving)[:300])
-        self.entries[k] = fn
+            return _specialized(self.gm, args, self.opts)
+        fn, old = _lru(self.entries, k, self.MAX_ENTRIES, build)
+        if old is not None and not self.warned:
+            self.warned = True
+            moving = [i for i, (a, b) in enumerate(zip(old, k)) if a != b]
+            names = [n.name for n in self.gm.graph.nodes if n.op == "placeholder"]
+            log.warning("fusec: more than %d input sizes seen; every new size compiles a new kernel "
+                        "(inputs %s keep changing shape: an attention_mask shorter than the static "
+                        "cache? pass one of the cache's full length, as generate() does)",
+                        self.MAX_ENTRIES, ", ".join(names[i] if i < len(names) else str(i) for i in moving)[:300])
         return fn(*args)
 
 
@@ -402,11 +393,7 @@ def _specialized(gm: torch.fx.GraphModule, args: tuple, opts: Options) -> Callab
     ints = [i for i, a in enumerate(args) if isinstance(a, (int, torch.SymInt))]
     placeholders = [n for n in g.nodes if n.op == "placeholder"]
     for i in ints:
-        node, value = placeholders[i], int(args[i])
-        for user in list(node.users):
-            user.args = torch.fx.node.map_arg(user.args, lambda n: value if n is node else n)
-            user.kwargs = torch.fx.node.map_arg(user.kwargs, lambda n: value if n is node else n)
-        g.erase_node(node)
+        symbolic.replace_input(g, placeholders[i], int(args[i]))
     for node in g.nodes:   # the sizes are concrete now: no dims symbolic (symbolic.fake_inputs)
         if node.op == "placeholder":
             node.meta[symbolic.SYMBOLIC_META] = None
@@ -414,12 +401,31 @@ def _specialized(gm: torch.fx.GraphModule, args: tuple, opts: Options) -> Callab
     module = torch.fx.GraphModule(gm, g)
     # the checks that read dynamo's recorded shapes (check_decode_step) see this call's sizes
     module.meta[CONCRETE_SIZES] = concrete_sizes(placeholders, args)
-    # a specialized graph that fusec cannot take runs eagerly: inductor on these per-value
-    # graphs returned wrong values (a model computing ``arange // (count + 1)`` from a Python
-    # counter: 0.24-0.72 relative error from the sixth value on, found 2026-12-02)
-    safe = dataclasses.replace(opts, fallback="eager") if opts.fallback == "inductor" else opts
-    inner = _compile(module, [args[i] for i in keep], safe, live=False)
+    inner = _compile(module, [args[i] for i in keep], _per_value_options(opts), live=False)
     return lambda *a: inner(*[a[i] for i in keep])
+
+
+def _per_value_options(opts: Options) -> Options:
+    """``opts`` for a graph compiled per value of a size (:class:`SpecializingStep`,
+    :class:`PerBatchStep`): one that fusec cannot take runs eagerly, not through inductor, which
+    returned wrong values on such per-value graphs (a model computing ``arange // (count + 1)``
+    from a Python counter: 0.24-0.72 relative error from the sixth value on, found 2026-12-02)."""
+    return dataclasses.replace(opts, fallback="eager") if opts.fallback == "inductor" else opts
+
+
+def _lru(entries: dict[tuple, Callable], key: tuple, limit: int,
+         build: Callable[[], Callable]) -> tuple[Callable, tuple | None]:
+    """``(entries[key], evicted)``: the entry, built where missing and made the most recently
+    used; at most ``limit`` entries kept, the least recently used out (its key returned, else
+    None)."""
+    fn, evicted = entries.pop(key, None), None
+    if fn is None:
+        fn = build()
+        if len(entries) >= limit:
+            evicted = next(iter(entries))
+            entries.pop(evicted)
+    entries[key] = fn
+    return fn, evicted
 
 
 def fallback(gm: torch.fx.GraphModule, example_inputs: list[Any], kind: str) -> Callable:

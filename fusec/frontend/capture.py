@@ -108,7 +108,7 @@ def check_decode_step(gm: torch.fx.GraphModule, query_tokens: int = 1) -> None:
     calls += [(a.out, a.query, a.key) for a in eager]
     sizes = getattr(gm, "meta", {}).get(CONCRETE_SIZES) or {}   # a graph specialized to one call's sizes
     n = 0
-    varies: str | None = None   # a batch size that varies, raised after every other check passed
+    varies: BatchSizeVaries | None = None   # raised after every other check passed
     batch_symbols: set[Any] = set()
     for node, query, _ in calls:
         q = _val(query)
@@ -134,7 +134,7 @@ def check_decode_step(gm: torch.fx.GraphModule, query_tokens: int = 1) -> None:
                    f"{query_tokens}) at {node_source(node) or node.name}")
             if len(shape) == 4 and not isinstance(shape[0], int) and isinstance(shape[2], int) \
                     and 1 <= shape[2] <= query_tokens:
-                varies = varies or msg
+                varies = varies or BatchSizeVaries(msg, shape=f"({text})")
                 batch_symbols |= shape[0].node.expr.free_symbols
                 continue
             raise NotDecodeStepError(msg)
@@ -148,7 +148,8 @@ def check_decode_step(gm: torch.fx.GraphModule, query_tokens: int = 1) -> None:
                 f"{node_source(grown) or grown.name}: fusec compiles decode steps over a static KV "
                 "cache; pass a transformers StaticCache (generate(): cache_implementation=\"static\")")
     if varies:
-        raise BatchSizeVaries(varies, frozenset(batch_symbols))
+        varies.symbols = frozenset(batch_symbols)
+        raise varies
 
 
 _VIEW_CALLS = {"view", "reshape", "expand", "contiguous", "transpose", "permute", "to", "clone",

@@ -107,6 +107,14 @@ def mark_symbolic(gm: torch.fx.GraphModule) -> None:
             n.meta[SYMBOL_NAMES_META] = names[i]
 
 
+def replace_input(g: torch.fx.Graph, node: torch.fx.Node, value: int) -> None:
+    """Replace the integer placeholder ``node`` of ``g`` by ``value`` in every use, and erase it."""
+    for user in list(node.users):
+        user.args = torch.fx.node.map_arg(user.args, lambda x: value if x is node else x)
+        user.kwargs = torch.fx.node.map_arg(user.kwargs, lambda x: value if x is node else x)
+    g.erase_node(node)
+
+
 def fix_symbols(gm: torch.fx.GraphModule, args: list[Any], values: dict[Any, int]) -> tuple[torch.fx.GraphModule, list[int]]:
     """``(module, keep)``: ``gm`` with the sizes that depend on the symbols of ``values`` (dynamo's
     symbol -> this call's value; a batch size that varies) made concrete and its other symbolic
@@ -128,12 +136,7 @@ def fix_symbols(gm: torch.fx.GraphModule, args: list[Any], values: dict[Any, int
     for i, (n, c, spec, a) in enumerate(zip(nodes, copies, specs, args)):
         v = n.meta.get("example_value")
         if isinstance(a, int) and not isinstance(a, bool) and (spec != "int" or depends(v)):
-            # an integer input of a fixed value (dynamo specialized it), or a batch size
-            value = int(a)
-            for user in list(c.users):
-                user.args = torch.fx.node.map_arg(user.args, lambda x: value if x is c else x)
-                user.kwargs = torch.fx.node.map_arg(user.kwargs, lambda x: value if x is c else x)
-            drop.append(i)
+            drop.append(i)   # an integer input of a fixed value (dynamo specialized it), or a batch size
             continue
         if isinstance(spec, tuple) and isinstance(v, torch.Tensor):
             spec = tuple(d for d in spec if not depends(v.shape[d])) or None
@@ -143,7 +146,7 @@ def fix_symbols(gm: torch.fx.GraphModule, args: list[Any], values: dict[Any, int
         else:
             c.meta.pop(SYMBOL_NAMES_META, None)
     for i in drop:
-        g.erase_node(copies[i])
+        replace_input(g, copies[i], int(args[i]))
     return torch.fx.GraphModule(gm, g), [i for i in range(len(args)) if i not in set(drop)]
 
 
