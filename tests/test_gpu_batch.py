@@ -96,12 +96,13 @@ def test_a_batch_size_that_varies_runs_a_step_per_size_on_the_gpu():
 
 @pytest.mark.parametrize("batch", [4, 8])
 @pytest.mark.parametrize("factory", [hf_tiny.llama, _published_llama], ids=["tiny", "published"])
-def test_rms_rows_over_the_cta_matches_eager(factory, batch, steps):
-    """The knob ``FUSEC_RMS_ROWS_CTA`` 1 (the batched fused kinds' RMSNorms over the whole CTA):
-    B left-padded prompts, 4 bf16 decode steps against eager, every sequence within 3e-2, no
-    fallback (as test_bf16_batch_step_on_the_tensor_cores_matches_eager with the default)."""
+def test_rms_rows_a_warp_per_row_matches_eager(factory, batch, steps):
+    """The knob ``FUSEC_RMS_ROWS_CTA`` 0 (the batched fused kinds' RMSNorms a warp per row, the
+    path the default takes only where a thread would have more than 4 chunks): B left-padded
+    prompts, 4 bf16 decode steps against eager, every sequence within 3e-2, no fallback (the
+    default, a CTA per row set, is test_bf16_batch_step_on_the_tensor_cores_matches_eager's)."""
     model = factory().to(device="cuda", dtype=torch.bfloat16)
     errs, w, _ = batch_steps_against_eager(model, batch, 700 + batch, n=4, device="cuda",
-                                           options={"defines": {"FUSEC_RMS_ROWS_CTA": 1}})
+                                           options={"defines": {"FUSEC_RMS_ROWS_CTA": 0}})
     assert not w.fallbacks and w.compiled, w.fallbacks
     assert all(e == e for e in errs) and max(errs) < 3e-2, errs

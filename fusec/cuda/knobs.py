@@ -87,12 +87,14 @@ TABLE: tuple[Knob, ...] = (
          "long splits (B = 16 on Llama-3.2-1B: one split of every row per KV head) make several "
          "dependent batches; 4 and 8 measured as 2 at B = 1, 8 and 16 (H100, 2026-12-05, "
          "docs/batch.md)"),
-    Knob("FUSEC_RMS_ROWS_CTA", 0,
+    Knob("FUSEC_RMS_ROWS_CTA", 1,
          "1: a batched fused kind's B RMSNorms (seqs_rows.cu.j2 rms_rows_cta) over the whole CTA "
          "as batch 1's prologue, each thread's x and weight chunks in one round and a block "
-         "reduction per row, where a thread has at most 4 chunks (B = 8 at H = 2048 bf16); 0: a "
-         "warp per row (8 to 16 of 16 warps busy, 3 dependent L2 round trips). Not yet measured: "
-         "the B = 8 prologue is 2.8-3.0 us against batch 1's 0.9-1.3 (docs/batch.md)"),
+         "reduction per row, where a thread has at most 4 chunks (B = 8 at H = 2048 bf16); 0, and "
+         "where a thread would have more: a warp per row (8 to 16 of 16 warps busy, 3 dependent "
+         "L2 round trips). Llama-3.2-1B, one process (H100, 2026-12-05, docs/batch.md): B = 8 "
+         "1.371 -> 1.355 ms, K = 4 1.365 -> 1.319, K = 8 1.489 -> 1.467; B = 1 and B = 16 (8 "
+         "chunks a thread: the warp path) unchanged"),
     Knob("FUSEC_ATTN_BLOCK_ROWS", 512,
          "the most cache rows a split-KV tile scores in one block (shared memory: heads x rows x 4 "
          "bytes); a split of more rows runs block after block, each a dependent round of scores, "
