@@ -14,8 +14,10 @@ weights, an HF ``StaticCache`` of ``--max-cache-len`` rows (default 1024):
   ``docs/batch.md``); K = 1 is timed with default options;
 - ``generate`` (``--generate-batch``, default 4; 0 leaves it out): HF ``generate()`` of a
   ``[B, 32]`` random prompt batch, 128 new tokens, greedy, ``cache_implementation="static"``,
-  ``CompileConfig(backend="fusec")`` against HF's default ``CompileConfig()``
-  (``user_paths.hf_generate``), tokens/s over all sequences;
+  ``CompileConfig(backend="fusec")`` (its greedy search runs as fusec.generate's device loop),
+  the same with the NON-DEFAULT option ``generate_loop="hf"`` (HF's Python loop calling the
+  fusec step per token), and HF's default ``CompileConfig()`` (``user_paths.hf_generate``),
+  tokens/s over all sequences;
 - ``lookup`` (``--lookup``, default 3 7; none: left out): ``fusec.generate`` of a 32-token random
   prompt, ``--gen-tokens`` new tokens, greedy, without EOS, plain and with
   ``prompt_lookup_num_tokens=N`` (each step verifies N drafts: a K = N + 1 step compiled with the
@@ -120,10 +122,11 @@ def run(args) -> dict[str, Any]:
         b = args.generate_batch
         gen = torch.Generator(device=DEVICE).manual_seed(args.seed)
         prompt = torch.randint(1, model.config.vocab_size, (b, 32), device=DEVICE, generator=gen)
-        for name, backend in (("fusec", "fusec"), ("hf_default", None)):
+        for name, backend, opts in (("fusec", "fusec", None), ("fusec, HF's loop", "fusec", {"generate_loop": "hf"}),
+                                    ("hf_default", None, None)):
             row = res["generate"].setdefault(name, {"batch": b})
             with families.recorded(row, "error"):
-                r = user_paths.hf_generate(model, prompt, args.gen_tokens, backend)
+                r = user_paths.hf_generate(model, prompt, args.gen_tokens, backend, opts)
                 row.update(tokens_per_s=r["tokens_per_s"] * b, seconds=r["seconds"], runs_s=r["runs_s"])
             log.info("generate %s: %s", name, row)
         Path(args.out).write_text(json.dumps(res, indent=1))
@@ -200,7 +203,7 @@ def print_table(res: dict[str, Any]) -> None:
               f"{f(r.get('tokens_per_step'), '5.2f')} tokens per step, equals greedy: {r.get('equals_greedy', '-')} "
               f"{r.get('error', '')}")
     for name, r in res["generate"].items():
-        print(f"generate() batch {r['batch']} {name:<10}: {f(r.get('tokens_per_s'), '8.0f')} tokens/s "
+        print(f"generate() batch {r['batch']} {name:<16}: {f(r.get('tokens_per_s'), '8.0f')} tokens/s "
               f"{r.get('error', '')}")
 
 

@@ -77,19 +77,27 @@ def plain_loop(model: torch.nn.Module, max_cache_len: int, steps: int, seed: int
     return {"ms_per_step": sec / steps * 1e3, "steps": steps, "start_position": 37}
 
 
-def hf_generate(model: torch.nn.Module, prompt: torch.Tensor, new: int, backend: str | None) -> dict[str, Any]:
-    """tokens/s of ``model.generate`` with a static cache and ``CompileConfig(backend=...)``
-    (None: HF's default CompileConfig)."""
+def hf_generate(model: torch.nn.Module, prompt: torch.Tensor, new: int, backend: str | None,
+                options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """tokens/s of greedy ``model.generate`` with a static cache and ``CompileConfig(backend=...,
+    options=options)`` (None: HF's default CompileConfig), ``new`` tokens per call: the model's
+    eos id is unset during the calls (restored after), so no call stops early. (Before 2026-12-05
+    the calls passed ``min_new_tokens=new`` instead, a logits processor, which keeps HF's loop
+    rather than fusec's device loop: docs/measurements.md.)"""
     from transformers.generation import CompileConfig
 
     from fusec.fallbacks import FallbackWatch
-    cc = CompileConfig() if backend is None else CompileConfig(backend=backend)
-    kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, cache_implementation="static",
-              compile_config=cc, pad_token_id=0)
+    cc = CompileConfig() if backend is None else CompileConfig(backend=backend, options=options)
+    kw = dict(max_new_tokens=new, do_sample=False, cache_implementation="static", compile_config=cc, pad_token_id=0)
+    eos = model.generation_config.eos_token_id
+    model.generation_config.eos_token_id = None
     torch._dynamo.reset()
-    with FallbackWatch() as w:
-        model.generate(prompt, **kw)                       # compile + warm-up
-        out, sec, runs = _median_timed(lambda: model.generate(prompt, **kw))
+    try:
+        with FallbackWatch() as w:
+            model.generate(prompt, **kw)                       # compile + warm-up
+            out, sec, runs = _median_timed(lambda: model.generate(prompt, **kw))
+    finally:
+        model.generation_config.eos_token_id = eos
     torch._dynamo.reset()
     if backend == "fusec" and w.fallbacks:
         raise RuntimeError(f"fusec fell back: {w.fallbacks[0]}")

@@ -24,6 +24,7 @@ from fusec.errors import FusecError
 TARGETS = ("sim", "cuda")
 FALLBACKS = ("inductor", "eager")
 ATTENTION_MERGES = ("last_tile", "reduce")
+GENERATE_LOOPS = ("device", "hf")
 #: option -> the environment variable that gives its default (module docstring)
 ENV_VARS = {"dump_dir": "FUSEC_DUMP", "num_sms": "FUSEC_NUM_SMS", "fallback": "FUSEC_FALLBACK",
             "max_fusions": "FUSEC_MAX_FUSIONS", "attention_merge": "FUSEC_ATTENTION_MERGE",
@@ -121,6 +122,7 @@ _RULES = {
     "max_cache_len": _int(1, MAX_CACHE_LEN, none=True),
     "position_rows": _int(1, MAX_CACHE_LEN, none=True),
     "query_tokens": _int(1, MAX_QUERY_TOKENS),
+    "generate_loop": _choice(GENERATE_LOOPS),
 }
 
 
@@ -240,6 +242,11 @@ class Options:
             tiles, but RoPE and the KV writes stay generic (not yet timed on the GPU), and a short
             prefill through the compiled model (which has the same graph) is a prefill, which
             the fallback backend runs better; with 1 it falls back as before.
+        generate_loop: HF ``generate()`` with a fusec ``CompileConfig`` (its ``options``): "device"
+            runs greedy search without logits processors as :func:`fusec.generate`'s device loop
+            (:mod:`fusec.frontend.hf_device_loop`: no host work per token); "hf" keeps
+            transformers' Python loop, which calls the compiled step once per token. Other
+            calls (sampling, logits processors, ...) take HF's loop either way.
     """
 
     target: str | None = _opt(None)
@@ -266,6 +273,7 @@ class Options:
     max_cache_len: int | None = _opt(None)   # the IR's capacity: in the captured graph's key already
     position_rows: int | None = _opt(None, lowering=lambda v: v)
     query_tokens: int = _opt(1)   # which graphs capture accepts: in the captured graph's key already
+    generate_loop: str = _opt("device")   # HF generate()'s loop, not the step
 
     @property
     def graph_launch(self) -> bool:

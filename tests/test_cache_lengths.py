@@ -423,7 +423,8 @@ def test_precompiled_paths_pass_gqa_to_sdpa_and_equal_eager(factory, tmp_path, m
     grouped-query K and V (fusec.frontend.hf_sdpa: no repeat_kv, whose symbolic-size ops were
     half of the symbolic trace's time): the captured graph has no K/V expand, the step has the
     same fused kinds, and the tokens equal HF's eager greedy generate() over several lengths,
-    with generate()'s 4-D mask too."""
+    with generate()'s 4-D mask too (its own loop, ``generate_loop="hf"``: by default generate()
+    runs fusec.generate's step)."""
     import fusec
     monkeypatch.setenv("FUSEC_CACHE_DIR", str(tmp_path))
     model = factory()   # 4 query heads, 2 KV heads
@@ -438,7 +439,8 @@ def test_precompiled_paths_pass_gqa_to_sdpa_and_equal_eager(factory, tmp_path, m
             out = fusec.generate(model, prompt, max_new_tokens=new, eos_token_id=[], options=opts)
             assert torch.equal(out, ref), ("fusec.generate", plen)
             out = model.generate(prompt, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                                 cache_implementation="static", compile_config=_cc(mode=None, options=opts))
+                                 cache_implementation="static",
+                                 compile_config=_cc(mode=None, options={**opts, "generate_loop": "hf"}))
             assert torch.equal(out, ref), ("HF generate", plen)
     assert not w.fallbacks, w.fallbacks
     assert len(steps) == 2, [s.graph.lengths for s in steps]   # one per path, every length

@@ -10,23 +10,53 @@ from fusec.fallbacks import FallbackWatch
 pytestmark = pytest.mark.gpu
 
 
+@pytest.mark.parametrize("loop", ["device", "hf"])
 @pytest.mark.parametrize("factory", [hf_tiny.llama, hf_tiny.qwen3])
-def test_hf_generate_through_fusec_equals_eager(factory):
+def test_hf_generate_through_fusec_equals_eager(factory, loop):
     """generate(..., cache_implementation="static", compile_config=CompileConfig(backend="fusec"))
-    with HF's defaults (mode="reduce-overhead"): 32 greedy tokens equal eager's (fp32), and the
-    decode step runs as one megakernel (no fallback)."""
+    with HF's defaults (mode="reduce-overhead"): 40 greedy tokens equal eager's (fp32), and the
+    decode step runs as one megakernel (no fallback): by default as fusec.generate's device loop
+    (chunks of 16 steps replayed from a CUDA graph), with ``generate_loop="hf"`` through HF's loop."""
     from transformers.generation import CompileConfig
     model = factory().cuda()
     model.generation_config.pad_token_id = 0
     prompt = torch.randint(1, model.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(4)).cuda()
-    ref = model.generate(prompt, max_new_tokens=32, do_sample=False, cache_implementation="static")
+    ref = model.generate(prompt, max_new_tokens=40, do_sample=False, cache_implementation="static")
+    torch._dynamo.reset()
+    cc = CompileConfig(backend="fusec", options=None if loop == "device" else {"generate_loop": "hf"})
+    with FallbackWatch() as w:
+        out = model.generate(prompt, max_new_tokens=40, do_sample=False, cache_implementation="static",
+                             compile_config=cc)
+    torch._dynamo.reset()
+    assert not w.fallbacks and w.compiled, w.fallbacks
+    assert torch.equal(out, ref)
+    assert ("_compiled_call" in model.__dict__) == (loop == "hf")
+
+
+def test_hf_generate_of_a_padded_batch_through_the_device_loop_equals_eager():
+    """Four left-padded prompts, eos ids the greedy text meets, 40 new tokens (fp32): HF generate()
+    through fusec (the device loop, its CUDA-graph chunks) equals eager generate() token for token."""
+    from transformers.generation import CompileConfig
+    model = hf_tiny.llama().cuda()
+    model.generation_config.pad_token_id = 0
+    gen = torch.Generator().manual_seed(5)
+    prompt = torch.randint(1, 128, (4, 9), generator=gen).cuda()
+    mask = torch.ones(4, 9, dtype=torch.long, device="cuda")
+    mask[1, :4] = mask[3, :2] = 0
+    free = model.generate(prompt, attention_mask=mask, max_new_tokens=40, do_sample=False,
+                          cache_implementation="static", eos_token_id=[])
+    eos = [int(free[0, 9 + 20]), int(free[2, 9 + 30])]
+    ref = model.generate(prompt, attention_mask=mask, max_new_tokens=40, do_sample=False,
+                         cache_implementation="static", eos_token_id=eos)
     torch._dynamo.reset()
     with FallbackWatch() as w:
-        out = model.generate(prompt, max_new_tokens=32, do_sample=False, cache_implementation="static",
+        out = model.generate(prompt, attention_mask=mask, max_new_tokens=40, do_sample=False,
+                             cache_implementation="static", eos_token_id=eos,
                              compile_config=CompileConfig(backend="fusec"))
     torch._dynamo.reset()
-    assert not w.fallbacks, w.fallbacks
+    assert not w.fallbacks and w.compiled, w.fallbacks
     assert torch.equal(out, ref)
+    assert "_compiled_call" not in model.__dict__
 
 
 def test_hf_generate_sampling_runs_on_fusec():

@@ -19,36 +19,46 @@ def _compile_config(**kw):
     return cc
 
 
-def _fast_kinds(step: CompiledStep) -> dict[str, int]:
+def _fast_kinds(step: CompiledStep, generic: tuple[str, ...] = ("aten.copy_.default",)) -> dict[str, int]:
     kinds = step.schedule.graph.count_kinds()
     leftovers = {k for k in kinds if k.startswith(("aten.", "fusec.")) or k in ("linear", "rmsnorm", "rope")}
-    assert leftovers <= {"aten.copy_.default"}, leftovers
+    assert leftovers <= set(generic), leftovers
     return kinds
 
 
+@pytest.mark.parametrize("loop", ["device", "hf"])
 @pytest.mark.parametrize("factory", [hf_tiny.llama, hf_tiny.qwen3])
-def test_generate_greedy_equals_eager(factory, steps):
+def test_generate_greedy_equals_eager(factory, loop, steps, caplog):
     """generate(..., cache_implementation="static", compile_config=CompileConfig(backend="fusec"))
-    with HF's defaults: 32 greedy tokens equal eager's; the decode step is one fused schedule
-    whose attention reads generate()'s 4-D mask; a pad_token_id is set, as checkpoints do."""
+    with HF's defaults: 32 greedy tokens equal eager's, through one fused schedule. By default
+    (``generate_loop`` "device") fusec.generate's device loop runs them: its step, whose LM head
+    takes the argmax, runs 31 times (the prefill is eager) and HF's decode call is never made;
+    with ``generate_loop="hf"`` HF's loop calls the step 31 times and its attention reads
+    generate()'s 4-D mask. A pad_token_id is set, as checkpoints do."""
     model = factory()
     model.generation_config.pad_token_id = 0
     model.config.pad_token_id = 0
     prompt = torch.randint(1, model.config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(1))
     ref = model.generate(prompt, max_new_tokens=32, do_sample=False, cache_implementation="static")
     torch._dynamo.reset()
-    with FallbackWatch() as w:
+    cc = _compile_config(**({} if loop == "device" else {"options": {"generate_loop": "hf"}}))
+    with FallbackWatch() as w, caplog.at_level("INFO", logger="fusec"):
         out = model.generate(prompt, max_new_tokens=32, do_sample=False, cache_implementation="static",
-                             compile_config=_compile_config())
+                             compile_config=cc)
     torch._dynamo.reset()
     assert not w.fallbacks, w.fallbacks
     assert torch.equal(out, ref)
     (step,) = steps
     assert step.calls == 31 and not step.fallen_back
-    kinds = _fast_kinds(step)
+    # the device loop's step also writes its token back into its input (fusec.generate's DecodeStep)
+    kinds = _fast_kinds(step, ("aten.copy_.default",) + (("aten.copy.default",) if loop == "device" else ()))
     assert kinds["rms_qkv_rope"] == kinds["attention_partial"] == model.config.num_hidden_layers
-    att = [o for o in step.schedule.graph.ops if o.kind == "attention_partial"]
-    assert all(o.attrs["mask_kind"] == 1 and "mask" in o.inputs for o in att)
+    ran = [r.getMessage() for r in caplog.records if "fusec.generate: 32 new tokens" in r.getMessage()]
+    assert len(ran) == (loop == "device"), ran
+    assert ("_compiled_call" in model.__dict__) == (loop == "hf")
+    if loop == "hf":
+        att = [o for o in step.schedule.graph.ops if o.kind == "attention_partial"]
+        assert all(o.attrs["mask_kind"] == 1 and "mask" in o.inputs for o in att)
 
 
 def test_generate_sampling_through_hf_logits_processors():
@@ -146,15 +156,15 @@ def test_dynamic_cache_says_what_to_change():
 
 
 def test_generate_decode_kernel_compiles_with_nvrtc(steps):
-    """The generate() decode step (attention with generate()'s bool mask) renders and compiles
-    for sm_90a."""
+    """The decode step of generate()'s own loop (``generate_loop="hf"``: attention with
+    generate()'s bool mask) renders and compiles for sm_90a."""
     from fusec.cuda.codegen import render
     from fusec.cuda.jit import compile_cuda
     model = hf_tiny.llama()
     model.generation_config.pad_token_id = 0
     torch._dynamo.reset()
     model.generate(torch.randint(1, 128, (1, 4)), max_new_tokens=3, do_sample=False,
-                   cache_implementation="static", compile_config=_compile_config())
+                   cache_implementation="static", compile_config=_compile_config(options={"generate_loop": "hf"}))
     torch._dynamo.reset()
     (step,) = steps
     plan = render(step.schedule)
@@ -244,12 +254,12 @@ def test_generate_hook_takes_only_fusec_configs_with_dynamic_unset():
 
 def test_generate_on_a_sliding_window_cache_keeps_hfs_compiled_call(steps):
     """A cache with sliding-window layers (their positions counted in Python) cannot have a
-    symbolic length: generate()'s decode call goes through HF's own compiled call, and the tokens
+    symbolic length: generate()'s own loop (``generate_loop="hf"``) calls HF's own compiled call, and the tokens
     still equal eager's with no fallback."""
     model = hf_tiny.gemma2(window=8)
     model.generation_config.pad_token_id = 0
     prompt = torch.randint(1, 128, (1, 5), generator=torch.Generator().manual_seed(3))
-    cc = _compile_config(mode=None, options={"num_sms": 16})
+    cc = _compile_config(mode=None, options={"num_sms": 16, "generate_loop": "hf"})
     ref = model.generate(prompt, max_new_tokens=6, do_sample=False, cache_implementation="static")
     with FallbackWatch() as w:
         out = model.generate(prompt, max_new_tokens=6, do_sample=False, cache_implementation="static",

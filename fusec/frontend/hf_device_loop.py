@@ -1,0 +1,198 @@
+"""HF ``generate()``'s greedy search through fusec as :func:`fusec.generate`'s device loop.
+
+With ``compile_config=CompileConfig(backend="fusec")`` transformers runs generate()'s decode loop
+in Python: per new token ``prepare_inputs_for_generation``, the compiled decode call, the logits
+processors, the argmax, the stopping criteria and a ``torch.cat`` of the tokens so far. That host
+work took 2.8 ms per token on the H200 machine against a 0.87 ms step (docs/measurements.md: HF
+generate() through fusec 359 tokens/s, :func:`fusec.generate` 1013), so the GPU waited on Python.
+
+:func:`install` wraps ``GenerationMixin._sample``, the decoding method transformers picks for
+greedy search and sampling (transformers 5.x ``GENERATION_MODES_MAPPING``). A call that
+:func:`refusal` accepts runs :func:`fusec.generate` instead of the loop: the prefill, then every
+token a fusec step that selects the next token on the device, the steps replayed from a CUDA
+graph in chunks, the host told the tokens one chunk behind (no sync per token). Its tokens are
+greedy search's, with HF's end-of-sequence handling (``tests/test_generate_batch.py`` and this
+module's tests compare them with eager generate() token for token). What it takes is what
+fusec.generate does the same as HF's loop for: greedy search (sampling keeps HF's loop, whose
+``torch.multinomial`` draws the same tokens as eager generate() for the same seed; fusec.generate
+samples by Gumbel-max), no logits processor, stopping at ``max_length`` and the eos ids only, the
+tokens returned as a tensor, 1 to 16 prompts with generate()'s own mask and positions, a cache
+generate() made itself (one the caller passed must be filled: HF's loop does that). Anything else,
+or the option ``generate_loop="hf"``, runs HF's loop, which calls the compiled step per token
+(:class:`fusec.frontend.hf_generate.HFDecodeCall`); why is logged once per model and reason.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+import torch
+
+log = logging.getLogger("fusec")
+
+#: generate()'s model keyword arguments the device loop takes (the values generate() makes:
+#: checked in :func:`refusal`); any other (``inputs_embeds``, ``token_type_ids``, a vision
+#: model's pixels, ...) keeps HF's loop
+MODEL_KWARGS = frozenset({"attention_mask", "position_ids", "logits_to_keep", "past_key_values", "use_cache",
+                          "cache_position", "output_attentions", "output_hidden_states", "return_dict"})
+
+
+class _AfterPrompt:
+    """A streamer that forwards everything but the first ``put`` (generate() put the prompt
+    before its decoding method; :func:`fusec.generate` puts it again), and records whether it
+    forwarded a token."""
+
+    def __init__(self, streamer: Any):
+        self.streamer, self.seen_prompt, self.put_any = streamer, False, False
+
+    def put(self, value: Any) -> None:
+        if not self.seen_prompt:
+            self.seen_prompt = True
+            return
+        self.put_any = True
+        self.streamer.put(value)
+
+    def end(self) -> None:
+        self.streamer.end()
+
+
+def _compile_options(generation_config: Any) -> dict[str, Any] | None:
+    """fusec's options from generate()'s ``compile_config`` (None: not a fusec config)."""
+    from fusec.frontend.hf_generate import is_fusec_backend
+    cc = getattr(generation_config, "compile_config", None)
+    if cc is None or not is_fusec_backend(getattr(cc, "backend", None)):
+        return None
+    return dict(cc.options or {})
+
+
+def refusal(model: Any, input_ids: torch.Tensor, logits_processor: Any, stopping_criteria: Any,
+            generation_config: Any, synced_gpus: bool, streamer: Any, model_kwargs: dict[str, Any]) -> str | None:
+    """Why this ``_sample`` call keeps HF's loop, or None when :func:`fusec.generate` runs it.
+
+    Args: ``GenerationMixin._sample``'s (``input_ids`` int64 ``[B, T]``, the prepared
+    ``LogitsProcessorList`` and ``StoppingCriteriaList``, the merged ``GenerationConfig``,
+    ``model_kwargs`` as generate() made them). Reads the mask and positions (one host sync)."""
+    from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+
+    from fusec.generation.arguments import MAX_BATCH
+    from fusec.generation.batch import positions
+    if generation_config.compile_config.dynamic is not None:
+        return "CompileConfig(dynamic=...) set (HF's compiled call, as asked)"
+    if generation_config.do_sample:
+        return "sampling (HF's loop draws eager generate()'s tokens for the same seed)"
+    if len(logits_processor):
+        return "logits processors " + ", ".join(sorted({type(p).__name__ for p in logits_processor}))
+    kinds = {type(c) for c in stopping_criteria}
+    if not kinds <= {MaxLengthCriteria, EosTokenCriteria} or MaxLengthCriteria not in kinds:
+        return "stopping criteria " + ", ".join(sorted(k.__name__ for k in kinds))
+    if generation_config.return_dict_in_generate:
+        return "return_dict_in_generate"
+    if synced_gpus or getattr(generation_config, "is_assistant", False) or model.config.is_encoder_decoder:
+        return "synced GPUs, an assistant model or an encoder-decoder model"
+    other = sorted(set(model_kwargs) - MODEL_KWARGS)
+    if other:
+        return "model arguments " + ", ".join(other)
+    if model_kwargs.get("output_attentions") or model_kwargs.get("output_hidden_states") \
+            or model_kwargs.get("return_dict") is False:
+        return "output_attentions, output_hidden_states or return_dict=False"
+    if not model._valid_auto_compile_criteria(model_kwargs, generation_config):
+        return "generate() would not compile this call (no static cache, or compilation disabled)"
+    if getattr(model_kwargs.get("past_key_values"), "_is_user_defined", False):
+        return "a cache the caller passed (generate() must fill it)"
+    rows, length = input_ids.shape
+    if not 1 <= rows <= MAX_BATCH:
+        return f"a batch of {rows} sequences (at most {MAX_BATCH})"
+    if _max_new_tokens(stopping_criteria, length) < 1:
+        return "no new token to generate"
+    if model_kwargs.get("cache_position") is not None:
+        return "cache_position"
+    mask = model_kwargs.get("attention_mask")
+    if mask is not None and mask.shape != input_ids.shape:
+        return f"an attention mask of shape {tuple(mask.shape)} for input_ids {tuple(input_ids.shape)}"
+    pos = model_kwargs.get("position_ids")
+    if pos is not None:
+        made = positions(mask.long()) if mask is not None else torch.arange(length, device=pos.device).expand(rows, -1)
+        if pos.shape != made.shape or not torch.equal(pos.to(made.device), made):
+            return "position_ids other than generate()'s own"
+    return None
+
+
+def _max_new_tokens(stopping_criteria: Any, prompt_len: int) -> int:
+    from transformers.generation.stopping_criteria import MaxLengthCriteria
+    return min(c.max_length for c in stopping_criteria if isinstance(c, MaxLengthCriteria)) - prompt_len
+
+
+def _eos(stopping_criteria: Any) -> list[int]:
+    from transformers.generation.stopping_criteria import EosTokenCriteria
+    ids: list[int] = []
+    for c in stopping_criteria:
+        if isinstance(c, EosTokenCriteria):
+            ids += torch.as_tensor(c.eos_token_id).flatten().tolist()
+    return ids
+
+
+def _tell(model: Any, why: str) -> None:
+    """One info line per model and reason."""
+    told = model.__dict__.setdefault("_fusec_loop_told", set())
+    if why not in told:
+        told.add(why)
+        log.info("fusec: generate() runs HF's decode loop, the fusec step called per token (%s); greedy "
+                 "search without logits processors runs as fusec.generate's device loop", why)
+
+
+def run(model: Any, input_ids: torch.Tensor, stopping_criteria: Any, generation_config: Any, streamer: Any,
+        model_kwargs: dict[str, Any], options: dict[str, Any]) -> torch.Tensor | None:
+    """The tokens of greedy search (int64 ``[B, T + n]``, as ``_sample`` returns them) by
+    :func:`fusec.generate`, or None when it refused the call before any token was streamed (a
+    ``FusecError``: one log line, HF's loop runs)."""
+    import fusec
+    from fusec.errors import FusecError
+    pad = generation_config._pad_token_tensor
+    wrapped = _AfterPrompt(streamer) if streamer is not None else None
+    mask = model_kwargs.get("attention_mask")
+    try:
+        return fusec.generate(model, input_ids, _max_new_tokens(stopping_criteria, input_ids.shape[1]),
+                              attention_mask=mask, eos_token_id=_eos(stopping_criteria),
+                              pad_token_id=None if pad is None else int(pad), streamer=wrapped,
+                              options={k: v for k, v in options.items() if k not in ("generate_loop", "mode")})
+    except FusecError as e:
+        if wrapped is not None and wrapped.put_any:
+            raise
+        _tell(model, f"fusec.generate refused it: {str(e).splitlines()[0]}")
+        return None
+
+
+@functools.cache   # once per process
+def install() -> None:
+    """Wrap ``transformers.generation.utils.GenerationMixin._sample`` (idempotent; a no-op without
+    transformers): a greedy call with a fusec ``compile_config`` that :func:`refusal` accepts
+    runs :func:`run`; every other call is HF's."""
+    try:
+        from transformers.generation.utils import GenerationMixin
+    except Exception:   # noqa: BLE001 - no transformers (or a broken one): nothing to wrap
+        return
+    original = GenerationMixin._sample
+    if getattr(original, "_fusec", False):
+        return
+
+    @functools.wraps(original)
+    def _sample(self: Any, input_ids: torch.Tensor, logits_processor: Any, stopping_criteria: Any,
+                generation_config: Any, synced_gpus: bool = False, streamer: Any = None, **model_kwargs: Any) -> Any:
+        options = _compile_options(generation_config)
+        if options is not None:
+            from fusec.config import Options
+            why = "the option generate_loop='hf'" if Options.from_dict(options).generate_loop == "hf" else \
+                refusal(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus,
+                        streamer, model_kwargs)
+            if why is None:
+                out = run(self, input_ids, stopping_criteria, generation_config, streamer, model_kwargs, options)
+                if out is not None:
+                    return out
+            else:
+                _tell(self, why)
+        return original(self, input_ids, logits_processor, stopping_criteria, generation_config,
+                        synced_gpus=synced_gpus, streamer=streamer, **model_kwargs)
+
+    _sample._fusec = True   # type: ignore[attr-defined]
+    GenerationMixin._sample = _sample

@@ -1,0 +1,140 @@
+"""HF generate() with a fusec CompileConfig runs greedy search as fusec.generate's device loop
+(fusec/frontend/hf_device_loop.py), on the CPU simulator: the tokens equal eager generate()'s for
+batches with padding and eos ids, a streamer gets what eager's gets, and every call the device loop
+does not take (sampling, logits processors, a cache the caller passed, ...) runs HF's loop with
+one log line saying why, its tokens equal too."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_tiny
+from fusec.errors import FusecError
+from fusec.fallbacks import FallbackWatch
+
+RAN = "fusec.generate: "   # the device loop's own info line (fusec.generate's summary)
+
+
+def _cc(**options):
+    from transformers.generation import CompileConfig
+    cc = CompileConfig(backend="fusec", options=options or None)
+    cc._compile_all_devices = True   # HF compiles on CUDA only unless told (this machine has no GPU)
+    return cc
+
+
+def _model():
+    m = hf_tiny.llama()
+    m.generation_config.pad_token_id = 0
+    return m
+
+
+def _generate(model, prompt, caplog, **kw):
+    """(tokens, fusec's log lines, the watch) of generate(**kw) through fusec; kw also goes to the
+    eager reference, whose tokens the result must equal."""
+    ref = model.generate(prompt, cache_implementation="static", **kw)
+    torch._dynamo.reset()
+    caplog.clear()
+    with FallbackWatch() as w, caplog.at_level("INFO", logger="fusec"):
+        out = model.generate(prompt, cache_implementation="static", compile_config=_cc(), **kw)
+    torch._dynamo.reset()
+    assert torch.equal(out, ref), (out.tolist(), ref.tolist())
+    assert not w.fallbacks, w.fallbacks
+    return out, [r.getMessage() for r in caplog.records], w
+
+
+def test_a_left_padded_batch_with_eos_ids_equals_eager(caplog):
+    """Three prompts, left-padded, two eos ids that the greedy text meets: the device loop's tokens
+    (pad after each sequence's first eos, generation stopping once all met one) equal eager's."""
+    model = _model()
+    gen = torch.Generator().manual_seed(4)
+    prompt = torch.randint(1, 128, (3, 7), generator=gen)
+    mask = torch.ones(3, 7, dtype=torch.long)
+    mask[0, :3] = mask[2, :1] = 0
+    free = model.generate(prompt, attention_mask=mask, max_new_tokens=24, do_sample=False,
+                          cache_implementation="static", eos_token_id=[])
+    eos = [int(free[0, 7 + 5]), int(free[1, 7 + 9])]   # tokens greedy search produces: it stops
+    out, lines, w = _generate(model, prompt, caplog, attention_mask=mask, max_new_tokens=24, do_sample=False,
+                              eos_token_id=eos)
+    assert any(line.startswith(RAN) for line in lines), lines
+    assert w.compiled and "_compiled_call" not in model.__dict__   # HF's decode call never made
+    assert (out[:, 7:] == 0).any() or out.shape[1] < 7 + 24   # some sequence finished
+
+
+def test_a_streamer_gets_what_eager_generates(caplog):
+    """B = 1 with a streamer: the prompt once (generate() puts it), then every new token, as the
+    streamer of eager generate() gets them."""
+    class Streamer:
+        def __init__(self):
+            self.got, self.ended = [], 0
+
+        def put(self, t):
+            self.got.append(t.reshape(-1).tolist())
+
+        def end(self):
+            self.ended += 1
+
+    model = _model()
+    prompt = torch.randint(1, 128, (1, 5), generator=torch.Generator().manual_seed(6))
+    ref_s, s = Streamer(), Streamer()
+    ref = model.generate(prompt, max_new_tokens=20, do_sample=False, cache_implementation="static", streamer=ref_s)
+    torch._dynamo.reset()
+    with FallbackWatch() as w, caplog.at_level("INFO", logger="fusec"):
+        out = model.generate(prompt, max_new_tokens=20, do_sample=False, cache_implementation="static",
+                             compile_config=_cc(), streamer=s)
+    torch._dynamo.reset()
+    assert torch.equal(out, ref) and not w.fallbacks, w.fallbacks
+    assert any(r.getMessage().startswith(RAN) for r in caplog.records)
+    assert s.got[0] == prompt[0].tolist() == ref_s.got[0] and s.ended == ref_s.ended == 1
+    assert sum(s.got[1:], []) == sum(ref_s.got[1:], [])
+
+
+@pytest.mark.parametrize("kw,why", [
+    (dict(do_sample=True, top_k=5), "sampling"),
+    (dict(do_sample=False, repetition_penalty=1.3), "logits processors RepetitionPenaltyLogitsProcessor"),
+    (dict(do_sample=False, return_dict_in_generate=True), "return_dict_in_generate"),
+    (dict(do_sample=False, stop_strings=None, max_time=100.0), "stopping criteria"),
+], ids=["sampling", "processor", "dict", "max_time"])
+def test_calls_the_device_loop_does_not_take_run_hfs_loop(kw, why, caplog):
+    """Each runs HF's loop, which calls the fusec step per token: one line names why, the tokens
+    equal eager generate()'s (sampling: the same seed draws the same tokens)."""
+    model = _model()
+    prompt = torch.randint(1, 128, (1, 4), generator=torch.Generator().manual_seed(8))
+    torch.manual_seed(3)
+    ref = model.generate(prompt, max_new_tokens=8, cache_implementation="static", **kw)
+    torch._dynamo.reset()
+    torch.manual_seed(3)
+    with FallbackWatch() as w, caplog.at_level("INFO", logger="fusec"):
+        out = model.generate(prompt, max_new_tokens=8, cache_implementation="static", compile_config=_cc(), **kw)
+    torch._dynamo.reset()
+    lines = [r.getMessage() for r in caplog.records]
+    seqs = (out.sequences, ref.sequences) if kw.get("return_dict_in_generate") else (out, ref)
+    assert torch.equal(*seqs)
+    assert not w.fallbacks and w.compiled, w.fallbacks
+    assert any("runs HF's decode loop" in line and why in line for line in lines), lines
+    assert not any(line.startswith(RAN) for line in lines), lines
+
+
+def test_a_cache_the_caller_passes_is_filled_by_hfs_loop(caplog):
+    """A StaticCache passed as past_key_values outlives generate(): HF's loop fills it, as eager's."""
+    from transformers import StaticCache
+    model = _model()
+    prompt = torch.randint(1, 128, (1, 4), generator=torch.Generator().manual_seed(9))
+    caches = [StaticCache(config=model.config, max_cache_len=32) for _ in range(2)]
+    ref = model.generate(prompt, max_new_tokens=6, do_sample=False, past_key_values=caches[0])
+    torch._dynamo.reset()
+    with caplog.at_level("INFO", logger="fusec"):
+        out = model.generate(prompt, max_new_tokens=6, do_sample=False, past_key_values=caches[1],
+                             compile_config=_cc())
+    torch._dynamo.reset()
+    assert torch.equal(out, ref)
+    assert any("a cache the caller passed" in r.getMessage() for r in caplog.records)
+    for a, b in zip(caches[0].layers, caches[1].layers):
+        assert torch.allclose(a.keys, b.keys, atol=1e-4) and torch.allclose(a.values, b.values, atol=1e-4)
+    assert int(caches[1].layers[0].cumulative_length) == int(caches[0].layers[0].cumulative_length) > 0
+
+
+def test_the_option_generate_loop_is_checked():
+    from fusec.config import Options
+    assert Options.from_dict({}).generate_loop == "device"
+    with pytest.raises(FusecError, match="generate_loop"):
+        Options.from_dict({"generate_loop": "python"})
