@@ -138,3 +138,38 @@ def test_the_option_generate_loop_is_checked():
     assert Options.from_dict({}).generate_loop == "device"
     with pytest.raises(FusecError, match="generate_loop"):
         Options.from_dict({"generate_loop": "python"})
+
+
+@pytest.mark.parametrize("cache", ["static", None], ids=["static", "dynamic"])
+def test_prompt_lookup_through_generate_runs_fusecs_k_token_steps(cache, caplog):
+    """generate(prompt_lookup_num_tokens=3, compile_config=fusec): HF's assisted decoding refuses a
+    static cache and runs its plain forward on a dynamic one; through fusec it is fusec.generate's
+    prompt lookup (steps of 4 query tokens, drafts accepted on the device) on either, and its
+    tokens equal eager greedy search's."""
+    import fusec
+    model = _model()
+    prompt = torch.randint(1, 128, (1, 10), generator=torch.Generator().manual_seed(0))
+    ref = model.generate(prompt, max_new_tokens=24, do_sample=False, cache_implementation="static")
+    torch._dynamo.reset()
+    with FallbackWatch() as w, caplog.at_level("INFO", logger="fusec"):
+        out = model.generate(prompt, max_new_tokens=24, do_sample=False, prompt_lookup_num_tokens=3,
+                             cache_implementation=cache, compile_config=_cc())
+    torch._dynamo.reset()
+    assert torch.equal(out, ref) and not w.fallbacks and w.compiled, w.fallbacks
+    assert any("prompt-lookup steps of K = 4" in r.getMessage() for r in caplog.records)
+    stats = fusec.prompt_lookup.last_stats
+    assert stats["tokens"] == 24 and stats["accepted"] > 0 and stats["steps"] < 24, stats
+
+
+def test_prompt_lookup_with_another_ngram_size_runs_hfs_assisted_decoding(caplog):
+    """max_matching_ngram_size=3 (fusec drafts from 2-grams): HF's own assisted decoding runs (its
+    dynamic cache, its plain forward), one line says why, the tokens equal greedy search's."""
+    model = _model()
+    prompt = torch.randint(1, 128, (1, 10), generator=torch.Generator().manual_seed(0))
+    ref = model.generate(prompt, max_new_tokens=12, do_sample=False, cache_implementation="static")
+    with caplog.at_level("INFO", logger="fusec"):
+        out = model.generate(prompt, max_new_tokens=12, do_sample=False, prompt_lookup_num_tokens=3,
+                             max_matching_ngram_size=3, compile_config=_cc())
+    assert torch.equal(out, ref)
+    assert any("prompt lookup: max_matching_ngram_size=3" in r.getMessage() for r in caplog.records)
+    assert not any("prompt-lookup steps" in r.getMessage() for r in caplog.records)

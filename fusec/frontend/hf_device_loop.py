@@ -20,6 +20,12 @@ tokens returned as a tensor, 1 to 16 prompts with generate()'s own mask and posi
 generate() made itself (one the caller passed must be filled: HF's loop does that). Anything else,
 or the option ``generate_loop="hf"``, runs HF's loop, which calls the compiled step per token
 (:class:`fusec.frontend.hf_generate.HFDecodeCall`); why is logged once per model and reason.
+
+Prompt lookup (``generate(prompt_lookup_num_tokens=N)``) takes ``_assisted_decoding``, which
+refuses a static cache and calls the plain forward on a dynamic one: with a fusec
+``compile_config`` it runs as :func:`fusec.generate`'s prompt lookup (steps of N + 1 query tokens,
+drafts accepted on the device) for one prompt without padding, greedy, transformers' default
+2-gram matching; its tokens are greedy search's.
 """
 from __future__ import annotations
 
@@ -67,12 +73,18 @@ def _compile_options(generation_config: Any) -> dict[str, Any] | None:
 
 
 def refusal(model: Any, input_ids: torch.Tensor, logits_processor: Any, stopping_criteria: Any,
-            generation_config: Any, synced_gpus: bool, streamer: Any, model_kwargs: dict[str, Any]) -> str | None:
-    """Why this ``_sample`` call keeps HF's loop, or None when :func:`fusec.generate` runs it.
+            generation_config: Any, synced_gpus: bool, streamer: Any, model_kwargs: dict[str, Any],
+            lookup: bool = False) -> str | None:
+    """Why this ``_sample`` call (``lookup``: this ``_assisted_decoding`` call) keeps HF's loop,
+    or None when :func:`fusec.generate` runs it.
 
     Args: ``GenerationMixin._sample``'s (``input_ids`` int64 ``[B, T]``, the prepared
     ``LogitsProcessorList`` and ``StoppingCriteriaList``, the merged ``GenerationConfig``,
-    ``model_kwargs`` as generate() made them). Reads the mask and positions (one host sync)."""
+    ``model_kwargs`` as generate() made them). Reads the mask and positions (one host sync).
+    ``lookup``: prompt lookup (``prompt_lookup_num_tokens``), which fusec.generate takes for one
+    prompt without padding, greedy, with transformers' default n-gram size; HF's own assisted
+    decoding needs a dynamic cache and runs the plain forward, so here any cache generate() made
+    will do (fusec.generate makes its own static one)."""
     from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
     from fusec.generation.arguments import MAX_BATCH
@@ -96,13 +108,20 @@ def refusal(model: Any, input_ids: torch.Tensor, logits_processor: Any, stopping
     if model_kwargs.get("output_attentions") or model_kwargs.get("output_hidden_states") \
             or model_kwargs.get("return_dict") is False:
         return "output_attentions, output_hidden_states or return_dict=False"
-    if not model._valid_auto_compile_criteria(model_kwargs, generation_config):
+    if lookup:
+        cc = generation_config.compile_config
+        if not (model.device.type == "cuda" or getattr(cc, "_compile_all_devices", False)):
+            return "generate() compiles on a GPU only (compile_config._compile_all_devices for another device)"
+        if generation_config.max_matching_ngram_size not in (None, 2):
+            return f"max_matching_ngram_size={generation_config.max_matching_ngram_size} (fusec drafts from 2-grams)"
+    elif not model._valid_auto_compile_criteria(model_kwargs, generation_config):
         return "generate() would not compile this call (no static cache, or compilation disabled)"
     if getattr(model_kwargs.get("past_key_values"), "_is_user_defined", False):
         return "a cache the caller passed (generate() must fill it)"
     rows, length = input_ids.shape
-    if not 1 <= rows <= MAX_BATCH:
-        return f"a batch of {rows} sequences (at most {MAX_BATCH})"
+    if not 1 <= rows <= (1 if lookup else MAX_BATCH):
+        return f"a batch of {rows} sequences (at most {1 if lookup else MAX_BATCH}" + \
+            (" with prompt lookup)" if lookup else ")")
     if _max_new_tokens(stopping_criteria, length) < 1:
         return "no new token to generate"
     if model_kwargs.get("cache_position") is not None:
@@ -110,6 +129,8 @@ def refusal(model: Any, input_ids: torch.Tensor, logits_processor: Any, stopping
     mask = model_kwargs.get("attention_mask")
     if mask is not None and mask.shape != input_ids.shape:
         return f"an attention mask of shape {tuple(mask.shape)} for input_ids {tuple(input_ids.shape)}"
+    if lookup and mask is not None and not bool(mask.all()):
+        return "prompt lookup of a padded prompt"
     pos = model_kwargs.get("position_ids")
     if pos is not None:
         made = positions(mask.long()) if mask is not None else torch.arange(length, device=pos.device).expand(rows, -1)
@@ -142,10 +163,11 @@ def _tell(model: Any, why: str) -> None:
 
 
 def run(model: Any, input_ids: torch.Tensor, stopping_criteria: Any, generation_config: Any, streamer: Any,
-        model_kwargs: dict[str, Any], options: dict[str, Any]) -> torch.Tensor | None:
+        model_kwargs: dict[str, Any], options: dict[str, Any], lookup: int | None = None) -> torch.Tensor | None:
     """The tokens of greedy search (int64 ``[B, T + n]``, as ``_sample`` returns them) by
-    :func:`fusec.generate`, or None when it refused the call before any token was streamed (a
-    ``FusecError``: one log line, HF's loop runs)."""
+    :func:`fusec.generate` (``lookup`` N: with ``prompt_lookup_num_tokens=N``), or None when it
+    refused the call before any token was streamed (a ``FusecError``: one log line, HF's loop
+    runs)."""
     import fusec
     from fusec.errors import FusecError
     pad = generation_config._pad_token_tensor
@@ -155,7 +177,8 @@ def run(model: Any, input_ids: torch.Tensor, stopping_criteria: Any, generation_
         return fusec.generate(model, input_ids, _max_new_tokens(stopping_criteria, input_ids.shape[1]),
                               attention_mask=mask, eos_token_id=_eos(stopping_criteria),
                               pad_token_id=None if pad is None else int(pad), streamer=wrapped,
-                              options={k: v for k, v in options.items() if k not in ("generate_loop", "mode")})
+                              options={k: v for k, v in options.items() if k not in ("generate_loop", "mode")},
+                              prompt_lookup_num_tokens=lookup)
     except FusecError as e:
         if wrapped is not None and wrapped.put_any:
             raise
@@ -196,3 +219,43 @@ def install() -> None:
 
     _sample._fusec = True   # type: ignore[attr-defined]
     GenerationMixin._sample = _sample
+    _wrap_assisted(GenerationMixin)
+
+
+def _wrap_assisted(mixin: type) -> None:
+    """Wrap ``mixin._assisted_decoding``: prompt lookup (``prompt_lookup_num_tokens``, no
+    assistant model) with a fusec ``compile_config`` that :func:`refusal` accepts runs
+    :func:`run` with fusec.generate's prompt lookup (K = N + 1 query tokens per step, drafts
+    accepted on the device); every other call is HF's (which refuses a static cache)."""
+    original = getattr(mixin, "_assisted_decoding", None)
+    if original is None or getattr(original, "_fusec", False):
+        return
+
+    @functools.wraps(original)
+    def _assisted_decoding(self: Any, input_ids: torch.Tensor, logits_processor: Any, stopping_criteria: Any,
+                           generation_config: Any, synced_gpus: bool = False, streamer: Any = None,
+                           inputs_tensor: Any = None, assistant_model: Any = None, assistant_tokenizer: Any = None,
+                           tokenizer: Any = None, **model_kwargs: Any) -> Any:
+        options = _compile_options(generation_config)
+        num = getattr(generation_config, "prompt_lookup_num_tokens", None)
+        if options is not None and num is not None and assistant_model is None \
+                and getattr(generation_config, "assistant_early_exit", None) is None \
+                and not getattr(generation_config, "use_mtp", False):
+            from fusec.config import Options
+            why = "the option generate_loop='hf'" if Options.from_dict(options).generate_loop == "hf" else \
+                refusal(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus,
+                        streamer, model_kwargs, lookup=True)
+            if why is None:
+                out = run(self, input_ids, stopping_criteria, generation_config, streamer, model_kwargs, options,
+                          lookup=int(num))
+                if out is not None:
+                    return out
+            else:
+                _tell(self, "prompt lookup: " + why)
+        return original(self, input_ids, logits_processor, stopping_criteria, generation_config,
+                        synced_gpus=synced_gpus, streamer=streamer, inputs_tensor=inputs_tensor,
+                        assistant_model=assistant_model, assistant_tokenizer=assistant_tokenizer,
+                        tokenizer=tokenizer, **model_kwargs)
+
+    _assisted_decoding._fusec = True   # type: ignore[attr-defined]
+    mixin._assisted_decoding = _assisted_decoding
