@@ -186,6 +186,25 @@ def run(model: Any, input_ids: torch.Tensor, stopping_criteria: Any, generation_
         return None
 
 
+def _on_the_device(model: Any, input_ids: torch.Tensor, logits_processor: Any, stopping_criteria: Any,
+                   generation_config: Any, synced_gpus: bool, streamer: Any, model_kwargs: dict[str, Any],
+                   lookup: int | None = None) -> torch.Tensor | None:
+    """The tokens by :func:`run` where generate()'s ``compile_config`` is fusec's and neither its
+    option ``generate_loop="hf"`` nor :func:`refusal` keeps HF's loop; else None (a fusec config:
+    one line says why)."""
+    options = _compile_options(generation_config)
+    if options is None:
+        return None
+    from fusec.config import Options
+    why = "the option generate_loop='hf'" if Options.from_dict(options).generate_loop == "hf" else \
+        refusal(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, streamer,
+                model_kwargs, lookup=lookup is not None)
+    if why is not None:
+        _tell(model, ("prompt lookup: " if lookup is not None else "") + why)
+        return None
+    return run(model, input_ids, stopping_criteria, generation_config, streamer, model_kwargs, options, lookup)
+
+
 @functools.cache   # once per process
 def install() -> None:
     """Wrap ``transformers.generation.utils.GenerationMixin._sample`` (idempotent; a no-op without
@@ -202,18 +221,10 @@ def install() -> None:
     @functools.wraps(original)
     def _sample(self: Any, input_ids: torch.Tensor, logits_processor: Any, stopping_criteria: Any,
                 generation_config: Any, synced_gpus: bool = False, streamer: Any = None, **model_kwargs: Any) -> Any:
-        options = _compile_options(generation_config)
-        if options is not None:
-            from fusec.config import Options
-            why = "the option generate_loop='hf'" if Options.from_dict(options).generate_loop == "hf" else \
-                refusal(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus,
-                        streamer, model_kwargs)
-            if why is None:
-                out = run(self, input_ids, stopping_criteria, generation_config, streamer, model_kwargs, options)
-                if out is not None:
-                    return out
-            else:
-                _tell(self, why)
+        out = _on_the_device(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus,
+                             streamer, model_kwargs)
+        if out is not None:
+            return out
         return original(self, input_ids, logits_processor, stopping_criteria, generation_config,
                         synced_gpus=synced_gpus, streamer=streamer, **model_kwargs)
 
@@ -236,22 +247,14 @@ def _wrap_assisted(mixin: type) -> None:
                            generation_config: Any, synced_gpus: bool = False, streamer: Any = None,
                            inputs_tensor: Any = None, assistant_model: Any = None, assistant_tokenizer: Any = None,
                            tokenizer: Any = None, **model_kwargs: Any) -> Any:
-        options = _compile_options(generation_config)
         num = getattr(generation_config, "prompt_lookup_num_tokens", None)
-        if options is not None and num is not None and assistant_model is None \
+        if num is not None and assistant_model is None \
                 and getattr(generation_config, "assistant_early_exit", None) is None \
                 and not getattr(generation_config, "use_mtp", False):
-            from fusec.config import Options
-            why = "the option generate_loop='hf'" if Options.from_dict(options).generate_loop == "hf" else \
-                refusal(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus,
-                        streamer, model_kwargs, lookup=True)
-            if why is None:
-                out = run(self, input_ids, stopping_criteria, generation_config, streamer, model_kwargs, options,
-                          lookup=int(num))
-                if out is not None:
-                    return out
-            else:
-                _tell(self, "prompt lookup: " + why)
+            out = _on_the_device(self, input_ids, logits_processor, stopping_criteria, generation_config,
+                                 synced_gpus, streamer, model_kwargs, lookup=int(num))
+            if out is not None:
+                return out
         return original(self, input_ids, logits_processor, stopping_criteria, generation_config,
                         synced_gpus=synced_gpus, streamer=streamer, inputs_tensor=inputs_tensor,
                         assistant_model=assistant_model, assistant_tokenizer=assistant_tokenizer,
