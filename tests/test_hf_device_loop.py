@@ -173,3 +173,77 @@ def test_prompt_lookup_with_another_ngram_size_runs_hfs_assisted_decoding(caplog
     assert torch.equal(out, ref)
     assert any("prompt lookup: max_matching_ngram_size=3" in r.getMessage() for r in caplog.records)
     assert not any("prompt-lookup steps" in r.getMessage() for r in caplog.records)
+
+
+def test_a_model_with_its_own_generation_hooks_keeps_hfs_loop(caplog):
+    """Phi-3 LongRoPE: its prepare_inputs_for_generation drops the cache and prefills again when
+    the text passes original_max_position_embeddings (16 here), which fusec.generate never calls:
+    generate() through fusec keeps HF's loop (one line names the method), tokens equal eager's past
+    the switch."""
+    model = hf_tiny.phi3_longrope()
+    model.generation_config.pad_token_id = 0
+    prompt = torch.randint(1, 128, (1, 10), generator=torch.Generator().manual_seed(3))
+    ref = model.generate(prompt, max_new_tokens=12, do_sample=False, cache_implementation="static")
+    torch._dynamo.reset()
+    with caplog.at_level("INFO", logger="fusec"):
+        out = model.generate(prompt, max_new_tokens=12, do_sample=False, cache_implementation="static",
+                             compile_config=_cc())
+    torch._dynamo.reset()
+    assert torch.equal(out, ref)
+    lines = [r.getMessage() for r in caplog.records]
+    assert any("Phi3ForCausalLM has its own prepare_inputs_for_generation" in line for line in lines), lines
+    assert not any(line.startswith(RAN) for line in lines)
+
+
+def test_prefill_chunk_size_keeps_hfs_loop(caplog):
+    """generate(prefill_chunk_size=8) prefills in chunks (capping the activations' memory);
+    fusec.generate prefills in one call: HF's loop runs (its prefill chunks go through the compiled
+    call: 8 query tokens, which fall back), one line says why, tokens equal eager's."""
+    model = _model()
+    prompt = torch.randint(1, 128, (1, 20), generator=torch.Generator().manual_seed(2))
+    kw = dict(max_new_tokens=4, do_sample=False, prefill_chunk_size=8, cache_implementation="static")
+    ref = model.generate(prompt, **kw)
+    torch._dynamo.reset()
+    with caplog.at_level("INFO", logger="fusec"):
+        out = model.generate(prompt, compile_config=_cc(), **kw)
+    torch._dynamo.reset()
+    assert torch.equal(out, ref)
+    lines = [r.getMessage() for r in caplog.records]
+    assert any("prefill_chunk_size" in line for line in lines) and not any(line.startswith(RAN) for line in lines)
+
+
+def test_an_error_in_the_device_loop_is_the_calls_error(caplog):
+    """GPT-2's learned position table (256 rows) runs out during the device loop: its
+    IndexFaultError reaches the caller (eager raises IndexError there), and HF's loop does not run
+    the whole generation again."""
+    from fusec.errors import IndexFaultError
+    model = hf_tiny.gpt2()
+    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = None
+    prompt = torch.randint(1, 128, (1, 240), generator=torch.Generator().manual_seed(3))
+    torch._dynamo.reset()
+    with caplog.at_level("INFO", logger="fusec"), pytest.raises(IndexFaultError, match="out of range"):
+        model.generate(prompt, max_new_tokens=20, do_sample=False, cache_implementation="static",
+                       compile_config=_cc())
+    torch._dynamo.reset()
+    assert not any("runs HF's decode loop" in r.getMessage() for r in caplog.records)
+    assert "_compiled_call" not in model.__dict__
+
+
+def test_an_invalid_option_raises_and_ends_the_streamer():
+    """An invalid option is a FusecError naming it; generate() had put the prompt to the streamer,
+    so the streamer is ended (a consumer thread waiting for the end would hang otherwise)."""
+    class Streamer:
+        ended = 0
+
+        def put(self, t):
+            pass
+
+        def end(self):
+            self.ended += 1
+
+    model, s = _model(), Streamer()
+    with pytest.raises(FusecError, match="generate_loop='python'"):
+        model.generate(torch.randint(1, 128, (1, 4)), max_new_tokens=3, do_sample=False,
+                       cache_implementation="static", compile_config=_cc(generate_loop="python"), streamer=s)
+    assert s.ended == 1

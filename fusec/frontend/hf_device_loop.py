@@ -17,9 +17,16 @@ fusec.generate does the same as HF's loop for: greedy search (sampling keeps HF'
 ``torch.multinomial`` draws the same tokens as eager generate() for the same seed; fusec.generate
 samples by Gumbel-max), no logits processor, stopping at ``max_length`` and the eos ids only, the
 tokens returned as a tensor, 1 to 16 prompts with generate()'s own mask and positions, a cache
-generate() made itself (one the caller passed must be filled: HF's loop does that). Anything else,
-or the option ``generate_loop="hf"``, runs HF's loop, which calls the compiled step per token
+generate() made itself (one the caller passed must be filled: HF's loop does that), a model
+class without its own ``prepare_inputs_for_generation`` (Phi-3's re-prefills at LongRoPE's
+switch, BLOOM's pads the mask for ALiBi: fusec.generate calls neither), no
+``prefill_chunk_size``, and arguments fusec.generate's own checks take (checked before any work;
+an error after that, such as a step's ``IndexFaultError``, is the call's). Anything else, or the
+option ``generate_loop="hf"``, runs HF's loop, which calls the compiled step per token
 (:class:`fusec.frontend.hf_generate.HFDecodeCall`); why is logged once per model and reason.
+Unlike HF's loop, a streamer gets the new tokens in chunks (16 steps), not one by one. HF has
+made its own static cache by the time ``_sample`` runs; fusec.generate makes another (HF keeps
+its own for the next call).
 
 Prompt lookup (``generate(prompt_lookup_num_tokens=N)``) takes ``_assisted_decoding``, which
 refuses a static cache and calls the plain forward on a dynamic one: with a fusec
@@ -102,6 +109,11 @@ def refusal(model: Any, input_ids: torch.Tensor, logits_processor: Any, stopping
         return "return_dict_in_generate"
     if synced_gpus or getattr(generation_config, "is_assistant", False) or model.config.is_encoder_decoder:
         return "synced GPUs, an assistant model or an encoder-decoder model"
+    own = _own_generation_hooks(model)
+    if own:
+        return f"{type(model).__name__} has its own {', '.join(own)} (fusec.generate does not call it)"
+    if getattr(generation_config, "prefill_chunk_size", None):
+        return "prefill_chunk_size (fusec.generate prefills in one call)"
     other = sorted(set(model_kwargs) - MODEL_KWARGS)
     if other:
         return "model arguments " + ", ".join(other)
@@ -139,6 +151,19 @@ def refusal(model: Any, input_ids: torch.Tensor, logits_processor: Any, stopping
     return None
 
 
+#: the methods generate()'s loop calls that a model class may override (Phi-3's drops the cache
+#: when LongRoPE switches factors and prefills again; BLOOM's pads the mask to the cache for ALiBi):
+#: fusec.generate calls none of them, so a model with its own keeps HF's loop
+GENERATION_HOOKS = ("prepare_inputs_for_generation", "_update_model_kwargs_for_generation", "_prefill")
+
+
+def _own_generation_hooks(model: Any) -> list[str]:
+    """The :data:`GENERATION_HOOKS` that ``model``'s class overrides."""
+    from transformers.generation.utils import GenerationMixin
+    return [name for name in GENERATION_HOOKS
+            if getattr(type(model), name, None) is not getattr(GenerationMixin, name, None)]
+
+
 def _max_new_tokens(stopping_criteria: Any, prompt_len: int) -> int:
     from transformers.generation.stopping_criteria import MaxLengthCriteria
     return min(c.max_length for c in stopping_criteria if isinstance(c, MaxLengthCriteria)) - prompt_len
@@ -153,37 +178,57 @@ def _eos(stopping_criteria: Any) -> list[int]:
     return ids
 
 
-def _tell(model: Any, why: str) -> None:
-    """One info line per model and reason."""
+def _tell(model: Any, why: str, asked: bool = False) -> None:
+    """One info line per model and reason (``asked``: the user chose HF's loop)."""
     told = model.__dict__.setdefault("_fusec_loop_told", set())
     if why not in told:
         told.add(why)
-        log.info("fusec: generate() runs HF's decode loop, the fusec step called per token (%s); greedy "
-                 "search without logits processors runs as fusec.generate's device loop", why)
+        log.info("fusec: generate() runs HF's decode loop, the fusec step called per token (%s)%s", why,
+                 "" if asked else "; greedy search without logits processors runs as fusec.generate's device loop")
 
 
 def run(model: Any, input_ids: torch.Tensor, stopping_criteria: Any, generation_config: Any, streamer: Any,
-        model_kwargs: dict[str, Any], options: dict[str, Any], lookup: int | None = None) -> torch.Tensor | None:
+        model_kwargs: dict[str, Any], options: dict[str, Any], lookup: int | None = None) -> torch.Tensor:
     """The tokens of greedy search (int64 ``[B, T + n]``, as ``_sample`` returns them) by
-    :func:`fusec.generate` (``lookup`` N: with ``prompt_lookup_num_tokens=N``), or None when it
-    refused the call before any token was streamed (a ``FusecError``: one log line, HF's loop
-    runs)."""
+    :func:`fusec.generate` (``lookup`` N: with ``prompt_lookup_num_tokens=N``). Its errors
+    propagate: :func:`arguments_refusal` has checked its arguments."""
     import fusec
-    from fusec.errors import FusecError
     pad = generation_config._pad_token_tensor
-    wrapped = _AfterPrompt(streamer) if streamer is not None else None
-    mask = model_kwargs.get("attention_mask")
+    return fusec.generate(model, input_ids, _max_new_tokens(stopping_criteria, input_ids.shape[1]),
+                          attention_mask=model_kwargs.get("attention_mask"), eos_token_id=_eos(stopping_criteria),
+                          pad_token_id=None if pad is None else int(pad),
+                          streamer=_AfterPrompt(streamer) if streamer is not None else None,
+                          options=step_options(options), prompt_lookup_num_tokens=lookup)
+
+
+def step_options(options: dict[str, Any]) -> dict[str, Any]:
+    """fusec.generate's options from a ``CompileConfig``'s: less ``generate_loop`` (HF's loop or
+    not) and ``mode`` (fusec.generate replays its chunks from a CUDA graph either way)."""
+    return {k: v for k, v in options.items() if k not in ("generate_loop", "mode")}
+
+
+def arguments_refusal(model: Any, input_ids: torch.Tensor, stopping_criteria: Any, generation_config: Any,
+                      streamer: Any, model_kwargs: dict[str, Any], options: dict[str, Any],
+                      lookup: int | None) -> str | None:
+    """What :func:`fusec.generate` would refuse in these arguments before any work (its own
+    checks, run here: a ``FusecError`` raised later, e.g. by a step, is the call's error), as a
+    reason, or None."""
+    from fusec.config import Options
+    from fusec.errors import FusecError
+    from fusec.generation.arguments import check_args, check_model
     try:
-        return fusec.generate(model, input_ids, _max_new_tokens(stopping_criteria, input_ids.shape[1]),
-                              attention_mask=mask, eos_token_id=_eos(stopping_criteria),
-                              pad_token_id=None if pad is None else int(pad), streamer=wrapped,
-                              options={k: v for k, v in options.items() if k not in ("generate_loop", "mode")},
-                              prompt_lookup_num_tokens=lookup)
+        device = check_model(model)
+        pad = generation_config._pad_token_tensor
+        check_args(input_ids, model_kwargs.get("attention_mask"), _max_new_tokens(stopping_criteria, input_ids.shape[1]),
+                   False, 1.0, None, None, None if pad is None else int(pad), streamer, None,
+                   step_options(options), device)
+        Options.from_dict({"check_watchdog": False, **step_options(options)})
+        if lookup is not None:
+            from fusec import prompt_lookup
+            prompt_lookup.check_num(lookup, False)
     except FusecError as e:
-        if wrapped is not None and wrapped.put_any:
-            raise
-        _tell(model, f"fusec.generate refused it: {str(e).splitlines()[0]}")
-        return None
+        return f"fusec.generate refuses it: {str(e).splitlines()[0]}"
+    return None
 
 
 def _on_the_device(model: Any, input_ids: torch.Tensor, logits_processor: Any, stopping_criteria: Any,
@@ -196,9 +241,19 @@ def _on_the_device(model: Any, input_ids: torch.Tensor, logits_processor: Any, s
     if options is None:
         return None
     from fusec.config import Options
-    why = "the option generate_loop='hf'" if Options.from_dict(options).generate_loop == "hf" else \
-        refusal(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, streamer,
-                model_kwargs, lookup=lookup is not None)
+    try:
+        loop = Options.from_dict(options).generate_loop
+    except Exception:
+        if streamer is not None:   # generate() put the prompt: a consumer thread waits for end()
+            streamer.end()
+        raise
+    if loop == "hf":
+        _tell(model, "the option generate_loop='hf'", asked=True)
+        return None
+    why = refusal(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, streamer,
+                  model_kwargs, lookup=lookup is not None) or \
+        arguments_refusal(model, input_ids, stopping_criteria, generation_config, streamer, model_kwargs, options,
+                          lookup)
     if why is not None:
         _tell(model, ("prompt lookup: " if lookup is not None else "") + why)
         return None
