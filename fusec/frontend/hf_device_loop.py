@@ -122,6 +122,8 @@ def refusal(model: Any, input_ids: torch.Tensor, logits_processor: Any, stopping
         return "output_attentions, output_hidden_states or return_dict=False"
     if lookup:
         cc = generation_config.compile_config
+        if getattr(generation_config, "disable_compile", False):
+            return "disable_compile"
         if not (model.device.type == "cuda" or getattr(cc, "_compile_all_devices", False)):
             return "generate() compiles on a GPU only (compile_config._compile_all_devices for another device)"
         if generation_config.max_matching_ngram_size not in (None, 2):
@@ -178,11 +180,18 @@ def _eos(stopping_criteria: Any) -> list[int]:
     return ids
 
 
-def _tell(model: Any, why: str, asked: bool = False) -> None:
-    """One info line per model and reason (``asked``: the user chose HF's loop)."""
+def _tell(model: Any, why: str, asked: bool = False, lookup: bool = False) -> None:
+    """One info line per model and reason (``asked``: the user chose HF's loop; ``lookup``: of
+    prompt lookup, which HF runs as assisted decoding)."""
     told = model.__dict__.setdefault("_fusec_loop_told", set())
-    if why not in told:
-        told.add(why)
+    key = ("lookup: " if lookup else "") + why
+    if key in told:
+        return
+    told.add(key)
+    if lookup:
+        log.info("fusec: generate()'s prompt lookup runs as HF's assisted decoding, its plain forward (%s); one "
+                 "greedy prompt without padding runs as fusec.generate's prompt lookup", why)
+    else:
         log.info("fusec: generate() runs HF's decode loop, the fusec step called per token (%s)%s", why,
                  "" if asked else "; greedy search without logits processors runs as fusec.generate's device loop")
 
@@ -248,14 +257,14 @@ def _on_the_device(model: Any, input_ids: torch.Tensor, logits_processor: Any, s
             streamer.end()
         raise
     if loop == "hf":
-        _tell(model, "the option generate_loop='hf'", asked=True)
+        _tell(model, "the option generate_loop='hf'", asked=lookup is None, lookup=lookup is not None)
         return None
     why = refusal(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, streamer,
                   model_kwargs, lookup=lookup is not None) or \
         arguments_refusal(model, input_ids, stopping_criteria, generation_config, streamer, model_kwargs, options,
                           lookup)
     if why is not None:
-        _tell(model, ("prompt lookup: " if lookup is not None else "") + why)
+        _tell(model, why, lookup=lookup is not None)
         return None
     return run(model, input_ids, stopping_criteria, generation_config, streamer, model_kwargs, options, lookup)
 
