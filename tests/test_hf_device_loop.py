@@ -248,3 +248,18 @@ def test_an_invalid_option_raises_and_ends_the_streamer():
         model.generate(torch.randint(1, 128, (1, 4)), max_new_tokens=3, do_sample=False,
                        cache_implementation="static", compile_config=_cc(generate_loop="python"), streamer=s)
     assert s.ended == 1
+
+
+def test_prompt_lookup_on_a_sliding_window_model_runs_hfs_assisted_decoding(caplog):
+    """Mistral with a sliding window (HF counts its positions in Python; fusec's prompt lookup
+    needs them on the device): HF's own assisted decoding runs (dynamic cache), one line says
+    why, its tokens equal greedy search's."""
+    model = hf_tiny.mistral_sw()
+    model.generation_config.pad_token_id = 0
+    prompt = torch.randint(1, 128, (1, 12), generator=torch.Generator().manual_seed(5))
+    ref = model.generate(prompt, max_new_tokens=8, do_sample=False)
+    with caplog.at_level("INFO", logger="fusec"):
+        out = model.generate(prompt, max_new_tokens=8, do_sample=False, prompt_lookup_num_tokens=3,
+                             compile_config=_cc())
+    assert torch.equal(out, ref)
+    assert any("(a sliding-window model" in r.getMessage() for r in caplog.records)

@@ -126,8 +126,18 @@ def refusal(model: Any, input_ids: torch.Tensor, logits_processor: Any, stopping
             return "disable_compile"
         if not (model.device.type == "cuda" or getattr(cc, "_compile_all_devices", False)):
             return "generate() compiles on a GPU only (compile_config._compile_all_devices for another device)"
-        if generation_config.max_matching_ngram_size not in (None, 2):
+        quantizer, devices = getattr(model, "hf_quantizer", None), set(getattr(model, "hf_device_map", {}).values())
+        if (quantizer is not None and not quantizer.is_compileable) or "disk" in devices \
+                or ("cpu" in devices and len(devices) > 1):
+            return "a quantization or an offload generate() does not compile"
+        if generation_config.max_matching_ngram_size not in (None, 0, 2):   # HF: `or 2`
             return f"max_matching_ngram_size={generation_config.max_matching_ngram_size} (fusec drafts from 2-grams)"
+        if getattr(generation_config, "assistant_ensemble_weight", None) is not None:
+            return "assistant_ensemble_weight (HF refuses it with prompt lookup)"
+        if not model_kwargs.get("use_cache", True):
+            return "use_cache=False (HF's assisted decoding refuses it)"
+        if _sliding(model.config):
+            return "a sliding-window model (fusec's prompt lookup counts positions on the device)"
     elif not model._valid_auto_compile_criteria(model_kwargs, generation_config):
         return "generate() would not compile this call (no static cache, or compilation disabled)"
     if getattr(model_kwargs.get("past_key_values"), "_is_user_defined", False):
@@ -166,6 +176,16 @@ def _own_generation_hooks(model: Any) -> list[str]:
             if getattr(type(model), name, None) is not getattr(GenerationMixin, name, None)]
 
 
+def _sliding(config: Any) -> bool:
+    """Whether transformers' ``StaticCache`` for ``config`` has sliding-window (or chunked)
+    layers, whose positions HF counts in Python (its rule: ``layer_types`` where the config has
+    them, else a set ``sliding_window`` or ``attention_chunk_size``)."""
+    types = getattr(config, "layer_types", None)
+    if types:
+        return any(t in ("sliding_attention", "chunked_attention") for t in types)
+    return getattr(config, "sliding_window", None) is not None or getattr(config, "attention_chunk_size", None) is not None
+
+
 def _max_new_tokens(stopping_criteria: Any, prompt_len: int) -> int:
     from transformers.generation.stopping_criteria import MaxLengthCriteria
     return min(c.max_length for c in stopping_criteria if isinstance(c, MaxLengthCriteria)) - prompt_len
@@ -192,7 +212,7 @@ def _tell(model: Any, why: str, asked: bool = False, lookup: bool = False) -> No
         log.info("fusec: generate()'s prompt lookup runs as HF's assisted decoding, its plain forward (%s); one "
                  "greedy prompt without padding runs as fusec.generate's prompt lookup", why)
     else:
-        log.info("fusec: generate() runs HF's decode loop, the fusec step called per token (%s)%s", why,
+        log.info("fusec: generate() runs HF's decode loop (%s)%s", why,
                  "" if asked else "; greedy search without logits processors runs as fusec.generate's device loop")
 
 
@@ -203,11 +223,16 @@ def run(model: Any, input_ids: torch.Tensor, stopping_criteria: Any, generation_
     propagate: :func:`arguments_refusal` has checked its arguments."""
     import fusec
     pad = generation_config._pad_token_tensor
-    return fusec.generate(model, input_ids, _max_new_tokens(stopping_criteria, input_ids.shape[1]),
-                          attention_mask=model_kwargs.get("attention_mask"), eos_token_id=_eos(stopping_criteria),
-                          pad_token_id=None if pad is None else int(pad),
-                          streamer=_AfterPrompt(streamer) if streamer is not None else None,
-                          options=step_options(options), prompt_lookup_num_tokens=lookup)
+    try:
+        return fusec.generate(model, input_ids, _max_new_tokens(stopping_criteria, input_ids.shape[1]),
+                              attention_mask=model_kwargs.get("attention_mask"), eos_token_id=_eos(stopping_criteria),
+                              pad_token_id=None if pad is None else int(pad),
+                              streamer=_AfterPrompt(streamer) if streamer is not None else None,
+                              options=step_options(options), prompt_lookup_num_tokens=lookup)
+    except BaseException:
+        if streamer is not None:   # a consumer thread waits for the end (fusec.generate ends it on success)
+            streamer.end()
+        raise
 
 
 def step_options(options: dict[str, Any]) -> dict[str, Any]:
