@@ -348,14 +348,16 @@ def test_by_default_a_short_prefill_falls_back_as_before(caplog):
 
 
 def test_hf_assisted_decoding_refuses_a_static_cache():
-    """HF's assisted decoding (prompt lookup) never reaches a compiled K-token step: it refuses
-    static caches (``cache_implementation="static"``) with a ValueError, and with its dynamic
-    cache generate() does not compile (a DynamicCache is not compileable) and calls the plain
-    forward. If HF starts to accept static caches here, this test fails: then test that
-    generate(prompt_lookup_num_tokens=...) runs fusec's K-token steps (docs/batch.md)."""
+    """HF's own assisted decoding (prompt lookup; fusec's option ``generate_loop="hf"`` keeps it)
+    never reaches a compiled K-token step: it refuses static caches
+    (``cache_implementation="static"``) with a ValueError, and with its dynamic cache generate()
+    does not compile (a DynamicCache is not compileable) and calls the plain forward. By default
+    fusec runs such a call as fusec.generate's prompt lookup instead
+    (tests/test_hf_device_loop.py). If HF starts to accept static caches here, this test fails:
+    then compare HF's path with fusec's (docs/batch.md)."""
     from transformers.generation import CompileConfig
     model = hf_tiny.llama()
-    cc = CompileConfig(backend="fusec")
+    cc = CompileConfig(backend="fusec", options={"generate_loop": "hf"})
     cc._compile_all_devices = True
     ids = torch.randint(1, 128, (1, 8), generator=torch.Generator().manual_seed(1))
     with pytest.raises(ValueError, match="not supported with Static cache"):
