@@ -53,17 +53,15 @@ MODEL_KWARGS = frozenset({"attention_mask", "position_ids", "logits_to_keep", "p
 
 class _AfterPrompt:
     """A streamer that forwards everything but the first ``put`` (generate() put the prompt
-    before its decoding method; :func:`fusec.generate` puts it again), and records whether it
-    forwarded a token."""
+    before its decoding method; :func:`fusec.generate` puts it again)."""
 
     def __init__(self, streamer: Any):
-        self.streamer, self.seen_prompt, self.put_any = streamer, False, False
+        self.streamer, self.seen_prompt = streamer, False
 
     def put(self, value: Any) -> None:
         if not self.seen_prompt:
             self.seen_prompt = True
             return
-        self.put_any = True
         self.streamer.put(value)
 
     def end(self) -> None:
