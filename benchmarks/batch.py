@@ -134,7 +134,7 @@ def run(args) -> dict[str, Any]:
         gen = torch.Generator(device=DEVICE).manual_seed(args.seed + 1)
         prompt = torch.randint(1, model.config.vocab_size, (1, 32), device=DEVICE, generator=gen)
         res["lookup"] = {}
-        for weights in args.lookup_weights:   # "echo" last: it changes the model's weights in place
+        for weights in sorted(set(args.lookup_weights), key=("random", "echo").index):   # echo last: in place
             if weights == "echo":
                 echo_weights(model, ECHO_SCALE)
             greedy = None
