@@ -174,11 +174,15 @@ class PerBatchStep:
     def __init__(self, gm: torch.fx.GraphModule, opts: Options, symbols: frozenset):
         self.gm, self.opts, self.symbols = gm, opts, sorted(symbols, key=str)
         self.placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        self.where = _symbol_places(self.placeholders, self.symbols)
         self.entries: dict[tuple, Callable] = {}
 
     def __call__(self, *args: Any) -> Any:
-        sizes = concrete_sizes(self.placeholders, args)
-        values = {s: sizes[s] for s in self.symbols if s in sizes}
+        if self.where is not None:   # per step: one shape read per batch symbol
+            values = {s: int(args[i] if d is None else args[i].shape[d]) for s, (i, d) in zip(self.symbols, self.where)}
+        else:
+            sizes = concrete_sizes(self.placeholders, args)
+            values = {s: sizes[s] for s in self.symbols if s in sizes}
         fn, _ = _lru(self.entries, tuple(values.get(s) for s in self.symbols), self.MAX_ENTRIES,
                      lambda: self._build(list(args), values))
         return fn(*args)
@@ -193,15 +197,31 @@ class PerBatchStep:
                      "/".join(map(str, values.values())))
             try:
                 check_decode_step(module, safe.query_tokens)
+                inner = SymbolicStep(module, kept, safe)
             except FallbackRequired as e:
                 warn_fallback("fusec: %s; using %s", e, safe.fallback)
                 inner = fallback(module, kept, safe.fallback)
-                return lambda *a: inner(*[a[i] for i in keep])
-            inner = SymbolicStep(module, kept, safe)
         else:
             log.info("fusec: compiling the step for a batch of %s", "/".join(map(str, values.values())))
             inner = _compile(module, kept, safe, live=False)
         return lambda *a: inner(*[a[i] for i in keep])
+
+
+def _symbol_places(placeholders: list[torch.fx.Node], symbols: list[Any]) -> list[tuple[int, int | None]] | None:
+    """For each of ``symbols``, where a call's arguments hold its value: ``(argument index, dim)``
+    of a tensor placeholder whose recorded size there is that symbol, or ``(index, None)`` for an
+    integer placeholder that is it; None when one has no such place (then
+    :func:`fusec.frontend.capture.concrete_sizes` reads every input)."""
+    from fusec.frontend.capture import _val
+    places: dict[Any, tuple[int, int | None]] = {}
+    for i, node in enumerate(placeholders):
+        v = _val(node)
+        dims = list(enumerate(v.shape)) if isinstance(v, torch.Tensor) else [(None, v)] \
+            if isinstance(v, torch.SymInt) else []
+        for d, size in dims:
+            if isinstance(size, torch.SymInt) and size.node.expr.is_symbol:
+                places.setdefault(size.node.expr, (i, d))
+    return [places[s] for s in symbols] if all(s in places for s in symbols) else None
 
 
 def _specialize_floats(gm: torch.fx.GraphModule, example_inputs: list[Any], opts: Options) -> None:

@@ -78,7 +78,7 @@ def _compile_options(generation_config: Any) -> dict[str, Any] | None:
 
 
 def refusal(model: Any, input_ids: torch.Tensor, logits_processor: Any, stopping_criteria: Any,
-            generation_config: Any, synced_gpus: bool, streamer: Any, model_kwargs: dict[str, Any],
+            generation_config: Any, synced_gpus: bool, model_kwargs: dict[str, Any],
             lookup: bool = False) -> str | None:
     """Why this ``_sample`` call (``lookup``: this ``_assisted_decoding`` call) keeps HF's loop,
     or None when :func:`fusec.generate` runs it.
@@ -119,23 +119,9 @@ def refusal(model: Any, input_ids: torch.Tensor, logits_processor: Any, stopping
             or model_kwargs.get("return_dict") is False:
         return "output_attentions, output_hidden_states or return_dict=False"
     if lookup:
-        cc = generation_config.compile_config
-        if getattr(generation_config, "disable_compile", False):
-            return "disable_compile"
-        if not (model.device.type == "cuda" or getattr(cc, "_compile_all_devices", False)):
-            return "generate() compiles on a GPU only (compile_config._compile_all_devices for another device)"
-        quantizer, devices = getattr(model, "hf_quantizer", None), set(getattr(model, "hf_device_map", {}).values())
-        if (quantizer is not None and not quantizer.is_compileable) or "disk" in devices \
-                or ("cpu" in devices and len(devices) > 1):
-            return "a quantization or an offload generate() does not compile"
-        if generation_config.max_matching_ngram_size not in (None, 0, 2):   # HF: `or 2`
-            return f"max_matching_ngram_size={generation_config.max_matching_ngram_size} (fusec drafts from 2-grams)"
-        if getattr(generation_config, "assistant_ensemble_weight", None) is not None:
-            return "assistant_ensemble_weight (HF refuses it with prompt lookup)"
-        if not model_kwargs.get("use_cache", True):
-            return "use_cache=False (HF's assisted decoding refuses it)"
-        if _sliding(model.config):
-            return "a sliding-window model (fusec's prompt lookup counts positions on the device)"
+        why = _lookup_refusal(model, generation_config, model_kwargs)
+        if why:
+            return why
     elif not model._valid_auto_compile_criteria(model_kwargs, generation_config):
         return "generate() would not compile this call (no static cache, or compilation disabled)"
     if getattr(model_kwargs.get("past_key_values"), "_is_user_defined", False):
@@ -158,6 +144,30 @@ def refusal(model: Any, input_ids: torch.Tensor, logits_processor: Any, stopping
         made = positions(mask.long()) if mask is not None else torch.arange(length, device=pos.device).expand(rows, -1)
         if pos.shape != made.shape or not torch.equal(pos.to(made.device), made):
             return "position_ids other than generate()'s own"
+    return None
+
+
+def _lookup_refusal(model: Any, generation_config: Any, model_kwargs: dict[str, Any]) -> str | None:
+    """What of a prompt-lookup call fusec.generate does not do as HF would, or None: a compile HF
+    would not make, transformers' other n-gram sizes, an ensemble weight or ``use_cache=False``
+    (HF refuses both), a sliding-window model."""
+    cc = generation_config.compile_config
+    if getattr(generation_config, "disable_compile", False):
+        return "disable_compile"
+    if not (model.device.type == "cuda" or getattr(cc, "_compile_all_devices", False)):
+        return "generate() compiles on a GPU only (compile_config._compile_all_devices for another device)"
+    quantizer, devices = getattr(model, "hf_quantizer", None), set(getattr(model, "hf_device_map", {}).values())
+    if (quantizer is not None and not quantizer.is_compileable) or "disk" in devices \
+            or ("cpu" in devices and len(devices) > 1):
+        return "a quantization or an offload generate() does not compile"
+    if generation_config.max_matching_ngram_size not in (None, 0, 2):   # HF: `or 2`
+        return f"max_matching_ngram_size={generation_config.max_matching_ngram_size} (fusec drafts from 2-grams)"
+    if getattr(generation_config, "assistant_ensemble_weight", None) is not None:
+        return "assistant_ensemble_weight (HF refuses it with prompt lookup)"
+    if not model_kwargs.get("use_cache", True):
+        return "use_cache=False (HF's assisted decoding refuses it)"
+    if _sliding(model.config):
+        return "a sliding-window model (fusec's prompt lookup counts positions on the device)"
     return None
 
 
@@ -273,16 +283,17 @@ def _on_the_device(model: Any, input_ids: torch.Tensor, logits_processor: Any, s
     if options is None:
         return None
     from fusec.config import Options
+    from fusec.errors import FusecError
     try:
         loop = Options.from_dict(options).generate_loop
-    except Exception:
+    except FusecError:
         if streamer is not None:   # generate() put the prompt: a consumer thread waits for end()
             streamer.end()
         raise
     if loop == "hf":
         _tell(model, "the option generate_loop='hf'", asked=lookup is None, lookup=lookup is not None)
         return None
-    why = refusal(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, streamer,
+    why = refusal(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus,
                   model_kwargs, lookup=lookup is not None) or \
         arguments_refusal(model, input_ids, stopping_criteria, generation_config, streamer, model_kwargs, options,
                           lookup)
