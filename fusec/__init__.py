@@ -36,16 +36,18 @@ _load_tree_passes()
 
 def _after_transformers() -> None:
     """Install :func:`fusec.frontend.hf_generate.install` (HF generate() through one precompiled
-    step) and :func:`fusec.frontend.hf_device_loop.install` (its greedy search as fusec.generate's
-    device loop) now if transformers' ``modeling_utils`` is imported, else right after its import
+    step), :func:`fusec.frontend.hf_device_loop.install` (its greedy search as fusec.generate's
+    device loop) and :func:`fusec.frontend.hf_beam.install` (its beam search through the compiled
+    step) now if transformers' ``modeling_utils`` is imported, else right after its import
     (a meta-path finder that wraps that one module's loader): ``import fusec`` stays light."""
     name = "transformers.modeling_utils"
 
     def install() -> None:
         try:
-            from fusec.frontend import hf_device_loop, hf_generate
+            from fusec.frontend import hf_beam, hf_device_loop, hf_generate
             hf_generate.install()
             hf_device_loop.install()
+            hf_beam.install()
         except Exception:   # noqa: BLE001 - never break the user's import over this
             import logging
             logging.getLogger("fusec").debug("fusec: HF generate() hook not installed", exc_info=True)
