@@ -222,7 +222,8 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: in
              temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
              eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None, streamer: Any = None,
              options: dict[str, Any] | None = None, generator: torch.Generator | None = None,
-             prompt_lookup_num_tokens: int | None = None) -> torch.Tensor:
+             prompt_lookup_num_tokens: int | None = None, assistant_model: torch.nn.Module | None = None,
+             num_assistant_tokens: int | None = None) -> torch.Tensor:
     """Generate up to ``max_new_tokens`` tokens after each of ``input_ids``' prompts (a batch of
     1 to :data:`MAX_BATCH`), each decode step one fusec megakernel launch for the whole batch,
     with no token returning to the host between steps.
@@ -257,6 +258,13 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: in
             that name), each step verifying N tokens drafted from earlier in the text, 1 to
             ``MAX_QUERY_TOKENS - 1`` (:mod:`fusec.prompt_lookup`); the output is greedy's.
             One prompt without padding only (B = 1).
+        assistant_model: a draft model, greedy only: speculative decoding (transformers'
+            argument of that name), each step verifying ``num_assistant_tokens`` tokens the draft
+            model drafted greedily, its steps fusec steps too (:class:`fusec.prompt_lookup.ModelDrafter`);
+            a Hugging Face causal LM on the same device whose token ids mean the same; the
+            output is greedy's. One prompt without padding only (B = 1).
+        num_assistant_tokens: drafts per step with ``assistant_model``, 1 to ``MAX_QUERY_TOKENS
+            - 1`` (None: :data:`fusec.prompt_lookup.ASSISTANT_TOKENS`, 4).
 
     Returns:
         int64 ``[B, prompt_len + n_new]`` on the model's device: the prompts as given, then the
@@ -264,7 +272,7 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: in
 
     Raises:
         FusecError: an invalid argument or option (a batch over 16, a mask of another shape, a
-            streamer or prompt lookup with B > 1, ...).
+            streamer, prompt lookup or a draft model with B > 1, both of these, ...).
 
     B = 1 without a mask (or with an all-ones one) compiles :class:`DecodeStep`, whose only
     input besides the cache is the token. A batch (or a padded prompt) compiles
@@ -286,16 +294,30 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: in
     eos = eos_ids(model, eos_token_id)
     pad = pad_id(model, pad_token_id, eos)
     sample = bool(do_sample)
-    if prompt_lookup_num_tokens is not None:
+    if assistant_model is None and num_assistant_tokens is not None:
+        raise FusecError("fusec.generate: num_assistant_tokens without assistant_model")
+    if prompt_lookup_num_tokens is not None or assistant_model is not None:
         from fusec import prompt_lookup
+        what = "prompt_lookup_num_tokens" if assistant_model is None else "assistant_model"
+        if prompt_lookup_num_tokens is not None and assistant_model is not None:
+            raise FusecError("fusec.generate: prompt_lookup_num_tokens and assistant_model both given: "
+                             "drafts come from one of them")
         if mask is not None:
-            raise FusecError(f"fusec.generate: prompt_lookup_num_tokens takes one prompt without padding (batch 1): "
+            raise FusecError(f"fusec.generate: {what} takes one prompt without padding (batch 1): "
                              f"input_ids has shape {tuple(input_ids.shape)}"
                              + (", attention_mask has zeros" if input_ids.shape[0] == 1 else ""))
-        num = prompt_lookup.fit_position_table(model, input_ids.shape[1] + max_new_tokens,
-                                               prompt_lookup.check_num(prompt_lookup_num_tokens, sample))
+        if assistant_model is None:
+            num = prompt_lookup.check_num(prompt_lookup_num_tokens, sample)
+        else:
+            prompt_lookup.check_assistant(assistant_model, device)
+            num = prompt_lookup.check_num(prompt_lookup.ASSISTANT_TOKENS if num_assistant_tokens is None
+                                          else num_assistant_tokens, sample, "num_assistant_tokens")
+        limit = input_ids.shape[1] + max_new_tokens
+        for m in (model,) if assistant_model is None else (model, assistant_model):
+            num = prompt_lookup.fit_position_table(m, limit, num, what) if num else 0
         if num:
-            return prompt_lookup.generate(model, input_ids, max_new_tokens, num, eos, streamer, opts)[0]
+            return prompt_lookup.generate(model, input_ids, max_new_tokens, num, eos, streamer, opts,
+                                          assistant=assistant_model)[0]
     if sample:
         top_k = top_k or None
         top_p = None if top_p is None or float(top_p) >= 1.0 else float(top_p)

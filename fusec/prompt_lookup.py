@@ -75,8 +75,14 @@ def draft(hist: torch.Tensor, n: torch.Tensor, num: int, max_ngram: int = MAX_NG
     return hist[idx]
 
 
-def check_num(num: Any, sample: bool) -> int:
-    """``num`` (drafts per step) checked: an int from 1 to ``MAX_QUERY_TOKENS - 1``, greedy only.
+#: drafts per step of a draft model when ``num_assistant_tokens`` is not given (transformers'
+#: default, 20 with a schedule that adapts it, is past the K = 8 query tokens a fusec step takes)
+ASSISTANT_TOKENS = 4
+
+
+def check_num(num: Any, sample: bool, name: str = "prompt_lookup_num_tokens") -> int:
+    """``num`` (drafts per step, the argument ``name``) checked: an int from 1 to
+    ``MAX_QUERY_TOKENS - 1``, greedy only.
 
     Raises:
         FusecError: naming the argument and its range, or sampling asked with it.
@@ -84,13 +90,30 @@ def check_num(num: Any, sample: bool) -> int:
     from fusec.config import MAX_QUERY_TOKENS
     from fusec.errors import FusecError
     if isinstance(num, bool) or not isinstance(num, int) or not 1 <= num < MAX_QUERY_TOKENS:
-        raise FusecError(f"fusec.generate: prompt_lookup_num_tokens={num!r} must be an int from 1 to "
+        raise FusecError(f"fusec.generate: {name}={num!r} must be an int from 1 to "
                          f"{MAX_QUERY_TOKENS - 1} (a step verifies it plus one token, at most "
                          f"{MAX_QUERY_TOKENS} query tokens)")
     if sample:
-        raise FusecError("fusec.generate: prompt_lookup_num_tokens works with greedy decoding only "
-                         "(do_sample=False)")
+        raise FusecError(f"fusec.generate: {name.replace('num_assistant_tokens', 'assistant_model')} works "
+                         "with greedy decoding only (do_sample=False)")
     return num
+
+
+def check_assistant(assistant: Any, device: torch.device) -> None:
+    """A draft model for ``fusec.generate(assistant_model=...)`` checked: a Hugging Face causal LM
+    (:func:`fusec.generation.arguments.check_model`) on the target's ``device``.
+
+    Raises:
+        FusecError: naming what is wrong.
+    """
+    from fusec.errors import FusecError
+    from fusec.generation.arguments import check_model
+    try:
+        where = check_model(assistant)
+    except FusecError as e:
+        raise FusecError(str(e).replace("fusec.generate: ", "fusec.generate: assistant_model: ", 1)) from None
+    if where != device:
+        raise FusecError(f"fusec.generate: assistant_model is on {where}, the model on {device}: put both on one device")
 
 
 def position_table_rows(model: torch.nn.Module) -> int | None:
@@ -108,7 +131,7 @@ def position_table_rows(model: torch.nn.Module) -> int | None:
                        for m in model.modules()) else None
 
 
-def fit_position_table(model: torch.nn.Module, limit: int, num: int) -> int:
+def fit_position_table(model: torch.nn.Module, limit: int, num: int, name: str = "prompt_lookup_num_tokens") -> int:
     """The drafts per step, at most ``num``, whose verification steps stay inside a learned position
     table: a step at length ``n`` (at most ``limit``, the prompt + max_new_tokens) runs its K = num
     + 1 rows at positions ``n - 1 .. n + num - 1``, past what greedy decoding reads, so that
@@ -118,8 +141,8 @@ def fit_position_table(model: torch.nn.Module, limit: int, num: int) -> int:
     if rows is None or limit + num <= rows:
         return num
     fit = max(0, rows - limit)
-    log.info("fusec.generate: prompt_lookup_num_tokens %d -> %d: the verification step's rows would pass "
-             "the model's %d-row position table (prompt + max_new_tokens = %d)%s", num, fit, rows, limit,
+    log.info("fusec.generate: %s: %d drafts per step -> %d: the verification step's rows would pass "
+             "the model's %d-row position table (prompt + max_new_tokens = %d)%s", name, num, fit, rows, limit,
              "; generating one token per step" if fit == 0 else "")
     return fit
 
@@ -157,14 +180,20 @@ class LookupDecoder:
 
     ``hist`` int64 ``[capacity]`` (the prompt, then the new tokens), ``n`` int64 ``[1]`` its
     length, ``inp`` int64 ``[1, K]`` the next step's query tokens; ``limit`` the largest ``n``
-    (prompt + max_new_tokens). :meth:`one` runs a step: ``inp`` from ``hist`` and the drafts,
+    (prompt + max_new_tokens); ``drafter`` makes the drafts (default: prompt lookup's
+    :func:`draft`; a draft model: :class:`ModelDrafter`). :meth:`one` runs a step: ``inp`` from
+    ``hist`` and the drafts,
     the compiled verification, the accepted tokens into ``hist``, ``n`` and the cache
     positions advanced; all device ops.
     """
 
-    def __init__(self, step: Any, cache: Any, hist: torch.Tensor, n: int, limit: int, k: int):
+    def __init__(self, step: Any, cache: Any, hist: torch.Tensor, n: int, limit: int, k: int,
+                 drafter: Any = None):
         self.step, self.cache, self.k, self.limit = step, cache, k, limit
         self.hist = hist
+        #: ``drafter(hist, n, num) -> int64 [num]`` (device ops): prompt lookup's :func:`draft`,
+        #: or a draft model's greedy tokens (:class:`ModelDrafter`)
+        self.drafter = drafter if drafter is not None else draft
         dev = hist.device
         self.n = torch.full((1,), n, dtype=torch.int64, device=dev)
         self.inp = torch.zeros(1, k, dtype=torch.int64, device=dev)
@@ -180,7 +209,7 @@ class LookupDecoder:
         """One verification step (device ops only)."""
         n = self.n
         self.inp[0, :1].copy_(self.hist[n - 1])
-        self.inp[0, 1:].copy_(draft(self.hist, n, self.k - 1))
+        self.inp[0, 1:].copy_(self.drafter(self.hist, n, self.k - 1))
         preds = self.step(self.inp, self.cache)
         a = accept(self.inp[0], preds)
         self.hist.index_copy_(0, n + self.ar, preds)       # preds[:a + 1] are the new tokens
@@ -189,8 +218,57 @@ class LookupDecoder:
         self.accepted.add_(live * torch.minimum(a, torch.clamp(self.limit - n - 1, min=0)))
         new = torch.clamp(n + a + 1, max=self.limit)
         self.n.copy_(new)                                  # n is self.n: read above, written last
-        for layer in self.cache.layers:                    # the cache holds hist[:n - 1]
-            layer.cumulative_length.copy_((new - 1).view(()))
+        set_position(self.cache, new - 1)                  # the cache holds hist[:n - 1]
+
+
+def set_position(cache: Any, pos: torch.Tensor) -> None:
+    """Every layer of the static ``cache`` writes its next row at ``pos`` (int64 ``[1]``, a
+    device tensor: ``StaticLayer.cumulative_length`` set in place, no host sync)."""
+    for layer in cache.layers:
+        layer.cumulative_length.copy_(pos.view(()))
+
+
+class ModelDrafter:
+    """Drafts by a draft model's greedy decoding (speculative decoding: Leviathan et al. 2023,
+    "Fast Inference from Transformers via Speculative Decoding"; Chen et al. 2023; transformers'
+    ``AssistedCandidateGenerator`` with ``assistant_model``), as device ops.
+
+    Called as ``drafter(hist, n, num)`` at the start of a verification step: the draft model's
+    static ``cache`` holds the rows of ``hist[:n - 2]`` (at least); a step of two query tokens
+    feeds ``hist[n - 2], hist[n - 1]`` at positions ``n - 2, n - 1`` (the second to last token
+    is fed again: where the previous step accepted every draft, the draft model never saw its
+    last one), the argmax after the last is the first draft, and ``num - 1`` one-token steps
+    make the others. Afterwards the cache holds rows up to ``n + num - 2``, right wherever the
+    target accepted the drafts, so the invariant holds at the next step (``n' - 2 <= n + a - 1``,
+    and rows before ``n + a`` hold accepted tokens). Drafts are clamped into the target's
+    vocabulary (a draft model with a larger embedding: a draft decides only how many tokens are
+    accepted, never which).
+
+    Args:
+        pair_step, one_step: the draft model's compiled :class:`VerifyStep` of 2 and of 1 query
+            tokens (``[1, K]`` int64 tokens, the cache -> int64 ``[K]`` argmax per row).
+        cache: the draft model's static cache, prefilled with the prompt.
+        num: drafts per step (``N``); ``vocab``: the target model's vocabulary size.
+    """
+
+    def __init__(self, pair_step: Any, one_step: Any, cache: Any, num: int, vocab: int, device: torch.device):
+        self.pair_step, self.one_step, self.cache, self.vocab = pair_step, one_step, cache, vocab
+        self.pair = torch.zeros(1, 2, dtype=torch.int64, device=device)
+        self.tok = torch.zeros(1, 1, dtype=torch.int64, device=device)
+        for t in (self.pair, self.tok):   # one code object for every K: no symbolic query length
+            torch._dynamo.mark_static(t, 0)
+            torch._dynamo.mark_static(t, 1)
+        self.out = torch.zeros(num, dtype=torch.int64, device=device)
+        self.two = torch.arange(2, device=device)
+
+    def __call__(self, hist: torch.Tensor, n: torch.Tensor, num: int) -> torch.Tensor:
+        self.pair[0].copy_(hist[n - 2 + self.two])
+        set_position(self.cache, n - 2)
+        self.out[:1].copy_(self.pair_step(self.pair, self.cache)[1:])
+        for j in range(1, num):
+            self.tok[0].copy_(self.out[j - 1:j])
+            self.out[j:j + 1].copy_(self.one_step(self.tok, self.cache))
+        return self.out.clamp(max=self.vocab - 1)
 
 
 def _capture(dec: LookupDecoder, steps: int) -> Any:
@@ -213,8 +291,10 @@ def _capture(dec: LookupDecoder, steps: int) -> Any:
 
 
 def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: int, num: int,
-             eos: list[int], streamer: Any, options: dict[str, Any]) -> tuple[torch.Tensor, dict[str, Any]]:
-    """Greedy generation with prompt-lookup drafts of ``num`` tokens per step (module docstring).
+             eos: list[int], streamer: Any, options: dict[str, Any],
+             assistant: torch.nn.Module | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
+    """Greedy generation with prompt-lookup drafts of ``num`` tokens per step (module docstring),
+    or with drafts by the draft model ``assistant`` (:class:`ModelDrafter`).
 
     Args:
         model: a Hugging Face causal LM on the CPU (simulator) or CUDA, checked by the caller.
@@ -224,7 +304,11 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: in
             tokens per step).
         eos: end-of-sequence ids (the output stops after the first, included).
         streamer: None or an object with ``put``/``end`` (gets the prompt, then new tokens).
-        options: fusec options of the verification step (``query_tokens`` set to K here).
+        options: fusec options of the verification step (``query_tokens`` set to K here), and
+            of the draft model's steps.
+        assistant: None (prompt lookup), or a draft model: a Hugging Face causal LM on the same
+            device whose token ids mean the same (its tokenizer the target's), checked by the
+            caller; its steps are fusec steps too, all of a verification step on the device.
 
     Returns:
         (int64 ``[1, prompt_len + n_new]``, stats ``{"steps", "accepted", "tokens"}``): the
@@ -232,7 +316,8 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: in
         steps (tokens per step = ``tokens / steps``).
 
     Raises:
-        FusecError: a cache whose layers count positions on the host (sliding windows).
+        FusecError: a cache whose layers count positions on the host (sliding windows), the
+            target's or the draft model's.
     """
     import collections
 
@@ -259,11 +344,15 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: in
         with gen_mod._prefill_attention(cuda):
             logits = model(input_ids=input_ids, past_key_values=cache, use_cache=True,
                            **gen_mod._last_logits_only(model)).logits[:, -1]
+        what = "prompt_lookup_num_tokens" if assistant is None else "assistant_model"
         if host_counted(cache):
-            raise FusecError("fusec.generate: prompt_lookup_num_tokens needs a cache whose layers count "
+            raise FusecError(f"fusec.generate: {what} needs a cache whose layers count "
                              "positions on the device; this model's sliding-window layers count them on the "
-                             "host (Mistral, Gemma-2/3, StarCoder2): call it without prompt_lookup_num_tokens")
+                             f"host (Mistral, Gemma-2/3, StarCoder2): call it without {what}")
         length_symbolic(cache)
+        drafter = None
+        if assistant is not None:
+            drafter = _model_drafter(assistant, input_ids, max_len, num, model.config.vocab_size, options, cuda)
         hist = torch.zeros(limit + k, dtype=torch.int64, device=device)
         hist[:p] = input_ids[0]
         hist[p:p + 1] = logits.argmax(-1)
@@ -275,7 +364,7 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: in
         key = ("prompt_lookup", k, repr(sorted(opts.items())))
         if key not in steps:
             steps[key] = torch.compile(VerifyStep(model), backend="fusec", options=opts)
-        dec = LookupDecoder(steps[key], cache, hist, p + 1, limit, k)
+        dec = LookupDecoder(steps[key], cache, hist, p + 1, limit, k, drafter)
 
         host_n = torch.empty(1, dtype=torch.int64, pin_memory=cuda)
         host_hist = torch.empty_like(hist, device="cpu", pin_memory=cuda)
@@ -327,8 +416,9 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: in
                     for _ in range(gen_mod.WARMUP if cuda else 1):
                         dec.one()        # the first call compiles
                 if w.fallbacks:
-                    warn_fallback("fusec.generate: the prompt-lookup verification step did not compile with "
-                                  "fusec (%s); generating with the fallback (correct, slower)", w.fallbacks[0])
+                    warn_fallback("fusec.generate: a %s step did not compile with fusec (%s); generating "
+                                  "with the fallback (correct, slower)",
+                                  "prompt-lookup" if assistant is None else "speculative-decoding", w.fallbacks[0])
                 if cuda:
                     graph = _capture(dec, gen_mod.CHUNK)
                 first = False
@@ -352,6 +442,44 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: in
     stats = {"steps": n_steps, "accepted": accepted, "tokens": n_new}
     last_stats.clear()
     last_stats.update(stats)
-    log.info("fusec.generate: %d new tokens in %d prompt-lookup steps of K = %d (%d drafts accepted)",
-             n_new, n_steps, k, accepted)
+    log.info("fusec.generate: %d new tokens in %d %s steps of K = %d (%d drafts accepted)",
+             n_new, n_steps, "prompt-lookup" if assistant is None else "speculative-decoding", k, accepted)
     return out, stats
+
+
+def _model_drafter(assistant: torch.nn.Module, input_ids: torch.Tensor, max_len: int, num: int, vocab: int,
+                   options: dict[str, Any], cuda: bool) -> ModelDrafter:
+    """The draft model's :class:`ModelDrafter`: its own static cache of ``max_len`` rows
+    prefilled with the prompt (eagerly), its steps of 2 and 1 query tokens compiled with fusec
+    (kept on the draft model, as :func:`fusec.generate` keeps its steps).
+
+    Raises:
+        FusecError: the draft model's cache counts positions on the host (sliding windows).
+    """
+    import importlib
+
+    from transformers import StaticCache
+
+    from fusec.errors import FusecError
+    from fusec.frontend.static_cache import length_symbolic
+    from fusec.generation.batch import host_counted
+    gen_mod = importlib.import_module("fusec.generate")
+    dcache = StaticCache(config=assistant.config, max_cache_len=max_len)
+    with gen_mod._prefill_attention(cuda):
+        assistant(input_ids=input_ids, past_key_values=dcache, use_cache=True, **gen_mod._last_logits_only(assistant))
+    if host_counted(dcache):
+        raise FusecError("fusec.generate: assistant_model needs a draft model whose cache counts positions on the "
+                         "device; its sliding-window layers count them on the host (Mistral, Gemma-2/3, StarCoder2)")
+    length_symbolic(dcache)
+    steps = assistant.__dict__.get("_fusec_generate_steps")
+    if steps is None:
+        steps = gen_mod._StepCache()
+        object.__setattr__(assistant, "_fusec_generate_steps", steps)
+    compiled = []
+    for k in (2, 1):
+        opts = {**options, "query_tokens": max(k, int(options.get("query_tokens", 1)))}
+        key = ("draft", k, repr(sorted(opts.items())))
+        if key not in steps:
+            steps[key] = torch.compile(VerifyStep(assistant), backend="fusec", options=opts)
+        compiled.append(steps[key])
+    return ModelDrafter(compiled[0], compiled[1], dcache, num, vocab, input_ids.device)

@@ -151,6 +151,44 @@ def test_prompt_lookup_fp32_equals_hf_greedy():
     assert int(line.split(" in ")[1].split()[0]) < 47, line
 
 
+def test_draft_model_fp32_equals_hf_greedy():
+    """Speculative decoding with a draft model (fusec.prompt_lookup.ModelDrafter) on the GPU: the
+    target's LM head moved by noise drafts 3 tokens per step, its 2- and 1-token steps and the
+    target's K = 4 verification all fusec steps, warm-up then CUDA-graph chunks; 48 tokens equal
+    HF eager greedy's, no fallback, some drafts accepted. Then HF generate(assistant_model=...)
+    through a fusec CompileConfig gives the same tokens."""
+    import copy
+
+    from transformers.generation import CompileConfig
+
+    from fusec import prompt_lookup
+    model = hf_tiny.llama(seed=3)
+    g = torch.Generator().manual_seed(3)
+    model.lm_head.weight = torch.nn.Parameter(torch.randn(model.lm_head.weight.shape, generator=g) * 0.3)
+    draft = copy.deepcopy(model)
+    with torch.no_grad():
+        draft.lm_head.weight.add_(torch.randn(draft.lm_head.weight.shape, generator=g) * 0.15)
+    prompt = torch.randint(0, 128, (1, 12), generator=g).cuda()
+    model, draft = model.cuda(), draft.cuda()
+    model.generation_config.pad_token_id = draft.generation_config.pad_token_id = 0
+    ref = model.generate(prompt, max_new_tokens=48, do_sample=False, attention_mask=torch.ones_like(prompt),
+                         eos_token_id=None, disable_compile=True)
+    torch._dynamo.reset()
+    try:
+        with FallbackWatch() as w:
+            out = fusec.generate(model, prompt, 48, assistant_model=draft, num_assistant_tokens=3, eos_token_id=[])
+        stats = dict(prompt_lookup.last_stats)
+        with FallbackWatch() as w2:
+            hf = model.generate(prompt, max_new_tokens=48, do_sample=False, assistant_model=draft,
+                                eos_token_id=None, compile_config=CompileConfig(backend="fusec"))
+    finally:
+        torch._dynamo.reset()
+    assert not w.fallbacks and w.compiled and not w2.fallbacks, (w.fallbacks, w2.fallbacks)
+    assert torch.equal(out, ref), (out[0, 12:].tolist(), ref[0, 12:].tolist())
+    assert torch.equal(hf, ref), (hf[0, 12:].tolist(), ref[0, 12:].tolist())
+    assert 0 < stats["accepted"] and stats["steps"] < 47, stats
+
+
 def _left_padded(vocab: int, lens: tuple[int, ...], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Random prompts of ``lens`` tokens left-padded with token 0 (input_ids, attention_mask), on CUDA."""
     t = max(lens)

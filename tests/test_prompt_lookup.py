@@ -153,4 +153,5 @@ def test_drafts_stay_inside_a_learned_position_table(caplog):
             out = fusec.generate(m, ids, 6, prompt_lookup_num_tokens=num, eos_token_id=[])
         torch._dynamo.reset()
         assert torch.equal(out, ref), (prompt, num)
-        assert any(f"prompt_lookup_num_tokens {num} -> {fit}" in r.getMessage() for r in caplog.records)
+        assert any(f"prompt_lookup_num_tokens: {num} drafts per step -> {fit}" in r.getMessage()
+                   for r in caplog.records)

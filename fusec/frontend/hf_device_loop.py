@@ -32,7 +32,9 @@ Prompt lookup (``generate(prompt_lookup_num_tokens=N)``) takes ``_assisted_decod
 refuses a static cache and calls the plain forward on a dynamic one: with a fusec
 ``compile_config`` it runs as :func:`fusec.generate`'s prompt lookup (steps of N + 1 query tokens,
 drafts accepted on the device) for one prompt without padding, greedy, transformers' default
-2-gram matching; its tokens are greedy search's.
+2-gram matching; its tokens are greedy search's. With an ``assistant_model`` (and no
+``assistant_tokenizer``) it runs as :func:`fusec.generate`'s speculative decoding with that
+draft model (``num_assistant_tokens`` drafts per step, at most 7), its tokens greedy search's too.
 """
 from __future__ import annotations
 
@@ -79,7 +81,7 @@ def _compile_options(generation_config: Any) -> dict[str, Any] | None:
 
 def refusal(model: Any, input_ids: torch.Tensor, logits_processor: Any, stopping_criteria: Any,
             generation_config: Any, synced_gpus: bool, model_kwargs: dict[str, Any],
-            lookup: bool = False) -> str | None:
+            lookup: bool = False, assistant: Any = None) -> str | None:
     """Why this ``_sample`` call (``lookup``: this ``_assisted_decoding`` call) keeps HF's loop,
     or None when :func:`fusec.generate` runs it.
 
@@ -89,7 +91,9 @@ def refusal(model: Any, input_ids: torch.Tensor, logits_processor: Any, stopping
     ``lookup``: prompt lookup (``prompt_lookup_num_tokens``), which fusec.generate takes for one
     prompt without padding, greedy, with transformers' default n-gram size; HF's own assisted
     decoding needs a dynamic cache and runs the plain forward, so here any cache generate() made
-    will do (fusec.generate makes its own static one)."""
+    will do (fusec.generate makes its own static one). ``assistant``: with ``lookup``, the draft
+    model of assisted decoding (``assistant_model``), whose drafts fusec.generate's speculative
+    decoding makes instead of prompt lookup's."""
     from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
     from fusec.generation.arguments import MAX_BATCH
@@ -119,7 +123,7 @@ def refusal(model: Any, input_ids: torch.Tensor, logits_processor: Any, stopping
             or model_kwargs.get("return_dict") is False:
         return "output_attentions, output_hidden_states or return_dict=False"
     if lookup:
-        why = _lookup_refusal(model, generation_config, model_kwargs)
+        why = _lookup_refusal(model, generation_config, model_kwargs, assistant)
         if why:
             return why
     elif not model._valid_auto_compile_criteria(model_kwargs, generation_config):
@@ -147,10 +151,12 @@ def refusal(model: Any, input_ids: torch.Tensor, logits_processor: Any, stopping
     return None
 
 
-def _lookup_refusal(model: Any, generation_config: Any, model_kwargs: dict[str, Any]) -> str | None:
-    """What of a prompt-lookup call fusec.generate does not do as HF would, or None: a compile HF
-    would not make, transformers' other n-gram sizes, an ensemble weight or ``use_cache=False``
-    (HF refuses both), a sliding-window model."""
+def _lookup_refusal(model: Any, generation_config: Any, model_kwargs: dict[str, Any],
+                    assistant: Any = None) -> str | None:
+    """What of a prompt-lookup call (``assistant``: of assisted decoding with that draft model)
+    fusec.generate does not do as HF would, or None: a compile HF would not make, transformers'
+    other n-gram sizes, an ensemble weight or ``use_cache=False`` (HF refuses both), a
+    sliding-window model (the target or the draft)."""
     cc = generation_config.compile_config
     if getattr(generation_config, "disable_compile", False):
         return "disable_compile"
@@ -160,14 +166,14 @@ def _lookup_refusal(model: Any, generation_config: Any, model_kwargs: dict[str, 
     if (quantizer is not None and not quantizer.is_compileable) or "disk" in devices \
             or ("cpu" in devices and len(devices) > 1):
         return "a quantization or an offload generate() does not compile"
-    if generation_config.max_matching_ngram_size not in (None, 0, 2):   # HF: `or 2`
+    if assistant is None and generation_config.max_matching_ngram_size not in (None, 0, 2):   # HF: `or 2`
         return f"max_matching_ngram_size={generation_config.max_matching_ngram_size} (fusec drafts from 2-grams)"
     if getattr(generation_config, "assistant_ensemble_weight", None) is not None:
         return "assistant_ensemble_weight (HF refuses it with prompt lookup)"
     if not model_kwargs.get("use_cache", True):
         return "use_cache=False (HF's assisted decoding refuses it)"
-    if _sliding(model.config):
-        return "a sliding-window model (fusec's prompt lookup counts positions on the device)"
+    if _sliding(model.config) or (assistant is not None and _sliding(getattr(assistant, "config", None))):
+        return "a sliding-window model (fusec's prompt lookup and draft steps count positions on the device)"
     return None
 
 
@@ -208,15 +214,19 @@ def _eos(stopping_criteria: Any) -> list[int]:
     return ids
 
 
-def _tell(model: Any, why: str, asked: bool = False, lookup: bool = False) -> None:
+def _tell(model: Any, why: str, asked: bool = False, lookup: bool = False, assistant: bool = False) -> None:
     """One info line per model and reason (``asked``: the user chose HF's loop; ``lookup``: of
-    prompt lookup, which HF runs as assisted decoding)."""
+    prompt lookup, which HF runs as assisted decoding; ``assistant``: of assisted decoding with a
+    draft model)."""
     told = model.__dict__.setdefault("_fusec_loop_told", set())
-    key = ("lookup: " if lookup else "") + why
+    key = ("assistant: " if assistant else "lookup: " if lookup else "") + why
     if key in told:
         return
     told.add(key)
-    if lookup:
+    if assistant:
+        log.info("fusec: generate()'s assisted decoding with assistant_model runs HF's own, its plain forward (%s); "
+                 "one greedy prompt without padding runs as fusec.generate's speculative decoding", why)
+    elif lookup:
         log.info("fusec: generate()'s prompt lookup runs as HF's assisted decoding, its plain forward (%s); one "
                  "greedy prompt without padding runs as fusec.generate's prompt lookup", why)
     else:
@@ -225,9 +235,11 @@ def _tell(model: Any, why: str, asked: bool = False, lookup: bool = False) -> No
 
 
 def run(model: Any, input_ids: torch.Tensor, stopping_criteria: Any, generation_config: Any, streamer: Any,
-        model_kwargs: dict[str, Any], options: dict[str, Any], lookup: int | None = None) -> torch.Tensor:
+        model_kwargs: dict[str, Any], options: dict[str, Any], lookup: int | None = None,
+        assistant: Any = None) -> torch.Tensor:
     """The tokens of greedy search (int64 ``[B, T + n]``, as ``_sample`` returns them) by
-    :func:`fusec.generate` (``lookup`` N: with ``prompt_lookup_num_tokens=N``). Its errors
+    :func:`fusec.generate` (``lookup`` N: with ``prompt_lookup_num_tokens=N``, or with a draft
+    model ``assistant``, ``assistant_model=assistant, num_assistant_tokens=N``). Its errors
     propagate: :func:`arguments_refusal` has checked its arguments."""
     import fusec
     pad = generation_config._pad_token_tensor
@@ -236,11 +248,19 @@ def run(model: Any, input_ids: torch.Tensor, stopping_criteria: Any, generation_
                               attention_mask=model_kwargs.get("attention_mask"), eos_token_id=_eos(stopping_criteria),
                               pad_token_id=None if pad is None else int(pad),
                               streamer=_AfterPrompt(streamer) if streamer is not None else None,
-                              options=step_options(options), prompt_lookup_num_tokens=lookup)
+                              options=step_options(options), **_drafts(lookup, assistant))
     except BaseException:
         if streamer is not None:   # a consumer thread waits for the end (fusec.generate ends it on success)
             streamer.end()
         raise
+
+
+def _drafts(lookup: int | None, assistant: Any) -> dict[str, Any]:
+    """:func:`fusec.generate`'s arguments for ``lookup`` drafts per step, by prompt lookup or by
+    the draft model ``assistant``."""
+    if assistant is None:
+        return {"prompt_lookup_num_tokens": lookup}
+    return {"assistant_model": assistant, "num_assistant_tokens": lookup}
 
 
 def step_options(options: dict[str, Any]) -> dict[str, Any]:
@@ -251,7 +271,7 @@ def step_options(options: dict[str, Any]) -> dict[str, Any]:
 
 def arguments_refusal(model: Any, input_ids: torch.Tensor, stopping_criteria: Any, generation_config: Any,
                       streamer: Any, model_kwargs: dict[str, Any], options: dict[str, Any],
-                      lookup: int | None) -> str | None:
+                      lookup: int | None, assistant: Any = None) -> str | None:
     """What :func:`fusec.generate` would refuse in these arguments before any work (its own
     checks, run here: a ``FusecError`` raised later, e.g. by a step, is the call's error), as a
     reason, or None."""
@@ -267,7 +287,11 @@ def arguments_refusal(model: Any, input_ids: torch.Tensor, stopping_criteria: An
         Options.from_dict({"check_watchdog": False, **step_options(options)})
         if lookup is not None:
             from fusec import prompt_lookup
-            prompt_lookup.check_num(lookup, False)
+            if assistant is None:
+                prompt_lookup.check_num(lookup, False)
+            else:
+                prompt_lookup.check_num(lookup, False, "num_assistant_tokens")
+                prompt_lookup.check_assistant(assistant, device)
     except FusecError as e:
         return f"fusec.generate refuses it: {str(e).splitlines()[0]}"
     return None
@@ -275,10 +299,10 @@ def arguments_refusal(model: Any, input_ids: torch.Tensor, stopping_criteria: An
 
 def _on_the_device(model: Any, input_ids: torch.Tensor, logits_processor: Any, stopping_criteria: Any,
                    generation_config: Any, synced_gpus: bool, streamer: Any, model_kwargs: dict[str, Any],
-                   lookup: int | None = None) -> torch.Tensor | None:
+                   lookup: int | None = None, assistant: Any = None) -> torch.Tensor | None:
     """The tokens by :func:`run` where generate()'s ``compile_config`` is fusec's and neither its
     option ``generate_loop="hf"`` nor :func:`refusal` keeps HF's loop; else None (a fusec config:
-    one line says why)."""
+    one line says why). ``lookup``: drafts per step (prompt lookup's, or ``assistant``'s)."""
     options = _compile_options(generation_config)
     if options is None:
         return None
@@ -290,17 +314,20 @@ def _on_the_device(model: Any, input_ids: torch.Tensor, logits_processor: Any, s
         if streamer is not None:   # generate() put the prompt: a consumer thread waits for end()
             streamer.end()
         raise
+    drafts = assistant is not None
     if loop == "hf":
-        _tell(model, "the option generate_loop='hf'", asked=lookup is None, lookup=lookup is not None)
+        _tell(model, "the option generate_loop='hf'", asked=lookup is None, lookup=lookup is not None,
+              assistant=drafts)
         return None
     why = refusal(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus,
-                  model_kwargs, lookup=lookup is not None) or \
+                  model_kwargs, lookup=lookup is not None, assistant=assistant) or \
         arguments_refusal(model, input_ids, stopping_criteria, generation_config, streamer, model_kwargs, options,
-                          lookup)
+                          lookup, assistant)
     if why is not None:
-        _tell(model, why, lookup=lookup is not None)
+        _tell(model, why, lookup=lookup is not None, assistant=drafts)
         return None
-    return run(model, input_ids, stopping_criteria, generation_config, streamer, model_kwargs, options, lookup)
+    return run(model, input_ids, stopping_criteria, generation_config, streamer, model_kwargs, options, lookup,
+               assistant)
 
 
 @functools.cache   # once per process
@@ -331,11 +358,23 @@ def install() -> None:
     _wrap_assisted(GenerationMixin)
 
 
+def _assistant_tokens(generation_config: Any) -> int:
+    """Drafts per step for a draft model: generate()'s ``num_assistant_tokens`` (transformers'
+    default 20, which its schedule adapts; the tokens do not depend on it) at most
+    ``MAX_QUERY_TOKENS - 1``, the most a fusec verification step takes."""
+    from fusec.config import MAX_QUERY_TOKENS
+    from fusec.prompt_lookup import ASSISTANT_TOKENS
+    num = getattr(generation_config, "num_assistant_tokens", None)
+    return min(int(num), MAX_QUERY_TOKENS - 1) if isinstance(num, int) and num >= 1 else ASSISTANT_TOKENS
+
+
 def _wrap_assisted(mixin: type) -> None:
     """Wrap ``mixin._assisted_decoding``: prompt lookup (``prompt_lookup_num_tokens``, no
     assistant model) with a fusec ``compile_config`` that :func:`refusal` accepts runs
     :func:`run` with fusec.generate's prompt lookup (K = N + 1 query tokens per step, drafts
-    accepted on the device); every other call is HF's (which refuses a static cache)."""
+    accepted on the device); an ``assistant_model`` (with the target's tokenizer: no
+    ``assistant_tokenizer``) runs fusec.generate's speculative decoding with it; every other
+    call is HF's (which refuses a static cache)."""
     original = getattr(mixin, "_assisted_decoding", None)
     if original is None or getattr(original, "_fusec", False):
         return
@@ -346,13 +385,18 @@ def _wrap_assisted(mixin: type) -> None:
                            inputs_tensor: Any = None, assistant_model: Any = None, assistant_tokenizer: Any = None,
                            tokenizer: Any = None, **model_kwargs: Any) -> Any:
         num = getattr(generation_config, "prompt_lookup_num_tokens", None)
-        if num is not None and assistant_model is None \
-                and getattr(generation_config, "assistant_early_exit", None) is None \
-                and not getattr(generation_config, "use_mtp", False):
+        plain = getattr(generation_config, "assistant_early_exit", None) is None \
+            and not getattr(generation_config, "use_mtp", False)
+        out = None
+        if plain and num is not None and assistant_model is None:
             out = _on_the_device(self, input_ids, logits_processor, stopping_criteria, generation_config,
                                  synced_gpus, streamer, model_kwargs, lookup=int(num))
-            if out is not None:
-                return out
+        elif plain and assistant_model is not None and assistant_tokenizer is None:
+            out = _on_the_device(self, input_ids, logits_processor, stopping_criteria, generation_config,
+                                 synced_gpus, streamer, model_kwargs, lookup=_assistant_tokens(generation_config),
+                                 assistant=assistant_model)
+        if out is not None:
+            return out
         return original(self, input_ids, logits_processor, stopping_criteria, generation_config,
                         synced_gpus=synced_gpus, streamer=streamer, inputs_tensor=inputs_tensor,
                         assistant_model=assistant_model, assistant_tokenizer=assistant_tokenizer,

@@ -1,0 +1,141 @@
+"""Speculative decoding with a draft model (issue 32, item 2): ``fusec.generate(...,
+assistant_model=draft)`` and HF ``generate(assistant_model=draft, compile_config=fusec)``, on the
+CPU simulator. The draft model's steps (2 then 1 query tokens) and the target's K-token
+verification step are fusec steps (no fallback), all on the device, and the output equals greedy
+decoding's token for token (fusec.prompt_lookup.ModelDrafter)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fusec
+import hf_tiny
+from fusec import prompt_lookup
+from fusec.errors import FusecError
+from fusec.fallbacks import FallbackWatch
+
+
+def _varied(seed: int, layers: int = 2):
+    """A tiny Llama (fp32) whose greedy text varies (its own LM head, not the tied embedding)."""
+    m = hf_tiny.llama(seed=seed, layers=layers)
+    g = torch.Generator().manual_seed(seed)
+    m.lm_head.weight = torch.nn.Parameter(torch.randn(m.lm_head.weight.shape, generator=g) * 0.3)
+    m.generation_config.pad_token_id = 0
+    return m
+
+
+def _near(target, noise: float = 0.15, seed: int = 7):
+    """A draft that agrees with ``target`` in part: the target's weights, its LM head moved by
+    Gaussian noise (some greedy tokens differ, others not)."""
+    import copy
+    d = copy.deepcopy(target)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        d.lm_head.weight.add_(torch.randn(d.lm_head.weight.shape, generator=g) * noise)
+    return d
+
+
+def _prompt(seed: int, n: int = 10) -> torch.Tensor:
+    return torch.randint(1, 128, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("num", [1, 3, 7])
+def test_a_draft_model_gives_greedys_tokens(num, caplog):
+    """Target and a draft that agrees with it in part (:func:`_near`): the output equals greedy's
+    (fusec.generate without drafts) for 30 new tokens; fusec compiles the K = num + 1
+    verification and the draft's 2-token step (its 1-token step too at num > 1, whose drafts
+    after the first it makes; at num = 1 dynamo serves the draft's 2-token step with the
+    target's graph, the draft having the target's architecture), no fallback; some drafts are
+    accepted, some rejected."""
+    target = _varied(1)
+    draft = _near(target)
+    prompt = _prompt(3)
+    ref = fusec.generate(target, prompt, 30, eos_token_id=[])
+    torch._dynamo.reset()
+    with FallbackWatch() as w, caplog.at_level("INFO", logger="fusec"):
+        out = fusec.generate(target, prompt, 30, eos_token_id=[], assistant_model=draft, num_assistant_tokens=num)
+    torch._dynamo.reset()
+    assert torch.equal(out, ref), (out.tolist(), ref.tolist())
+    assert w.compiled == (1 if num == 1 else 3) and not w.fallbacks, (w.compiled, w.fallbacks)
+    stats = prompt_lookup.last_stats
+    assert any(f"speculative-decoding steps of K = {num + 1}" in r.getMessage() for r in caplog.records)
+    assert stats["tokens"] == 30 and 0 < stats["accepted"] < stats["steps"] * num, stats
+
+
+def test_the_target_as_its_own_draft_accepts_every_draft():
+    """The target drafting for itself: every draft is greedy's token, so every step accepts all
+    ``num`` of them (up to the output's end), and each step's first draft is the token after a
+    second-to-last token fed again (the invariant of ModelDrafter); the output equals greedy's."""
+    target = _varied(4)
+    prompt = _prompt(5)
+    ref = fusec.generate(target, prompt, 26, eos_token_id=[])
+    out = fusec.generate(target, prompt, 26, eos_token_id=[], assistant_model=target, num_assistant_tokens=4)
+    assert torch.equal(out, ref)
+    stats = prompt_lookup.last_stats
+    assert stats == {"steps": 5, "accepted": 20, "tokens": 26}, stats   # 1 + 5 * (4 + 1) tokens
+
+
+def test_a_draft_model_stops_at_eos_like_greedy():
+    """An eos id greedy search meets: the output stops after it, as greedy's does."""
+    target, draft = _varied(1), _varied(6, layers=1)
+    prompt = _prompt(3)
+    free = fusec.generate(target, prompt, 30, eos_token_id=[])
+    eos = int(free[0, 10 + 11])
+    ref = fusec.generate(target, prompt, 30, eos_token_id=eos)
+    out = fusec.generate(target, prompt, 30, eos_token_id=eos, assistant_model=draft, num_assistant_tokens=3)
+    assert torch.equal(out, ref) and out.shape[1] <= 10 + 12
+
+
+def test_draft_model_argument_errors():
+    """Each invalid combination names what is wrong, before any work."""
+    target, draft = _varied(1), _varied(2, layers=1)
+    prompt = _prompt(3)
+    cases = [
+        (dict(assistant_model=draft, prompt_lookup_num_tokens=3), "both given"),
+        (dict(num_assistant_tokens=3), "num_assistant_tokens without assistant_model"),
+        (dict(assistant_model=draft, num_assistant_tokens=8), "num_assistant_tokens=8 must be an int from 1 to 7"),
+        (dict(assistant_model=draft, do_sample=True), "assistant_model works with greedy decoding only"),
+        (dict(assistant_model=torch.nn.Linear(2, 2)), "assistant_model: Linear has no Hugging Face config"),
+        (dict(assistant_model=draft, attention_mask=torch.tensor([[0] + [1] * 9])), "one prompt without padding"),
+    ]
+    for kw, text in cases:
+        with pytest.raises(FusecError, match=text):
+            fusec.generate(target, prompt, 8, **kw)
+
+
+def _cc():
+    from transformers.generation import CompileConfig
+    cc = CompileConfig(backend="fusec")
+    cc._compile_all_devices = True   # HF compiles on CUDA only unless told (this machine has no GPU)
+    return cc
+
+
+@pytest.mark.parametrize("cache", ["static", None])
+def test_assistant_model_through_generate_runs_fusecs_speculative_decoding(cache, caplog):
+    """generate(assistant_model=draft, compile_config=fusec): HF's assisted decoding refuses a
+    static cache and runs its plain forward on a dynamic one; through fusec it is
+    fusec.generate's speculative decoding (HF's default num_assistant_tokens, 20, taken as 7:
+    steps of 8 query tokens) on either, and its tokens equal eager greedy search's."""
+    target, draft = _varied(1), _varied(2, layers=1)
+    prompt = _prompt(7)
+    ref = target.generate(prompt, max_new_tokens=24, do_sample=False)
+    torch._dynamo.reset()
+    with FallbackWatch() as w, caplog.at_level("INFO", logger="fusec"):
+        out = target.generate(prompt, max_new_tokens=24, do_sample=False, assistant_model=draft,
+                              cache_implementation=cache, compile_config=_cc())
+    torch._dynamo.reset()
+    assert torch.equal(out, ref) and not w.fallbacks and w.compiled == 3, (w.compiled, w.fallbacks)
+    assert any("speculative-decoding steps of K = 8" in r.getMessage() for r in caplog.records)
+
+
+def test_assistant_model_with_sampling_runs_hfs_assisted_decoding(caplog):
+    """Sampling with a draft model: HF's own assisted decoding (its dynamic cache, its plain
+    forward), one line says why."""
+    target, draft = _varied(1), _varied(2, layers=1)
+    prompt = _prompt(7)
+    with FallbackWatch() as w, caplog.at_level("INFO", logger="fusec"):
+        out = target.generate(prompt, max_new_tokens=6, do_sample=True, assistant_model=draft,
+                              compile_config=_cc())
+    assert out.shape == (1, 16) and not w.compiled
+    assert any("assisted decoding with assistant_model runs HF's own, its plain forward (sampling"
+               in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
