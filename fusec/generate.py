@@ -298,6 +298,7 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: in
         raise FusecError("fusec.generate: num_assistant_tokens without assistant_model")
     if prompt_lookup_num_tokens is not None or assistant_model is not None:
         from fusec import prompt_lookup
+        prompt_lookup.last_stats.clear()   # set again only where drafts run
         what = "prompt_lookup_num_tokens" if assistant_model is None else "assistant_model"
         if prompt_lookup_num_tokens is not None and assistant_model is not None:
             raise FusecError("fusec.generate: prompt_lookup_num_tokens and assistant_model both given: "
@@ -309,7 +310,7 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: in
         if assistant_model is None:
             num = prompt_lookup.check_num(prompt_lookup_num_tokens, sample)
         else:
-            prompt_lookup.check_assistant(assistant_model, device)
+            prompt_lookup.check_assistant(assistant_model, device, model.config.vocab_size)
             num = prompt_lookup.check_num(prompt_lookup.ASSISTANT_TOKENS if num_assistant_tokens is None
                                           else num_assistant_tokens, sample, "num_assistant_tokens")
         limit = input_ids.shape[1] + max_new_tokens

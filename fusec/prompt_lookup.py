@@ -99,9 +99,11 @@ def check_num(num: Any, sample: bool, name: str = "prompt_lookup_num_tokens") ->
     return num
 
 
-def check_assistant(assistant: Any, device: torch.device) -> None:
+def check_assistant(assistant: Any, device: torch.device, vocab: int | None = None) -> None:
     """A draft model for ``fusec.generate(assistant_model=...)`` checked: a Hugging Face causal LM
-    (:func:`fusec.generation.arguments.check_model`) on the target's ``device``.
+    (:func:`fusec.generation.arguments.check_model`) on the target's ``device`` whose token
+    embedding has at least the target's ``vocab`` rows (it reads every token the target
+    generates; a larger one drafts ids past the target's, clamped).
 
     Raises:
         FusecError: naming what is wrong.
@@ -114,6 +116,11 @@ def check_assistant(assistant: Any, device: torch.device) -> None:
         raise FusecError(str(e).replace("fusec.generate: ", "fusec.generate: assistant_model: ", 1)) from None
     if where != device:
         raise FusecError(f"fusec.generate: assistant_model is on {where}, the model on {device}: put both on one device")
+    rows = getattr(assistant.get_input_embeddings(), "num_embeddings", None)
+    if isinstance(rows, int) and isinstance(vocab, int) and rows < vocab:
+        raise FusecError(f"fusec.generate: assistant_model's embedding has {rows} rows, fewer than the model's "
+                         f"vocabulary of {vocab}: the draft model must read every token the model generates "
+                         "(a draft with the same tokenizer)")
 
 
 def position_table_rows(model: torch.nn.Module) -> int | None:
@@ -141,8 +148,8 @@ def fit_position_table(model: torch.nn.Module, limit: int, num: int, name: str =
     if rows is None or limit + num <= rows:
         return num
     fit = max(0, rows - limit)
-    log.info("fusec.generate: %s: %d drafts per step -> %d: the verification step's rows would pass "
-             "the model's %d-row position table (prompt + max_new_tokens = %d)%s", name, num, fit, rows, limit,
+    log.info("fusec.generate: %s: %d drafts per step -> %d: a step's query rows would pass %s's %d-row "
+             "position table (prompt + max_new_tokens = %d)%s", name, num, fit, type(model).__name__, rows, limit,
              "; generating one token per step" if fit == 0 else "")
     return fit
 
@@ -164,11 +171,21 @@ def accept(inp: torch.Tensor, preds: torch.Tensor) -> torch.Tensor:
 
 class VerifyStep(torch.nn.Module):
     """The verification step: ``forward(tokens [1, K], cache) -> preds [K]``, the greedy
-    token after each of the K query tokens (``argmax`` of the logits, first among equal)."""
+    token after each of the K query tokens (``argmax`` of the logits, first among equal).
+
+    Each instance runs its own copy of ``forward``'s code object: dynamo keeps compiled graphs
+    per code object, at most ``torch._dynamo.config.recompile_limit`` (8) of them, and every K
+    of every model and a draft model's two steps would otherwise share one, the ninth running
+    eagerly without a word (``tests/test_draft_model.py``)."""
 
     def __init__(self, model: torch.nn.Module):
+        import types
         super().__init__()
         self.model = model
+        fn = VerifyStep.forward
+        own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__,
+                                 fn.__closure__)
+        object.__setattr__(self, "forward", types.MethodType(own, self))
 
     def forward(self, tokens: torch.Tensor, cache: Any) -> torch.Tensor:
         logits = self.model(input_ids=tokens, past_key_values=cache, use_cache=True).logits
@@ -197,8 +214,8 @@ class LookupDecoder:
         dev = hist.device
         self.n = torch.full((1,), n, dtype=torch.int64, device=dev)
         self.inp = torch.zeros(1, k, dtype=torch.int64, device=dev)
-        # every K compiles VerifyStep.forward, one code object: without the marks dynamo's
-        # automatic dynamic shapes would make the query length symbolic at a second K (a fallback)
+        # the query tokens' dims are fixed: dynamo's automatic dynamic shapes must never make
+        # the query length symbolic (a fallback)
         torch._dynamo.mark_static(self.inp, 0)
         torch._dynamo.mark_static(self.inp, 1)
         self.ar = torch.arange(k, device=dev)
@@ -255,11 +272,12 @@ class ModelDrafter:
         self.pair_step, self.one_step, self.cache, self.vocab = pair_step, one_step, cache, vocab
         self.pair = torch.zeros(1, 2, dtype=torch.int64, device=device)
         self.tok = torch.zeros(1, 1, dtype=torch.int64, device=device)
-        for t in (self.pair, self.tok):   # one code object for every K: no symbolic query length
+        for t in (self.pair, self.tok):   # fixed query lengths (LookupDecoder's marks)
             torch._dynamo.mark_static(t, 0)
             torch._dynamo.mark_static(t, 1)
         self.out = torch.zeros(num, dtype=torch.int64, device=device)
         self.two = torch.arange(2, device=device)
+        self.new = False   # whether a step was compiled for this call (a first call must reach fusec)
 
     def __call__(self, hist: torch.Tensor, n: torch.Tensor, num: int) -> torch.Tensor:
         self.pair[0].copy_(hist[n - 2 + self.two])
@@ -362,6 +380,7 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: in
             object.__setattr__(model, "_fusec_generate_steps", steps)
         opts = {**options, "query_tokens": max(k, int(options.get("query_tokens", 1)))}
         key = ("prompt_lookup", k, repr(sorted(opts.items())))
+        new_steps = key not in steps or (drafter is not None and drafter.new)
         if key not in steps:
             steps[key] = torch.compile(VerifyStep(model), backend="fusec", options=opts)
         dec = LookupDecoder(steps[key], cache, hist, p + 1, limit, k, drafter)
@@ -415,10 +434,13 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: in
                 with FallbackWatch() as w:
                     for _ in range(gen_mod.WARMUP if cuda else 1):
                         dec.one()        # the first call compiles
+                kind = "prompt-lookup" if assistant is None else "speculative-decoding"
                 if w.fallbacks:
                     warn_fallback("fusec.generate: a %s step did not compile with fusec (%s); generating "
-                                  "with the fallback (correct, slower)",
-                                  "prompt-lookup" if assistant is None else "speculative-decoding", w.fallbacks[0])
+                                  "with the fallback (correct, slower)", kind, w.fallbacks[0])
+                elif new_steps and not w.compiled:
+                    warn_fallback("fusec.generate: the %s steps never reached fusec (dynamo ran them without "
+                                  "calling the backend); generating eagerly (correct, slower)", kind)
                 if cuda:
                     graph = _capture(dec, gen_mod.CHUNK)
                 first = False
@@ -475,11 +497,14 @@ def _model_drafter(assistant: torch.nn.Module, input_ids: torch.Tensor, max_len:
     if steps is None:
         steps = gen_mod._StepCache()
         object.__setattr__(assistant, "_fusec_generate_steps", steps)
-    compiled = []
+    compiled, new = [], False
     for k in (2, 1):
         opts = {**options, "query_tokens": max(k, int(options.get("query_tokens", 1)))}
         key = ("draft", k, repr(sorted(opts.items())))
         if key not in steps:
             steps[key] = torch.compile(VerifyStep(assistant), backend="fusec", options=opts)
+            new = True
         compiled.append(steps[key])
-    return ModelDrafter(compiled[0], compiled[1], dcache, num, vocab, input_ids.device)
+    drafter = ModelDrafter(compiled[0], compiled[1], dcache, num, vocab, input_ids.device)
+    drafter.new = new
+    return drafter

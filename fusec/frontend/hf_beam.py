@@ -57,18 +57,18 @@ class _BeamModel:
 
     def _reorder_cache(self, cache: Any, beam_idx: torch.Tensor) -> Any:
         """``cache`` with its rows (dim 0: batch times beams) gathered by ``beam_idx`` (int64
-        ``[B * N]``): each static layer's keys and values in place (``torch.index_select`` then
-        ``copy_``), any other cache as transformers reorders it (the model's ``_reorder_cache``
-        where its class has one, else the cache's ``reorder_cache``)."""
-        model = self._fusec_model
+        ``[B * N]``), as transformers' ``_beam_search`` would, whose first choice is the model
+        class's own ``_reorder_cache`` where it has one (XLNet, RAG); else each static layer's
+        keys and values in place (``torch.index_select`` then ``copy_``); else the cache's
+        ``reorder_cache``."""
+        own = getattr(self._fusec_model, "_reorder_cache", None)
+        if own is not None:
+            return own(cache, beam_idx)
         if _gatherable(cache):
             for layer in cache.layers:
                 for t in (layer.keys, layer.values):
                     t.copy_(t.index_select(0, beam_idx.to(t.device)))
             return cache
-        own = getattr(model, "_reorder_cache", None)
-        if own is not None:
-            return own(cache, beam_idx)
         cache.reorder_cache(beam_idx)
         return cache
 

@@ -131,9 +131,10 @@ def refusal(model: Any, input_ids: torch.Tensor, logits_processor: Any, stopping
     if getattr(model_kwargs.get("past_key_values"), "_is_user_defined", False):
         return "a cache the caller passed (generate() must fill it)"
     rows, length = input_ids.shape
+    drafts = "a draft model" if assistant is not None else "prompt lookup"
     if not 1 <= rows <= (1 if lookup else MAX_BATCH):
         return f"a batch of {rows} sequences (at most {1 if lookup else MAX_BATCH}" + \
-            (" with prompt lookup)" if lookup else ")")
+            (f" with {drafts})" if lookup else ")")
     if _max_new_tokens(stopping_criteria, length) < 1:
         return "no new token to generate"
     if model_kwargs.get("cache_position") is not None:
@@ -142,7 +143,7 @@ def refusal(model: Any, input_ids: torch.Tensor, logits_processor: Any, stopping
     if mask is not None and mask.shape != input_ids.shape:
         return f"an attention mask of shape {tuple(mask.shape)} for input_ids {tuple(input_ids.shape)}"
     if lookup and mask is not None and not bool(mask.all()):
-        return "prompt lookup of a padded prompt"
+        return f"{drafts} with a padded prompt"
     pos = model_kwargs.get("position_ids")
     if pos is not None:
         made = positions(mask.long()) if mask is not None else torch.arange(length, device=pos.device).expand(rows, -1)
@@ -224,8 +225,9 @@ def _tell(model: Any, why: str, asked: bool = False, lookup: bool = False, assis
         return
     told.add(key)
     if assistant:
-        log.info("fusec: generate()'s assisted decoding with assistant_model runs HF's own, its plain forward (%s); "
-                 "one greedy prompt without padding runs as fusec.generate's speculative decoding", why)
+        log.info("fusec: generate()'s assisted decoding runs HF's own, its plain forward (%s); with an "
+                 "assistant_model, one greedy prompt without padding runs as fusec.generate's speculative decoding",
+                 why)
     elif lookup:
         log.info("fusec: generate()'s prompt lookup runs as HF's assisted decoding, its plain forward (%s); one "
                  "greedy prompt without padding runs as fusec.generate's prompt lookup", why)
@@ -291,7 +293,7 @@ def arguments_refusal(model: Any, input_ids: torch.Tensor, stopping_criteria: An
                 prompt_lookup.check_num(lookup, False)
             else:
                 prompt_lookup.check_num(lookup, False, "num_assistant_tokens")
-                prompt_lookup.check_assistant(assistant, device)
+                prompt_lookup.check_assistant(assistant, device, model.config.vocab_size)
     except FusecError as e:
         return f"fusec.generate refuses it: {str(e).splitlines()[0]}"
     return None
@@ -304,8 +306,8 @@ def _on_the_device(model: Any, input_ids: torch.Tensor, logits_processor: Any, s
     option ``generate_loop="hf"`` nor :func:`refusal` keeps HF's loop; else None (a fusec config:
     one line says why). ``lookup``: drafts per step (prompt lookup's, or ``assistant``'s)."""
     options = _compile_options(generation_config)
-    if options is None:
-        return None
+    if options is None or getattr(generation_config, "is_assistant", False):
+        return None   # not fusec's; or the draft model's own generate() inside HF's assisted decoding
     from fusec.config import Options
     from fusec.errors import FusecError
     try:
@@ -395,6 +397,10 @@ def _wrap_assisted(mixin: type) -> None:
             out = _on_the_device(self, input_ids, logits_processor, stopping_criteria, generation_config,
                                  synced_gpus, streamer, model_kwargs, lookup=_assistant_tokens(generation_config),
                                  assistant=assistant_model)
+        elif _compile_options(generation_config) is not None \
+                and not getattr(generation_config, "is_assistant", False):
+            _tell(self, "assistant_tokenizer (a draft model with its own tokenizer)" if assistant_tokenizer is not None
+                  else "assistant_early_exit or use_mtp (the model drafts for itself)", lookup=True, assistant=True)
         if out is not None:
             return out
         return original(self, input_ids, logits_processor, stopping_criteria, generation_config,
