@@ -43,7 +43,7 @@ from fusec.frontend.precompiled import PrecompiledStep
 from fusec.generation.arguments import MAX_BATCH, check_args, check_model, eos_ids, pad_id  # noqa: F401 (MAX_BATCH)
 from fusec.generation.batch import Batch, full_attention, host_counted, positions, static_batch
 from fusec.generation.selection import finish, gumbel_, select
-from fusec.generation.steps import BatchDecodeStep, DecodeStep, takes
+from fusec.generation.steps import BatchDecodeStep, DecodeStep, own_forward, takes
 
 log = logging.getLogger("fusec")
 
@@ -125,7 +125,7 @@ def _compiled_step(model: torch.nn.Module, sample: bool, temperature: float, top
         wrapper = DecodeStep(model, sample, temperature, top_k, select_in_graph) if batch is None else \
             BatchDecodeStep(model, sample, temperature, top_k, select_in_graph, *batch)
         steps[key] = PrecompiledStep(wrapper, model, options) if PRECOMPILE and precompile else \
-            torch.compile(wrapper, backend="fusec", options=options)
+            torch.compile(own_forward(wrapper), backend="fusec", options=options)   # graphs of its own
     return steps[key]
 
 

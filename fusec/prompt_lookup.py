@@ -173,19 +173,16 @@ class VerifyStep(torch.nn.Module):
     """The verification step: ``forward(tokens [1, K], cache) -> preds [K]``, the greedy
     token after each of the K query tokens (``argmax`` of the logits, first among equal).
 
-    Each instance runs its own copy of ``forward``'s code object: dynamo keeps compiled graphs
-    per code object, at most ``torch._dynamo.config.recompile_limit`` (8) of them, and every K
-    of every model and a draft model's two steps would otherwise share one, the ninth running
+    Each instance runs its own copy of ``forward``'s code object
+    (:func:`fusec.generation.steps.own_forward`): every K of every model and a draft model's two
+    steps would otherwise share one, past dynamo's 8 graphs per code object the ninth running
     eagerly without a word (``tests/test_draft_model.py``)."""
 
     def __init__(self, model: torch.nn.Module):
-        import types
+        from fusec.generation.steps import own_forward
         super().__init__()
         self.model = model
-        fn = VerifyStep.forward
-        own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__,
-                                 fn.__closure__)
-        object.__setattr__(self, "forward", types.MethodType(own, self))
+        own_forward(self)
 
     def forward(self, tokens: torch.Tensor, cache: Any) -> torch.Tensor:
         logits = self.model(input_ids=tokens, past_key_values=cache, use_cache=True).logits

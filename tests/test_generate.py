@@ -196,3 +196,19 @@ def test_argument_errors():
         args = {"model": model, "input_ids": ids, "max_new_tokens": 4, **kw}
         with pytest.raises(FusecError, match=msg):
             fusec.generate(args.pop("model"), args.pop("input_ids"), args.pop("max_new_tokens"), **args)
+
+
+def test_steps_compiled_without_precompile_each_reach_fusec(monkeypatch):
+    """A model whose cache counts positions on the host (sliding-window layers: plain
+    ``torch.compile`` of the step, no precompile) sampled at two temperatures, each a step of its
+    own: with dynamo's graphs per code object limited to 1, both compile with fusec (each step
+    runs its own copy of ``forward``'s code); before, the second ran eagerly without a word."""
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    model = hf_tiny.mistral_sw()
+    torch._dynamo.reset()
+    for t in (0.7, 1.3):
+        with FallbackWatch() as w:
+            fusec.generate(model, _prompt(2), 3, do_sample=True, temperature=t, options=FAST,
+                           generator=torch.Generator().manual_seed(0))
+        assert w.compiled and not w.fallbacks, (t, w.compiled, w.fallbacks)
+    torch._dynamo.reset()

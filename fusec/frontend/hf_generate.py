@@ -103,13 +103,14 @@ class HFDecodeCall:
     def step_for(self, names: tuple[str, ...]) -> Any:
         """The precompiled step of a call with keyword arguments ``names`` (in call order)."""
         from fusec.frontend.precompiled import PrecompiledStep
+        from fusec.generation.steps import own_forward
         if names not in self.steps:
             module, kw = _ModelCall(self.model, names), compile_kwargs(self.compile_config)
             # without a precompiled step (the cache option off, a graph break under fullgraph):
             # the same call through torch.compile with generate()'s config; the marks still
             # make the cache's length symbolic from the first call
             self.steps[names] = PrecompiledStep(module, self.model, self.options,
-                                                fallback=lambda: torch.compile(module, **kw),
+                                                fallback=lambda: torch.compile(own_forward(module), **kw),
                                                 before_trace=lambda args, _: _mark_masks(names, args))
         return self.steps[names]
 

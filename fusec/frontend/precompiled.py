@@ -389,7 +389,8 @@ class PrecompiledStep:
         # traces with a backend of its own, so nothing else would import it before the trace
         import fusec.frontend.backend  # noqa: F401
         self.module, self.model, self.options = module, model, dict(options)
-        self.fallback = fallback or (lambda: torch.compile(module, backend="fusec", options=self.options))
+        from fusec.generation.steps import own_forward   # graphs of its own (its docstring)
+        self.fallback = fallback or (lambda: torch.compile(own_forward(module), backend="fusec", options=self.options))
         self.before_trace = before_trace or (lambda args, kwargs: None)
         self.entries: list[Any] = []        # loaded AOT functions, most recent first
         self.compiled: Callable | None = None   # the fallback, once the precompile failed

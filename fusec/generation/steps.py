@@ -20,6 +20,22 @@ def takes(model: torch.nn.Module, name: str) -> bool:
         return False
 
 
+def own_forward(module: torch.nn.Module) -> torch.nn.Module:
+    """``module`` with its own copy of its class's ``forward`` code object (an instance
+    attribute; same code, same globals), returned for chaining.
+
+    dynamo keeps compiled graphs per code object, at most ``torch._dynamo.config.recompile_limit``
+    (8) of them, then runs the frame eagerly with a one-time torch warning and no backend call:
+    every ``torch.compile`` of a wrapper class (each model, query length, batch size and sampling
+    setting a step of its own) would share the class's ``forward`` and the ninth would run
+    without fusec. A copy per instance gives each compiled step its own graphs."""
+    import types
+    fn = type(module).forward
+    own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    object.__setattr__(module, "forward", types.MethodType(own, module))
+    return module
+
+
 class DecodeStep(torch.nn.Module):
     """One decode step that picks its next token on the device and feeds it back in place.
 
