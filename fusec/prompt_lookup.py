@@ -384,25 +384,32 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: in
 
         host_n = torch.empty(1, dtype=torch.int64, pin_memory=cuda)
         host_hist = torch.empty_like(hist, device="cpu", pin_memory=cuda)
-        pending: collections.deque = collections.deque()
+        pending: collections.deque = collections.deque()   # (event, steps) per copy in flight
         shown = p
+        seen = {"n": p + 1, "rate": 1.0}   # the last length read on the host; tokens per step then
 
-        def enqueue() -> None:
-            host_n.copy_(dec.n, non_blocking=cuda)
+        def enqueue(steps: int) -> None:
+            # the history before its length: both copies share one host buffer each, and a later
+            # copy may land while an earlier one is read; positions below a length never change
+            # again, so a length read from the host always has its tokens there
             host_hist.copy_(hist, non_blocking=cuda)
+            host_n.copy_(dec.n, non_blocking=cuda)
             ev = None
             if cuda:
                 ev = torch.cuda.Event()
                 ev.record()
-            pending.append(ev)
+            pending.append((ev, steps))
 
         def consume() -> int | None:
             """The oldest copy on the host: stream its new tokens; the output's end if done."""
             nonlocal shown
-            ev = pending.popleft()
+            ev, steps = pending.popleft()
             if ev is not None:
                 ev.synchronize()
             n = int(host_n[0])
+            if steps and n > seen["n"]:
+                seen["rate"] = (n - seen["n"]) / steps
+            seen["n"] = max(seen["n"], n)
             new = host_hist[shown:n]
             end = None
             if eos:
@@ -427,6 +434,12 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: in
         # the CPU (simulator): one step per chunk, checked at once (no device runs ahead to overlap)
         chunk = gen_mod.CHUNK if cuda else 1
         while end is None:
+            if cuda and pending and not first and \
+                    limit - seen["n"] <= seen["rate"] * sum(steps for _, steps in pending):
+                # at the last rate the steps in flight end the output: read them before launching
+                # more (a chunk launched one behind would be all past the end: 16 wasted steps)
+                end = consume()
+                continue
             if first:
                 with FallbackWatch() as w:
                     for _ in range(gen_mod.WARMUP if cuda else 1):
@@ -441,12 +454,15 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: in
                 if cuda:
                     graph = _capture(dec, gen_mod.CHUNK)
                 first = False
+                steps = gen_mod.WARMUP if cuda else 1
             elif graph is not None:
                 graph.replay()
+                steps = gen_mod.CHUNK
             else:
                 for _ in range(chunk):
                     dec.one()
-            enqueue()
+                steps = chunk
+            enqueue(steps)
             while len(pending) > (1 if cuda else 0) and end is None:   # CUDA: one chunk behind the device
                 end = consume()
         while pending and end is None:

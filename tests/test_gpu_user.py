@@ -21,7 +21,10 @@ def test_hf_generate_through_fusec_equals_eager(factory, loop):
     model = factory().cuda()
     model.generation_config.pad_token_id = 0
     prompt = torch.randint(1, model.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(4)).cuda()
-    ref = model.generate(prompt, max_new_tokens=40, do_sample=False, cache_implementation="static")
+    # disable_compile: on CUDA HF compiles a static-cache generate() by itself (its own
+    # `_compiled_call`, inductor), which the reference must not be
+    ref = model.generate(prompt, max_new_tokens=40, do_sample=False, cache_implementation="static",
+                         disable_compile=True)
     torch._dynamo.reset()
     cc = CompileConfig(backend="fusec", options=None if loop == "device" else {"generate_loop": "hf"})
     with FallbackWatch() as w:
@@ -44,10 +47,10 @@ def test_hf_generate_of_a_padded_batch_through_the_device_loop_equals_eager():
     mask = torch.ones(4, 9, dtype=torch.long, device="cuda")
     mask[1, :4] = mask[3, :2] = 0
     free = model.generate(prompt, attention_mask=mask, max_new_tokens=40, do_sample=False,
-                          cache_implementation="static", eos_token_id=[])
+                          cache_implementation="static", eos_token_id=[], disable_compile=True)
     eos = [int(free[0, 9 + 20]), int(free[2, 9 + 30])]
     ref = model.generate(prompt, attention_mask=mask, max_new_tokens=40, do_sample=False,
-                         cache_implementation="static", eos_token_id=eos)
+                         cache_implementation="static", eos_token_id=eos, disable_compile=True)
     torch._dynamo.reset()
     with FallbackWatch() as w:
         out = model.generate(prompt, attention_mask=mask, max_new_tokens=40, do_sample=False,
