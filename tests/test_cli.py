@@ -72,7 +72,7 @@ def test_model_file_can_import_beside_itself(tmp_path, capsys):
 def test_module_entry_point_exit_code(tmp_path):
     missing = tmp_path / "gone.py"
     proc = subprocess.run(
-        [sys.executable, "-m", "fusec.cli", "compile", str(missing)],
+        [sys.executable, "-m", "fusec", "compile", str(missing)],
         capture_output=True, text=True, cwd=ROOT, timeout=300,
     )
     assert proc.returncode == 2

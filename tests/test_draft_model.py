@@ -120,8 +120,9 @@ def _cc():
 def test_assistant_model_through_generate_runs_fusecs_speculative_decoding(cache, caplog):
     """generate(assistant_model=draft, compile_config=fusec): HF's assisted decoding refuses a
     static cache and runs its plain forward on a dynamic one; through fusec it is
-    fusec.generate's speculative decoding (HF's default num_assistant_tokens, 20, taken as 7:
-    steps of 8 query tokens) on either, and its tokens equal eager greedy search's."""
+    fusec.generate's speculative decoding (the draft's num_assistant_tokens, as HF reads it:
+    its default, 20, taken as 7: steps of 8 query tokens; 3 when set: steps of 4) on either, and
+    its tokens equal eager greedy search's."""
     target, draft = _varied(1), _varied(2, layers=1)
     prompt = _prompt(7)
     ref = target.generate(prompt, max_new_tokens=16, do_sample=False)
@@ -132,6 +133,14 @@ def test_assistant_model_through_generate_runs_fusecs_speculative_decoding(cache
     torch._dynamo.reset()
     assert torch.equal(out, ref) and not w.fallbacks and w.compiled == 3, (w.compiled, w.fallbacks)
     assert any("speculative-decoding steps of K = 8" in r.getMessage() for r in caplog.records)
+    draft.generation_config.num_assistant_tokens = 3
+    caplog.clear()
+    with caplog.at_level("INFO", logger="fusec"):
+        out = target.generate(prompt, max_new_tokens=16, do_sample=False, assistant_model=draft,
+                              cache_implementation=cache, compile_config=_cc())
+    torch._dynamo.reset()
+    assert torch.equal(out, ref)
+    assert any("speculative-decoding steps of K = 4" in r.getMessage() for r in caplog.records)
 
 
 def test_assistant_model_with_sampling_runs_hfs_assisted_decoding(caplog):

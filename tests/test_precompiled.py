@@ -387,3 +387,22 @@ def test_two_decode_calls_on_one_cache_keep_the_length_symbolic(cache_on, caplog
         step(48, {"return_dict": True})
     assert not w.fallbacks, w.fallbacks
     assert traced == 2 and len(_records(caplog, "stage precompiled   traced")) == 2, caplog.text[-2000:]
+
+
+def test_a_second_model_with_another_head_dim_precompiles_its_own_step(cache_on):
+    """Two models in one process whose SDPA scales differ (head_dim 16, then 32): each gets its
+    own precompiled step and compiles with fusec. Before, both traces ran one ``_run`` code and
+    dynamo's automatic dynamic shapes made the second's scale a dynamic float: the capture
+    failed (``TensorifyScalarRestartAnalysis``), the step ran eagerly, and the entry it stored
+    made every later process fall back too."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    base = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=128)
+    prompt = torch.randint(3, 100, (1, 7), generator=torch.Generator().manual_seed(0))
+    for extra in ({}, {"head_dim": 32}):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(**base, **extra)).eval()
+        with FallbackWatch() as w:
+            out = fusec.generate(model, prompt, 4, eos_token_id=[], options=OPTS)
+        assert w.compiled and not w.fallbacks, (extra, w.fallbacks)
+        assert torch.equal(out, _hf(model, prompt, 4)), extra

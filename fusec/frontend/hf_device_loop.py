@@ -34,7 +34,7 @@ refuses a static cache and calls the plain forward on a dynamic one: with a fuse
 drafts accepted on the device) for one prompt without padding, greedy, transformers' default
 2-gram matching; its tokens are greedy search's. With an ``assistant_model`` (and no
 ``assistant_tokenizer``) it runs as :func:`fusec.generate`'s speculative decoding with that
-draft model (``num_assistant_tokens`` drafts per step, at most 7), its tokens greedy search's too.
+draft model (the draft's ``num_assistant_tokens`` drafts per step, at most 7), its tokens greedy search's too.
 """
 from __future__ import annotations
 
@@ -360,13 +360,16 @@ def install() -> None:
     _wrap_assisted(GenerationMixin)
 
 
-def _assistant_tokens(generation_config: Any) -> int:
-    """Drafts per step for a draft model: generate()'s ``num_assistant_tokens`` (transformers'
-    default 20, which its schedule adapts; the tokens do not depend on it) at most
+def _assistant_tokens(generation_config: Any, assistant: Any) -> int:
+    """Drafts per step for a draft model: its own generation config's ``num_assistant_tokens``,
+    as transformers' ``AssistedCandidateGenerator`` reads it (else generate()'s; transformers'
+    default 20, which its schedule adapts: the tokens do not depend on it), at most
     ``MAX_QUERY_TOKENS - 1``, the most a fusec verification step takes."""
     from fusec.config import MAX_QUERY_TOKENS
     from fusec.prompt_lookup import ASSISTANT_TOKENS
-    num = getattr(generation_config, "num_assistant_tokens", None)
+    num = getattr(getattr(assistant, "generation_config", None), "num_assistant_tokens", None)
+    if num is None:
+        num = getattr(generation_config, "num_assistant_tokens", None)
     return min(int(num), MAX_QUERY_TOKENS - 1) if isinstance(num, int) and num >= 1 else ASSISTANT_TOKENS
 
 
@@ -395,7 +398,7 @@ def _wrap_assisted(mixin: type) -> None:
                                  synced_gpus, streamer, model_kwargs, lookup=int(num))
         elif plain and assistant_model is not None and assistant_tokenizer is None:
             out = _on_the_device(self, input_ids, logits_processor, stopping_criteria, generation_config,
-                                 synced_gpus, streamer, model_kwargs, lookup=_assistant_tokens(generation_config),
+                                 synced_gpus, streamer, model_kwargs, lookup=_assistant_tokens(generation_config, assistant_model),
                                  assistant=assistant_model)
         elif _compile_options(generation_config) is not None \
                 and not getattr(generation_config, "is_assistant", False):

@@ -243,18 +243,28 @@ def aot_compile(backend: Callable, args: tuple, kwargs: dict[str, Any] | None = 
     the compiled function has it (torch 2.13), else ``torch._dynamo.aot_compile``'s
     ``aot_compile_fullgraph`` with the same hooks (torch 2.11 has no such attribute).
 
+    Each trace runs a copy of ``_run`` of its own (:func:`fusec.generation.steps.own_function`):
+    dynamo remembers per code the sizes and Python floats each trace saw and makes those that
+    changed dynamic in the next (automatic dynamic shapes), so a second model in the process
+    (another ``head_dim``: another SDPA scale) traced a float made dynamic, which fusec's
+    capture cannot take there (``TensorifyScalarRestartAnalysis``: a fallback, and the entry
+    stored for every later process).
+
     Raises: whatever dynamo raises (a graph break, a guard it cannot serialize)."""
     import inspect
+
+    from fusec.generation.steps import own_function
+    run = own_function(_run, _RUN_GLOBALS)
     # dynamic=None: static shapes but where the inputs mark a dim dynamic (fusec.generate marks
     # the cache's rows: one trace and one fusec step for every cache length)
-    compiled = torch.compile(_run, fullgraph=True, dynamic=None, backend=backend,
+    compiled = torch.compile(run, fullgraph=True, dynamic=None, backend=backend,
                              options={"guard_filter_fn": serializable_guards})
     if hasattr(compiled, "aot_compile"):
         return compiled.aot_compile((args, dict(kwargs or {})))
     from torch._dynamo.aot_compile import aot_compile_fullgraph
     from torch._dynamo.hooks import Hooks
     kw = {"dynamic": None} if "dynamic" in inspect.signature(aot_compile_fullgraph).parameters else {}
-    return aot_compile_fullgraph(_run, (args, dict(kwargs or {})), hooks=Hooks(guard_filter_fn=serializable_guards),
+    return aot_compile_fullgraph(run, (args, dict(kwargs or {})), hooks=Hooks(guard_filter_fn=serializable_guards),
                                  backend=backend, **kw)
 
 

@@ -3,6 +3,8 @@ on the device and writes it back in place (:class:`DecodeStep`, batch 1), and th
 a batch of left-padded sequences (:class:`BatchDecodeStep`)."""
 from __future__ import annotations
 
+import itertools
+import types
 from typing import Any
 
 import torch
@@ -20,18 +22,35 @@ def takes(model: torch.nn.Module, name: str) -> bool:
         return False
 
 
-def own_forward(module: torch.nn.Module) -> torch.nn.Module:
-    """``module`` with its own copy of its class's ``forward`` code object (an instance
-    attribute; same code, same globals), returned for chaining.
+_COPIES = itertools.count(1)
 
-    dynamo keeps compiled graphs per code object, at most ``torch._dynamo.config.recompile_limit``
-    (8) of them, then runs the frame eagerly with a one-time torch warning and no backend call:
-    every ``torch.compile`` of a wrapper class (each model, query length, batch size and sampling
-    setting a step of its own) would share the class's ``forward`` and the ninth would run
-    without fusec. A copy per instance gives each compiled step its own graphs."""
-    import types
-    fn = type(module).forward
-    own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+def own_function(fn: Any, globals_: dict[str, Any] | None = None) -> Any:
+    """A copy of the function ``fn`` whose code object dynamo sees as code of its own: the same
+    bytecode, ``fn``'s globals (or ``globals_``), defaults and closure, named ``<name>_c<n>``.
+
+    dynamo keeps its compiled graphs per code object, at most
+    ``torch._dynamo.config.recompile_limit`` (8), then runs the frame eagerly with a one-time
+    torch warning and no backend call; and it remembers per code (file, first line, name) the
+    sizes and Python floats each trace saw, making those that changed dynamic in the next
+    (automatic dynamic shapes). Steps that are traced from one shared function (each model,
+    query length, batch size, sampling setting) would share both: the ninth ran without fusec,
+    and a second model's SDPA scale (another ``head_dim``) became a dynamic float, which fusec's
+    capture cannot take (a fallback). A copy per step keeps each step's graphs and sizes its own."""
+    name = f"{fn.__name__}_c{next(_COPIES)}"
+    code = fn.__code__.replace(co_name=name, co_qualname=name) if hasattr(fn.__code__, "co_qualname") \
+        else fn.__code__.replace(co_name=name)
+    own = types.FunctionType(code, fn.__globals__ if globals_ is None else globals_, fn.__name__,
+                             fn.__defaults__, fn.__closure__)
+    own.__doc__ = fn.__doc__
+    return own
+
+
+def own_forward(module: torch.nn.Module) -> torch.nn.Module:
+    """``module`` with its own copy of its class's ``forward`` (:func:`own_function`, an
+    instance attribute), returned for chaining: each ``torch.compile`` of a wrapper module a
+    step of its own to dynamo."""
+    own = own_function(type(module).forward)
     object.__setattr__(module, "forward", types.MethodType(own, module))
     return module
 
