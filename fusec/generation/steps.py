@@ -42,7 +42,7 @@ def own_function(fn: Any, globals_: dict[str, Any] | None = None) -> Any:
         else fn.__code__.replace(co_name=name)
     own = types.FunctionType(code, fn.__globals__ if globals_ is None else globals_, fn.__name__,
                              fn.__defaults__, fn.__closure__)
-    own.__doc__ = fn.__doc__
+    own.__doc__, own.__kwdefaults__ = fn.__doc__, fn.__kwdefaults__
     return own
 
 
