@@ -24,12 +24,9 @@ take falls back on its own with one line (more than 16 rows: ``fusec.config.MAX_
 from __future__ import annotations
 
 import functools
-import logging
 from typing import Any
 
 import torch
-
-log = logging.getLogger("fusec")
 
 
 class _BeamModel:
