@@ -263,9 +263,11 @@ class ModelDrafter:
             tokens (``[1, K]`` int64 tokens, the cache -> int64 ``[K]`` argmax per row).
         cache: the draft model's static cache, prefilled with the prompt.
         num: drafts per step (``N``); ``vocab``: the target model's vocabulary size.
+        new: whether either step was compiled for this call.
     """
 
-    def __init__(self, pair_step: Any, one_step: Any, cache: Any, num: int, vocab: int, device: torch.device):
+    def __init__(self, pair_step: Any, one_step: Any, cache: Any, num: int, vocab: int, device: torch.device,
+                 new: bool = False):
         self.pair_step, self.one_step, self.cache, self.vocab = pair_step, one_step, cache, vocab
         self.pair = torch.zeros(1, 2, dtype=torch.int64, device=device)
         self.tok = torch.zeros(1, 1, dtype=torch.int64, device=device)
@@ -274,7 +276,7 @@ class ModelDrafter:
             torch._dynamo.mark_static(t, 1)
         self.out = torch.zeros(num, dtype=torch.int64, device=device)
         self.two = torch.arange(2, device=device)
-        self.new = False   # whether a step was compiled for this call (a first call must reach fusec)
+        self.new = new   # whether a step was compiled for this call (its first call must reach fusec)
 
     def __call__(self, hist: torch.Tensor, n: torch.Tensor, num: int) -> torch.Tensor:
         self.pair[0].copy_(hist[n - 2 + self.two])
@@ -518,6 +520,4 @@ def _model_drafter(assistant: torch.nn.Module, input_ids: torch.Tensor, max_len:
             steps[key] = torch.compile(VerifyStep(assistant), backend="fusec", options=opts)
             new = True
         compiled.append(steps[key])
-    drafter = ModelDrafter(compiled[0], compiled[1], dcache, num, vocab, input_ids.device)
-    drafter.new = new
-    return drafter
+    return ModelDrafter(compiled[0], compiled[1], dcache, num, vocab, input_ids.device, new)

@@ -108,17 +108,14 @@ def install() -> None:
         from transformers.generation.utils import GenerationMixin
     except Exception:   # noqa: BLE001 - no transformers (or a broken one): nothing to wrap
         return
-    original = getattr(GenerationMixin, "_beam_search", None)
-    if original is None or getattr(original, "_fusec", False):
-        return
+    from fusec.frontend.hf_patch import wrap_once
 
-    @functools.wraps(original)
-    def _beam_search(self: Any, input_ids: torch.Tensor, logits_processor: Any, stopping_criteria: Any,
-                     generation_config: Any, synced_gpus: bool = False, **model_kwargs: Any) -> Any:
-        call = _compiled_call(self, generation_config, synced_gpus, model_kwargs)
-        model = self if call is None else _BeamModel(self, call)
-        return original(model, input_ids, logits_processor, stopping_criteria, generation_config,
-                        synced_gpus=synced_gpus, **model_kwargs)
-
-    _beam_search._fusec = True   # type: ignore[attr-defined]
-    GenerationMixin._beam_search = _beam_search
+    def make(original: Any) -> Any:
+        def _beam_search(self: Any, input_ids: torch.Tensor, logits_processor: Any, stopping_criteria: Any,
+                         generation_config: Any, synced_gpus: bool = False, **model_kwargs: Any) -> Any:
+            call = _compiled_call(self, generation_config, synced_gpus, model_kwargs)
+            model = self if call is None else _BeamModel(self, call)
+            return original(model, input_ids, logits_processor, stopping_criteria, generation_config,
+                            synced_gpus=synced_gpus, **model_kwargs)
+        return _beam_search
+    wrap_once(GenerationMixin, "_beam_search", make)

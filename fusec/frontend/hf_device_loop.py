@@ -334,30 +334,29 @@ def _on_the_device(model: Any, input_ids: torch.Tensor, logits_processor: Any, s
 
 @functools.cache   # once per process
 def install() -> None:
-    """Wrap ``transformers.generation.utils.GenerationMixin._sample`` (idempotent; a no-op without
+    """Wrap ``transformers.generation.utils.GenerationMixin._sample`` and ``_assisted_decoding``
+    (:func:`_assisted`; idempotent, :func:`fusec.frontend.hf_patch.wrap_once`; a no-op without
     transformers): a greedy call with a fusec ``compile_config`` that :func:`refusal` accepts
     runs :func:`run`; every other call is HF's."""
     try:
         from transformers.generation.utils import GenerationMixin
     except Exception:   # noqa: BLE001 - no transformers (or a broken one): nothing to wrap
         return
-    original = GenerationMixin._sample
-    if getattr(original, "_fusec", False):
-        return
+    from fusec.frontend.hf_patch import wrap_once
 
-    @functools.wraps(original)
-    def _sample(self: Any, input_ids: torch.Tensor, logits_processor: Any, stopping_criteria: Any,
-                generation_config: Any, synced_gpus: bool = False, streamer: Any = None, **model_kwargs: Any) -> Any:
-        out = _on_the_device(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus,
-                             streamer, model_kwargs)
-        if out is not None:
-            return out
-        return original(self, input_ids, logits_processor, stopping_criteria, generation_config,
-                        synced_gpus=synced_gpus, streamer=streamer, **model_kwargs)
-
-    _sample._fusec = True   # type: ignore[attr-defined]
-    GenerationMixin._sample = _sample
-    _wrap_assisted(GenerationMixin)
+    def make(original: Any) -> Any:
+        def _sample(self: Any, input_ids: torch.Tensor, logits_processor: Any, stopping_criteria: Any,
+                    generation_config: Any, synced_gpus: bool = False, streamer: Any = None,
+                    **model_kwargs: Any) -> Any:
+            out = _on_the_device(self, input_ids, logits_processor, stopping_criteria, generation_config,
+                                 synced_gpus, streamer, model_kwargs)
+            if out is not None:
+                return out
+            return original(self, input_ids, logits_processor, stopping_criteria, generation_config,
+                            synced_gpus=synced_gpus, streamer=streamer, **model_kwargs)
+        return _sample
+    wrap_once(GenerationMixin, "_sample", make)
+    wrap_once(GenerationMixin, "_assisted_decoding", _assisted)
 
 
 def _assistant_tokens(generation_config: Any, assistant: Any) -> int:
@@ -373,18 +372,14 @@ def _assistant_tokens(generation_config: Any, assistant: Any) -> int:
     return min(int(num), MAX_QUERY_TOKENS - 1) if isinstance(num, int) and num >= 1 else ASSISTANT_TOKENS
 
 
-def _wrap_assisted(mixin: type) -> None:
-    """Wrap ``mixin._assisted_decoding``: prompt lookup (``prompt_lookup_num_tokens``, no
-    assistant model) with a fusec ``compile_config`` that :func:`refusal` accepts runs
-    :func:`run` with fusec.generate's prompt lookup (K = N + 1 query tokens per step, drafts
-    accepted on the device); an ``assistant_model`` (with the target's tokenizer: no
-    ``assistant_tokenizer``) runs fusec.generate's speculative decoding with it; every other
-    call is HF's (which refuses a static cache)."""
-    original = getattr(mixin, "_assisted_decoding", None)
-    if original is None or getattr(original, "_fusec", False):
-        return
+def _assisted(original: Any) -> Any:
+    """The wrapper of ``GenerationMixin._assisted_decoding`` (``original``): prompt lookup
+    (``prompt_lookup_num_tokens``, no assistant model) with a fusec ``compile_config`` that
+    :func:`refusal` accepts runs :func:`run` with fusec.generate's prompt lookup (K = N + 1 query
+    tokens per step, drafts accepted on the device); an ``assistant_model`` (with the target's
+    tokenizer: no ``assistant_tokenizer``) runs fusec.generate's speculative decoding with it;
+    every other call is HF's (which refuses a static cache)."""
 
-    @functools.wraps(original)
     def _assisted_decoding(self: Any, input_ids: torch.Tensor, logits_processor: Any, stopping_criteria: Any,
                            generation_config: Any, synced_gpus: bool = False, streamer: Any = None,
                            inputs_tensor: Any = None, assistant_model: Any = None, assistant_tokenizer: Any = None,
@@ -398,8 +393,8 @@ def _wrap_assisted(mixin: type) -> None:
                                  synced_gpus, streamer, model_kwargs, lookup=int(num))
         elif plain and assistant_model is not None and assistant_tokenizer is None:
             out = _on_the_device(self, input_ids, logits_processor, stopping_criteria, generation_config,
-                                 synced_gpus, streamer, model_kwargs, lookup=_assistant_tokens(generation_config, assistant_model),
-                                 assistant=assistant_model)
+                                 synced_gpus, streamer, model_kwargs,
+                                 lookup=_assistant_tokens(generation_config, assistant_model), assistant=assistant_model)
         elif _compile_options(generation_config) is not None \
                 and not getattr(generation_config, "is_assistant", False):
             _tell(self, "assistant_tokenizer (a draft model with its own tokenizer)" if assistant_tokenizer is not None
@@ -411,5 +406,4 @@ def _wrap_assisted(mixin: type) -> None:
                         assistant_model=assistant_model, assistant_tokenizer=assistant_tokenizer,
                         tokenizer=tokenizer, **model_kwargs)
 
-    _assisted_decoding._fusec = True   # type: ignore[attr-defined]
-    mixin._assisted_decoding = _assisted_decoding
+    return _assisted_decoding

@@ -170,34 +170,36 @@ def install() -> None:
         from transformers.modeling_utils import PreTrainedModel
     except Exception:   # noqa: BLE001 - no transformers (or a broken one): nothing to wrap
         return
-    original = PreTrainedModel.get_compiled_call
-    if getattr(original, "_fusec", False):
-        return
+    from fusec.frontend.hf_patch import wrap_once
 
-    @functools.wraps(original)
-    def get_compiled_call(self: Any, compile_config: Any) -> Callable:
-        mine = self.__dict__.get("_compiled_call")
-        if compile_config is None or not is_fusec_backend(getattr(compile_config, "backend", None)) \
-                or "llama4" in getattr(self.config, "model_type", ""):
-            return original(self, compile_config)   # not ours
-        if mine is not None and not isinstance(mine, HFDecodeCall) and compile_config.dynamic is None \
-                and getattr(self, "_last_compile_config", None) == compile_config:
-            if not self.__dict__.get("_fusec_told"):   # HF's call, made before install(): keep it
-                self.__dict__["_fusec_told"] = True
-                log.info("fusec: this model's generate() decode call was compiled before fusec was imported: "
-                         "a second prompt length compiles again; `import fusec` before the first "
-                         "generate() gives one precompiled step for every length")
-            return original(self, compile_config)
-        if compile_config.dynamic is not None:   # HF's path, the user asked for it; mode and
-            # fusec options together (compile_kwargs), which HF's own call would refuse
-            if mine is None or self._last_compile_config != compile_config:
-                self._last_compile_config = compile_config
-                self._compiled_call = torch.compile(self.__call__, **compile_kwargs(compile_config))
-            return self._compiled_call
-        if not isinstance(mine, HFDecodeCall) or self._last_compile_config != compile_config:
+    def make(original: Callable) -> Callable:
+        def get_compiled_call(self: Any, compile_config: Any) -> Callable:
+            return _get_compiled_call(original, self, compile_config)
+        return get_compiled_call
+    wrap_once(PreTrainedModel, "get_compiled_call", make)
+
+
+def _get_compiled_call(original: Callable, self: Any, compile_config: Any) -> Callable:
+    """``get_compiled_call`` for fusec's configs (:func:`install`); ``original``: HF's."""
+    mine = self.__dict__.get("_compiled_call")
+    if compile_config is None or not is_fusec_backend(getattr(compile_config, "backend", None)) \
+            or "llama4" in getattr(self.config, "model_type", ""):
+        return original(self, compile_config)   # not ours
+    if mine is not None and not isinstance(mine, HFDecodeCall) and compile_config.dynamic is None \
+            and getattr(self, "_last_compile_config", None) == compile_config:
+        if not self.__dict__.get("_fusec_told"):   # HF's call, made before install(): keep it
+            self.__dict__["_fusec_told"] = True
+            log.info("fusec: this model's generate() decode call was compiled before fusec was imported: "
+                     "a second prompt length compiles again; `import fusec` before the first "
+                     "generate() gives one precompiled step for every length")
+        return original(self, compile_config)
+    if compile_config.dynamic is not None:   # HF's path, the user asked for it; mode and
+        # fusec options together (compile_kwargs), which HF's own call would refuse
+        if mine is None or self._last_compile_config != compile_config:
             self._last_compile_config = compile_config
-            self._compiled_call = HFDecodeCall(self, compile_config)
+            self._compiled_call = torch.compile(self.__call__, **compile_kwargs(compile_config))
         return self._compiled_call
-
-    get_compiled_call._fusec = True   # type: ignore[attr-defined]
-    PreTrainedModel.get_compiled_call = get_compiled_call
+    if not isinstance(mine, HFDecodeCall) or self._last_compile_config != compile_config:
+        self._last_compile_config = compile_config
+        self._compiled_call = HFDecodeCall(self, compile_config)
+    return self._compiled_call
