@@ -110,15 +110,17 @@ def token_positions(g: Graph, mask: str, dep, ctrs, weights, length: int) -> str
     positions = [p for p in proof_positions(length) if p + k <= length]
     ar = torch.arange(length)
     for wp in cands[:1]:   # the first layer's (only it shares the mask's counter: HF's cache_position)
-        for ps in _chunks(positions, info.numel):
+        for ps in _chunks(positions, info.numel):   # every position of a chunk at once
             vals = position.evaluate_many(g, [mask, wp], c, ps, weights)
-            for m, w in zip(vals[mask].unbind(0), vals[wp].unbind(0)):
-                w = w.reshape(-1).to(torch.int64)
-                # the last token's position the largest (the kinds read rows up to it), all inside
-                if not (0 <= int(w.min()) and int(w.max()) == int(w[-1]) < length) \
-                        or not torch.equal(m.reshape(-1, k, length), (ar[None, :] <= w[:, None]).expand(
-                            m.numel() // (k * length), k, length)):
-                    return None
+            w = vals[wp].reshape(len(ps), k).to(torch.int64)
+            last = w[:, -1]
+            # the last token's position the largest (the kinds read rows up to it), all inside
+            if not (bool((w.min(1).values >= 0).all()) and torch.equal(w.max(1).values, last)
+                    and bool((last < length).all())):
+                return None
+            m = vals[mask].reshape(len(ps), -1, k, length)
+            if not torch.equal(m, (ar[None, None, :] <= w[:, :, None])[:, None].expand_as(m)):
+                return None
         return wp
     return None
 
