@@ -156,8 +156,7 @@ def compile_model(model: torch.nn.Module, args: tuple, kwargs: dict | None = Non
             inner = inner.__cause__ or inner.__context__
         if inner is not None:
             raise inner from None
-        raise CaptureError(f"could not capture the model as one graph: {type(e).__name__}: "
-                           f"{str(e).splitlines()[0] if str(e) else ''}") from e
+        raise CaptureError(f"could not capture the model as one graph: {_capture_failure(e)}") from e
     finally:
         torch._dynamo.reset()
     if not found:
@@ -169,6 +168,28 @@ def compile_model(model: torch.nn.Module, args: tuple, kwargs: dict | None = Non
     if simulate:   # beside NVRTC, with emit_cuda (it compiles on a thread)
         simulated = simulate_step(g, aten_gm, pre, made.schedule, opts.seed, numeric_limit)
     return CompileResult(made.schedule, opts, simulated, made.plan, made.kernel() if made.kernel else None)
+
+
+def _capture_failure(e: BaseException) -> str:
+    """What dynamo's error ``e`` says in one line: its first line, the root cause of its chain
+    (dynamo's first line is often generic: "RuntimeError when making fake tensor call") and the
+    innermost frame of the user's code outside torch that it names ("from user code:")."""
+    import os
+    import re
+    text = str(e)
+    parts = [f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"]
+    root, seen = e, {id(e)}
+    while (root.__cause__ or root.__context__) is not None and id(root.__cause__ or root.__context__) not in seen:
+        root = root.__cause__ or root.__context__
+        seen.add(id(root))
+    if root is not e and str(root) and str(root).splitlines()[0] not in parts[0]:
+        parts.append(f"caused by {type(root).__name__}: {str(root).splitlines()[0]}")
+    frames = [f for f in re.findall(r'File "([^"]+)", line (\d+), in \S+\n\s*(.*)', text)
+              if f"{os.sep}torch{os.sep}" not in f[0]]
+    if frames:
+        path, line, code = frames[-1]
+        parts.append(f"at {os.path.basename(path)}:{line} ({code.strip()})")
+    return "; ".join(parts)
 
 
 def weight_bytes(g: Graph) -> int:

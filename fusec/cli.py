@@ -89,6 +89,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     c.add_argument("--run-steps", metavar="N", type=_positive_int, default=None,
                    help=f"timed decode steps of --run, for fusec and for eager (default {RUN_STEPS})")
+    c.add_argument(
+        "--option", metavar="NAME=VALUE", action="append", type=_option, default=[],
+        help="a fusec option, as options={NAME: VALUE} of torch.compile takes it (repeatable; VALUE a "
+             "Python literal or a word: --option query_tokens=4 --option max_fusions=0); the flags "
+             "above own num_sms, simulate, emit_cuda, out_dir and numeric_limit_bytes",
+    )
     c.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     t = sub.add_parser(
         "timeline",
@@ -118,6 +124,27 @@ def _positive_float(text: str) -> float:
     if not v > 0:
         raise argparse.ArgumentTypeError(f"expected a number above 0, got {text!r}")
     return v
+
+
+#: options the compile command's own flags set (--option cannot: one way to say each)
+_FLAG_OPTIONS = {"simulate": "--simulate", "emit_cuda": "--emit-cuda", "out_dir": "-o/--out-dir",
+                 "numeric_limit_bytes": "--numeric-limit-mib"}
+
+
+def _option(text: str) -> tuple[str, Any]:
+    """argparse type of ``--option NAME=VALUE``: (NAME, VALUE), VALUE a Python literal
+    (``ast.literal_eval``: 4, 0.5, False, None, {'A': '1'}) or else the word itself."""
+    import ast
+    name, eq, value = text.partition("=")
+    name = name.strip()
+    if not eq or not name.isidentifier():
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    if name in _FLAG_OPTIONS:
+        raise argparse.ArgumentTypeError(f"{name}: set it with {_FLAG_OPTIONS[name]}")
+    try:
+        return name, ast.literal_eval(value.strip())
+    except (ValueError, SyntaxError):
+        return name, value.strip()
 
 
 def _positive_int(text: str) -> int:
@@ -300,8 +327,12 @@ def _check_build_result(path: str | os.PathLike, result: Any) -> tuple[Any, tupl
 def cmd_compile(ns: argparse.Namespace) -> int:
     """Run ``fusec compile``: load the model file, compile, write artifacts, print the summary."""
     from fusec.config import Options
-    # a bad FUSEC_* environment value, --num-sms or output folder fails here, before build() runs
-    Options.from_dict({"num_sms": ns.num_sms} if ns.num_sms else {})
+    # a bad FUSEC_* environment value, --option, --num-sms or output folder fails here, before
+    # build() runs
+    extra = dict(ns.option)
+    if ns.num_sms:
+        extra["num_sms"] = ns.num_sms
+    Options.from_dict(extra)
     out_dir = Path(ns.out_dir) if ns.out_dir else Path("build") / Path(ns.model_py).stem
     _check_out_dir(out_dir)
     log.info("loading %s", ns.model_py)
@@ -311,8 +342,9 @@ def cmd_compile(ns: argparse.Namespace) -> int:
 
     from fusec.api import compile_model  # imported late: the checks above need none of the compiler
 
-    num_sms = ns.num_sms or Options.from_dict({}).num_sms or DEFAULT_NUM_SMS
+    num_sms = Options.from_dict(extra).num_sms or DEFAULT_NUM_SMS
     options = {
+        **extra,
         "num_sms": num_sms,
         "simulate": ns.simulate,
         "numeric_limit_bytes": int(ns.numeric_limit_mib * (1 << 20)),
@@ -350,7 +382,7 @@ def cmd_compile(ns: argparse.Namespace) -> int:
             sys.stdout.write("no CUDA device: --run skipped\n")
         else:
             del model, args, kwargs, result    # the CPU copy (the 1B: 2.5 GB) is not needed
-            run_step_timing(ns.model_py, "cuda", steps=ns.run_steps or RUN_STEPS)
+            run_step_timing(ns.model_py, "cuda", steps=ns.run_steps or RUN_STEPS, options=dict(ns.option) or None)
     return 0
 
 

@@ -296,9 +296,9 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: in
     sample = bool(do_sample)
     if assistant_model is None and num_assistant_tokens is not None:
         raise FusecError("fusec.generate: num_assistant_tokens without assistant_model")
+    from fusec import prompt_lookup
+    prompt_lookup.last_stats.clear()   # the last call's: set again only where drafts run
     if prompt_lookup_num_tokens is not None or assistant_model is not None:
-        from fusec import prompt_lookup
-        prompt_lookup.last_stats.clear()   # set again only where drafts run
         what = "prompt_lookup_num_tokens" if assistant_model is None else "assistant_model"
         if prompt_lookup_num_tokens is not None and assistant_model is not None:
             raise FusecError("fusec.generate: prompt_lookup_num_tokens and assistant_model both given: "

@@ -391,3 +391,42 @@ def test_num_sms_out_of_range_fails_before_build(tmp_path, capsys):
     code, err = _run(capsys, "compile", str(f), "--num-sms", "100000000", "-o", str(tmp_path / "o"))
     assert code == 2 and "num_sms=100000000 must be an int in [1, 1024]" in err
     assert not marker.exists()
+
+
+def test_a_model_that_fails_in_dynamo_names_the_root_cause_and_the_line(tmp_path, capsys):
+    """Arguments the model cannot take (floats where input ids go): dynamo's first line is
+    generic ("RuntimeError when making fake tensor call"); the CLI's one line also gives the
+    root cause and the model's line that raised it."""
+    f = tmp_path / "badargs.py"
+    f.write_text(f"import sys\nsys.path.insert(0, {str(ROOT / 'tests')!r})\nimport torch, hf_tiny\n\n"
+                 "def build():\n    return hf_tiny.llama(), (torch.randn(1, 1, 64),)\n")
+    code, err = _run(capsys, "compile", str(f), "-o", str(tmp_path / "out"))
+    assert code == 2
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("fusec: error: could not capture the model as one graph"), err
+    assert "caused by RuntimeError: Expected tensor for argument #1 'indices'" in last, last
+    assert "at modeling_llama.py:" in last and "self.embed_tokens(input_ids)" in last, last
+
+
+def test_option_flag_compiles_a_k_token_step_and_checks_its_values(tmp_path, capsys):
+    """``--option query_tokens=4`` compiles a step of 4 query tokens (without it: the fallback
+    message that names the option); a bad name or value fails before build() with the option's
+    own message; the flags' own options are refused with the flag to use."""
+    f = tmp_path / "k4.py"
+    f.write_text(f"import sys\nsys.path.insert(0, {str(ROOT / 'tests')!r})\nimport torch, hf_tiny\n\n"
+                 "def build():\n    m = hf_tiny.llama()\n    cache = hf_tiny.static_cache(m, 32)\n"
+                 "    with torch.no_grad():\n        m(input_ids=torch.randint(0, 128, (1, 5)), past_key_values=cache, use_cache=True)\n"
+                 "    return m, (), {'input_ids': torch.randint(0, 128, (1, 4)), 'past_key_values': cache, 'use_cache': True}\n")
+    code, err = _run(capsys, "compile", str(f), "-o", str(tmp_path / "a"))
+    assert code == 2 and "option query_tokens=4" in err, err
+    code, err = _run(capsys, "compile", str(f), "-o", str(tmp_path / "b"), "--option", "query_tokens=4",
+                     "--option", "max_fusions=0")
+    assert code == 0, err
+    assert (tmp_path / "b" / "graph.txt").read_text().startswith("# batch 1, query tokens 4")
+    code, err = _run(capsys, "compile", str(f), "--option", "query_tokens=99")
+    assert code == 2 and "query_tokens" in err and "build() returned" not in err, err
+    code, err = _run(capsys, "compile", str(f), "--option", "no_such_option=1")
+    assert code == 2 and "unknown fusec option(s) ['no_such_option']" in err, err
+    with pytest.raises(SystemExit):
+        main(["compile", str(f), "--option", "emit_cuda=True"])
+    assert "emit_cuda: set it with --emit-cuda" in capsys.readouterr().err

@@ -195,3 +195,24 @@ def test_hfs_own_assisted_decoding_says_nothing_about_the_drafts_generate(caplog
         target.generate(_prompt(7), max_new_tokens=4, do_sample=True, assistant_model=draft, compile_config=_cc())
     lines = [r.getMessage() for r in caplog.records if r.name == "fusec"]
     assert len(lines) == 1 and "assisted decoding runs HF's own" in lines[0], lines
+
+
+def test_prompt_lookup_beside_an_assistant_model_is_prompt_lookup_as_in_hf(caplog):
+    """generate(assistant_model=draft, prompt_lookup_num_tokens=2): HF's candidate generator
+    takes prompt lookup before a draft model, and so does fusec (steps of K = 3, drafts from the
+    text); the tokens are greedy's. After it, a call without drafts leaves no stats of it."""
+    target, draft = _varied(1), _varied(2, layers=1)
+    prompt = _prompt(7)
+    ref = target.generate(prompt, max_new_tokens=8, do_sample=False)
+    torch._dynamo.reset()
+    with FallbackWatch() as w, caplog.at_level("INFO", logger="fusec"):
+        out = target.generate(prompt, max_new_tokens=8, do_sample=False, assistant_model=draft,
+                              prompt_lookup_num_tokens=2, compile_config=_cc())
+    assert torch.equal(out, ref) and not w.fallbacks and w.compiled == 1, (w.compiled, w.fallbacks)
+    lines = [r.getMessage() for r in caplog.records]
+    assert any("prompt-lookup steps of K = 3" in m for m in lines), lines
+    assert not any("speculative-decoding" in m for m in lines), lines
+    assert prompt_lookup.last_stats["tokens"] == 8
+    fusec.generate(target, prompt, 2, eos_token_id=[])
+    torch._dynamo.reset()
+    assert prompt_lookup.last_stats == {}

@@ -140,6 +140,29 @@ def test_generate_with_longrope_equals_eager_greedy():
     assert got == ref
 
 
+def test_hf_generate_past_the_longrope_switch_says_the_model_replaced_the_static_cache():
+    """HF's generate() on LongRoPE Phi-3 with a static cache, crossing 16 positions: Phi-3's own
+    ``prepare_inputs_for_generation`` drops the cache at the switch and HF continues on a
+    DynamicCache, which fusec does not compile; its line says that the model replaced the static
+    cache (not only to pass one, which the caller did), and the tokens are HF's own."""
+    from transformers.generation import CompileConfig
+    model = hf_tiny.phi3_longrope()
+    prompt = torch.randint(2, 128, (1, 12), generator=torch.Generator().manual_seed(3))
+    kw = dict(attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=8, pad_token_id=1,
+              eos_token_id=[], cache_implementation="static")
+    with torch.no_grad():
+        ref = model.generate(prompt, **kw)
+        cc = CompileConfig(backend="fusec")
+        cc._compile_all_devices = True   # HF compiles on CUDA only unless told (this machine has no GPU)
+        torch._dynamo.reset()
+        with FallbackWatch() as w:
+            out = model.generate(prompt, compile_config=cc, **kw)
+        torch._dynamo.reset()
+    assert torch.equal(out, ref)
+    grown = [f for f in w.fallbacks if "grows by concatenation" in f]
+    assert grown and all("the model's own generation code replaced it" in f for f in grown), w.fallbacks
+
+
 @pytest.mark.parametrize("max_positions", [16, 64])
 def test_generate_with_dynamic_ntk_compiles_once(max_positions):
     """``fusec.generate`` on dynamic NTK (16: growing past it from a 10-token prompt; 64: longer

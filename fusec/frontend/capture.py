@@ -146,7 +146,9 @@ def check_decode_step(gm: torch.fx.GraphModule, query_tokens: int = 1) -> None:
             raise NotDecodeStepError(
                 "the KV cache grows by concatenation (a DynamicCache) at "
                 f"{node_source(grown) or grown.name}: fusec compiles decode steps over a static KV "
-                "cache; pass a transformers StaticCache (generate(): cache_implementation=\"static\")")
+                "cache; pass a transformers StaticCache (generate(): cache_implementation=\"static\"), or, "
+                "where one was passed, the model's own generation code replaced it (Phi-3's LongRoPE "
+                "prefills again into a new cache once the sequence passes original_max_position_embeddings)")
     if varies:
         varies.symbols = frozenset(batch_symbols)
         raise varies

@@ -374,31 +374,43 @@ def _assistant_tokens(generation_config: Any, assistant: Any) -> int:
 
 def _assisted(original: Any) -> Any:
     """The wrapper of ``GenerationMixin._assisted_decoding`` (``original``): prompt lookup
-    (``prompt_lookup_num_tokens``, no assistant model) with a fusec ``compile_config`` that
-    :func:`refusal` accepts runs :func:`run` with fusec.generate's prompt lookup (K = N + 1 query
-    tokens per step, drafts accepted on the device); an ``assistant_model`` (with the target's
-    tokenizer: no ``assistant_tokenizer``) runs fusec.generate's speculative decoding with it;
-    every other call is HF's (which refuses a static cache)."""
+    (``prompt_lookup_num_tokens``, beside an ``assistant_model`` too: HF's precedence) with a
+    fusec ``compile_config`` that :func:`refusal` accepts runs :func:`run` with fusec.generate's
+    prompt lookup (K = N + 1 query tokens per step, drafts accepted on the device); an
+    ``assistant_model`` (with the target's tokenizer: no ``assistant_tokenizer``; not a kind HF
+    drafts with in its own way) runs fusec.generate's speculative decoding with it; every other
+    call is HF's (which refuses a static cache)."""
 
     def _assisted_decoding(self: Any, input_ids: torch.Tensor, logits_processor: Any, stopping_criteria: Any,
                            generation_config: Any, synced_gpus: bool = False, streamer: Any = None,
                            inputs_tensor: Any = None, assistant_model: Any = None, assistant_tokenizer: Any = None,
                            tokenizer: Any = None, **model_kwargs: Any) -> Any:
+        # HF's precedence (GenerationMixin._get_candidate_generator): early exit, then prompt lookup
+        # (even beside an assistant model), then multi-token prediction, then the draft models
         num = getattr(generation_config, "prompt_lookup_num_tokens", None)
-        plain = getattr(generation_config, "assistant_early_exit", None) is None \
-            and not getattr(generation_config, "use_mtp", False)
+        early_exit = getattr(generation_config, "assistant_early_exit", None) is not None
+        mtp = getattr(generation_config, "use_mtp", False)
+        own_kind = assistant_model is not None and (
+            type(assistant_model).__name__.startswith(("Gemma4Assistant", "Gemma4UnifiedAssistant"))
+            or getattr(generation_config, "speculation_type", None) == "dflash")
         out = None
-        if plain and num is not None and assistant_model is None:
+        why = None
+        if not early_exit and num is not None:
             out = _on_the_device(self, input_ids, logits_processor, stopping_criteria, generation_config,
                                  synced_gpus, streamer, model_kwargs, lookup=int(num))
-        elif plain and assistant_model is not None and assistant_tokenizer is None:
+        elif early_exit or mtp:
+            why = "assistant_early_exit or use_mtp (the model drafts for itself)"
+        elif own_kind:
+            why = "a draft model of its own kind (Gemma-4's assistant, DFlash), which HF's own drafting serves"
+        elif assistant_model is not None and assistant_tokenizer is None:
             out = _on_the_device(self, input_ids, logits_processor, stopping_criteria, generation_config,
                                  synced_gpus, streamer, model_kwargs,
                                  lookup=_assistant_tokens(generation_config, assistant_model), assistant=assistant_model)
-        elif _compile_options(generation_config) is not None \
+        elif assistant_tokenizer is not None:
+            why = "assistant_tokenizer (a draft model with its own tokenizer)"
+        if why is not None and _compile_options(generation_config) is not None \
                 and not getattr(generation_config, "is_assistant", False):
-            _tell(self, "assistant_tokenizer (a draft model with its own tokenizer)" if assistant_tokenizer is not None
-                  else "assistant_early_exit or use_mtp (the model drafts for itself)", lookup=True, assistant=True)
+            _tell(self, why, lookup=True, assistant=True)
         if out is not None:
             return out
         return original(self, input_ids, logits_processor, stopping_criteria, generation_config,
