@@ -33,7 +33,8 @@ log = logging.getLogger("fusec")
 
 #: the longest n-gram matched (transformers' ``max_matching_ngram_size`` default)
 MAX_NGRAM = 2
-#: the last call's ``{"steps", "accepted", "tokens"}`` (:func:`generate`'s stats; benchmarks read it)
+#: the last ``fusec.generate`` call's ``{"steps", "accepted", "tokens"}`` (:func:`generate`'s stats;
+#: benchmarks read it), empty after a call without drafts
 last_stats: dict[str, int] = {}
 
 
@@ -203,13 +204,15 @@ class LookupDecoder:
 
     def __init__(self, step: Any, cache: Any, hist: torch.Tensor, n: int, limit: int, k: int,
                  drafter: Any = None):
-        self.step, self.cache, self.k, self.limit = step, cache, k, limit
+        self.step, self.cache, self.k = step, cache, k
         self.hist = hist
         #: ``drafter(hist, n, num) -> int64 [num]`` (device ops): prompt lookup's :func:`draft`,
         #: or a draft model's greedy tokens (:class:`ModelDrafter`)
         self.drafter = drafter if drafter is not None else draft
         dev = hist.device
         self.n = torch.full((1,), n, dtype=torch.int64, device=dev)
+        #: the largest ``n``, a device value (a captured CUDA graph serves every limit: :meth:`restart`)
+        self.limit = torch.full((1,), limit, dtype=torch.int64, device=dev)
         self.inp = torch.zeros(1, k, dtype=torch.int64, device=dev)
         # the query tokens' dims are fixed: dynamo's automatic dynamic shapes must never make
         # the query length symbolic (a fallback)
@@ -218,6 +221,14 @@ class LookupDecoder:
         self.ar = torch.arange(k, device=dev)
         self.steps = torch.zeros(1, dtype=torch.int64, device=dev)      # steps taken before the limit
         self.accepted = torch.zeros(1, dtype=torch.int64, device=dev)   # drafts accepted by them
+
+    def restart(self, n: int, limit: int) -> None:
+        """A new call over the same buffers: length ``n``, limit ``limit``, counts zeroed (in
+        place: a CUDA graph captured over them replays the new call)."""
+        self.n.fill_(n)
+        self.limit.fill_(limit)
+        self.steps.zero_()
+        self.accepted.zero_()
 
     def one(self) -> None:
         """One verification step (device ops only)."""
@@ -230,7 +241,7 @@ class LookupDecoder:
         live = (n < self.limit).long()
         self.steps.add_(live)
         self.accepted.add_(live * torch.minimum(a, torch.clamp(self.limit - n - 1, min=0)))
-        new = torch.clamp(n + a + 1, max=self.limit)
+        new = torch.minimum(n + a + 1, self.limit)
         self.n.copy_(new)                                  # n is self.n: read above, written last
         set_position(self.cache, new - 1)                  # the cache holds hist[:n - 1]
 
@@ -286,6 +297,40 @@ class ModelDrafter:
             self.tok[0].copy_(self.out[j - 1:j])
             self.out[j:j + 1].copy_(self.one_step(self.tok, self.cache))
         return self.out.clamp(max=self.vocab - 1)
+
+
+#: the key of the prompt-lookup buffers a model keeps in its ``_fusec_generate_steps`` (:class:`_Session`)
+SESSION = "prompt_lookup_session"
+
+
+class _Session:
+    """The buffers of a model's last prompt-lookup call, kept for the next one: the static cache,
+    the decoder's device state (history, length, limit, counts), the pinned host copies and, on
+    CUDA, the graph of :data:`fusec.generate.CHUNK` captured steps. A later call with the same
+    verification step (the same K and options) and a cache that fits it (``max_len`` rows at
+    most these) resets them in place and replays the same graph: no capture per call. Held
+    until a call needs more rows or another step (or the model's weights move: ``ptrs``)."""
+
+    def __init__(self, key: tuple, step: Any, max_len: int, ptrs: tuple, cache: Any, dec: LookupDecoder,
+                 host_n: torch.Tensor, host_hist: torch.Tensor):
+        self.key, self.step, self.max_len, self.ptrs = key, step, max_len, ptrs
+        self.cache, self.dec, self.host_n, self.host_hist = cache, dec, host_n, host_hist
+        self.graph: Any = None
+
+
+def _weight_ptrs(model: torch.nn.Module) -> tuple:
+    """Where each parameter and buffer of ``model`` lives (a captured graph reads them there)."""
+    return tuple((t.data_ptr(), t.dtype, t.shape) for t in (*model.parameters(), *model.buffers()))
+
+
+def _reusable(steps: dict, key: tuple, model: torch.nn.Module, max_len: int, device: torch.device) -> "_Session | None":
+    """The model's kept :class:`_Session` if this call can run on it (the same step, at least
+    ``max_len`` cache rows, on ``device``, the weights where they were), else None."""
+    s = steps.get(SESSION)
+    if s is None or s.key != key or s.step is not steps.get(key) or s.max_len < max_len \
+            or s.dec.hist.device != device or s.ptrs != _weight_ptrs(model):
+        return None
+    return s
 
 
 def _capture(dec: LookupDecoder, steps: int) -> Any:
@@ -357,7 +402,23 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: in
     if streamer is not None:
         streamer.put(input_ids.cpu())
     with torch.no_grad():
-        cache = StaticCache(config=model.config, max_cache_len=max_len)
+        steps = model.__dict__.get("_fusec_generate_steps")
+        if steps is None:
+            steps = gen_mod._StepCache()
+            object.__setattr__(model, "_fusec_generate_steps", steps)
+        opts = {**options, "query_tokens": max(k, int(options.get("query_tokens", 1)))}
+        key = ("prompt_lookup", k, repr(sorted(opts.items())))
+        new_steps = key not in steps
+        if key not in steps:
+            steps[key] = torch.compile(VerifyStep(model), backend="fusec", options=opts)
+        # prompt lookup reuses the last call's buffers (and CUDA graph) where they fit this call
+        session = _reusable(steps, key, model, max_len, device) if assistant is None else None
+        if session is not None:
+            cache = session.cache
+            cache.reset()   # in place: keys, values and positions zeroed, the graph's pointers kept
+        else:
+            steps.pop(SESSION, None)   # the old buffers go before new ones are allocated
+            cache = StaticCache(config=model.config, max_cache_len=max_len)
         with gen_mod._prefill_attention(cuda):
             logits = model(input_ids=input_ids, past_key_values=cache, use_cache=True,
                            **gen_mod._last_logits_only(model)).logits[:, -1]
@@ -370,22 +431,21 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: in
         drafter = None
         if assistant is not None:
             drafter = _model_drafter(assistant, input_ids, max_len, num, model.config.vocab_size, options, cuda)
-        hist = torch.zeros(limit + k, dtype=torch.int64, device=device)
+            new_steps = new_steps or drafter.new
+        if session is None:
+            hist = torch.zeros(max_len + k, dtype=torch.int64, device=device)
+            dec = LookupDecoder(steps[key], cache, hist, p + 1, limit, k, drafter)
+            host_n = torch.empty(1, dtype=torch.int64, pin_memory=cuda)
+            host_hist = torch.empty_like(hist, device="cpu", pin_memory=cuda)
+            if assistant is None:
+                session = steps[SESSION] = _Session(key, steps[key], max_len, _weight_ptrs(model), cache, dec,
+                                                    host_n, host_hist)
+        else:
+            dec, host_n, host_hist = session.dec, session.host_n, session.host_hist
+            dec.restart(p + 1, limit)
+        hist = dec.hist
         hist[:p] = input_ids[0]
         hist[p:p + 1] = logits.argmax(-1)
-        steps = model.__dict__.get("_fusec_generate_steps")
-        if steps is None:
-            steps = gen_mod._StepCache()
-            object.__setattr__(model, "_fusec_generate_steps", steps)
-        opts = {**options, "query_tokens": max(k, int(options.get("query_tokens", 1)))}
-        key = ("prompt_lookup", k, repr(sorted(opts.items())))
-        new_steps = key not in steps or (drafter is not None and drafter.new)
-        if key not in steps:
-            steps[key] = torch.compile(VerifyStep(model), backend="fusec", options=opts)
-        dec = LookupDecoder(steps[key], cache, hist, p + 1, limit, k, drafter)
-
-        host_n = torch.empty(1, dtype=torch.int64, pin_memory=cuda)
-        host_hist = torch.empty_like(hist, device="cpu", pin_memory=cuda)
         pending: collections.deque = collections.deque()   # (event, steps) per copy in flight
         shown = p
         seen = {"n": p + 1, "rate": 1.0}   # the last length read on the host; tokens per step then
@@ -431,7 +491,7 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: in
             end = p + 1
             if streamer is not None:
                 streamer.put(hist[p:p + 1].cpu())
-        graph = None
+        graph = session.graph if session is not None else None
         first = True
         # the CPU (simulator): one step per chunk, checked at once (no device runs ahead to overlap)
         chunk = gen_mod.CHUNK if cuda else 1
@@ -453,8 +513,12 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: in
                 elif new_steps and not w.compiled:
                     warn_fallback("fusec.generate: the %s steps never reached fusec (dynamo ran them without "
                                   "calling the backend); generating eagerly (correct, slower)", kind)
-                if cuda:
+                if w.compiled or w.fallbacks:
+                    graph = None   # a graph of an earlier call launches what ran before this compile
+                if cuda and graph is None:
                     graph = _capture(dec, gen_mod.CHUNK)
+                    if session is not None:
+                        session.graph = graph
                 first = False
                 steps = gen_mod.WARMUP if cuda else 1
             elif graph is not None:

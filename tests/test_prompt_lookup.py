@@ -155,3 +155,37 @@ def test_drafts_stay_inside_a_learned_position_table(caplog):
         assert torch.equal(out, ref), (prompt, num)
         assert any(f"prompt_lookup_num_tokens: {num} drafts per step -> {fit}" in r.getMessage()
                    for r in caplog.records)
+
+
+def test_later_calls_reuse_the_buffers_where_they_fit_and_equal_greedy():
+    """A model keeps its last prompt-lookup call's cache and decoder state (on CUDA also its
+    captured graph, ``prompt_lookup._Session``): a later call with the same N whose rows fit
+    resets them in place and runs on them, a call that needs more rows or another N, or after a
+    weight moved to new memory, gets new ones; every call's tokens are greedy's (the reset leaves
+    nothing of the call before: a shorter prompt after a longer one, the same prompt again)."""
+    m, ids = _varied(3)
+    other = torch.randint(0, m.config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(9))
+    torch._dynamo.reset()
+
+    def run(x, n, num=3):
+        out = fusec.generate(m, x, n, prompt_lookup_num_tokens=num, eos_token_id=[])
+        assert torch.equal(out, _hf_greedy(m, x, n, eos=[])), (x.shape, n, num)
+        st = prompt_lookup.last_stats   # this call's counts (the first token is the prefill's)
+        assert st["tokens"] == n and st["steps"] + st["accepted"] == n - 1, (st, n)
+        session = m._fusec_generate_steps.get(prompt_lookup.SESSION)
+        assert int(session.dec.limit) == x.shape[1] + n and int(session.dec.n) == x.shape[1] + n
+        return session
+
+    with FallbackWatch() as w:
+        first = run(ids, 24)
+        assert run(other, 10) is first                 # fits: the same buffers, reset
+        assert run(ids, 24) is first                   # the first call again, after the other
+        bigger = run(ids, 60)                          # 12 + 60 + 4 rows pass the first 64
+        assert bigger is not first and bigger.max_len > first.max_len
+        assert run(other, 10, num=2) is not bigger     # another N: another step, other buffers
+        kept = run(other, 10, num=2)
+        with torch.no_grad():                          # a weight moved to new memory
+            m.lm_head.weight = torch.nn.Parameter(m.lm_head.weight.clone())
+        assert run(other, 10, num=2) is not kept
+    torch._dynamo.reset()
+    assert not w.fallbacks, w.fallbacks
