@@ -443,12 +443,13 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: in
         else:
             dec, host_n, host_hist = session.dec, session.host_n, session.host_hist
             dec.restart(p + 1, limit)
+            dec.hist.zero_()   # drafts past the text read zeros, as a new call's: none of the last call
         hist = dec.hist
         hist[:p] = input_ids[0]
         hist[p:p + 1] = logits.argmax(-1)
         pending: collections.deque = collections.deque()   # (event, steps) per copy in flight
         shown = p
-        seen = {"n": p + 1, "rate": 1.0}   # the last length read on the host; tokens per step then
+        seen = {"n": p + 1}   # the last length read on the host
 
         def enqueue(steps: int) -> None:
             # the history before its length: both copies share one host buffer each, and a later
@@ -469,8 +470,6 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: in
             if ev is not None:
                 ev.synchronize()
             n = int(host_n[0])
-            if steps and n > seen["n"]:
-                seen["rate"] = (n - seen["n"]) / steps
             seen["n"] = max(seen["n"], n)
             new = host_hist[shown:n]
             end = None
@@ -497,9 +496,12 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: in
         chunk = gen_mod.CHUNK if cuda else 1
         while end is None:
             if cuda and pending and not first and \
-                    limit - seen["n"] <= seen["rate"] * sum(steps for _, steps in pending):
-                # at the last rate the steps in flight end the output: read them before launching
-                # more (a chunk launched one behind would be all past the end: 16 wasted steps)
+                    limit - seen["n"] <= k * sum(steps for _, steps in pending):
+                # the steps in flight may end the output (at K tokens a step): read them before
+                # launching more. At the last measured rate instead (b2039f5), a rate read off
+                # the first steps (no match yet) launched a 16-step chunk all past the end: H100,
+                # echo weights, 128 tokens: N = 7 1476 -> 2039 tokens/s, N = 3 1897 -> 1579 (its
+                # last chunk still runs mostly past the end: a shorter tail chunk is the next step)
                 end = consume()
                 continue
             if first:
