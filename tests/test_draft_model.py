@@ -116,6 +116,17 @@ def _cc():
     return cc
 
 
+def _hf_assisted(target, draft, prompt, n: int, caplog, **kw):
+    """(HF generate(assistant_model=draft, compile_config=fusec, **kw)'s tokens, eager greedy
+    search's, the FallbackWatch of the fusec call), fusec's lines in ``caplog``."""
+    ref = target.generate(prompt, max_new_tokens=n, do_sample=False)
+    torch._dynamo.reset()
+    with FallbackWatch() as w, caplog.at_level("INFO", logger="fusec"):
+        out = target.generate(prompt, max_new_tokens=n, do_sample=False, assistant_model=draft,
+                              compile_config=_cc(), **kw)
+    return out, ref, w
+
+
 @pytest.mark.parametrize("cache", ["static", None])
 def test_assistant_model_through_generate_runs_fusecs_speculative_decoding(cache, caplog):
     """generate(assistant_model=draft, compile_config=fusec): HF's assisted decoding refuses a
@@ -125,11 +136,7 @@ def test_assistant_model_through_generate_runs_fusecs_speculative_decoding(cache
     its tokens equal eager greedy search's."""
     target, draft = _varied(1), _varied(2, layers=1)
     prompt = _prompt(7)
-    ref = target.generate(prompt, max_new_tokens=16, do_sample=False)
-    torch._dynamo.reset()
-    with FallbackWatch() as w, caplog.at_level("INFO", logger="fusec"):
-        out = target.generate(prompt, max_new_tokens=16, do_sample=False, assistant_model=draft,
-                              cache_implementation=cache, compile_config=_cc())
+    out, ref, w = _hf_assisted(target, draft, prompt, 16, caplog, cache_implementation=cache)
     torch._dynamo.reset()
     assert torch.equal(out, ref) and not w.fallbacks and w.compiled == 3, (w.compiled, w.fallbacks)
     assert any("speculative-decoding steps of K = 8" in r.getMessage() for r in caplog.records)
@@ -203,11 +210,7 @@ def test_prompt_lookup_beside_an_assistant_model_is_prompt_lookup_as_in_hf(caplo
     text); the tokens are greedy's. After it, a call without drafts leaves no stats of it."""
     target, draft = _varied(1), _varied(2, layers=1)
     prompt = _prompt(7)
-    ref = target.generate(prompt, max_new_tokens=8, do_sample=False)
-    torch._dynamo.reset()
-    with FallbackWatch() as w, caplog.at_level("INFO", logger="fusec"):
-        out = target.generate(prompt, max_new_tokens=8, do_sample=False, assistant_model=draft,
-                              prompt_lookup_num_tokens=2, compile_config=_cc())
+    out, ref, w = _hf_assisted(target, draft, prompt, 8, caplog, prompt_lookup_num_tokens=2)
     assert torch.equal(out, ref) and not w.fallbacks and w.compiled == 1, (w.compiled, w.fallbacks)
     lines = [r.getMessage() for r in caplog.records]
     assert any("prompt-lookup steps of K = 3" in m for m in lines), lines
