@@ -7,6 +7,8 @@ schedule. The model runs once eagerly during capture (so its KV cache advances o
 from __future__ import annotations
 
 import logging
+import os
+import re
 from typing import Any
 
 import torch
@@ -174,8 +176,6 @@ def _capture_failure(e: BaseException) -> str:
     """What dynamo's error ``e`` says in one line: its first line, the root cause of its chain
     (dynamo's first line is often generic: "RuntimeError when making fake tensor call") and the
     innermost frame of the user's code outside torch that it names ("from user code:")."""
-    import os
-    import re
     text = str(e)
     parts = [f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"]
     root, seen = e, {id(e)}

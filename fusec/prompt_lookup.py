@@ -223,8 +223,10 @@ class LookupDecoder:
         self.accepted = torch.zeros(1, dtype=torch.int64, device=dev)   # drafts accepted by them
 
     def restart(self, n: int, limit: int) -> None:
-        """A new call over the same buffers: length ``n``, limit ``limit``, counts zeroed (in
-        place: a CUDA graph captured over them replays the new call)."""
+        """A new call over the same buffers: length ``n``, limit ``limit``, counts and history
+        zeroed (drafts past the text read zeros, as a new call's; in place: a CUDA graph captured
+        over them replays the new call)."""
+        self.hist.zero_()
         self.n.fill_(n)
         self.limit.fill_(limit)
         self.steps.zero_()
@@ -311,9 +313,9 @@ class _Session:
     most these) resets them in place and replays the same graph: no capture per call. Held
     until a call needs more rows or another step (or the model's weights move: ``ptrs``)."""
 
-    def __init__(self, key: tuple, step: Any, max_len: int, ptrs: tuple, cache: Any, dec: LookupDecoder,
+    def __init__(self, key: tuple, max_len: int, ptrs: tuple, cache: Any, dec: LookupDecoder,
                  host_n: torch.Tensor, host_hist: torch.Tensor):
-        self.key, self.step, self.max_len, self.ptrs = key, step, max_len, ptrs
+        self.key, self.max_len, self.ptrs = key, max_len, ptrs
         self.cache, self.dec, self.host_n, self.host_hist = cache, dec, host_n, host_hist
         self.graph: Any = None
 
@@ -324,10 +326,10 @@ def _weight_ptrs(model: torch.nn.Module) -> tuple:
 
 
 def _reusable(steps: dict, key: tuple, model: torch.nn.Module, max_len: int, device: torch.device) -> "_Session | None":
-    """The model's kept :class:`_Session` if this call can run on it (the same step, at least
-    ``max_len`` cache rows, on ``device``, the weights where they were), else None."""
+    """The model's kept :class:`_Session` if this call can run on it (the same step ``key``, at
+    least ``max_len`` cache rows, on ``device``, the weights where they were), else None."""
     s = steps.get(SESSION)
-    if s is None or s.key != key or s.step is not steps.get(key) or s.max_len < max_len \
+    if s is None or s.key != key or s.max_len < max_len \
             or s.dec.hist.device != device or s.ptrs != _weight_ptrs(model):
         return None
     return s
@@ -438,18 +440,16 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: in
             host_n = torch.empty(1, dtype=torch.int64, pin_memory=cuda)
             host_hist = torch.empty_like(hist, device="cpu", pin_memory=cuda)
             if assistant is None:
-                session = steps[SESSION] = _Session(key, steps[key], max_len, _weight_ptrs(model), cache, dec,
-                                                    host_n, host_hist)
+                session = steps[SESSION] = _Session(key, max_len, _weight_ptrs(model), cache, dec, host_n, host_hist)
         else:
             dec, host_n, host_hist = session.dec, session.host_n, session.host_hist
             dec.restart(p + 1, limit)
-            dec.hist.zero_()   # drafts past the text read zeros, as a new call's: none of the last call
         hist = dec.hist
         hist[:p] = input_ids[0]
         hist[p:p + 1] = logits.argmax(-1)
         pending: collections.deque = collections.deque()   # (event, steps) per copy in flight
         shown = p
-        seen = {"n": p + 1}   # the last length read on the host
+        seen_n = p + 1   # the last length read on the host
 
         def enqueue(steps: int) -> None:
             # the history before its length: both copies share one host buffer each, and a later
@@ -465,12 +465,12 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: in
 
         def consume() -> int | None:
             """The oldest copy on the host: stream its new tokens; the output's end if done."""
-            nonlocal shown
+            nonlocal shown, seen_n
             ev, steps = pending.popleft()
             if ev is not None:
                 ev.synchronize()
             n = int(host_n[0])
-            seen["n"] = max(seen["n"], n)
+            seen_n = max(seen_n, n)
             new = host_hist[shown:n]
             end = None
             if eos:
@@ -496,12 +496,9 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: in
         chunk = gen_mod.CHUNK if cuda else 1
         while end is None:
             if cuda and pending and not first and \
-                    limit - seen["n"] <= k * sum(steps for _, steps in pending):
+                    limit - seen_n <= k * sum(steps for _, steps in pending):
                 # the steps in flight may end the output (at K tokens a step): read them before
-                # launching more. At the last measured rate instead (b2039f5), a rate read off
-                # the first steps (no match yet) launched a 16-step chunk all past the end: H100,
-                # echo weights, 128 tokens: N = 7 1476 -> 2039 tokens/s, N = 3 1897 -> 1579 (its
-                # last chunk still runs mostly past the end: a shorter tail chunk is the next step)
+                # launching more, never a chunk that may run all past the end (docs/batch.md)
                 end = consume()
                 continue
             if first:
