@@ -41,6 +41,7 @@ from fusec.fallbacks import warn as warn_fallback
 from fusec.frontend import hf_rope
 from fusec.frontend.precompiled import PrecompiledStep
 from fusec.generation.arguments import MAX_BATCH, check_args, check_model, eos_ids, pad_id  # noqa: F401 (MAX_BATCH)
+from fusec.generation import session
 from fusec.generation.batch import Batch, full_attention, host_counted, positions, static_batch
 from fusec.generation.selection import finish, gumbel_, select
 from fusec.generation.steps import BatchDecodeStep, DecodeStep, own_forward, takes
@@ -117,10 +118,7 @@ def _compiled_step(model: torch.nn.Module, sample: bool, temperature: float, top
     (one per settings; each batch size its own trace: the step's guards hold the shapes)."""
     key = (sample, float(temperature) if sample else None, top_k if sample else None, select_in_graph,
            repr(sorted(options.items())), precompile) + (() if batch is None else ("batch", *batch))
-    steps = model.__dict__.get("_fusec_generate_steps")
-    if steps is None:
-        steps = _StepCache()
-        object.__setattr__(model, "_fusec_generate_steps", steps)   # not a submodule: no state_dict entry
+    steps = _steps_of(model)
     if key not in steps:
         wrapper = DecodeStep(model, sample, temperature, top_k, select_in_graph) if batch is None else \
             BatchDecodeStep(model, sample, temperature, top_k, select_in_graph, *batch)
@@ -217,6 +215,24 @@ class _Decoder:
         self.out[pos:pos + CHUNK].copy_(self.graph_out)
 
 
+class _DecodeSession(session.Session):
+    """The batch-1 decode loop's buffers kept for the next call (:mod:`fusec.generation.session`):
+    the static cache and the :class:`_Decoder` (its token, noise buffers and CUDA graph)."""
+
+    def __init__(self, key: tuple, max_len: int, model: torch.nn.Module, cache: Any, dec: _Decoder):
+        super().__init__(key, max_len, session.weight_ptrs(model), dec.tokens.device, cache)
+        self.dec = dec
+
+
+def _steps_of(model: torch.nn.Module) -> "_StepCache":
+    """The compiled steps and kept sessions of ``model`` (its ``_fusec_generate_steps``; made on first use)."""
+    steps = model.__dict__.get("_fusec_generate_steps")
+    if steps is None:
+        steps = _StepCache()
+        object.__setattr__(model, "_fusec_generate_steps", steps)   # not a submodule: no state_dict entry
+    return steps
+
+
 def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: int, *,
              attention_mask: torch.Tensor | None = None, do_sample: bool = False,
              temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
@@ -282,8 +298,6 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: in
     the row it writes); greedy output equals HF ``generate(input_ids, attention_mask=...,
     do_sample=False)``'s token for token (tests/test_generate_batch.py).
     """
-    from transformers import StaticCache
-
     from fusec.config import Options
 
     device = check_model(model)
@@ -332,9 +346,41 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: in
         streamer.put(input_ids.cpu())
 
     t_start = time.perf_counter()
+    steps = _steps_of(model)
+    # the batch-1 step's buffers and CUDA graph are kept for the next call
+    # (fusec/generation/session.py); a batch's device state (Batch) is made per call
+    key = (sample, float(temperature) if sample else None, top_k, top_p, select_in_graph,
+           repr(sorted(opts.items())), rows) if mask is None else None
+    kept = None if key is None else session.reusable(steps, session.DECODE, key, model, max_len, device)
+    if kept is None:
+        steps.pop(session.DECODE, None)   # the old buffers go before new ones are allocated
+    try:
+        return _generate(model, input_ids, mask, max_new_tokens, max_len, cuda, sample, select_in_graph,
+                         temperature, top_k, top_p, eos, pad, streamer, opts, generator, steps, key, kept, t_start)
+    except BaseException:
+        steps.pop(session.DECODE, None)   # a call that failed midway leaves nothing to reuse
+        raise
+
+
+def _generate(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tensor | None, max_new_tokens: int,
+              max_len: int, cuda: bool, sample: bool, select_in_graph: bool, temperature: float,
+              top_k: int | None, top_p: float | None, eos: list[int], pad: int, streamer: Any,
+              opts: dict[str, Any], generator: torch.Generator | None, steps: dict, key: tuple | None,
+              kept: "_DecodeSession | None", t_start: float) -> torch.Tensor:
+    """:func:`generate`'s prefill and decode loop, its arguments checked; ``kept``: the last
+    call's buffers to run on (reset here), None: new ones, kept for the next call where ``key``
+    is not None (no mask, positions counted on the device)."""
+    from transformers import StaticCache
+
+    device = input_ids.device
+    rows = input_ids.shape[0]
     with torch.no_grad():
         # prefill, eagerly: the first new token
-        cache = StaticCache(config=model.config, max_cache_len=max_len)
+        if kept is not None:
+            cache = kept.cache
+            cache.reset()   # in place: keys, values and positions zeroed, the graph's pointers kept
+        else:
+            cache = StaticCache(config=model.config, max_cache_len=max_len)
         extra: dict[str, Any] = {}
         if mask is not None:   # left-padded prompts: HF's position ids, the padding masked out
             pos0 = positions(mask)
@@ -345,7 +391,7 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: in
             logits = model(input_ids=input_ids, past_key_values=cache, use_cache=True,
                            **extra, **_last_logits_only(model)).logits[:, -1]
         out = torch.empty(max_new_tokens, rows, dtype=torch.int64, device=device)
-        tokens = torch.empty(rows, 1, dtype=torch.int64, device=device)
+        tokens = kept.dec.tokens if kept is not None else torch.empty(rows, 1, dtype=torch.int64, device=device)
         # the masked step's device state (advanced by device ops only)
         batch = None if mask is None else Batch(mask, pos0, max_len, full_attention(model, cache), tuple(eos), pad)
         noise0 = gumbel_(torch.rand(rows, logits.shape[-1], generator=generator, device=device)) if sample else None
@@ -403,14 +449,22 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: in
                     log.info("fusec.generate: the cache's sliding-window layers count positions in Python; "
                              "each step is launched on its own (no CUDA graph, no precompiled step)")
                 hf_rope.dynamic_state_as_tensors(model)   # dynamic NTK: one compile, not two
-                step = _compiled_step(model, sample, temperature, top_k, select_in_graph, opts,
-                                      precompile=not counted, batch=None if batch is None else (batch.eos, pad))
-                dec = _Decoder(step, tokens, cache, sample, select_in_graph, temperature, top_k, top_p,
-                               logits.shape[-1], generator, out, batch)
+                if kept is not None and not counted:
+                    dec = kept.dec
+                    dec.out, dec.generator = out, generator
+                else:
+                    step = _compiled_step(model, sample, temperature, top_k, select_in_graph, opts,
+                                          precompile=not counted, batch=None if batch is None else (batch.eos, pad))
+                    dec = _Decoder(step, tokens, cache, sample, select_in_graph, temperature, top_k, top_p,
+                                   logits.shape[-1], generator, out, batch)
+                    if key is not None and not counted:
+                        steps[session.DECODE] = _DecodeSession(key, max_len, model, cache, dec)
                 n = min(WARMUP if cuda else CHUNK, max_new_tokens - pos)
                 t_step = time.perf_counter()
                 with FallbackWatch() as w:
-                    dec.plain(pos, n)      # the first call compiles
+                    dec.plain(pos, n)      # the first call compiles; a later one runs the step's guards
+                if w.compiled or w.fallbacks:
+                    dec.graph = None       # a kept graph launches what ran before this compile
                 if w.compiled:   # where a call that compiled or loaded its step spent its host time
                     log.info("fusec.generate: prefill launched in %.2f s, the decode step compiled or loaded "
                              "and %d steps launched in %.2f s (host wall time)", t_step - t_start, n,
@@ -418,7 +472,7 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: in
                 if w.fallbacks:
                     warn_fallback("fusec.generate: the decode step did not compile with fusec (%s); "
                                   "generating with the fallback (correct, slower)", w.fallbacks[0])
-                if cuda and not counted and max_new_tokens - pos - n >= CHUNK:
+                if cuda and not counted and dec.graph is None and max_new_tokens - pos - n >= CHUNK:
                     dec.capture()
             else:
                 n = min(CHUNK, max_new_tokens - pos)

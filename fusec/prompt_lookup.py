@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from fusec.generation import session as session_mod
+
 log = logging.getLogger("fusec")
 
 #: the longest n-gram matched (transformers' ``max_matching_ngram_size`` default)
@@ -302,37 +304,21 @@ class ModelDrafter:
 
 
 #: the key of the prompt-lookup buffers a model keeps in its ``_fusec_generate_steps`` (:class:`_Session`)
-SESSION = "prompt_lookup_session"
+SESSION = session_mod.PROMPT_LOOKUP
 
 
-class _Session:
-    """The buffers of a model's last prompt-lookup call, kept for the next one: the static cache,
-    the decoder's device state (history, length, limit, counts), the pinned host copies and, on
-    CUDA, the graph of :data:`fusec.generate.CHUNK` captured steps. A later call with the same
-    verification step (the same K and options) and a cache that fits it (``max_len`` rows at
-    most these) resets them in place and replays the same graph: no capture per call. Held
-    until a call needs more rows or another step (or the model's weights move: ``ptrs``)."""
+class _Session(session_mod.Session):
+    """The buffers of a model's last prompt-lookup call, kept for the next one
+    (:mod:`fusec.generation.session`): the static cache, the decoder's device state (history,
+    length, limit, counts), the pinned host copies and, on CUDA, the graph of
+    :data:`fusec.generate.CHUNK` captured steps. A later call with the same verification step
+    (the same K and options) whose rows fit resets them in place and replays the same graph."""
 
-    def __init__(self, key: tuple, max_len: int, ptrs: tuple, cache: Any, dec: LookupDecoder,
+    def __init__(self, key: tuple, max_len: int, model: torch.nn.Module, cache: Any, dec: LookupDecoder,
                  host_n: torch.Tensor, host_hist: torch.Tensor):
-        self.key, self.max_len, self.ptrs = key, max_len, ptrs
-        self.cache, self.dec, self.host_n, self.host_hist = cache, dec, host_n, host_hist
+        super().__init__(key, max_len, session_mod.weight_ptrs(model), dec.hist.device, cache)
+        self.dec, self.host_n, self.host_hist = dec, host_n, host_hist
         self.graph: Any = None
-
-
-def _weight_ptrs(model: torch.nn.Module) -> tuple:
-    """Where each parameter and buffer of ``model`` lives (a captured graph reads them there)."""
-    return tuple((t.data_ptr(), t.dtype, t.shape) for t in (*model.parameters(), *model.buffers()))
-
-
-def _reusable(steps: dict, key: tuple, model: torch.nn.Module, max_len: int, device: torch.device) -> "_Session | None":
-    """The model's kept :class:`_Session` if this call can run on it (the same step ``key``, at
-    least ``max_len`` cache rows, on ``device``, the weights where they were), else None."""
-    s = steps.get(SESSION)
-    if s is None or s.key != key or s.max_len < max_len \
-            or s.dec.hist.device != device or s.ptrs != _weight_ptrs(model):
-        return None
-    return s
 
 
 def _capture(dec: LookupDecoder, steps: int) -> Any:
@@ -414,7 +400,8 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: in
         if key not in steps:
             steps[key] = torch.compile(VerifyStep(model), backend="fusec", options=opts)
         # prompt lookup reuses the last call's buffers (and CUDA graph) where they fit this call
-        session = _reusable(steps, key, model, max_len, device) if assistant is None else None
+        session = session_mod.reusable(steps, SESSION, key, model, max_len, device) if assistant is None \
+            else None
         if session is not None:
             cache = session.cache
             cache.reset()   # in place: keys, values and positions zeroed, the graph's pointers kept
@@ -440,7 +427,7 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: in
             host_n = torch.empty(1, dtype=torch.int64, pin_memory=cuda)
             host_hist = torch.empty_like(hist, device="cpu", pin_memory=cuda)
             if assistant is None:
-                session = steps[SESSION] = _Session(key, max_len, _weight_ptrs(model), cache, dec, host_n, host_hist)
+                session = steps[SESSION] = _Session(key, max_len, model, cache, dec, host_n, host_hist)
         else:
             dec, host_n, host_hist = session.dec, session.host_n, session.host_hist
             dec.restart(p + 1, limit)

@@ -212,3 +212,61 @@ def test_steps_compiled_without_precompile_each_reach_fusec(monkeypatch):
                            generator=torch.Generator().manual_seed(0))
         assert w.compiled and not w.fallbacks, (t, w.compiled, w.fallbacks)
     torch._dynamo.reset()
+
+
+def test_later_calls_run_on_the_kept_buffers_and_equal_hf_generate():
+    """A model keeps its last batch-1 call's cache and decoder (on CUDA also the captured graph:
+    fusec/generation/session.py): a later call with the same settings whose rows fit resets
+    them in place and runs on them (a shorter prompt after a longer one, the first again: HF
+    generate()'s tokens, nothing of the call before left); more rows, other settings, a batch,
+    a weight moved to new memory, a call that failed midway: new buffers."""
+    from fusec.generation import session
+    model = hf_tiny.qwen3(layers=1)
+    long, short = _prompt(1), torch.randint(1, 128, (1, 3), generator=torch.Generator().manual_seed(8))
+
+    def run(x, n, **kw):
+        out = fusec.generate(model, x, n, options=FAST, eos_token_id=[], **kw)
+        if not kw:
+            assert torch.equal(out, _hf(model, x, n)), (x.shape, n)
+        return model._fusec_generate_steps.get(session.DECODE)
+
+    torch._dynamo.reset()
+    with FallbackWatch() as w:
+        first = run(long, 8)
+        assert first is not None and first.max_len == 64
+        assert run(short, 6) is first                 # fits: the same buffers, reset
+        assert run(long, 8) is first                  # the first call again, after the other
+        bigger = run(long, 70)                        # 5 + 70 rows pass the first 64
+        assert bigger is not first and bigger.max_len == 128
+        sampled = run(short, 4, do_sample=True, generator=torch.Generator().manual_seed(1))
+        assert sampled is not bigger                  # other settings: another step, other buffers
+        greedy = run(short, 6)
+        assert greedy is not sampled
+        both = torch.cat([short, short])
+        fusec.generate(model, both, 3, options=FAST, eos_token_id=[])
+        assert model._fusec_generate_steps.get(session.DECODE) is None   # a batch keeps nothing
+        kept = run(short, 6)
+        with torch.no_grad():                         # a weight moved to new memory
+            model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.clone())
+        assert run(short, 6) is not kept
+        with pytest.raises(KeyboardInterrupt):        # a call that fails midway drops its buffers
+            fusec.generate(model, short, 6, options=FAST, eos_token_id=[], streamer=_Interrupt())
+        assert model._fusec_generate_steps.get(session.DECODE) is None
+        assert run(short, 6) is not None
+    torch._dynamo.reset()
+    assert not w.fallbacks, w.fallbacks
+
+
+class _Interrupt:
+    """A streamer whose second ``put`` (the first new tokens) raises, as a user's Ctrl-C would."""
+
+    def __init__(self):
+        self.puts = 0
+
+    def put(self, t):
+        self.puts += 1
+        if self.puts == 2:
+            raise KeyboardInterrupt
+
+    def end(self):
+        pass

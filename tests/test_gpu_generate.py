@@ -9,6 +9,7 @@ import torch
 import fusec
 import hf_tiny
 from fusec.fallbacks import FallbackWatch
+from fusec.generation import session
 
 pytestmark = pytest.mark.gpu
 
@@ -52,6 +53,44 @@ def test_bf16_64_tokens_without_fallback():
     assert torch.equal(out, again)
 
 
+def test_greedy_calls_replay_the_kept_graph_and_equal_hf_greedy():
+    """Later greedy calls replay the CUDA graph the first call captured
+    (fusec/generation/session.py): a shorter prompt, the first prompt again, a weight changed in
+    place (the graph reads it where it is) all equal HF eager greedy's tokens; a weight moved to
+    new memory gets a new graph."""
+    model = hf_tiny.llama(seed=3)
+    g = torch.Generator().manual_seed(3)
+    model.lm_head.weight = torch.nn.Parameter(torch.randn(model.lm_head.weight.shape, generator=g) * 0.3)
+    long = torch.randint(0, 128, (1, 12), generator=g).cuda()
+    short = torch.randint(0, 128, (1, 5), generator=g).cuda()
+    model = model.cuda()
+
+    def run(x, n):
+        ref = model.generate(x, max_new_tokens=n, do_sample=False, attention_mask=torch.ones_like(x),
+                             eos_token_id=None, pad_token_id=0, disable_compile=True)
+        out = fusec.generate(model, x, n, eos_token_id=[])
+        assert torch.equal(out, ref), (x.shape, n, out[0, x.shape[1]:].tolist(), ref[0, x.shape[1]:].tolist())
+        return model._fusec_generate_steps[session.DECODE]
+
+    torch._dynamo.reset()
+    try:
+        with FallbackWatch() as w:
+            first = run(long, 48)
+            graph = first.dec.graph
+            assert graph is not None
+            assert run(short, 40) is first and first.dec.graph is graph
+            assert run(long, 48) is first and first.dec.graph is graph
+            with torch.no_grad():
+                model.lm_head.weight.mul_(1.5)
+            assert run(short, 40) is first and first.dec.graph is graph
+            with torch.no_grad():
+                model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.clone())
+            assert run(short, 40) is not first
+    finally:
+        torch._dynamo.reset()
+    assert not w.fallbacks, w.fallbacks
+
+
 def test_sampling_graph_equals_plain_launches(monkeypatch):
     """bf16 sampling (temperature, top-k in the megakernel, top-p as torch ops): the same seed
     gives the same tokens from CUDA-graph replays and from plain launches, and stops at eos."""
@@ -66,6 +105,7 @@ def test_sampling_graph_equals_plain_launches(monkeypatch):
     with FallbackWatch() as w:
         graphed = [run(), run(top_p=0.9)]
         monkeypatch.setattr(gm._Decoder, "capture", lambda self: False)
+        model._fusec_generate_steps.pop(session.DECODE)   # no kept graph: plain launches from here
         plain = [run(), run(top_p=0.9)]
         eos = int(plain[0][0, 5 + 20])
         stopped = run(eos_token_id=[eos])
@@ -86,6 +126,7 @@ def test_capture_failure_falls_back_to_plain_launches(monkeypatch):
     prompt = torch.randint(1, 512, (1, 5), device="cuda")
     torch._dynamo.reset()
     ref = fusec.generate(model, prompt, 40, eos_token_id=[])
+    model._fusec_generate_steps.pop(session.DECODE)   # the next call captures anew (no kept graph)
     one = gm._Decoder.one
 
     def syncing(self, j):

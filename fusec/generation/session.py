@@ -1,0 +1,60 @@
+"""The buffers a :func:`fusec.generate` call keeps on its model for the next call.
+
+A call's device state is its static KV cache, the decoder's inputs (the token, or prompt
+lookup's history and length) and, on CUDA, the graph of :data:`fusec.generate.CHUNK` captured
+decode steps, which holds the addresses of all of them. Capturing costs a call its host time
+for ``CHUNK`` step launches while the GPU waits (on an H100 host, Llama-3.2-1B: 23 ms before
+the first replay, about 17 steps' worth), and a new cache costs its allocation. A later call
+whose step is the same (the same settings and options: the session's ``key``), whose rows fit
+the kept cache (``max_len``), on the same device, with the model's parameters and buffers where
+they were (``ptrs``: the graph reads them there), resets the kept buffers in place and replays
+the kept graph. A call that does not fit drops the kept session before allocating its own.
+
+A model keeps one session per kind of call (greedy/sampled decoding, prompt lookup) in its
+``_fusec_generate_steps`` dict (:class:`fusec.generate._StepCache`), under the names below.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+#: the names of the kept sessions in a model's ``_fusec_generate_steps``
+DECODE = "decode_session"
+PROMPT_LOOKUP = "prompt_lookup_session"
+
+
+class Session:
+    """One kind of call's kept buffers (module docstring).
+
+    Attributes:
+        key: what the step was compiled for (settings, options, batch rows); a call with
+            another key cannot replay the graph.
+        max_len: the kept static cache's rows (a call needing more gets a new session).
+        ptrs: :func:`weight_ptrs` of the model when the graph was captured.
+        device: where the buffers live.
+        cache: the static KV cache (``transformers.StaticCache``), reset in place per call.
+
+    A kind of call adds its decoder state and its captured graph (None on the CPU, after a
+    failed capture, or before the first).
+    """
+
+    def __init__(self, key: tuple, max_len: int, ptrs: tuple, device: torch.device, cache: Any):
+        self.key, self.max_len, self.ptrs, self.device, self.cache = key, max_len, ptrs, device, cache
+
+
+def weight_ptrs(model: torch.nn.Module) -> tuple:
+    """Where each parameter and buffer of ``model`` lives: ``(data_ptr, dtype, shape)`` per
+    tensor (a captured graph reads them at these addresses)."""
+    return tuple((t.data_ptr(), t.dtype, t.shape) for t in (*model.parameters(), *model.buffers()))
+
+
+def reusable(steps: dict, name: str, key: tuple, model: torch.nn.Module, max_len: int,
+             device: torch.device) -> Session | None:
+    """The session kept under ``name`` if this call can run on it (the same ``key``, at least
+    ``max_len`` cache rows, on ``device``, the weights where they were), else None."""
+    s = steps.get(name)
+    if s is None or s.key != key or s.max_len < max_len or s.device != device \
+            or s.ptrs != weight_ptrs(model):
+        return None
+    return s
