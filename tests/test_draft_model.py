@@ -46,19 +46,26 @@ def _prompt(seed: int, n: int = 10) -> torch.Tensor:
     return torch.randint(1, 128, (1, n), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("num", [1, 3, 7])
-def test_a_draft_model_gives_greedys_tokens(num, caplog):
+#: options of the tests of the host loop: 8 SMs, no hazard check (the simulator's check of 132
+#: SMs each step is the point of the tests at default options, not of these)
+FAST = {"num_sms": 8, "check_hazards": False}
+
+
+@pytest.mark.parametrize("num, options", [(1, FAST), (3, None), (7, FAST)])
+def test_a_draft_model_gives_greedys_tokens(num, options, caplog):
     """Target and a draft that agrees with it in part (:func:`_near`): the output equals eager
     greedy search's for 16 new tokens; fusec compiles the K = num + 1
     verification and the draft's 2-token step (its 1-token step too at num > 1, whose drafts
-    after the first it makes), no fallback; some drafts are accepted, some rejected."""
+    after the first it makes), no fallback; some drafts are accepted, some rejected. N = 3 with
+    the default options (132 SMs, the hazard check every step)."""
     target = _varied(1)
     draft = _near(target)
     prompt = _prompt(3)
     ref = _greedy(target, prompt, 16)
     torch._dynamo.reset()
     with FallbackWatch() as w, caplog.at_level("INFO", logger="fusec"):
-        out = fusec.generate(target, prompt, 16, eos_token_id=[], assistant_model=draft, num_assistant_tokens=num)
+        out = fusec.generate(target, prompt, 16, eos_token_id=[], assistant_model=draft, num_assistant_tokens=num,
+                             options=options)
     torch._dynamo.reset()
     assert torch.equal(out, ref), (out.tolist(), ref.tolist())
     assert w.compiled == (2 if num == 1 else 3) and not w.fallbacks, (w.compiled, w.fallbacks)
@@ -74,7 +81,8 @@ def test_the_target_as_its_own_draft_accepts_every_draft():
     target = _varied(4)
     prompt = _prompt(5)
     ref = _greedy(target, prompt, 16)
-    out = fusec.generate(target, prompt, 16, eos_token_id=[], assistant_model=target, num_assistant_tokens=4)
+    out = fusec.generate(target, prompt, 16, eos_token_id=[], assistant_model=target, num_assistant_tokens=4,
+                         options=FAST)
     assert torch.equal(out, ref)
     stats = prompt_lookup.last_stats
     assert stats == {"steps": 3, "accepted": 12, "tokens": 16}, stats   # 1 + 3 * (4 + 1) tokens
@@ -88,7 +96,7 @@ def test_a_draft_model_stops_at_eos_like_greedy():
     eos = int(free[0, 10 + 11])
     ref = _greedy(target, prompt, 30, eos)
     out = fusec.generate(target, prompt, 30, eos_token_id=eos, assistant_model=_near(target),
-                         num_assistant_tokens=3)
+                         num_assistant_tokens=3, options=FAST)
     assert torch.equal(out, ref) and out.shape[1] <= 10 + 12
 
 
@@ -109,34 +117,35 @@ def test_draft_model_argument_errors():
             fusec.generate(target, prompt, 8, **kw)
 
 
-def _cc():
+def _cc(options=None):
     from transformers.generation import CompileConfig
-    cc = CompileConfig(backend="fusec")
+    cc = CompileConfig(backend="fusec", options=options)
     cc._compile_all_devices = True   # HF compiles on CUDA only unless told (this machine has no GPU)
     return cc
 
 
-def _hf_assisted(target, draft, prompt, n: int, caplog, **kw):
-    """(HF generate(assistant_model=draft, compile_config=fusec, **kw)'s tokens, eager greedy
-    search's, the FallbackWatch of the fusec call), fusec's lines in ``caplog``."""
+def _hf_assisted(target, draft, prompt, n: int, caplog, options=None, **kw):
+    """(HF generate(assistant_model=draft, compile_config=fusec with ``options``, **kw)'s tokens,
+    eager greedy search's, the FallbackWatch of the fusec call), fusec's lines in ``caplog``."""
     ref = target.generate(prompt, max_new_tokens=n, do_sample=False)
     torch._dynamo.reset()
     with FallbackWatch() as w, caplog.at_level("INFO", logger="fusec"):
         out = target.generate(prompt, max_new_tokens=n, do_sample=False, assistant_model=draft,
-                              compile_config=_cc(), **kw)
+                              compile_config=_cc(options), **kw)
     return out, ref, w
 
 
-@pytest.mark.parametrize("cache", ["static", None])
-def test_assistant_model_through_generate_runs_fusecs_speculative_decoding(cache, caplog):
+@pytest.mark.parametrize("cache, options", [("static", None), (None, FAST)])
+def test_assistant_model_through_generate_runs_fusecs_speculative_decoding(cache, options, caplog):
     """generate(assistant_model=draft, compile_config=fusec): HF's assisted decoding refuses a
     static cache and runs its plain forward on a dynamic one; through fusec it is
     fusec.generate's speculative decoding (the draft's num_assistant_tokens, as HF reads it:
     its default, 20, taken as 7: steps of 8 query tokens; 3 when set: steps of 4) on either, and
-    its tokens equal eager greedy search's."""
+    its tokens equal eager greedy search's. The static cache with the default options, the
+    dynamic one with the CompileConfig's options (8 SMs, no hazard check)."""
     target, draft = _varied(1), _varied(2, layers=1)
     prompt = _prompt(7)
-    out, ref, w = _hf_assisted(target, draft, prompt, 16, caplog, cache_implementation=cache)
+    out, ref, w = _hf_assisted(target, draft, prompt, 16, caplog, options, cache_implementation=cache)
     torch._dynamo.reset()
     assert torch.equal(out, ref) and not w.fallbacks and w.compiled == 3, (w.compiled, w.fallbacks)
     assert any("speculative-decoding steps of K = 8" in r.getMessage() for r in caplog.records)
@@ -144,7 +153,7 @@ def test_assistant_model_through_generate_runs_fusecs_speculative_decoding(cache
     caplog.clear()
     with caplog.at_level("INFO", logger="fusec"):
         out = target.generate(prompt, max_new_tokens=16, do_sample=False, assistant_model=draft,
-                              cache_implementation=cache, compile_config=_cc())
+                              cache_implementation=cache, compile_config=_cc(options))
     torch._dynamo.reset()
     assert torch.equal(out, ref)
     assert any("speculative-decoding steps of K = 4" in r.getMessage() for r in caplog.records)
@@ -177,7 +186,8 @@ def test_many_steps_in_one_process_each_reach_fusec(monkeypatch):
     torch._dynamo.reset()
     for num in (1, 2, 3):
         with FallbackWatch() as w:
-            out = fusec.generate(target, prompt, 4, eos_token_id=[], assistant_model=draft, num_assistant_tokens=num)
+            out = fusec.generate(target, prompt, 4, eos_token_id=[], assistant_model=draft, num_assistant_tokens=num,
+                                 options=FAST)
         assert torch.equal(out, ref), num
         assert w.compiled == (2 if num == 1 else 2 if num == 2 else 1) and not w.fallbacks, \
             (num, w.compiled, w.fallbacks)
