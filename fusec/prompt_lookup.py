@@ -252,9 +252,10 @@ class LookupDecoder:
 
 def set_position(cache: Any, pos: torch.Tensor) -> None:
     """Every layer of the static ``cache`` writes its next row at ``pos`` (int64 ``[1]``, a
-    device tensor: ``StaticLayer.cumulative_length`` set in place, no host sync)."""
-    for layer in cache.layers:
-        layer.cumulative_length.copy_(pos.view(()))
+    device tensor: ``StaticLayer.cumulative_length`` set in place, no host sync): one
+    ``torch._foreach_copy_`` (one kernel on CUDA for all layers, not a copy per layer)."""
+    lens = [layer.cumulative_length for layer in cache.layers]
+    torch._foreach_copy_(lens, [pos.view(())] * len(lens))
 
 
 class ModelDrafter:

@@ -53,44 +53,6 @@ def test_bf16_64_tokens_without_fallback():
     assert torch.equal(out, again)
 
 
-def test_greedy_calls_replay_the_kept_graph_and_equal_hf_greedy():
-    """Later greedy calls replay the CUDA graph the first call captured
-    (fusec/generation/session.py): a shorter prompt, the first prompt again, a weight changed in
-    place (the graph reads it where it is) all equal HF eager greedy's tokens; a weight moved to
-    new memory gets a new graph."""
-    model = hf_tiny.llama(seed=3)
-    g = torch.Generator().manual_seed(3)
-    model.lm_head.weight = torch.nn.Parameter(torch.randn(model.lm_head.weight.shape, generator=g) * 0.3)
-    long = torch.randint(0, 128, (1, 12), generator=g).cuda()
-    short = torch.randint(0, 128, (1, 5), generator=g).cuda()
-    model = model.cuda()
-
-    def run(x, n):
-        ref = model.generate(x, max_new_tokens=n, do_sample=False, attention_mask=torch.ones_like(x),
-                             eos_token_id=None, pad_token_id=0, disable_compile=True)
-        out = fusec.generate(model, x, n, eos_token_id=[])
-        assert torch.equal(out, ref), (x.shape, n, out[0, x.shape[1]:].tolist(), ref[0, x.shape[1]:].tolist())
-        return model._fusec_generate_steps[session.DECODE]
-
-    torch._dynamo.reset()
-    try:
-        with FallbackWatch() as w:
-            first = run(long, 48)
-            graph = first.dec.graph
-            assert graph is not None
-            assert run(short, 40) is first and first.dec.graph is graph
-            assert run(long, 48) is first and first.dec.graph is graph
-            with torch.no_grad():
-                model.lm_head.weight.mul_(1.5)
-            assert run(short, 40) is first and first.dec.graph is graph
-            with torch.no_grad():
-                model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.clone())
-            assert run(short, 40) is not first
-    finally:
-        torch._dynamo.reset()
-    assert not w.fallbacks, w.fallbacks
-
-
 def test_sampling_graph_equals_plain_launches(monkeypatch):
     """bf16 sampling (temperature, top-k in the megakernel, top-p as torch ops): the same seed
     gives the same tokens from CUDA-graph replays and from plain launches, and stops at eos."""
@@ -192,11 +154,12 @@ def test_prompt_lookup_fp32_equals_hf_greedy():
     assert int(line.split(" in ")[1].split()[0]) < 47, line
 
 
-def test_prompt_lookup_calls_replay_the_kept_graph_and_equal_hf_greedy():
-    """Later prompt-lookup calls on the GPU replay the CUDA graph the first call captured
-    (``prompt_lookup._Session``): a shorter prompt, the first prompt again, a weight changed in
-    place (the graph reads it where it is) all equal HF eager greedy's tokens; a weight moved
-    to new memory gets a new graph."""
+@pytest.mark.parametrize("lookup", [None, 3], ids=["greedy", "prompt_lookup"])
+def test_later_calls_replay_the_kept_graph_and_equal_hf_greedy(lookup):
+    """Later calls replay the CUDA graph the first call captured (fusec/generation/session.py:
+    greedy decoding's ``_DecodeSession``, prompt lookup's ``prompt_lookup._Session``): a
+    shorter prompt, the first prompt again, a weight changed in place (the graph reads it where
+    it is) all equal HF eager greedy's tokens; a weight moved to new memory gets a new graph."""
     from fusec import prompt_lookup
     model = hf_tiny.llama(seed=3)
     g = torch.Generator().manual_seed(3)
@@ -204,28 +167,30 @@ def test_prompt_lookup_calls_replay_the_kept_graph_and_equal_hf_greedy():
     long = torch.randint(0, 128, (1, 12), generator=g).cuda()
     short = torch.randint(0, 128, (1, 5), generator=g).cuda()
     model = model.cuda()
+    name, kw = (session.DECODE, {}) if lookup is None else \
+        (prompt_lookup.SESSION, {"prompt_lookup_num_tokens": lookup})
 
     def run(x, n):
         ref = model.generate(x, max_new_tokens=n, do_sample=False, attention_mask=torch.ones_like(x),
                              eos_token_id=None, pad_token_id=0, disable_compile=True)
-        out = fusec.generate(model, x, n, prompt_lookup_num_tokens=3, eos_token_id=[])
+        out = fusec.generate(model, x, n, eos_token_id=[], **kw)
         assert torch.equal(out, ref), (x.shape, n, out[0, x.shape[1]:].tolist(), ref[0, x.shape[1]:].tolist())
-        return model._fusec_generate_steps[prompt_lookup.SESSION]
+        kept = model._fusec_generate_steps[name]
+        return kept, (kept.dec.graph if lookup is None else kept.graph)
 
     torch._dynamo.reset()
     try:
         with FallbackWatch() as w:
-            first = run(long, 48)
-            graph = first.graph
+            first, graph = run(long, 48)
             assert graph is not None
-            assert run(short, 40) is first and first.graph is graph
-            assert run(long, 48) is first and first.graph is graph
+            assert run(short, 40) == (first, graph)
+            assert run(long, 48) == (first, graph)
             with torch.no_grad():
                 model.lm_head.weight.mul_(1.5)
-            assert run(short, 40) is first and first.graph is graph
+            assert run(short, 40) == (first, graph)
             with torch.no_grad():
                 model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.clone())
-            assert run(short, 40) is not first
+            assert run(short, 40)[0] is not first
     finally:
         torch._dynamo.reset()
     assert not w.fallbacks, w.fallbacks
