@@ -30,6 +30,13 @@ def note_compiled() -> None:
     COMPILED[0] += 1
 
 
+#: the engine (kernel and buffers) the last call of a fusec-compiled step launched: a CUDA graph
+#: captured over a call holds that launch, so a later call that dispatched to another compiled
+#: step (dynamo's guards chose another cache entry, nothing compiled) must capture again
+#: (fusec.generation.session)
+LAUNCHED: list = [None]
+
+
 class FallbackWatch(logging.Handler):
     """While open (``with FallbackWatch() as w:``), collects the ``fusec`` logger's warnings.
 

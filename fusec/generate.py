@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from fusec.errors import FusecError
-from fusec.fallbacks import FallbackWatch
+from fusec.fallbacks import LAUNCHED, FallbackWatch
 from fusec.fallbacks import warn as warn_fallback
 from fusec.frontend import hf_rope
 from fusec.frontend.precompiled import PrecompiledStep
@@ -348,18 +348,24 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: in
     t_start = time.perf_counter()
     steps = _steps_of(model)
     # the batch-1 step's buffers and CUDA graph are kept for the next call
-    # (fusec/generation/session.py); a batch's device state (Batch) is made per call
+    # (fusec/generation/session.py); a batch's device state (Batch) is made per call, as the
+    # buffers of a call made while another runs on the kept ones (inside its streamer's put)
+    inside = session.in_use(steps, session.DECODE)
     key = (sample, float(temperature) if sample else None, top_k, top_p, select_in_graph,
-           repr(sorted(opts.items())), rows) if mask is None else None
+           repr(sorted(opts.items())), rows) if mask is None and not inside else None
     kept = None if key is None else session.reusable(steps, session.DECODE, key, model, max_len, device)
-    if kept is None:
+    if kept is None and not inside:
         steps.pop(session.DECODE, None)   # the old buffers go before new ones are allocated
     try:
         return _generate(model, input_ids, mask, max_new_tokens, max_len, cuda, sample, select_in_graph,
                          temperature, top_k, top_p, eos, pad, streamer, opts, generator, steps, key, kept, t_start)
     except BaseException:
-        steps.pop(session.DECODE, None)   # a call that failed midway leaves nothing to reuse
+        if not inside:
+            steps.pop(session.DECODE, None)   # a call that failed midway leaves nothing to reuse
         raise
+    finally:
+        if not inside and session.DECODE in steps:
+            steps[session.DECODE].busy = False
 
 
 def _generate(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tensor | None, max_new_tokens: int,
@@ -369,7 +375,7 @@ def _generate(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tenso
               kept: "_DecodeSession | None", t_start: float) -> torch.Tensor:
     """:func:`generate`'s prefill and decode loop, its arguments checked; ``kept``: the last
     call's buffers to run on (reset here), None: new ones, kept for the next call where ``key``
-    is not None (no mask, positions counted on the device)."""
+    is not None (no mask, positions counted on the device, no call running on the kept ones)."""
     from transformers import StaticCache
 
     device = input_ids.device
@@ -377,6 +383,7 @@ def _generate(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tenso
     with torch.no_grad():
         # prefill, eagerly: the first new token
         if kept is not None:
+            kept.busy = True
             cache = kept.cache
             cache.reset()   # in place: keys, values and positions zeroed, the graph's pointers kept
         else:
@@ -458,13 +465,14 @@ def _generate(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tenso
                     dec = _Decoder(step, tokens, cache, sample, select_in_graph, temperature, top_k, top_p,
                                    logits.shape[-1], generator, out, batch)
                     if key is not None and not counted:
-                        steps[session.DECODE] = _DecodeSession(key, max_len, model, cache, dec)
+                        kept = steps[session.DECODE] = _DecodeSession(key, max_len, model, cache, dec)
+                        kept.busy = True
                 n = min(WARMUP if cuda else CHUNK, max_new_tokens - pos)
                 t_step = time.perf_counter()
                 with FallbackWatch() as w:
                     dec.plain(pos, n)      # the first call compiles; a later one runs the step's guards
-                if w.compiled or w.fallbacks:
-                    dec.graph = None       # a kept graph launches what ran before this compile
+                if kept is not None and not session.graph_current(kept, w):
+                    dec.graph = None       # a kept graph launches what ran before a compile or a switch
                 if w.compiled:   # where a call that compiled or loaded its step spent its host time
                     log.info("fusec.generate: prefill launched in %.2f s, the decode step compiled or loaded "
                              "and %d steps launched in %.2f s (host wall time)", t_step - t_start, n,
@@ -472,8 +480,9 @@ def _generate(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tenso
                 if w.fallbacks:
                     warn_fallback("fusec.generate: the decode step did not compile with fusec (%s); "
                                   "generating with the fallback (correct, slower)", w.fallbacks[0])
-                if cuda and not counted and dec.graph is None and max_new_tokens - pos - n >= CHUNK:
-                    dec.capture()
+                if cuda and not counted and dec.graph is None and max_new_tokens - pos - n >= CHUNK \
+                        and dec.capture() and kept is not None:
+                    kept.graph_engine = LAUNCHED[0]
             else:
                 n = min(CHUNK, max_new_tokens - pos)
                 if n == CHUNK and dec.graph is not None:

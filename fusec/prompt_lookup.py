@@ -375,7 +375,7 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: in
     from transformers import StaticCache
 
     from fusec.errors import FusecError
-    from fusec.fallbacks import FallbackWatch
+    from fusec.fallbacks import LAUNCHED, FallbackWatch
     from fusec.fallbacks import warn as warn_fallback
     from fusec.frontend.static_cache import length_symbolic
     from fusec.generation.batch import host_counted
@@ -390,139 +390,148 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: in
     max_len = -(-(limit + k) // gen_mod.CACHE_ALIGN) * gen_mod.CACHE_ALIGN
     if streamer is not None:
         streamer.put(input_ids.cpu())
-    with torch.no_grad():
-        steps = model.__dict__.get("_fusec_generate_steps")
-        if steps is None:
-            steps = gen_mod._StepCache()
-            object.__setattr__(model, "_fusec_generate_steps", steps)
-        opts = {**options, "query_tokens": max(k, int(options.get("query_tokens", 1)))}
-        key = ("prompt_lookup", k, repr(sorted(opts.items())))
-        new_steps = key not in steps
-        if key not in steps:
-            steps[key] = torch.compile(VerifyStep(model), backend="fusec", options=opts)
-        # prompt lookup reuses the last call's buffers (and CUDA graph) where they fit this call
-        session = session_mod.reusable(steps, SESSION, key, model, max_len, device) if assistant is None \
-            else None
-        if session is not None:
-            cache = session.cache
-            cache.reset()   # in place: keys, values and positions zeroed, the graph's pointers kept
-        else:
-            steps.pop(SESSION, None)   # the old buffers go before new ones are allocated
-            cache = StaticCache(config=model.config, max_cache_len=max_len)
-        with gen_mod._prefill_attention(cuda):
-            logits = model(input_ids=input_ids, past_key_values=cache, use_cache=True,
-                           **gen_mod._last_logits_only(model)).logits[:, -1]
-        what = "prompt_lookup_num_tokens" if assistant is None else "assistant_model"
-        if host_counted(cache):
-            raise FusecError(f"fusec.generate: {what} needs a cache whose layers count "
-                             "positions on the device; this model's sliding-window layers count them on the "
-                             f"host (Mistral, Gemma-2/3, StarCoder2): call it without {what}")
-        length_symbolic(cache)
-        drafter = None
-        if assistant is not None:
-            drafter = _model_drafter(assistant, input_ids, max_len, num, model.config.vocab_size, options, cuda)
-            new_steps = new_steps or drafter.new
-        if session is None:
-            hist = torch.zeros(max_len + k, dtype=torch.int64, device=device)
-            dec = LookupDecoder(steps[key], cache, hist, p + 1, limit, k, drafter)
-            host_n = torch.empty(1, dtype=torch.int64, pin_memory=cuda)
-            host_hist = torch.empty_like(hist, device="cpu", pin_memory=cuda)
-            if assistant is None:
-                session = steps[SESSION] = _Session(key, max_len, model, cache, dec, host_n, host_hist)
-        else:
-            dec, host_n, host_hist = session.dec, session.host_n, session.host_hist
-            dec.restart(p + 1, limit)
-        hist = dec.hist
-        hist[:p] = input_ids[0]
-        hist[p:p + 1] = logits.argmax(-1)
-        pending: collections.deque = collections.deque()   # (event, steps) per copy in flight
-        shown = p
-        seen_n = p + 1   # the last length read on the host
-
-        def enqueue(steps: int) -> None:
-            # the history before its length: both copies share one host buffer each, and a later
-            # copy may land while an earlier one is read; positions below a length never change
-            # again, so a length read from the host always has its tokens there
-            host_hist.copy_(hist, non_blocking=cuda)
-            host_n.copy_(dec.n, non_blocking=cuda)
-            ev = None
-            if cuda:
-                ev = torch.cuda.Event()
-                ev.record()
-            pending.append((ev, steps))
-
-        def consume() -> int | None:
-            """The oldest copy on the host: stream its new tokens; the output's end if done."""
-            nonlocal shown, seen_n
-            ev, steps = pending.popleft()
-            if ev is not None:
-                ev.synchronize()
-            n = int(host_n[0])
-            seen_n = max(seen_n, n)
-            new = host_hist[shown:n]
-            end = None
-            if eos:
-                where = torch.isin(new, torch.tensor(eos, dtype=torch.int64)).nonzero()
-                if len(where):
-                    end = shown + int(where[0, 0]) + 1
-                    new = new[:end - shown]
-            if streamer is not None and len(new):
-                streamer.put(new.clone())
-            shown += len(new)
-            if end is None and n >= limit:
-                end = limit
-            return end
-
-        end = None
-        if p + 1 >= limit or (eos and int(hist[p]) in eos):
-            end = p + 1
-            if streamer is not None:
-                streamer.put(hist[p:p + 1].cpu())
-        graph = session.graph if session is not None else None
-        first = True
-        # the CPU (simulator): one step per chunk, checked at once (no device runs ahead to overlap)
-        chunk = gen_mod.CHUNK if cuda else 1
-        while end is None:
-            if cuda and pending and not first and \
-                    limit - seen_n <= k * sum(steps for _, steps in pending):
-                # the steps in flight may end the output (at K tokens a step): read them before
-                # launching more, never a chunk that may run all past the end (docs/batch.md)
-                end = consume()
-                continue
-            if first:
-                with FallbackWatch() as w:
-                    for _ in range(gen_mod.WARMUP if cuda else 1):
-                        dec.one()        # the first call compiles
-                kind = "prompt-lookup" if assistant is None else "speculative-decoding"
-                if w.fallbacks:
-                    warn_fallback("fusec.generate: a %s step did not compile with fusec (%s); generating "
-                                  "with the fallback (correct, slower)", kind, w.fallbacks[0])
-                elif new_steps and not w.compiled:
-                    warn_fallback("fusec.generate: the %s steps never reached fusec (dynamo ran them without "
-                                  "calling the backend); generating eagerly (correct, slower)", kind)
-                if w.compiled or w.fallbacks:
-                    graph = None   # a graph of an earlier call launches what ran before this compile
-                if cuda and graph is None:
-                    graph = _capture(dec, gen_mod.CHUNK)
-                    if session is not None:
-                        session.graph = graph
-                first = False
-                steps = gen_mod.WARMUP if cuda else 1
-            elif graph is not None:
-                graph.replay()
-                steps = gen_mod.CHUNK
+    session = None
+    try:
+        with torch.no_grad():
+            steps = model.__dict__.get("_fusec_generate_steps")
+            if steps is None:
+                steps = gen_mod._StepCache()
+                object.__setattr__(model, "_fusec_generate_steps", steps)
+            opts = {**options, "query_tokens": max(k, int(options.get("query_tokens", 1)))}
+            key = ("prompt_lookup", k, repr(sorted(opts.items())))
+            new_steps = key not in steps
+            if key not in steps:
+                steps[key] = torch.compile(VerifyStep(model), backend="fusec", options=opts)
+            # prompt lookup reuses the last call's buffers (and CUDA graph) where they fit this call;
+            # a call inside another one's streamer (busy buffers) makes its own and keeps nothing
+            keep = assistant is None and not session_mod.in_use(steps, SESSION)
+            session = session_mod.reusable(steps, SESSION, key, model, max_len, device) if keep else None
+            if session is not None:
+                session.busy = True
+                cache = session.cache
+                cache.reset()   # in place: keys, values and positions zeroed, the graph's pointers kept
             else:
-                for _ in range(chunk):
-                    dec.one()
-                steps = chunk
-            enqueue(steps)
-            while len(pending) > (1 if cuda else 0) and end is None:   # CUDA: one chunk behind the device
+                if keep:
+                    steps.pop(SESSION, None)   # the old buffers go before new ones are allocated
+                cache = StaticCache(config=model.config, max_cache_len=max_len)
+            with gen_mod._prefill_attention(cuda):
+                logits = model(input_ids=input_ids, past_key_values=cache, use_cache=True,
+                               **gen_mod._last_logits_only(model)).logits[:, -1]
+            what = "prompt_lookup_num_tokens" if assistant is None else "assistant_model"
+            if host_counted(cache):
+                raise FusecError(f"fusec.generate: {what} needs a cache whose layers count "
+                                 "positions on the device; this model's sliding-window layers count them on the "
+                                 f"host (Mistral, Gemma-2/3, StarCoder2): call it without {what}")
+            length_symbolic(cache)
+            drafter = None
+            if assistant is not None:
+                drafter = _model_drafter(assistant, input_ids, max_len, num, model.config.vocab_size, options, cuda)
+                new_steps = new_steps or drafter.new
+            if session is None:
+                hist = torch.zeros(max_len + k, dtype=torch.int64, device=device)
+                dec = LookupDecoder(steps[key], cache, hist, p + 1, limit, k, drafter)
+                host_n = torch.empty(1, dtype=torch.int64, pin_memory=cuda)
+                host_hist = torch.empty_like(hist, device="cpu", pin_memory=cuda)
+                if keep:
+                    session = steps[SESSION] = _Session(key, max_len, model, cache, dec, host_n, host_hist)
+                    session.busy = True
+            else:
+                dec, host_n, host_hist = session.dec, session.host_n, session.host_hist
+                dec.restart(p + 1, limit)
+            hist = dec.hist
+            hist[:p] = input_ids[0]
+            hist[p:p + 1] = logits.argmax(-1)
+            pending: collections.deque = collections.deque()   # (event, steps) per copy in flight
+            shown = p
+            seen_n = p + 1   # the last length read on the host
+
+            def enqueue(steps: int) -> None:
+                # the history before its length: both copies share one host buffer each, and a later
+                # copy may land while an earlier one is read; positions below a length never change
+                # again, so a length read from the host always has its tokens there
+                host_hist.copy_(hist, non_blocking=cuda)
+                host_n.copy_(dec.n, non_blocking=cuda)
+                ev = None
+                if cuda:
+                    ev = torch.cuda.Event()
+                    ev.record()
+                pending.append((ev, steps))
+
+            def consume() -> int | None:
+                """The oldest copy on the host: stream its new tokens; the output's end if done."""
+                nonlocal shown, seen_n
+                ev, steps = pending.popleft()
+                if ev is not None:
+                    ev.synchronize()
+                n = int(host_n[0])
+                seen_n = max(seen_n, n)
+                new = host_hist[shown:n]
+                end = None
+                if eos:
+                    where = torch.isin(new, torch.tensor(eos, dtype=torch.int64)).nonzero()
+                    if len(where):
+                        end = shown + int(where[0, 0]) + 1
+                        new = new[:end - shown]
+                if streamer is not None and len(new):
+                    streamer.put(new.clone())
+                shown += len(new)
+                if end is None and n >= limit:
+                    end = limit
+                return end
+
+            end = None
+            if p + 1 >= limit or (eos and int(hist[p]) in eos):
+                end = p + 1
+                if streamer is not None:
+                    streamer.put(hist[p:p + 1].cpu())
+            graph = session.graph if session is not None else None
+            first = True
+            # the CPU (simulator): one step per chunk, checked at once (no device runs ahead to overlap)
+            chunk = gen_mod.CHUNK if cuda else 1
+            while end is None:
+                if cuda and pending and not first and \
+                        limit - seen_n <= k * sum(steps for _, steps in pending):
+                    # the steps in flight may end the output (at K tokens a step): read them before
+                    # launching more, never a chunk that may run all past the end (docs/batch.md)
+                    end = consume()
+                    continue
+                if first:
+                    with FallbackWatch() as w:
+                        for _ in range(gen_mod.WARMUP if cuda else 1):
+                            dec.one()        # the first call compiles
+                    kind = "prompt-lookup" if assistant is None else "speculative-decoding"
+                    if w.fallbacks:
+                        warn_fallback("fusec.generate: a %s step did not compile with fusec (%s); generating "
+                                      "with the fallback (correct, slower)", kind, w.fallbacks[0])
+                    elif new_steps and not w.compiled:
+                        warn_fallback("fusec.generate: the %s steps never reached fusec (dynamo ran them without "
+                                      "calling the backend); generating eagerly (correct, slower)", kind)
+                    if session is None or not session_mod.graph_current(session, w):
+                        graph = None   # a graph of an earlier call launches what ran before a compile or a switch
+                    if cuda and graph is None:
+                        graph = _capture(dec, gen_mod.CHUNK)
+                        if session is not None:
+                            session.graph, session.graph_engine = graph, LAUNCHED[0]
+                    first = False
+                    steps = gen_mod.WARMUP if cuda else 1
+                elif graph is not None:
+                    graph.replay()
+                    steps = gen_mod.CHUNK
+                else:
+                    for _ in range(chunk):
+                        dec.one()
+                    steps = chunk
+                enqueue(steps)
+                while len(pending) > (1 if cuda else 0) and end is None:   # CUDA: one chunk behind the device
+                    end = consume()
+            while pending and end is None:
                 end = consume()
-        while pending and end is None:
-            end = consume()
-        if cuda:
-            torch.cuda.current_stream(device).synchronize()
-        accepted, n_steps = int(dec.accepted), int(dec.steps)
+            if cuda:
+                torch.cuda.current_stream(device).synchronize()
+            accepted, n_steps = int(dec.accepted), int(dec.steps)
+    finally:
+        if session is not None:
+            session.busy = False   # the next call may run on the buffers
     if streamer is not None:
         streamer.end()
     out = hist[:end].view(1, -1).clone()

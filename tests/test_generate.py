@@ -270,3 +270,76 @@ class _Interrupt:
 
     def end(self):
         pass
+
+
+class _Nested:
+    """A streamer whose second ``put`` runs another fusec.generate call on the same model (a
+    chat UI that generates from its callback), keeping that call's output."""
+
+    def __init__(self, call):
+        self.call, self.puts, self.inner = call, 0, None
+
+    def put(self, t):
+        self.puts += 1
+        if self.puts == 2:
+            self.inner = self.call()
+
+    def end(self):
+        pass
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("lookup", [None, 3], ids=["greedy", "prompt_lookup"])
+def test_a_call_inside_a_running_call_runs_on_buffers_of_its_own(lookup):
+    """fusec.generate called from the streamer of a running call on the same model: the running
+    call's kept buffers are busy, so the inner call neither takes nor drops them and keeps
+    nothing; both outputs equal HF greedy's, and the outer call's buffers stay kept for the next
+    call. Before, the inner call reset the outer's cache and token buffer under it (wrong
+    tokens, or an index error), and a prompt-lookup outer call never ended."""
+    from fusec import prompt_lookup
+    from fusec.generation import session
+    model = hf_tiny.llama()
+    outer, inner = _prompt(1), torch.randint(1, 128, (1, 3), generator=torch.Generator().manual_seed(2))
+    kw = {"options": FAST, "eos_token_id": []} | ({} if lookup is None else {"prompt_lookup_num_tokens": lookup})
+    name = session.DECODE if lookup is None else prompt_lookup.SESSION
+    torch._dynamo.reset()
+    with FallbackWatch() as w:
+        s = _Nested(lambda: fusec.generate(model, inner, 24, **kw))
+        out = fusec.generate(model, outer, 24, streamer=s, **kw)
+        kept = model._fusec_generate_steps[name]
+        assert s.inner is not None and not kept.busy
+        again = fusec.generate(model, outer, 24, **kw)
+        assert model._fusec_generate_steps[name] is kept   # the outer call's buffers, kept
+    torch._dynamo.reset()
+    assert not w.fallbacks, w.fallbacks
+    assert torch.equal(out, _hf(model, outer, 24)) and torch.equal(again, out)
+    assert torch.equal(s.inner, _hf(model, inner, 24))
+
+
+def test_a_kept_graph_knows_the_engine_it_launched():
+    """The check that keeps a kept CUDA graph from replaying another compiled step
+    (``session.graph_current``): a module attribute changed (B) and changed back (A again)
+    makes dynamo dispatch to A's compiled step without compiling anything, so only the engine
+    the warm-up launched (``fusec.fallbacks.LAUNCHED``) tells that a graph captured under B is
+    not A's. Before, such a graph was replayed: on the GPU the third call followed B's model."""
+    from fusec.fallbacks import LAUNCHED
+    from fusec.generation import session
+    model = hf_tiny.qwen3(layers=1)
+    attn = model.model.layers[0].self_attn
+    s0 = attn.scaling
+    torch._dynamo.reset()
+    engines = []
+    for scale in (s0, 4 * s0, s0):
+        attn.scaling = scale
+        with FallbackWatch() as w:
+            out = fusec.generate(model, _prompt(1), 6, options=FAST, eos_token_id=[])
+        assert not w.fallbacks and torch.equal(out, _hf(model, _prompt(1), 6))
+        engines.append(LAUNCHED[0])
+    torch._dynamo.reset()
+    a, b, a_again = engines
+    assert b is not a and a_again is a and not w.compiled   # back to A: nothing compiled
+    kept = model._fusec_generate_steps[session.DECODE]
+    kept.graph_engine = b
+    assert not session.graph_current(kept, w)
+    kept.graph_engine = a
+    assert session.graph_current(kept, w)

@@ -196,6 +196,30 @@ def test_later_calls_replay_the_kept_graph_and_equal_hf_greedy(lookup):
     assert not w.fallbacks, w.fallbacks
 
 
+def test_a_kept_graph_is_captured_again_when_the_warm_up_ran_another_step():
+    """A module attribute changed (B) and changed back (A again): dynamo dispatches the third
+    call to A's compiled step without compiling, and the graph kept from B's call must not be
+    replayed (``session.graph_current``: the engine the warm-up launched is not the one the
+    graph captured). Each call equals HF eager greedy's tokens; before, the third followed B."""
+    model = hf_tiny.qwen3(layers=1).cuda()
+    x = torch.randint(1, 128, (1, 9), generator=torch.Generator().manual_seed(1)).cuda()
+    attn = model.model.layers[0].self_attn
+    s0 = attn.scaling
+    torch._dynamo.reset()
+    try:
+        with FallbackWatch() as w:
+            for scale in (s0, 4 * s0, s0, 4 * s0):
+                attn.scaling = scale
+                out = fusec.generate(model, x, 40, eos_token_id=[])
+                ref = model.generate(x, max_new_tokens=40, do_sample=False, cache_implementation="static",
+                                     disable_compile=True, pad_token_id=0, eos_token_id=None)
+                assert torch.equal(out, ref), (scale / s0, out[0, 9:].tolist(), ref[0, 9:].tolist())
+    finally:
+        attn.scaling = s0
+        torch._dynamo.reset()
+    assert not w.fallbacks, w.fallbacks
+
+
 def test_draft_model_fp32_equals_hf_greedy():
     """Speculative decoding with a draft model (fusec.prompt_lookup.ModelDrafter) on the GPU: the
     target's LM head moved by noise drafts 3 tokens per step, its 2- and 1-token steps and the

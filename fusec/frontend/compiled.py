@@ -15,7 +15,7 @@ import torch
 from fusec.cache.artifacts import compile_graph, tensor_digest
 from fusec.config import Options
 from fusec.errors import CapacityExceeded, FusecError, NotLengthPolymorphic
-from fusec.fallbacks import note_compiled, warn as warn_fallback
+from fusec.fallbacks import LAUNCHED, note_compiled, warn as warn_fallback
 from fusec.ir import Graph
 from fusec.pipeline import Dumper
 from fusec.ir.schedule import Schedule
@@ -109,6 +109,7 @@ class CompiledStep:
 
     def __call__(self, *args: Any) -> list[torch.Tensor]:
         if self.fallen_back:
+            LAUNCHED[0] = self
             return self.aten_gm(*args)
         full = args
         if self._skip:   # the integer sizes dynamo passes for a symbolic length: not step inputs
@@ -134,7 +135,9 @@ class CompiledStep:
             except FusecError as e:
                 warn_fallback("fusec: running this graph eagerly: %s", e)
                 self.fallen_back = True
+                LAUNCHED[0] = self
                 return self.aten_gm(*full)
+        LAUNCHED[0] = self.engine
         with torch.no_grad(), (_no_dispatch_modes() if torch._C._len_torch_dispatch_stack() and _under_aot_check()
                                else contextlib.nullcontext()):
             out = self.engine(list(args))

@@ -12,6 +12,12 @@ the kept graph. A call that does not fit drops the kept session before allocatin
 
 A model keeps one session per kind of call (greedy/sampled decoding, prompt lookup) in its
 ``_fusec_generate_steps`` dict (:class:`fusec.generate._StepCache`), under the names below.
+While a call runs on a session it is ``busy``: a call that starts meanwhile on the same model (a
+streamer's ``put`` that generates, another thread) neither takes it nor drops it, and runs on
+buffers of its own that it does not keep. A kept graph replays the engine its capture launched
+(``graph_engine``, :data:`fusec.fallbacks.LAUNCHED`): a call whose warm-up steps launched another
+one (dynamo's guards picked another compiled step: a module attribute or config changed back,
+nothing compiled) captures again, as after a compile or a fallback (:func:`graph_current`).
 """
 from __future__ import annotations
 
@@ -34,6 +40,8 @@ class Session:
         ptrs: :func:`weight_ptrs` of the model when the graph was captured.
         device: where the buffers live.
         cache: the static KV cache (``transformers.StaticCache``), reset in place per call.
+        busy: a call runs on these buffers now.
+        graph_engine: what :data:`fusec.fallbacks.LAUNCHED` held after the graph's capture.
 
     A kind of call adds its decoder state and its captured graph (None on the CPU, after a
     failed capture, or before the first).
@@ -41,6 +49,8 @@ class Session:
 
     def __init__(self, key: tuple, max_len: int, ptrs: tuple, device: torch.device, cache: Any):
         self.key, self.max_len, self.ptrs, self.device, self.cache = key, max_len, ptrs, device, cache
+        self.busy = False
+        self.graph_engine: Any = None
 
 
 def weight_ptrs(model: torch.nn.Module) -> tuple:
@@ -49,12 +59,26 @@ def weight_ptrs(model: torch.nn.Module) -> tuple:
     return tuple((t.data_ptr(), t.dtype, t.shape) for t in (*model.parameters(), *model.buffers()))
 
 
+def in_use(steps: dict, name: str) -> bool:
+    """Whether a call runs on the session kept under ``name`` now (this call runs inside it)."""
+    s = steps.get(name)
+    return s is not None and s.busy
+
+
 def reusable(steps: dict, name: str, key: tuple, model: torch.nn.Module, max_len: int,
              device: torch.device) -> Session | None:
-    """The session kept under ``name`` if this call can run on it (the same ``key``, at least
-    ``max_len`` cache rows, on ``device``, the weights where they were), else None."""
+    """The session kept under ``name`` if this call can run on it (not in use, the same ``key``,
+    at least ``max_len`` cache rows, on ``device``, the weights where they were), else None."""
     s = steps.get(name)
-    if s is None or s.key != key or s.max_len < max_len or s.device != device \
+    if s is None or s.busy or s.key != key or s.max_len < max_len or s.device != device \
             or s.ptrs != weight_ptrs(model):
         return None
     return s
+
+
+def graph_current(s: Session, watch: Any) -> bool:
+    """Whether ``s``'s kept graph still launches what the call's plain warm-up steps ran:
+    nothing compiled and no fallback while ``watch`` (a :class:`fusec.fallbacks.FallbackWatch`)
+    was open, and the last engine launched is the one the graph captured."""
+    from fusec.fallbacks import LAUNCHED
+    return not watch.compiled and not watch.fallbacks and LAUNCHED[0] is s.graph_engine
