@@ -350,22 +350,20 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: in
     # the batch-1 step's buffers and CUDA graph are kept for the next call
     # (fusec/generation/session.py); a batch's device state (Batch) is made per call, as the
     # buffers of a call made while another runs on the kept ones (inside its streamer's put)
-    inside = session.in_use(steps, session.DECODE)
     key = (sample, float(temperature) if sample else None, top_k, top_p, select_in_graph,
-           repr(sorted(opts.items())), rows) if mask is None and not inside else None
-    kept = None if key is None else session.reusable(steps, session.DECODE, key, model, max_len, device)
-    if kept is None and not inside:
-        steps.pop(session.DECODE, None)   # the old buffers go before new ones are allocated
+           repr(sorted(opts.items())), rows) if mask is None else None
+    kept, keep = session.take(steps, session.DECODE, key, model, max_len, device)
     try:
         return _generate(model, input_ids, mask, max_new_tokens, max_len, cuda, sample, select_in_graph,
-                         temperature, top_k, top_p, eos, pad, streamer, opts, generator, steps, key, kept, t_start)
+                         temperature, top_k, top_p, eos, pad, streamer, opts, generator, steps,
+                         key if keep else None, kept, t_start)
     except BaseException:
-        if not inside:
+        if keep:
             steps.pop(session.DECODE, None)   # a call that failed midway leaves nothing to reuse
         raise
     finally:
-        if not inside and session.DECODE in steps:
-            steps[session.DECODE].busy = False
+        if keep:
+            session.release(steps, session.DECODE)
 
 
 def _generate(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tensor | None, max_new_tokens: int,
@@ -383,7 +381,6 @@ def _generate(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tenso
     with torch.no_grad():
         # prefill, eagerly: the first new token
         if kept is not None:
-            kept.busy = True
             cache = kept.cache
             cache.reset()   # in place: keys, values and positions zeroed, the graph's pointers kept
         else:
@@ -466,7 +463,6 @@ def _generate(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tenso
                                    logits.shape[-1], generator, out, batch)
                     if key is not None and not counted:
                         kept = steps[session.DECODE] = _DecodeSession(key, max_len, model, cache, dec)
-                        kept.busy = True
                 n = min(WARMUP if cuda else CHUNK, max_new_tokens - pos)
                 t_step = time.perf_counter()
                 with FallbackWatch() as w:

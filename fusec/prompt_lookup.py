@@ -390,29 +390,22 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: in
     max_len = -(-(limit + k) // gen_mod.CACHE_ALIGN) * gen_mod.CACHE_ALIGN
     if streamer is not None:
         streamer.put(input_ids.cpu())
-    session = None
+    store = gen_mod._steps_of(model)   # the model's compiled steps and kept buffers
+    opts = {**options, "query_tokens": max(k, int(options.get("query_tokens", 1)))}
+    key = ("prompt_lookup", k, repr(sorted(opts.items())))
+    new_steps = key not in store
+    if key not in store:
+        store[key] = torch.compile(VerifyStep(model), backend="fusec", options=opts)
+    # prompt lookup runs on the last call's buffers (and CUDA graph) where they fit this call; a
+    # call inside another one's streamer makes its own and keeps nothing; one with a draft model
+    # drops them and keeps nothing
+    session, keep = session_mod.take(store, SESSION, key if assistant is None else None, model, max_len, device)
     try:
         with torch.no_grad():
-            steps = model.__dict__.get("_fusec_generate_steps")
-            if steps is None:
-                steps = gen_mod._StepCache()
-                object.__setattr__(model, "_fusec_generate_steps", steps)
-            opts = {**options, "query_tokens": max(k, int(options.get("query_tokens", 1)))}
-            key = ("prompt_lookup", k, repr(sorted(opts.items())))
-            new_steps = key not in steps
-            if key not in steps:
-                steps[key] = torch.compile(VerifyStep(model), backend="fusec", options=opts)
-            # prompt lookup reuses the last call's buffers (and CUDA graph) where they fit this call;
-            # a call inside another one's streamer (busy buffers) makes its own and keeps nothing
-            keep = assistant is None and not session_mod.in_use(steps, SESSION)
-            session = session_mod.reusable(steps, SESSION, key, model, max_len, device) if keep else None
             if session is not None:
-                session.busy = True
                 cache = session.cache
                 cache.reset()   # in place: keys, values and positions zeroed, the graph's pointers kept
             else:
-                if keep:
-                    steps.pop(SESSION, None)   # the old buffers go before new ones are allocated
                 cache = StaticCache(config=model.config, max_cache_len=max_len)
             with gen_mod._prefill_attention(cuda):
                 logits = model(input_ids=input_ids, past_key_values=cache, use_cache=True,
@@ -429,12 +422,11 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: in
                 new_steps = new_steps or drafter.new
             if session is None:
                 hist = torch.zeros(max_len + k, dtype=torch.int64, device=device)
-                dec = LookupDecoder(steps[key], cache, hist, p + 1, limit, k, drafter)
+                dec = LookupDecoder(store[key], cache, hist, p + 1, limit, k, drafter)
                 host_n = torch.empty(1, dtype=torch.int64, pin_memory=cuda)
                 host_hist = torch.empty_like(hist, device="cpu", pin_memory=cuda)
                 if keep:
-                    session = steps[SESSION] = _Session(key, max_len, model, cache, dec, host_n, host_hist)
-                    session.busy = True
+                    session = store[SESSION] = _Session(key, max_len, model, cache, dec, host_n, host_hist)
             else:
                 dec, host_n, host_hist = session.dec, session.host_n, session.host_hist
                 dec.restart(p + 1, limit)
@@ -530,8 +522,8 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: in
                 torch.cuda.current_stream(device).synchronize()
             accepted, n_steps = int(dec.accepted), int(dec.steps)
     finally:
-        if session is not None:
-            session.busy = False   # the next call may run on the buffers
+        if keep:
+            session_mod.release(store, SESSION)
     if streamer is not None:
         streamer.end()
     out = hist[:end].view(1, -1).clone()
@@ -568,10 +560,7 @@ def _model_drafter(assistant: torch.nn.Module, input_ids: torch.Tensor, max_len:
         raise FusecError("fusec.generate: assistant_model needs a draft model whose cache counts positions on the "
                          "device; its sliding-window layers count them on the host (Mistral, Gemma-2/3, StarCoder2)")
     length_symbolic(dcache)
-    steps = assistant.__dict__.get("_fusec_generate_steps")
-    if steps is None:
-        steps = gen_mod._StepCache()
-        object.__setattr__(assistant, "_fusec_generate_steps", steps)
+    steps = gen_mod._steps_of(assistant)
     compiled, new = [], False
     for k in (2, 1):
         opts = {**options, "query_tokens": max(k, int(options.get("query_tokens", 1)))}

@@ -12,7 +12,7 @@ the kept graph. A call that does not fit drops the kept session before allocatin
 
 A model keeps one session per kind of call (greedy/sampled decoding, prompt lookup) in its
 ``_fusec_generate_steps`` dict (:class:`fusec.generate._StepCache`), under the names below.
-While a call runs on a session it is ``busy``: a call that starts meanwhile on the same model (a
+While a call runs on a session it is ``busy`` (:func:`take`, :func:`release`): a call that starts meanwhile on the same model (a
 streamer's ``put`` that generates, another thread) neither takes it nor drops it, and runs on
 buffers of its own that it does not keep. A kept graph replays the engine its capture launched
 (``graph_engine``, :data:`fusec.fallbacks.LAUNCHED`): a call whose warm-up steps launched another
@@ -40,7 +40,8 @@ class Session:
         ptrs: :func:`weight_ptrs` of the model when the graph was captured.
         device: where the buffers live.
         cache: the static KV cache (``transformers.StaticCache``), reset in place per call.
-        busy: a call runs on these buffers now.
+        busy: a call runs on these buffers now (from their making, or :func:`take`, to
+            :func:`release`).
         graph_engine: what :data:`fusec.fallbacks.LAUNCHED` held after the graph's capture.
 
     A kind of call adds its decoder state and its captured graph (None on the CPU, after a
@@ -49,7 +50,7 @@ class Session:
 
     def __init__(self, key: tuple, max_len: int, ptrs: tuple, device: torch.device, cache: Any):
         self.key, self.max_len, self.ptrs, self.device, self.cache = key, max_len, ptrs, device, cache
-        self.busy = False
+        self.busy = True   # made by the call that runs on it
         self.graph_engine: Any = None
 
 
@@ -59,21 +60,34 @@ def weight_ptrs(model: torch.nn.Module) -> tuple:
     return tuple((t.data_ptr(), t.dtype, t.shape) for t in (*model.parameters(), *model.buffers()))
 
 
-def in_use(steps: dict, name: str) -> bool:
-    """Whether a call runs on the session kept under ``name`` now (this call runs inside it)."""
+def take(steps: dict, name: str, key: tuple | None, model: torch.nn.Module, max_len: int,
+         device: torch.device) -> tuple[Session | None, bool]:
+    """What a call starting now runs on: ``(session, keep)``.
+
+    ``session``: the one kept under ``name``, now ``busy``, if the call can run on it (the same
+    ``key``, at least ``max_len`` cache rows, on ``device``, the weights where they were), else
+    None. ``keep``: whether the call keeps the buffers it makes (under ``name``, made busy, and
+    given back by :func:`release`). A call made while another runs on the kept session (from its
+    streamer) leaves it alone and keeps nothing; otherwise a kept session that does not fit, or
+    any with ``key`` None (a call that keeps nothing: a batch's), is dropped before the call
+    allocates its own."""
     s = steps.get(name)
-    return s is not None and s.busy
+    if s is not None and s.busy:
+        return None, False
+    if s is not None and (key is None or s.key != key or s.max_len < max_len or s.device != device
+                          or s.ptrs != weight_ptrs(model)):
+        del steps[name]
+        s = None
+    if s is not None:
+        s.busy = True
+    return s, key is not None
 
 
-def reusable(steps: dict, name: str, key: tuple, model: torch.nn.Module, max_len: int,
-             device: torch.device) -> Session | None:
-    """The session kept under ``name`` if this call can run on it (not in use, the same ``key``,
-    at least ``max_len`` cache rows, on ``device``, the weights where they were), else None."""
+def release(steps: dict, name: str) -> None:
+    """The end of a call that keeps its buffers (:func:`take`): the next call may take them."""
     s = steps.get(name)
-    if s is None or s.busy or s.key != key or s.max_len < max_len or s.device != device \
-            or s.ptrs != weight_ptrs(model):
-        return None
-    return s
+    if s is not None:
+        s.busy = False
 
 
 def graph_current(s: Session, watch: Any) -> bool:
