@@ -14,7 +14,10 @@ then the new tokens) and its length ``n`` (int64 ``[1]``), the drafts (:func:`dr
 n-gram matching), the acceptance (:func:`accept`), and the KV cache's position: the step
 writes K cache rows, and each ``StaticLayer.cumulative_length`` is set back to ``n - 1`` (the
 rows of the rejected drafts are overwritten by the next step, which starts at the first of
-them). No value returns to the host between steps: the host reads ``n`` and ``hist`` one chunk
+them). On CUDA this bookkeeping runs as two small kernels around the compiled step
+(:mod:`fusec.runtime.lookup_kernels`: the drafts, then everything after the step), in place of
+some 55 to 110 tiny torch kernels; the torch ops stay the CPU's path and the reference. No value
+returns to the host between steps: the host reads ``n`` and ``hist`` one chunk
 of :data:`fusec.generate.CHUNK` steps behind the device, as the single-token loop does, and on
 CUDA the chunk's steps are replayed from a CUDA graph. ``n`` stops at the output's limit: a step
 after the limit recomputes the same rows (no cache row past the capacity is written).
@@ -223,6 +226,10 @@ class LookupDecoder:
         self.ar = torch.arange(k, device=dev)
         self.steps = torch.zeros(1, dtype=torch.int64, device=dev)      # steps taken before the limit
         self.accepted = torch.zeros(1, dtype=torch.int64, device=dev)   # drafts accepted by them
+        #: on CUDA, :meth:`one`'s bookkeeping as two kernels (:mod:`fusec.runtime.lookup_kernels`);
+        #: False: the torch ops (the CPU's path, and the reference the kernels are tested against)
+        self.device_kernels = hist.is_cuda
+        self._lengths: Any = None   # the cache positions' address table (lookup_kernels.LengthTable)
 
     def restart(self, n: int, limit: int) -> None:
         """A new call over the same buffers: length ``n``, limit ``limit``, counts and history
@@ -235,7 +242,13 @@ class LookupDecoder:
         self.accepted.zero_()
 
     def one(self) -> None:
-        """One verification step (device ops only)."""
+        """One verification step (device ops only): on CUDA the compiled step between the two
+        kernels of :mod:`fusec.runtime.lookup_kernels` (:meth:`_one_kernels`), elsewhere (or where
+        they cannot load) the torch ops below, their reference."""
+        kern = self._kernels() if self.device_kernels and self.hist.is_cuda else None
+        if kern is not None:
+            self._one_kernels(kern)
+            return
         n = self.n
         self.inp[0, :1].copy_(self.hist[n - 1])
         self.inp[0, 1:].copy_(self.drafter(self.hist, n, self.k - 1))
@@ -248,6 +261,31 @@ class LookupDecoder:
         new = torch.minimum(n + a + 1, self.limit)
         self.n.copy_(new)                                  # n is self.n: read above, written last
         set_position(self.cache, new - 1)                  # the cache holds hist[:n - 1]
+
+    def _kernels(self) -> Any:
+        """The loaded kernels on ``hist``'s device, or None (the torch ops)."""
+        from fusec.runtime import lookup_kernels
+        return lookup_kernels.kernels(self.hist.device, MAX_NGRAM)
+
+    def _one_kernels(self, kern: Any) -> None:
+        """:meth:`one` with its bookkeeping as two launches: ``lookup_draft`` (prompt lookup's
+        drafts; a draft model's :class:`ModelDrafter` keeps its own steps, and ``inp`` is filled
+        by torch ops), the step, ``lookup_advance`` (everything after it; the cache positions by
+        torch ops where a layer's is no int64 element on the device)."""
+        if self.drafter is draft:
+            kern.draft(self.hist, self.n, self.inp)
+        else:
+            n = self.n
+            self.inp[0, :1].copy_(self.hist[n - 1])
+            self.inp[0, 1:].copy_(self.drafter(self.hist, n, self.k - 1))
+        preds = self.step(self.inp, self.cache)
+        if self._lengths is None:
+            from fusec.runtime.lookup_kernels import LengthTable
+            self._lengths = LengthTable(self.hist.device)
+        lens = self._lengths(self.cache)
+        kern.advance(self.inp, preds, self.hist, self.n, self.limit, self.steps, self.accepted, lens)
+        if lens is None:
+            set_position(self.cache, self.n - 1)
 
 
 def set_position(cache: Any, pos: torch.Tensor) -> None:
