@@ -4,8 +4,12 @@ from __future__ import annotations
 import torch
 
 
-def llama(hidden=64, inter=96, layers=2, heads=4, kv_heads=2, head_dim=16, vocab=128, seed=0):
-    """A tiny ``LlamaForCausalLM`` with llama3 RoPE scaling, fp32, eval mode."""
+def llama(hidden=64, inter=96, layers=1, heads=4, kv_heads=2, head_dim=16, vocab=128, seed=0):
+    """A tiny ``LlamaForCausalLM`` with llama3 RoPE scaling, fp32, eval mode.
+
+    One layer unless asked: a layer is about 0.4 CPU-s of every compile (dynamo's trace, AOT's,
+    the passes) and half of each simulator step; a test whose point is the hand-off between
+    layers (per-layer counts, a kind's layers sharing a case, the GPU tests) asks for two."""
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(seed)
     cfg = LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
@@ -18,8 +22,8 @@ def llama(hidden=64, inter=96, layers=2, heads=4, kv_heads=2, head_dim=16, vocab
     return LlamaForCausalLM(cfg).eval().requires_grad_(False)
 
 
-def qwen3(hidden=64, inter=96, layers=2, heads=4, kv_heads=2, head_dim=16, vocab=128, seed=0):
-    """A tiny ``Qwen3ForCausalLM`` (per-head q/k RMSNorm), fp32, eval mode."""
+def qwen3(hidden=64, inter=96, layers=1, heads=4, kv_heads=2, head_dim=16, vocab=128, seed=0):
+    """A tiny ``Qwen3ForCausalLM`` (per-head q/k RMSNorm), fp32, eval mode; one layer unless asked (:func:`llama`)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
     torch.manual_seed(seed)
     cfg = Qwen3Config(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,

@@ -21,7 +21,7 @@ def test_splits_cover_the_valid_rows_within_the_chunk_bound(n_chunks, chunk, len
 
 def test_decode_from_an_empty_cache_with_empty_splits():
     """Positions 0..5 with 3 splits per KV head: the first steps leave splits empty."""
-    model = hf_tiny.llama(heads=8, kv_heads=2, head_dim=8)
+    model = hf_tiny.llama(layers=2, heads=8, kv_heads=2, head_dim=8)
     vocab = model.config.vocab_size
     ours, ref = hf_tiny.static_cache(model, 40), hf_tiny.static_cache(model, 40)
     torch._dynamo.reset()
@@ -53,12 +53,12 @@ def _qwen2_gqa7():
 
 
 def _llama_8_2():
-    return hf_tiny.llama(heads=8, kv_heads=2, head_dim=8)
+    return hf_tiny.llama(layers=2, heads=8, kv_heads=2, head_dim=8)
 
 
 #: model -> (factory, SMs: 16 splits per KV head at capacity 256)
-ACTIVE_MODELS = {"llama": (lambda: hf_tiny.llama(heads=4, kv_heads=2), 32), "qwen2_gqa7": (_qwen2_gqa7, 32),
-                 "mha": (lambda: hf_tiny.llama(heads=4, kv_heads=4), 64)}
+ACTIVE_MODELS = {"llama": (lambda: hf_tiny.llama(layers=2, heads=4, kv_heads=2), 32), "qwen2_gqa7": (_qwen2_gqa7, 32),
+                 "mha": (lambda: hf_tiny.llama(layers=2, heads=4, kv_heads=4), 64)}
 
 #: key -> (model, its capture): the tests that lower one capture with other options share it (a
 #: dynamo and AOT trace, a second or more each; lowering copies the graph)
@@ -245,7 +245,7 @@ def _lowered(factory, dtype, num_sms, length, masked=False, **options):
 
 def _poly_llama(**options):
     from test_runtime_length import polymorphic_step
-    model, captured = _polymorphic("llama_bf16", lambda: hf_tiny.llama(heads=4, kv_heads=2).to(torch.bfloat16), 4096)
+    model, captured = _polymorphic("llama_bf16", lambda: hf_tiny.llama(layers=2, heads=4, kv_heads=2).to(torch.bfloat16), 4096)
     return polymorphic_step(model, 4096, num_sms=32, captured=captured, **options)[0]
 
 

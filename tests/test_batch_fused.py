@@ -33,7 +33,7 @@ def test_batch_layer_is_the_fused_kinds(factory, batch, steps):
     step's one cache position), no fallback; each layer is the batched fused kinds (Qwen3 with
     its per-head q/k norms, whole heads per tile), and what is left of one tile in a layer is
     the cache counter's ``table_lookup`` (docs/batch.md)."""
-    model = factory()
+    model = factory(layers=2)
     errs, w, caches = batch_steps_against_eager(model, batch, 500 + 10 * batch + (factory is hf_tiny.qwen3), n=3)
     assert max(errs) < 1e-5, errs
     assert not w.fallbacks and w.compiled, w.fallbacks
@@ -72,7 +72,7 @@ def test_batch_fused_kinds_at_one_shared_position(steps):
     are the position tables' row at it (input ``rope_pos``), read by every sequence; eager's
     logits, no fallback."""
     from step_util import rel
-    model = hf_tiny.llama(seed=4)
+    model = hf_tiny.llama(layers=2, seed=4)
     gen = torch.Generator().manual_seed(4)
     caches = [hf_tiny.static_cache(model, 24) for _ in range(2)]
     ids = torch.randint(1, 128, (3, 5), generator=gen)

@@ -40,7 +40,7 @@ def test_batch_norms_are_in_the_fused_kinds_and_the_lm_head_prologue(factory, ba
     batched fused kinds' own (``rms_qkv_rope``, ``rms_gate_up_silu``: each tile norms the B rows,
     tests/test_batch_fused.py), and the final norm is the prologue of the batched lm_head
     matvec, over the B rows."""
-    model = factory()
+    model = factory(layers=2)
     errs, w, _ = batch_steps_against_eager(model, batch, 300 + 10 * batch + (factory is hf_tiny.qwen3))
     assert max(errs) < 1e-5, errs
     assert not w.fallbacks and w.compiled, w.fallbacks
@@ -72,7 +72,7 @@ def test_query_token_norms_are_in_the_fused_kinds_and_the_lm_head_prologue(steps
     and the final norm the prologue of the lm_head's batched matvec of the 4 rows; no RMSNorm
     is left as an op of its own."""
     import step_util
-    model = hf_tiny.llama()
+    model = hf_tiny.llama(layers=2)
     gen = torch.Generator().manual_seed(4)
     cache = hf_tiny.static_cache(model, 32)
     with torch.no_grad():

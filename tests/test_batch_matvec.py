@@ -270,7 +270,7 @@ def test_batch_staged_in_groups_with_a_remainder_matches_eager(batch, steps, mon
     import math
     from fusec.instructions import matvec_rows
     monkeypatch.setattr(matvec_rows, "STAGE_BYTES", 1152)
-    errs, w, _ = batch_steps_against_eager(hf_tiny.llama(), batch, 70 + batch, n=2)
+    errs, w, _ = batch_steps_against_eager(hf_tiny.llama(layers=2), batch, 70 + batch, n=2)
     assert max(errs) < 1e-5, errs
     assert not w.fallbacks and w.compiled, w.fallbacks
     assert steps and not any(s.fallen_back for s in steps)

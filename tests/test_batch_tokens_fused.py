@@ -182,7 +182,7 @@ def test_k_token_step_is_the_fused_kinds(k, steps, region_check):
     fallback; the layers are the fused kinds of K rows with the cos/sin the position tables' K
     rows at the step's counter (:func:`assert_fused_k`); each tile writes inside its declared
     regions, which cover q and the K cache rows."""
-    model = hf_tiny.llama(seed=k)
+    model = hf_tiny.llama(layers=2, seed=k)
     err, rows_err, rest, w = k_step_against_eager(model, 1, k, 40 + k)
     assert err < 1e-5 and rows_err < 1e-5 and rest, (err, rows_err, rest)
     assert not w.fallbacks and w.compiled == 1, (w.fallbacks, w.compiled)
@@ -196,7 +196,7 @@ def test_batch_of_k_token_steps_is_the_fused_kinds(steps, region_check):
     HF generate()'s ``position_ids`` [2, 4] (each sequence at its own positions), a step of K = 4
     tokens each (8 rows): every row's logits and the K cache rows of both sequences equal eager's,
     no fallback; the fused kinds of 8 rows with the cos/sin the step's own [8, D] rows."""
-    model = hf_tiny.llama(seed=7)
+    model = hf_tiny.llama(layers=2, seed=7)
     err, rows_err, rest, w = k_step_against_eager(model, 2, 4, 71)
     assert err < 1e-5 and rows_err < 1e-5 and rest, (err, rows_err, rest)
     assert not w.fallbacks and w.compiled == 1, (w.fallbacks, w.compiled)
@@ -209,7 +209,7 @@ def test_batch_of_k_token_steps_at_shared_positions(steps):
     position per token from the cache position, shared by the sequences ([1, K] cos/sin rows), so
     the op reads those K rows as a table at ``rope_pos`` 0 .. K - 1 (template without
     ``SEQROPE``); eager's logits and cache rows, no fallback."""
-    model = hf_tiny.llama(seed=8)
+    model = hf_tiny.llama(layers=2, seed=8)
     err, rows_err, rest, w = k_step_against_eager(model, 3, 2, 83, position_ids=False)
     assert err < 1e-5 and rows_err < 1e-5 and rest, (err, rows_err, rest)
     assert not w.fallbacks and w.compiled == 1, (w.fallbacks, w.compiled)
@@ -234,7 +234,7 @@ def test_k_token_steps_with_per_head_norms(batch, k, steps, region_check):
     """Qwen3's per-head q/k RMSNorms (before HF's transpose), K = 4 at B = 1 and at B = 2: whole
     heads per tile (no ``qk_part``), each of the B·K rows' heads normed on its own; eager's
     logits and cache rows, no fallback; each tile writes inside its declared regions."""
-    model = hf_tiny.qwen3(seed=batch)
+    model = hf_tiny.qwen3(layers=2, seed=batch)
     err, rows_err, rest, w = k_step_against_eager(model, batch, k, 95 + batch)
     assert err < 1e-5 and rows_err < 1e-5 and rest, (err, rows_err, rest)
     assert not w.fallbacks and w.compiled == 1, (w.fallbacks, w.compiled)

@@ -427,7 +427,7 @@ def test_precompiled_paths_pass_gqa_to_sdpa_and_equal_eager(factory, tmp_path, m
     runs fusec.generate's step)."""
     import fusec
     monkeypatch.setenv("FUSEC_CACHE_DIR", str(tmp_path))
-    model = factory()   # 4 query heads, 2 KV heads
+    model = factory(layers=2)   # 4 query heads, 2 KV heads
     model.generation_config.pad_token_id = 0
     opts = {"num_sms": 16, "max_cache_len": 512, "cache": True}
     gen = torch.Generator().manual_seed(17)

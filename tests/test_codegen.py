@@ -136,10 +136,12 @@ def test_batched_matvec_paths_render_and_compile(hidden, tmp_path):
 @pytest.mark.parametrize("factory,dtype", [(hf_tiny.llama, torch.bfloat16), (hf_tiny.qwen3, torch.float32)])
 def test_dispatch_by_kind_calls_what_each_op_called(factory, dtype):
     """FUSEC_DISPATCH_BY_KIND: the layers of a kind share a case, and each op's case with its
-    table row put back in is exactly the call the per-op dispatch makes; the kernel compiles."""
+    table row put back in is exactly the call the per-op dispatch makes; the kernel compiles.
+    Two layers: the point is that they share a case."""
+    import functools
     import re
     from fusec.cuda import codegen
-    res = _tiny_decode_step(factory, dtype, 12)
+    res = _tiny_decode_step(functools.partial(factory, layers=2), dtype, 12)
     per_op = render(res.schedule, defines={"FUSEC_DISPATCH_BY_KIND": "0"})   # as FUSEC_DEFINES gives it
     by_kind = render(res.schedule)   # the default
     assert "fusec_case_of" not in per_op.source

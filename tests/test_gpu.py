@@ -45,7 +45,7 @@ def test_mid_size_matvec_paths_match_eager(hidden, inter):
     width), against eager in fp32 (1e-4); and the bf16 path against bf16 eager on the same cache
     (a gross-error bound: both round). No fallback."""
     from fusec.fallbacks import FallbackWatch
-    factory = lambda: hf_tiny.llama(hidden=hidden, inter=inter, heads=8, kv_heads=2, head_dim=64,  # noqa: E731
+    factory = lambda: hf_tiny.llama(layers=2, hidden=hidden, inter=inter, heads=8, kv_heads=2, head_dim=64,  # noqa: E731
                                     vocab=256)
     gen = torch.Generator().manual_seed(5)
     toks = [torch.randint(0, 128, (1, 1), generator=gen).cuda() for _ in range(6)]
@@ -101,7 +101,7 @@ def test_kernel_knobs_match_eager(defines):
     chunk is 16 rows, so FUSEC_ATTN_SINGLE's one-split path runs up to 15 and the merge after),
     then both caches' positions reset to 5 and 4 steps more on the same kernel (one split again,
     after steps whose tickets wrapped)."""
-    factory = lambda: hf_tiny.llama(hidden=512, inter=1024, heads=8, kv_heads=2, head_dim=64,  # noqa: E731
+    factory = lambda: hf_tiny.llama(layers=2, hidden=512, inter=1024, heads=8, kv_heads=2, head_dim=64,  # noqa: E731
                                     vocab=256)
     gen = torch.Generator().manual_seed(7)
     toks = [torch.randint(0, 128, (1, 1), generator=gen).cuda() for _ in range(12)]

@@ -74,7 +74,7 @@ def test_a_batch_size_that_varies_runs_a_step_per_size_on_the_gpu():
     makes dynamo's batch symbolic, fusec compiles a kernel per batch size (no fallback), and every
     sequence's logits are within 3e-2 of eager's (tests/test_hf_decode.py's CPU test)."""
     from fusec.fallbacks import FallbackWatch
-    model = hf_tiny.llama().to(device="cuda", dtype=torch.bfloat16)
+    model = hf_tiny.llama(layers=2).to(device="cuda", dtype=torch.bfloat16)
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="fusec")
     gen = torch.Generator(device="cuda").manual_seed(7)

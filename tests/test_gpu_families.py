@@ -25,7 +25,7 @@ pytestmark = pytest.mark.gpu
 
 def _smollm2():
     """A Llama with pad_token_id set (SmolLM2's checkpoints): the embedding has a padding_idx."""
-    m = hf_tiny.llama(vocab=160)
+    m = hf_tiny.llama(layers=2, vocab=160)
     m.config.pad_token_id = 0
     m.model.embed_tokens.padding_idx = 0
     return m

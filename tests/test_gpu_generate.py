@@ -15,7 +15,7 @@ pytestmark = pytest.mark.gpu
 
 
 def _bf16_model():
-    return hf_tiny.llama(hidden=256, inter=512, heads=8, kv_heads=2, head_dim=32, vocab=512).cuda().bfloat16()
+    return hf_tiny.llama(layers=2, hidden=256, inter=512, heads=8, kv_heads=2, head_dim=32, vocab=512).cuda().bfloat16()
 
 
 @pytest.mark.parametrize("factory", [hf_tiny.llama, hf_tiny.mistral_sw])
@@ -123,7 +123,7 @@ def test_prompt_lookup_fp32_equals_hf_greedy():
     fallback; fewer steps than tokens (drafts accepted). A tiny Llama with its own LM head (its
     text varies and repeats in part, as tests/test_prompt_lookup.py's)."""
     import logging
-    model = hf_tiny.llama(seed=3)
+    model = hf_tiny.llama(layers=2, seed=3)
     g = torch.Generator().manual_seed(3)
     model.lm_head.weight = torch.nn.Parameter(torch.randn(model.lm_head.weight.shape, generator=g) * 0.3)
     prompt = torch.randint(0, 128, (1, 12), generator=g)
@@ -161,7 +161,7 @@ def test_later_calls_replay_the_kept_graph_and_equal_hf_greedy(lookup):
     shorter prompt, the first prompt again, a weight changed in place (the graph reads it where
     it is) all equal HF eager greedy's tokens; a weight moved to new memory gets a new graph."""
     from fusec import prompt_lookup
-    model = hf_tiny.llama(seed=3)
+    model = hf_tiny.llama(layers=2, seed=3)
     g = torch.Generator().manual_seed(3)
     model.lm_head.weight = torch.nn.Parameter(torch.randn(model.lm_head.weight.shape, generator=g) * 0.3)
     long = torch.randint(0, 128, (1, 12), generator=g).cuda()
@@ -231,7 +231,7 @@ def test_draft_model_fp32_equals_hf_greedy():
     from transformers.generation import CompileConfig
 
     from fusec import prompt_lookup
-    model = hf_tiny.llama(seed=3)
+    model = hf_tiny.llama(layers=2, seed=3)
     g = torch.Generator().manual_seed(3)
     model.lm_head.weight = torch.nn.Parameter(torch.randn(model.lm_head.weight.shape, generator=g) * 0.3)
     draft = copy.deepcopy(model)
@@ -275,7 +275,7 @@ def test_batch_4_fp32_equals_hf_eager():
     CUDA-graph chunks of [16, 4] tokens, plain rest) equal HF eager generate(attention_mask)'s;
     with an eos that one sequence meets in its second chunk, that sequence continues with the pad
     token and the others as before, as HF's. No fallback. Not yet run on a GPU."""
-    model = hf_tiny.llama()
+    model = hf_tiny.llama(layers=2)
     model.lm_head.weight = torch.nn.Parameter(torch.randn(model.lm_head.weight.shape,
                                                           generator=torch.Generator().manual_seed(11)),
                                               requires_grad=False)

@@ -40,7 +40,7 @@ def test_hf_generate_of_a_padded_batch_through_the_device_loop_equals_eager():
     """Four left-padded prompts, eos ids the greedy text meets, 40 new tokens (fp32): HF generate()
     through fusec (the device loop, its CUDA-graph chunks) equals eager generate() token for token."""
     from transformers.generation import CompileConfig
-    model = hf_tiny.llama().cuda()
+    model = hf_tiny.llama(layers=2).cuda()
     model.generation_config.pad_token_id = 0
     gen = torch.Generator().manual_seed(5)
     prompt = torch.randint(1, 128, (4, 9), generator=gen).cuda()
@@ -68,7 +68,7 @@ def test_hf_beam_search_runs_on_fusec():
     the cache gathered in place between steps): 24 new tokens equal eager beam search's (fp32),
     one compile, no fallback."""
     from transformers.generation import CompileConfig
-    model = hf_tiny.llama().cuda()
+    model = hf_tiny.llama(layers=2).cuda()
     model.generation_config.pad_token_id = 0
     prompt = torch.randint(1, 128, (2, 8), generator=torch.Generator().manual_seed(7)).cuda()
     mask = torch.ones(2, 8, dtype=torch.long, device="cuda")
@@ -88,7 +88,7 @@ def test_hf_generate_sampling_runs_on_fusec():
     """Sampling through HF's logits processors (temperature, top-k, top-p) on fusec's logits:
     bf16, 48 tokens, every token in range, no fallback."""
     from transformers.generation import CompileConfig
-    model = hf_tiny.llama(hidden=256, inter=512, heads=8, kv_heads=2, head_dim=32, vocab=512).cuda().bfloat16()
+    model = hf_tiny.llama(layers=2, hidden=256, inter=512, heads=8, kv_heads=2, head_dim=32, vocab=512).cuda().bfloat16()
     model.generation_config.pad_token_id = 0
     prompt = torch.randint(1, 512, (1, 5), device="cuda")
     torch._dynamo.reset()
@@ -106,7 +106,7 @@ def test_call_patterns_run_the_megakernel():
     fresh (lazily initialized) cache, a second cache length: fusec's logits match eager's
     (1e-4) with no fallback."""
     gen = torch.Generator().manual_seed(9)
-    model = hf_tiny.llama(vocab=160).cuda()
+    model = hf_tiny.llama(layers=2, vocab=160).cuda()
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="fusec")
 

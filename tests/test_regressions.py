@@ -165,7 +165,7 @@ def test_second_cache_length_is_fused_like_the_first(steps):
     weight (dynamo drops its sources once the backend returns), so the RoPE tables fold and
     every layer is ``rms_qkv_rope`` again, not a runtime ``cos``/``sin`` with separate matvecs
     (found by a new-user trial, 2026-12-02). Logits match eager at both lengths, no fallback."""
-    model = hf_tiny.llama()
+    model = hf_tiny.llama(layers=2)
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="fusec", options={"num_sms": 8})
     with FallbackWatch() as w, torch.no_grad():

@@ -113,7 +113,7 @@ def test_one_schedule_serves_every_cache_length(heads, kv_heads):
     """A schedule lowered for capacity 256 runs caches of 24, 57 and 200 rows at their first,
     middle and last positions (GQA and MHA), as HF eager on the same caches."""
     from fusec.fallbacks import FallbackWatch
-    model = hf_tiny.llama(heads=heads, kv_heads=kv_heads)
+    model = hf_tiny.llama(layers=2, heads=heads, kv_heads=kv_heads)
     with FallbackWatch() as w:
         sched, flat, cap_cache, ids = polymorphic_step(model, 256, num_sms=8)
     assert not w.fallbacks, w.fallbacks
@@ -128,7 +128,7 @@ def test_splits_of_several_blocks_rescale_as_one_softmax():
     256 (the knob FUSEC_ATTN_BLOCK_ROWS 256; the online-softmax rescaling); at positions past 512
     both splits run two blocks; with the generic (unfused) attention too."""
     from fusec.instructions.attention import AttentionPartial
-    model = hf_tiny.llama(heads=4, kv_heads=2)
+    model = hf_tiny.llama(layers=2, heads=4, kv_heads=2)
     captured = polymorphic_capture(model, 1024)   # one trace, lowered twice
     sched, flat, cap_cache, ids = polymorphic_step(model, 1024, num_sms=4, captured=captured,
                                                    defines={"FUSEC_ATTN_BLOCK_ROWS": 256})
@@ -226,7 +226,7 @@ def test_capacity_does_not_move_the_schedule():
     (a table_lookup costed at its capacity-sized table moved 711 of the 1449 instructions of a
     2-layer step at Llama-3.2-1B's widths, and cost the 1B's step 58 us on the H200)."""
     from fusec.api import compile_model
-    model = hf_tiny.llama(heads=4, kv_heads=2)
+    model = hf_tiny.llama(layers=2, heads=4, kv_heads=2)
     cache = _prefilled(model, 4096, torch.randint(0, 128, (1, 3)))
     static = compile_model(model, (), {"input_ids": torch.zeros(1, 1, dtype=torch.long), "past_key_values": cache,
                                        "use_cache": True}, {"num_sms": 8}).schedule
@@ -240,7 +240,7 @@ def test_capacity_does_not_move_the_schedule():
 
 def _poly_source(cap: int, num_sms: int = 4, **defines):
     from fusec.cuda.codegen import render
-    model = hf_tiny.llama(heads=4, kv_heads=2).to(torch.bfloat16)
+    model = hf_tiny.llama(layers=2, heads=4, kv_heads=2).to(torch.bfloat16)
     sched, *_ = polymorphic_step(model, cap, num_sms=num_sms)
     return sched, render(sched, defines=defines or None)
 
@@ -286,7 +286,7 @@ def test_generic_kv_write_and_attention_take_the_length_as_a_parameter(tmp_path)
     from fusec.cuda.codegen import Buffers
     if compiler() is None:
         pytest.skip("no host C++ compiler")
-    model = hf_tiny.llama(heads=4, kv_heads=2)
+    model = hf_tiny.llama(layers=2, heads=4, kv_heads=2)
     sched, flat, cap_cache, ids = polymorphic_step(model, 64, num_sms=4, max_fusions=0)
     g = sched.graph
     bufs = Buffers(g)
@@ -309,7 +309,7 @@ def test_generic_kv_write_and_attention_take_the_length_as_a_parameter(tmp_path)
 # ---- the kernel on the GPU ----
 
 def _gpu_case(cap, num_sms, defines):
-    model = hf_tiny.llama(heads=4, kv_heads=2).cuda()
+    model = hf_tiny.llama(layers=2, heads=4, kv_heads=2).cuda()
     prompt = torch.randint(0, 128, (1, 3), device="cuda")
     cache = _prefilled(model, cap, prompt)
     tok = torch.zeros(1, 1, dtype=torch.long, device="cuda")
