@@ -280,7 +280,7 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: in
             a Hugging Face causal LM on the same device whose token ids mean the same; the
             output is greedy's. One prompt without padding only (B = 1).
         num_assistant_tokens: drafts per step with ``assistant_model``, 1 to ``MAX_QUERY_TOKENS
-            - 1`` (None: :data:`fusec.prompt_lookup.ASSISTANT_TOKENS`, 4).
+            - 1`` (None: :data:`fusec.generation.lookup_arguments.ASSISTANT_TOKENS`, 4).
 
     Returns:
         int64 ``[B, prompt_len + n_new]`` on the model's device: the prompts as given, then the
@@ -311,6 +311,7 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: in
     if assistant_model is None and num_assistant_tokens is not None:
         raise FusecError("fusec.generate: num_assistant_tokens without assistant_model")
     from fusec import prompt_lookup
+    from fusec.generation import lookup_arguments
     prompt_lookup.last_stats.clear()   # the last call's: set again only where drafts run
     if prompt_lookup_num_tokens is not None or assistant_model is not None:
         what = "prompt_lookup_num_tokens" if assistant_model is None else "assistant_model"
@@ -322,14 +323,14 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: in
                              f"input_ids has shape {tuple(input_ids.shape)}"
                              + (", attention_mask has zeros" if input_ids.shape[0] == 1 else ""))
         if assistant_model is None:
-            num = prompt_lookup.check_num(prompt_lookup_num_tokens, sample)
+            num = lookup_arguments.check_num(prompt_lookup_num_tokens, sample)
         else:
-            prompt_lookup.check_assistant(assistant_model, device, model.config.vocab_size)
-            num = prompt_lookup.check_num(prompt_lookup.ASSISTANT_TOKENS if num_assistant_tokens is None
+            lookup_arguments.check_assistant(assistant_model, device, model.config.vocab_size)
+            num = lookup_arguments.check_num(lookup_arguments.ASSISTANT_TOKENS if num_assistant_tokens is None
                                           else num_assistant_tokens, sample, "num_assistant_tokens")
         limit = input_ids.shape[1] + max_new_tokens
         for m in (model,) if assistant_model is None else (model, assistant_model):
-            num = prompt_lookup.fit_position_table(m, limit, num, what) if num else 0
+            num = lookup_arguments.fit_position_table(m, limit, num, what) if num else 0
         if num:
             return prompt_lookup.generate(model, input_ids, max_new_tokens, num, eos, streamer, opts,
                                           assistant=assistant_model)[0]
@@ -374,17 +375,12 @@ def _generate(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tenso
     """:func:`generate`'s prefill and decode loop, its arguments checked; ``kept``: the last
     call's buffers to run on (reset here), None: new ones, kept for the next call where ``key``
     is not None (no mask, positions counted on the device, no call running on the kept ones)."""
-    from transformers import StaticCache
 
     device = input_ids.device
     rows = input_ids.shape[0]
     with torch.no_grad():
         # prefill, eagerly: the first new token
-        if kept is not None:
-            cache = kept.cache
-            cache.reset()   # in place: keys, values and positions zeroed, the graph's pointers kept
-        else:
-            cache = StaticCache(config=model.config, max_cache_len=max_len)
+        cache = session.cache_of(kept, model, max_len)
         extra: dict[str, Any] = {}
         if mask is not None:   # left-padded prompts: HF's position ids, the padding masked out
             pos0 = positions(mask)

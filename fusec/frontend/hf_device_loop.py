@@ -288,12 +288,12 @@ def arguments_refusal(model: Any, input_ids: torch.Tensor, stopping_criteria: An
                    step_options(options), device)
         Options.from_dict({"check_watchdog": False, **step_options(options)})
         if lookup is not None:
-            from fusec import prompt_lookup
+            from fusec.generation import lookup_arguments
             if assistant is None:
-                prompt_lookup.check_num(lookup, False)
+                lookup_arguments.check_num(lookup, False)
             else:
-                prompt_lookup.check_num(lookup, False, "num_assistant_tokens")
-                prompt_lookup.check_assistant(assistant, device, model.config.vocab_size)
+                lookup_arguments.check_num(lookup, False, "num_assistant_tokens")
+                lookup_arguments.check_assistant(assistant, device, model.config.vocab_size)
     except FusecError as e:
         return f"fusec.generate refuses it: {str(e).splitlines()[0]}"
     return None
@@ -365,7 +365,7 @@ def _assistant_tokens(generation_config: Any, assistant: Any) -> int:
     default 20, which its schedule adapts: the tokens do not depend on it), at most
     ``MAX_QUERY_TOKENS - 1``, the most a fusec verification step takes."""
     from fusec.config import MAX_QUERY_TOKENS
-    from fusec.prompt_lookup import ASSISTANT_TOKENS
+    from fusec.generation.lookup_arguments import ASSISTANT_TOKENS
     num = getattr(getattr(assistant, "generation_config", None), "num_assistant_tokens", None)
     if num is None:
         num = getattr(generation_config, "num_assistant_tokens", None)

@@ -83,6 +83,17 @@ def take(steps: dict, name: str, key: tuple | None, model: torch.nn.Module, max_
     return s, key is not None
 
 
+def cache_of(s: Session | None, model: torch.nn.Module, max_len: int) -> Any:
+    """The static KV cache a call runs on: ``s``'s, reset in place (keys, values and positions
+    zeroed; a kept CUDA graph's pointers stay valid), or a new ``transformers.StaticCache`` of
+    ``max_len`` rows where ``s`` is None."""
+    if s is not None:
+        s.cache.reset()
+        return s.cache
+    from transformers import StaticCache
+    return StaticCache(config=model.config, max_cache_len=max_len)
+
+
 def release(steps: dict, name: str) -> None:
     """The end of a call that keeps its buffers (:func:`take`): the next call may take them."""
     s = steps.get(name)
