@@ -441,11 +441,13 @@ __device__ __forceinline__ void rms_prologue(const TX* x, const TW* w, float eps
 // from L2: other CTAs wrote them) for query heads [h0, h1), over the first na of each head's NC
 // (default all; FUSEC_ATTN_SPLIT_ROWS: the active splits, the others hold an earlier step's):
 // M = max m_c, w_c = exp(m_c - M) (0 for an empty chunk), out = sum w_c o_c / sum w_c l_c.
-// attention_reduce and the last-tile merge of attention_partial. FUSEC_MERGE_ONE_PASS 1 and
-// na <= min(NC, 32): a thread issues all its loads ({m, l} as one float2, o) before any
-// arithmetic and weighs chunks without a branch (exp(-inf) = 0), one L2 round trip; 0, or more
-// than 32 (4 or fewer KV heads on 132 SMs): the max pass, then a loop whose loads follow a
-// branch per chunk (several round trips in the PTX). Same sums in the same order either way.
+// attention_reduce and the last-tile merge of attention_partial. FUSEC_MERGE_ONE_PASS 1: a thread
+// issues the loads of up to 32 partials ({m, l} as one float2, o) before any arithmetic and weighs
+// them without a branch (exp(-inf) = 0): one L2 round trip for na <= 32; past 32 (4 or fewer KV
+// heads on 132 SMs and more than 32 active splits) the max over batches of 16 m loads, then the
+// sums over batches of 16, 2 * ceil(na / 16) round trips (before: the loop of 0 below, one branch
+// and loads per partial). 0: the max pass, then a loop whose loads follow a branch per chunk.
+// Same sums in the same order either way.
 // OHQ > 0 (a step of QK query tokens whose output HF transposes: attention's out_tokens): query
 // row h = (b * OHQ + hh) * QK + k of [B, OHQ, QK, D] goes to row (b * QK + k) * OHQ + hh of the
 // output [B, QK, OHQ, D] (attention_out_row); 0: row h.
@@ -487,6 +489,43 @@ __device__ __forceinline__ void merge_split_kv(const float* __restrict__ o_part,
         den += w * lv[c];
       }
       out[attention_out_row<QK, OHQ>(h) * D + t] = from_f<TO>(den > 0.f ? num / den : 0.f);   // all masked: 0, as SDPA
+    }
+  } else if (FUSEC_MERGE_ONE_PASS) {   // more than 32 partials: batches of NB loads in flight
+    constexpr int NB = 16;   // 3 * 32 values in flight inside a loop spilled at the 128-register cap
+    for (int idx = threadIdx.x; idx < (h1 - h0) * D; idx += blockDim.x) {
+      const int h = h0 + idx / D, t = idx % D;
+      float m = -INFINITY;
+      for (int c0 = 0; c0 < na; c0 += NB) {
+        float mv[NB];
+#pragma unroll
+        for (int c = 0; c < NB; ++c) mv[c] = c0 + c < na ? __ldcg(ml + (h * NC + c0 + c) * 2) : -INFINITY;
+#pragma unroll
+        for (int c = 0; c < NB; ++c) m = fmaxf(m, mv[c]);
+      }
+      float num = 0.f, den = 0.f;
+      for (int c0 = 0; c0 < na; c0 += NB) {
+        float mv[NB], lv[NB], ov[NB];
+#pragma unroll
+        for (int c = 0; c < NB; ++c) {
+          if (c0 + c < na) {
+            const float2 mlc = __ldcg(reinterpret_cast<const float2*>(ml) + h * NC + c0 + c);
+            mv[c] = mlc.x;
+            lv[c] = mlc.y;
+            ov[c] = __ldcg(o_part + (h * NC + c0 + c) * D + t);
+          } else {
+            mv[c] = -INFINITY;
+            lv[c] = 0.f;
+            ov[c] = 0.f;
+          }
+        }
+#pragma unroll
+        for (int c = 0; c < NB; ++c) {
+          const float w = expf(mv[c] == -INFINITY ? -INFINITY : mv[c] - m);
+          num += w * ov[c];
+          den += w * lv[c];
+        }
+      }
+      out[attention_out_row<QK, OHQ>(h) * D + t] = from_f<TO>(den > 0.f ? num / den : 0.f);
     }
   } else {
     for (int idx = threadIdx.x; idx < (h1 - h0) * D; idx += blockDim.x) {

@@ -52,9 +52,10 @@ TABLE: tuple[Knob, ...] = (
          "most min(T, the split's chunk), writing the output without partials, ticket or merge "
          "(attention_partial_merge; alone -0.018 ms at 127, with the others +-0.006 ms, §16)"),
     Knob("FUSEC_MERGE_ONE_PASS", 1,
-         "1 issues every load of a split-KV merge before its arithmetic (common.cuh "
-         "merge_split_kv; up to 32 splits per KV head, else the two-pass merge; alone -0.016 ms "
-         "on the 1B, -0.025 on Qwen3-0.6B, §16)"),
+         "1 issues the loads of a split-KV merge before its arithmetic (common.cuh "
+         "merge_split_kv; up to 32 partials per head in one batch, more in batches of 16 for the "
+         "max and then the sums, 2026-12-06; alone -0.016 ms on the 1B, -0.025 on Qwen3-0.6B, §16); "
+         "0: the two-pass merge, a branch and loads per partial"),
     Knob("FUSEC_EARLY_EPILOGUE_LOADS", 1,
          "1 loads a row's residual or bias (matvec_residual, matvec, rms_qkv_rope) and a q/k head "
          "epilogue's norm weight and RoPE entries before the work that precedes their use "
