@@ -95,3 +95,22 @@ def test_head_dims_match_eager_on_the_gpu(head_dim, heads, kv_heads, dtype):
                 assert torch.isfinite(a).all() and err < tol, (pos, err)
     torch._dynamo.reset()
     assert watch.compiled > 0 and not watch.fallbacks, watch.fallbacks
+
+
+def test_scalar_scores_read_only_the_rows_chunks():
+    """fp32 at head_dim 160: 40 chunks per row, 64 lanes past a warp, so the scores take the path of
+    one thread per cache row, which loads the row's chunks unrolled: 40 16-byte K loads per copy
+    of the loop (with the padded lane count as its bound it loaded 64, reading past the row into the next
+    one, and past the last row's allocation)."""
+    pytest.importorskip("cuda.bindings.nvrtc")
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+    import kernel_ptx
+    from fusec.cuda.codegen import render
+    from fusec.cuda.jit import compile_ptx
+    sched = _schedule(_model(160, 2, 2))
+    bodies = [b for n, b in kernel_ptx.functions(compile_ptx(render(sched).source)).items() if "attention_partial" in n]
+    wide = sum(len(re.findall(r"ld\.global\.cg\.v4", b)) for b in bodies)
+    # the split's rows in one block or in blocks (MB): two inlined copies of the row's 40 loads
+    assert wide > 0 and wide % (160 // 4) == 0, wide
