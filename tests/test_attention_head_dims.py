@@ -19,7 +19,7 @@ import torch
 import hf_tiny
 import step_util
 
-#: (head_dim, query heads, KV heads): Phi-3's MHA (96), Phi-2's 80 over GQA, G 3, 5, 20
+#: (head_dim, query heads, KV heads): Phi-3's 96 as MHA, Phi-2's 80 in GQA pairs; 24, 40, 160 (bf16 G 3, 5, 20)
 SHAPES = [(96, 4, 4), (80, 4, 2), (24, 4, 1), (40, 8, 2), (160, 2, 2)]
 
 
@@ -57,14 +57,14 @@ def test_padded_lanes_compile_without_scalar_value_loads(head_dim, heads, kv_hea
     sched = _schedule(_model(head_dim, heads, kv_heads).to(torch.bfloat16))
     ops = [o for o in sched.graph.ops if o.kind == "attention_partial"]
     assert ops
-    for op in ops:   # the value pass's per-warp buffer [16 warps][min(REP, 4)][D] is in its shared memory
+    for op in ops:   # the value pass's per-warp buffer [16 warps][min(REP, 4)][D] is in its smem
         rep, chunk = heads // kv_heads, op.attrs["chunk"]
         assert AttentionPartial.smem_floats(op, sched.graph) >= rep * (head_dim + chunk) + 16 * min(rep, 4) * head_dim
     source = render(sched).source
     compile_cuda(source, "fusec_step.cu", cache_dir=str(tmp_path)).assert_no_spills()
     bodies = {n: b for n, b in kernel_ptx.functions(compile_ptx(source)).items() if "attention_partial" in n}
-    counts = {n[:60]: (len(re.findall(r"ld\.global\.cg\.v4", b)), len(re.findall(r"ld\.global\.cg\.(?:b16|u16|s16)", b)))
-              for n, b in bodies.items()}
+    counts = {n[:60]: (len(re.findall(r"ld\.global\.cg\.v4", b)),
+                       len(re.findall(r"ld\.global\.cg\.(?:b16|u16|s16)", b))) for n, b in bodies.items()}
     assert sum(w for w, _ in counts.values()) >= 2 and all(n <= 1 for _, n in counts.values()), counts
 
 
