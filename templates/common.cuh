@@ -457,37 +457,53 @@ __device__ __forceinline__ int attention_out_row(int h) {
   else return h;
 }
 
+// One batch of merge_split_kv: partials [c0, c0 + NB) of head h (those past na: m = -inf, l = o = 0),
+// element t of o, every load issued before any use ({m, l} as one float2: 8-byte aligned)
+template <int NB, int D, int NC>
+__device__ __forceinline__ void merge_load(const float* __restrict__ o_part, const float* __restrict__ ml, int h,
+                                           int t, int c0, int na, float (&mv)[NB], float (&lv)[NB], float (&ov)[NB]) {
+#pragma unroll
+  for (int c = 0; c < NB; ++c) {
+    if (c0 + c < na) {
+      const float2 mlc = __ldcg(reinterpret_cast<const float2*>(ml) + h * NC + c0 + c);
+      mv[c] = mlc.x;
+      lv[c] = mlc.y;
+      ov[c] = __ldcg(o_part + (h * NC + c0 + c) * D + t);
+    } else {
+      mv[c] = -INFINITY;
+      lv[c] = 0.f;
+      ov[c] = 0.f;
+    }
+  }
+}
+
+// The batch's terms of merge_split_kv's sums under the max m, without a branch (an empty or
+// inactive partial: exp(-inf) = 0)
+template <int NB>
+__device__ __forceinline__ void merge_weigh(const float (&mv)[NB], const float (&lv)[NB], const float (&ov)[NB],
+                                            float m, float& num, float& den) {
+#pragma unroll
+  for (int c = 0; c < NB; ++c) {
+    const float w = expf(mv[c] == -INFINITY ? -INFINITY : mv[c] - m);
+    num += w * ov[c];
+    den += w * lv[c];
+  }
+}
+
 template <typename TO, int D, int NC, int QK = 1, int OHQ = 0>
 __device__ __forceinline__ void merge_split_kv(const float* __restrict__ o_part, const float* __restrict__ ml,
                                                TO* __restrict__ out, int h0, int h1, int na = NC) {
   constexpr int NP = NC < 32 ? NC : 32;
-  if (FUSEC_MERGE_ONE_PASS && na <= NP) {
+  if (FUSEC_MERGE_ONE_PASS && na <= NP) {   // one batch: its loads, its max, its sums
     for (int idx = threadIdx.x; idx < (h1 - h0) * D; idx += blockDim.x) {
       const int h = h0 + idx / D, t = idx % D;
       float mv[NP], lv[NP], ov[NP];
-#pragma unroll
-      for (int c = 0; c < NP; ++c) {
-        if (c < na) {
-          const float2 mlc = __ldcg(reinterpret_cast<const float2*>(ml) + h * NC + c);   // {m, l}: 8-byte aligned
-          mv[c] = mlc.x;
-          lv[c] = mlc.y;
-          ov[c] = __ldcg(o_part + (h * NC + c) * D + t);
-        } else {
-          mv[c] = -INFINITY;
-          lv[c] = 0.f;
-          ov[c] = 0.f;
-        }
-      }
+      merge_load<NP, D, NC>(o_part, ml, h, t, 0, na, mv, lv, ov);
       float m = -INFINITY;
 #pragma unroll
       for (int c = 0; c < NP; ++c) m = fmaxf(m, mv[c]);
       float num = 0.f, den = 0.f;
-#pragma unroll
-      for (int c = 0; c < NP; ++c) {
-        const float w = expf(mv[c] == -INFINITY ? -INFINITY : mv[c] - m);   // empty or inactive: 0
-        num += w * ov[c];
-        den += w * lv[c];
-      }
+      merge_weigh<NP>(mv, lv, ov, m, num, den);
       out[attention_out_row<QK, OHQ>(h) * D + t] = from_f<TO>(den > 0.f ? num / den : 0.f);   // all masked: 0, as SDPA
     }
   } else if (FUSEC_MERGE_ONE_PASS) {   // more than 32 partials: batches of NB loads in flight
@@ -505,25 +521,8 @@ __device__ __forceinline__ void merge_split_kv(const float* __restrict__ o_part,
       float num = 0.f, den = 0.f;
       for (int c0 = 0; c0 < na; c0 += NB) {
         float mv[NB], lv[NB], ov[NB];
-#pragma unroll
-        for (int c = 0; c < NB; ++c) {
-          if (c0 + c < na) {
-            const float2 mlc = __ldcg(reinterpret_cast<const float2*>(ml) + h * NC + c0 + c);
-            mv[c] = mlc.x;
-            lv[c] = mlc.y;
-            ov[c] = __ldcg(o_part + (h * NC + c0 + c) * D + t);
-          } else {
-            mv[c] = -INFINITY;
-            lv[c] = 0.f;
-            ov[c] = 0.f;
-          }
-        }
-#pragma unroll
-        for (int c = 0; c < NB; ++c) {
-          const float w = expf(mv[c] == -INFINITY ? -INFINITY : mv[c] - m);
-          num += w * ov[c];
-          den += w * lv[c];
-        }
+        merge_load<NB, D, NC>(o_part, ml, h, t, c0, na, mv, lv, ov);
+        merge_weigh<NB>(mv, lv, ov, m, num, den);
       }
       out[attention_out_row<QK, OHQ>(h) * D + t] = from_f<TO>(den > 0.f ? num / den : 0.f);
     }

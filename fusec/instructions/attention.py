@@ -364,8 +364,9 @@ class AttentionPartial(Instruction):
         nq, ng, d, chunk, nc, L = cls._dims(op, g)
         rep = nq // ng
         esize = g.tensors[op.inputs["kcache"]].dtype.itemsize
-        chunks = d // (16 // esize)   # 16-byte chunks per row; the template's lanes per row: the power of two above
-        vec = d % (16 // esize) == 0 and 1 << max(chunks - 1, 0).bit_length() <= 32
+        # the template's vector value path: rows of whole 16-byte chunks, at most a warp's 32 of them
+        # (its lanes per row are the power of two at or above the chunks)
+        vec = d % (16 // esize) == 0 and d // (16 // esize) <= 32
         # q [rep, d], scores [rep, chunk]; over several blocks each head's running m, l and
         # rescale factor [3, rep]; the vector value path adds per-warp partial outputs
         # [warps, min(rep, 4), d] (heads go in groups of at most 4)
