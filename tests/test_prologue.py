@@ -71,19 +71,23 @@ def test_folded_steps_equal_the_unfolded_ones_and_eager(factory):
 
 
 def test_folded_kernel_stages_its_inputs_once_and_compiles():
-    """The folded op's case stages the members' inputs into shared memory in one loop, calls the
-    members on shared memory, copies the residual out on the tile whose rows start at 0, and
-    calls its kind with ``STAGED``; the kernel compiles with NVRTC for sm_90a."""
+    """The folded op's case, in its shared-memory form (the ``#else`` of FUSEC_PROLOGUE_REGS;
+    the register form: tests/test_prologue_registers.py), stages the members' inputs into shared
+    memory in one loop, calls the members on shared memory, copies the residual out on the tile
+    whose rows start at 0; then the case calls its kind with ``STAGED``; the kernel compiles with
+    NVRTC for sm_90a in both forms."""
+    import re
     from fusec.cuda.codegen import render
     from fusec.cuda.jit import compile_cuda
     plan = render(step_util.lowered(hf_tiny.gemma2().to(torch.bfloat16)))
-    cases = [ln for ln in plan.source.splitlines() if "rms_gate_up_silu<" in ln and "gx_rmsnorm" in ln]
+    cases = re.findall(r"\n#else\n(.*gx_rmsnorm.*)\n#endif\n(rms_gate_up_silu<.*)", plan.source)
     assert cases, "no folded rms_gate_up_silu case"
-    case = cases[0]
-    assert case.index("__ldcg(reinterpret_cast<const uint4*>") < case.index("gx_rmsnorm") < case.index("rms_gate_up_silu<")
-    assert "(char*)smem +" in case and "if (in.p0 == 0)" in case
-    assert ", true>(" in case   # STAGED
+    pre, call = cases[0]
+    assert pre.index("__ldcg(reinterpret_cast<const uint4*>") < pre.index("gx_rmsnorm")
+    assert "(char*)smem +" in pre and "if (in.p0 == 0)" in pre
+    assert ", true>(" in call   # STAGED
     compile_cuda(plan.source, "fusec_step.cu")
+    compile_cuda(plan.source.replace("#define FUSEC_PROLOGUE_REGS 1", "#define FUSEC_PROLOGUE_REGS 0"), "fusec_step.cu")
 
 
 def test_a_reader_between_keeps_the_ops_where_they_are():

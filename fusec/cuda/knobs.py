@@ -112,6 +112,13 @@ TABLE: tuple[Knob, ...] = (
          "shuffle step halves the values a lane keeps: 24 shuffles per warp instead of 64 on the "
          "1B, 8 instead of 16 on Qwen3-0.6B); 1B -0.008 / -0.005 ms at 127 / 2047, Qwen3-0.6B "
          "+0.002 / 0.000 (§17.5); 0: the butterfly sums (the whole GPU suite passed with 1, 2026-12-02)"),
+    Knob("FUSEC_PROLOGUE_REGS", 1,
+         "1: a folded prologue (fusec/instructions/prologue.py: a post-norm and its residual add, "
+         "a scaled residual, before a fused kind) runs in registers where its members allow, each "
+         "thread on its own elements of the hidden vector with its loads up front and no barrier "
+         "but a norm's reduction (register_form); 0: each member a function over shared memory "
+         "with a barrier after it (the form of before 2026-12-06, and of prologues the register "
+         "form cannot take)"),
     Knob("FUSEC_ATTN_SPLIT_ROWS", 32,
          "R > 0: a split-KV op uses only the first min(NC, max(1, ceil(rows / R))) of its NC splits "
          "per KV head at run time (rows: the valid rows pos + 1, or the cache's L with a mask), "

@@ -32,8 +32,13 @@ The fused op (the ``prologue`` pass, :mod:`fusec.passes.prologue`, rewrites it):
 (the residual stream ``h``: written to global memory by the tile whose first row is 0, the
 others keep them in shared memory only); output ``x`` the staged vector (a member's output);
 inputs ``pre_in*`` what the members read from outside; outputs ``pre_out*`` every other member
-output. Numerics are the members' exactly: each is its own generated function, each output
-rounded to its dtype (in shared memory instead of global memory).
+output. Numerics are the members' exactly: each output rounded to its dtype.
+
+Two CUDA forms (:func:`cuda`; the knob ``FUSEC_PROLOGUE_REGS`` picks one in the kernel): in
+registers (:mod:`fusec.instructions.prologue_regs`: each thread on its own elements of the hidden vector, the
+members inline, one barrier), where the members are elementwise ops and norms over that vector;
+else in shared memory (each member its own generated function over shared memory, a barrier
+after each). Both give the same bits (the same ops, roundings and summation order).
 
 Source: the ops' own semantics (:mod:`fusec.ir.semantics`, :mod:`fusec.cuda.gen`); the fold
 follows the "prologue fusion" of GEMM epilogue/prologue visitors (CUTLASS's EVT, inductor's
@@ -258,10 +263,15 @@ def _stage(g: Graph, bufs: Any, slots: list[Slot]) -> str:
 
 
 def cuda(op: Op, g: Graph, bufs: Any, own: int) -> dict[str, Any]:
-    """The prologue's C statements (``pre``: the external inputs staged into shared memory
-    (:func:`_stage`), each member's generated function called on shared memory with a barrier
-    after it, then the writer tile's copies of the kept outputs to global memory) and the
-    generated functions they call (``sources``). ``own``: the kind's own shared memory in floats.
+    """The prologue's C statements (``pre``) and the generated functions they call
+    (``sources``). ``own``: the kind's own shared memory in floats.
+
+    Two forms, the knob ``FUSEC_PROLOGUE_REGS`` (fusec/cuda/knobs.py) picking one in the
+    kernel: the register form (:func:`fusec.instructions.prologue_regs.register_form`) where the
+    members allow it, and the
+    shared-memory form: the external inputs staged into shared memory (:func:`_stage`), each
+    member's generated function called on shared memory with a barrier after it, then the
+    writer tile's copies of the kept outputs to global memory.
 
     Raises:
         FallbackRequired: a member has no CUDA form (the message names it).
@@ -281,7 +291,12 @@ def cuda(op: Op, g: Graph, bufs: Any, own: int) -> dict[str, Any]:
         copies.append(f"for (int i = threadIdx.x; i < {n}; i += blockDim.x) {bufs.ptr(t)}[i] = {sb.ptr(t)}[i];")
     if copies:
         parts.append("if (in.p0 == 0) { " + " ".join(copies) + " }")
-    return {"pre": " ".join(p for p in parts if p) + " ", "sources": sources}
+    pre = " ".join(p for p in parts if p) + " "
+    from fusec.instructions.prologue_regs import register_form
+    regs = register_form(op, g, bufs)
+    if regs is not None:
+        pre = f"\n#if FUSEC_PROLOGUE_REGS\n{regs}\n#else\n{pre}\n#endif\n"
+    return {"pre": pre, "sources": sources}
 
 
 class TakesPrologue:

@@ -112,4 +112,26 @@ def generate(op: Op, g: Graph, bufs: Any, ranged: bool = False) -> dict[str, Any
             "ctypes": [ct for _, ct, _ in ctx.params], "range": ctx.numel(ctx.out) if ranged else None}
 
 
+def generate_inline(op: Op, g: Graph, bufs: Any) -> str:
+    """The CUDA form of ``op`` as a block of statements to place inside another function (a
+    folded prologue's register form, :mod:`fusec.instructions.prologue`): its buffers are local
+    ``__restrict__`` pointers declared at the block's start, its register tensors (``bufs.reg``)
+    the arrays of the enclosing code.
+
+    Raises:
+        NotImplementedError: no emitter for the op's kind.
+        Unsupported: the emitter cannot express this instance.
+        RegisterMiss: the op touches a register tensor other than at the element a thread owns.
+    """
+    fn = find_emitter(op.kind)
+    if fn is None:
+        raise NotImplementedError(f"generic op {op.name} ({op.kind}) has no CUDA form")
+    ctx = Ctx(op, g, bufs)
+    fn(ctx)
+    decls = " ".join(f"const {ct} {name} = {expr};" if r.startswith(LEN_PREFIX)
+                     else f"{ct}* __restrict__ {name} = {expr};"
+                     for (name, ct, expr), r in zip(ctx.params, ctx.roots))
+    return f"{{ // {op.kind}\n{decls}\n{ctx.body()}\n}}"
+
+
 from fusec.cuda.gen import pointwise, reduce, data, matvec, semantic  # noqa: E402,F401  (register emitters)

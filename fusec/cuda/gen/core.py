@@ -30,6 +30,12 @@ class Unsupported(FallbackRequired):
     """An op whose semantics the generator cannot express; the message names op and source."""
 
 
+class RegisterMiss(Exception):
+    """An op of a folded prologue cannot run in the register form (:meth:`Ctx.loop`): it reads or
+    writes a register tensor other than at the element its thread owns, or loops over another
+    size. The prologue then runs in its shared-memory form (:mod:`fusec.instructions.prologue`)."""
+
+
 def contiguous_strides(shape: Sequence[int]) -> list[int]:
     """Element strides of a contiguous tensor of ``shape``."""
     st, acc = [], 1
@@ -132,6 +138,10 @@ class Ctx:
         self._n = 0
         self.smem_floats = 0
         self.args = self._bind() if "target" in op.attrs else {}
+        #: the register form's tensors (``bufs.reg(t)``: the array that holds t's elements, or
+        #: None), where ``bufs`` offers it (:class:`fusec.instructions.prologue.RegisterBufs`)
+        self.reg = getattr(bufs, "reg", None)
+        self._reg_vars: set[str] = set()
 
     # --- arguments ---------------------------------------------------------------------------
     def _bind(self) -> dict[str, Any]:
@@ -193,6 +203,8 @@ class Ctx:
     def ptr(self, t: str) -> str:
         """Parameter name of ``t``'s root buffer (one parameter per root; one per view of a
         part of a root, ``TensorInfo.offset``, its pointer at the view's first element)."""
+        if self.reg is not None and self.reg(t) is not None:
+            raise RegisterMiss(f"{self.op.name} ({self.op.kind}) addresses {t}, a register tensor")
         root, start, stop = self.g.span(t)
         key = root if not self.g.is_view(t) else f"{root}@{start}:{stop}"
         if key not in self._param_of:
@@ -225,9 +237,31 @@ class Ctx:
     def readonly(self, t: str) -> bool:
         return self.g.tensors[self.g.root(t)].role in (Role.WEIGHT, Role.CONSTANT, Role.INPUT)
 
+    def owned(self, value: str, identity: str) -> str:
+        """A value a reduction takes from the element of the current loop: in a prologue's
+        register form, ``identity`` for the elements past the tensor's end that a thread's last
+        round runs over (``gx_in`` false, :meth:`loop`), so that they add nothing. The value is
+        masked, not the term (``v = owned(x); ss += v * v``): the term keeps its form, and the
+        compiler contracts it to the same FMA as in the shared-memory form (the same bits)."""
+        return value if self.reg is None else f"(gx_in ? {value} : {identity})"
+
+    def _reg_at(self, t: str, off: str) -> str | None:
+        """The register holding element ``off`` of ``t`` in the register form (None: ``t`` is not a
+        register tensor). Raises RegisterMiss where ``off`` is not the element this thread owns."""
+        name = self.reg(t) if self.reg is not None else None
+        if name is None:
+            return None
+        if off.strip() not in self._reg_vars:
+            raise RegisterMiss(f"{self.op.name} ({self.op.kind}) reads {t} at {off}")
+        return f"{name}[gx_k]"
+
     def load(self, t: str, off: str) -> str:
         """C expression loading element ``off`` of ``t`` in its own type (a plain load where the
-        buffers put ``t`` in shared memory: a folded prologue's intermediates)."""
+        buffers put ``t`` in shared memory: a folded prologue's intermediates; the register that
+        holds it in a prologue's register form)."""
+        r = self._reg_at(t, off)
+        if r is not None:
+            return r
         in_smem = getattr(self.bufs, "in_smem", None)
         if in_smem is not None and in_smem(t):
             return f"{self.ptr(t)}[{off}]"
@@ -242,7 +276,8 @@ class Ctx:
         """C statement storing ``value`` (converted to ``t``'s type) at element ``off``."""
         ct = self.ctype(t)
         v = value if vtype == ct else f"gx_cast<{ct}>({value})"
-        return f"{self.ptr(t)}[{off}] = {v};"
+        r = self._reg_at(t, off)
+        return f"{r if r is not None else self.ptr(t) + '[' + off + ']'} = {v};"
 
     # --- code --------------------------------------------------------------------------------
     def fresh(self, stem: str = "v") -> str:
@@ -276,11 +311,26 @@ class Ctx:
         self.emit(f"// coordinates {r}")   # placeholder, expanded by body()
         return out
 
-    def loop(self, n: int | str, var: str, ix: str) -> str:
+    def loop(self, n: int | str, var: str, ix: str, unroll: int | None = None) -> str:
         """Opening line of the CTA-strided loop ``for var in range(n)`` (close it with ``}``); the
         stride is the CTA's thread count as a constant (``GX_NTHREADS``), so a static ``n`` gives a
-        static trip count that the compiler unrolls (several loads in flight per thread)."""
-        return f"for ({ix} {var} = threadIdx.x; {var} < {n}; {var} += GX_NTHREADS) {{"
+        static trip count that the compiler unrolls (several loads in flight per thread);
+        ``unroll``: a ``#pragma unroll`` factor.
+
+        In a prologue's register form (``bufs.reg_numel``, ``bufs.reg_loop``) the loop must cover
+        the register tensors' ``reg_numel`` elements: it is unrolled over the elements
+        ``threadIdx.x + gx_k * GX_NTHREADS`` a thread owns, a register tensor's element ``var``
+        is ``array[gx_k]``, and every thread runs every round: ``gx_in`` says whether ``var`` is
+        an element (a reduction adds only those, :meth:`owned`). Raises RegisterMiss for any
+        other size."""
+        if self.reg is not None:
+            numel = self.bufs.reg_numel
+            if not isinstance(n, int) or n != numel:
+                raise RegisterMiss(f"{self.op.name} ({self.op.kind}) loops over {n} elements, not {numel}")
+            self._reg_vars.add(var)
+            return self.bufs.reg_loop(var, ix)
+        head = f"#pragma unroll {unroll}\n" if unroll else ""
+        return f"{head}for ({ix} {var} = threadIdx.x; {var} < {n}; {var} += GX_NTHREADS) {{"
 
     def body(self) -> str:
         """The emitted lines, each :meth:`coords` block written out with only the coordinates

@@ -30,9 +30,9 @@ def cta_per_row(rows: int, h: int) -> bool:
 def _rmsnorm(ctx: Ctx) -> None:
     """HF RMSNorm over the last dim (H = numel(w)):
     out = rnd<out>(w * rnd<x>(x * rsqrt(mean(x^2) + eps))); with attr ``w_fp32`` (Gemma)
-    out = rnd<out>(x * rsqrt(mean(x^2) + eps) * w). Few long rows (:func:`cta_per_row`): one
-    row at a time over the whole CTA with a block reduction; else one warp per row. Loads are
-    unrolled by 4 so that each thread has several in flight."""
+    out = rnd<out>(x * rsqrt(mean(x^2) + eps) * w). One row, or few long rows
+    (:func:`cta_per_row`): a row at a time over the whole CTA with a block reduction; else one
+    warp per row. Loads are unrolled by 4 so that each thread has several in flight."""
     x, w, out = ctx.op.inputs["x"], ctx.op.inputs["w"], ctx.out
     H = ctx.numel(w)
     if ctx.numel(x) % H or ctx.numel(out) != ctx.numel(x):
@@ -41,6 +41,18 @@ def _rmsnorm(ctx: Ctx) -> None:
     tx = ctx.ctype(x)
     eps = literal(float(ctx.op.attrs["eps"]), "float")
     w_fp32 = bool(ctx.op.attrs.get("w_fp32", False))
+    if rows == 1:
+        # one row over the CTA, whatever its width (a folded prologue's norm: its loops are the
+        # register form's, Ctx.loop, where x, w and out are registers of the thread's elements,
+        # and its shared-memory form sums in the same order)
+        loop = ctx.loop(H, "k", "int", unroll=4)
+        xv, wv = ctx.load_as(x, "k", "float"), ctx.load_as(w, "k", "float")
+        y = xv + " * r" if w_fp32 else f"gx_f(gx_cast<{tx}>({xv} * r))"
+        ctx.emit("float ss = 0.f;", loop, f"  const float v = {ctx.owned(xv, '0.f')};", "  ss += v * v;", "}",
+                 f"const float r = rsqrtf(gx_block_reduce(ss, GxSum()) / {H}.f + {eps});",
+                 loop, f"  const float y = {y};",
+                 "  " + ctx.store(out, "k", f"y * {wv}" if w_fp32 else f"{wv} * y", "float"), "}")
+        return
     wy = f"{ctx.load_as(w, 'k', 'float')} * y" if not w_fp32 else f"y * {ctx.load_as(w, 'k', 'float')}"
     if cta_per_row(rows, H):
         row_loop, k0, kstep, reduce = (f"for (int row = 0; row < {rows}; ++row) {{", "threadIdx.x",
@@ -71,17 +83,18 @@ def _layernorm(ctx: Ctx) -> None:
     if ctx.numel(out) != H or any(t is not None and ctx.numel(t) != H for t in (w, b)):
         raise ctx.fail(f"layernorm of {ctx.shape(x)} into {ctx.shape(out)}")
     eps = literal(float(ctx.op.attrs["eps"]), "float")
+    loop = ctx.loop(H, "k", "int")   # before the loads (the register form knows k from it)
     xv = ctx.load_as(x, "k", "float")
     y = f"({xv} - mu) * rs"
     if w is not None:
         y = f"{y} * {ctx.load_as(w, 'k', 'float')}"
     if b is not None:
         y = f"{y} + {ctx.load_as(b, 'k', 'float')}"
-    ctx.emit("float s = 0.f;", f"for (int k = threadIdx.x; k < {H}; k += GX_NTHREADS) s += {xv};",
+    ctx.emit("float s = 0.f;", loop, f"  s += {ctx.owned(xv, '0.f')};", "}",
              f"const float mu = gx_block_reduce(s, GxSum()) / {H}.f;", "float q = 0.f;",
-             f"for (int k = threadIdx.x; k < {H}; k += GX_NTHREADS) {{", f"  const float d = {xv} - mu;",
+             loop, f"  const float d = {ctx.owned(f'{xv} - mu', '0.f')};",
              "  q += d * d;", "}", f"const float rs = rsqrtf(gx_block_reduce(q, GxSum()) / {H}.f + {eps});",
-             f"for (int k = threadIdx.x; k < {H}; k += GX_NTHREADS) {{", f"  {ctx.store(out, 'k', y, 'float')}", "}")
+             loop, f"  {ctx.store(out, 'k', y, 'float')}", "}")
 
 
 @emitter("rope")

@@ -1,0 +1,132 @@
+"""A folded prologue in registers: each thread of the consumer's CTA runs the members on its own
+elements of the hidden vector (the knob ``FUSEC_PROLOGUE_REGS``; the prologue itself, its members
+and its shared-memory form: :mod:`fusec.instructions.prologue`).
+
+Source: the register tiling of elementwise chains in fused kernels (the loop fusion of inductor's
+Triton kernels and of Llama's ``rms_prologue`` here, templates/common.cuh), applied to the members'
+generated code (:mod:`fusec.cuda.gen`, whose loops and loads take the register form from
+:class:`RegisterBufs`).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from fusec.ir import Graph, Op
+
+
+class RegisterBufs:
+    """A :class:`fusec.cuda.codegen.Buffers` for a prologue's register form: every tensor of
+    ``reg_numel`` elements that the members read or write is an array of registers, one per
+    round of the CTA's threads over it (``reg``: its name; element
+    ``threadIdx.x + k * GX_NTHREADS`` is ``array[k]``, :meth:`reg_loop`,
+    :meth:`fusec.cuda.gen.core.Ctx.loop`); any other member output has no place (RegisterMiss)."""
+
+    def __init__(self, bufs: Any, g: Graph, arrays: dict[tuple, tuple[str, str]], numel: int,
+                 member_roots: set[str]):
+        self._bufs, self._g, self._arrays, self._member_roots = bufs, g, arrays, member_roots
+        self.reg_numel = numel
+
+    def reg_loop(self, var: str, ix: str = "int") -> str:
+        """The opening line of a loop over a thread's elements (close it with ``}``): unrolled,
+        ``var`` the element, ``gx_k`` its register's index, ``gx_in`` whether ``var`` is one (the
+        last round of a size that is not a multiple of the CTA's threads runs past it). Every
+        thread runs every round, with no branch: the external inputs load 0 past the end, the
+        reductions add nothing there (:meth:`fusec.cuda.gen.core.Ctx.owned`), and only the
+        stores to memory test ``gx_in``. A branch around each round (or around the loop) took
+        Gemma-2's kernel from 116 registers to 128 and spills, in its split-KV attention."""
+        from fusec.instructions.base import CTA_THREADS
+        n = self.reg_numel
+        per, full = -(-n // CTA_THREADS), n // CTA_THREADS
+        inside = "true" if per == full else f"gx_k < {full} || {var} < {n}"
+        return (f"#pragma unroll\nfor (int gx_k = 0; gx_k < {per}; ++gx_k) {{ "
+                f"const {ix} {var} = threadIdx.x + gx_k * GX_NTHREADS; [[maybe_unused]] const bool gx_in = {inside};")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._bufs, name)
+
+    def reg(self, t: str) -> str | None:
+        a = self._arrays.get(self._g.span(t)) if self._g.tensors[t].numel == self.reg_numel else None
+        return a[0] if a else None
+
+    def ptr(self, t: str) -> str:
+        from fusec.cuda.gen.core import RegisterMiss
+        if self._g.root(t) in self._member_roots:
+            raise RegisterMiss(f"{t} is a member output of {self._g.tensors[t].numel} elements")
+        return self._bufs.ptr(t)
+
+
+#: the register form's arrays hold at most this many values per thread in all (the kind that
+#: follows keeps its own registers; 512 threads leave 128 per thread)
+MAX_REG_VALUES = 48
+#: the members the register form runs: elementwise ops (each element from the same element of
+#: its operands) and the norms whose reductions mask the elements past the end (``Ctx.owned``);
+#: any other reduction's emitter would add them
+REGISTER_REDUCTIONS = ("rmsnorm", "layernorm")
+
+
+def register_form(op: Op, g: Graph, bufs: Any) -> str | None:
+    """The prologue as one block of registers, or None where it cannot be.
+
+    Each thread owns the elements ``threadIdx.x + k * GX_NTHREADS`` of every member tensor of
+    x's size (``N``: the hidden vector): it loads its elements of the external inputs once, up
+    front (all its loads in flight together, as ``rms_prologue`` does for Llama's RMSNorm), runs
+    every member on them in registers, inline, with no barrier but a norm's block reduction,
+    and stores its elements of x to shared memory (where the kind reads its staged vector) and,
+    on the writer tile, of the kept outputs to global memory; one barrier at the end. The shared
+    memory form (each member a function over shared memory, a barrier after each) took 0.7-1.9
+    µs more per prologue than Llama's norm on the H100 (OLMo-2, Granite, Gemma-2,
+    docs/performance.md). Numerics are the same: each member's output rounded to its dtype.
+
+    None (the shared-memory form then runs) where a member reads or writes a tensor of x's size
+    other than at the element its thread owns (a broadcast, a gather), loops over another size,
+    writes a tensor of another size, or the arrays would pass :data:`MAX_REG_VALUES` values."""
+    from fusec.cuda.gen import generate_inline
+    from fusec.cuda.gen.core import RegisterMiss, Unsupported
+    from fusec.errors import FallbackRequired
+    from fusec.instructions.base import CTA_THREADS
+    from fusec.ir import Role
+    from fusec.instructions.generic import generic_kind
+    x = op.outputs["x"]
+    n = g.tensors[x].numel
+    per = -(-n // CTA_THREADS)
+    members = op.attrs["pre"]
+    if any(m.kind not in REGISTER_REDUCTIONS and generic_kind(m) != "elementwise" for m in members):
+        return None
+    arrays: dict[tuple, tuple[str, str]] = {}
+    first: dict[tuple, str] = {}   # a tensor of each array (the external inputs' loads)
+    try:
+        for m in members:
+            for t in list(m.reads()) + list(m.writes()):
+                key = g.span(t)
+                if g.tensors[t].numel != n or key[2] - key[1] != n:
+                    continue
+                ct = bufs.cname(g.tensors[t].dtype)
+                if arrays.setdefault(key, (f"gx_r{len(arrays)}", ct))[1] != ct:
+                    return None
+                first.setdefault(key, t)
+    except FallbackRequired:
+        return None
+    member_roots = {g.root(t) for m in members for t in m.writes()}
+    keep = list(op.attrs["pre_keep"])
+    if len(arrays) * per > MAX_REG_VALUES or any(g.span(t) not in arrays for t in [x, *keep]):
+        return None
+    rb = RegisterBufs(bufs, g, arrays, n, member_roots)
+    try:
+        blocks = [generate_inline(m, g, rb) for m in members]
+    except (RegisterMiss, Unsupported, NotImplementedError):
+        return None
+    each = rb.reg_loop("i") + " "
+    decl = " ".join(f"{ct} {name}[{per}];" for name, ct in arrays.values())
+    loads = []
+    for key, (name, ct) in arrays.items():
+        if key[0] in member_roots:
+            continue
+        fn = "gx_ldg" if g.tensors[g.root(key[0])].role in (Role.WEIGHT, Role.CONSTANT, Role.INPUT) else "gx_ldcg"
+        loads.append(f"{name}[gx_k] = gx_in ? {fn}({bufs.ptr(first[key])} + i) : gx_cast<{ct}>(0.f);")
+    xa = arrays[g.span(x)][0]
+    stores = [f"if (gx_in) (({bufs.cname(g.tensors[x].dtype)}*)smem)[i] = {xa}[gx_k];"]
+    if keep:
+        stores.append("if (gx_in && in.p0 == 0) { " + " ".join(
+            f"{bufs.ptr(t)}[i] = {arrays[g.span(t)][0]}[gx_k];" for t in keep) + " }")
+    return "\n".join(["{ // prologue, register form", decl, each + " ".join(loads) + " }", *blocks,
+                      each + " ".join(stores) + " }", "__syncthreads(); }"])
