@@ -119,6 +119,12 @@ TABLE: tuple[Knob, ...] = (
          "but a norm's reduction (register_form); 0: each member a function over shared memory "
          "with a barrier after it (the form of before 2026-12-06, and of prologues the register "
          "form cannot take)"),
+    Knob("FUSEC_PROJNORM_ONE_ROUND", 1,
+         "1: the q/k RMSNorms over the whole projection (OLMo-2; rms_qkv_rope PROJNORM), which the "
+         "last q/k tile of the step runs, load every q and k value, norm weight and RoPE entry of "
+         "a thread in one round and reduce q's and k's sums of squares together, where a thread "
+         "has at most 8 rotation pairs (OLMo-2-1B: 4, 7B: 8); 0: all of q (load, sum, load, rotate, "
+         "store), then all of k, four dependent rounds"),
     Knob("FUSEC_ATTN_SPLIT_ROWS", 32,
          "R > 0: a split-KV op uses only the first min(NC, max(1, ceil(rows / R))) of its NC splits "
          "per KV head at run time (rows: the valid rows pos + 1, or the cache's L with a mask), "
