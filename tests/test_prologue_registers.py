@@ -16,9 +16,6 @@ import step_util
 from fusec.cuda.codegen import Buffers, render
 from fusec.instructions import prologue, prologue_regs
 
-REGS = "{ // prologue, register form"
-
-
 def _forms(s) -> list[tuple[str, bool]]:
     """(kind, has a register form) of each folded op of the lowered step ``s``."""
     bufs = Buffers(s.graph, counter_base=len(s.graph.ops))
@@ -26,30 +23,33 @@ def _forms(s) -> list[tuple[str, bool]]:
             for o in s.graph.ops if prologue.has(o)]
 
 
-def _register_blocks(source: str) -> list[str]:
-    """The register forms of a rendered kernel: from their first line to the ``#else``."""
-    return re.findall(r"\{ // prologue, register form\n[\s\S]*?\n#else\n", source)
+def _register_blocks(source: str) -> dict[str, str]:
+    """The register forms' functions of a rendered kernel: name -> body."""
+    return dict(re.findall(r"__device__ __noinline__ void (gx_prologue_\w+)\([^)]*\) \{\n([\s\S]*?)\n\}  // \1\n",
+                           source))
 
 
 @pytest.mark.parametrize("factory", [hf_tiny.olmo2, hf_tiny.gemma2, hf_tiny.granite, hf_tiny.gemma3])
 def test_post_norm_and_scaled_residual_prologues_run_in_registers(factory):
     """Every folded prologue of these families (norms, adds, scales: elementwise members and
-    RMSNorms over the hidden vector) has a register form; in the kernel each loads its external
-    inputs in the first loop, before any member, runs the members inline (no generated function
-    called, no barrier but the one at its end) and stores x to shared memory only where
-    ``gx_in`` says the element is one."""
+    RMSNorms over the hidden vector) has a register form: a function of its own that the case
+    calls, then one barrier; the function loads its external inputs in the first loop, before
+    any member, runs the members inline (no generated function called, no barrier but the norms'
+    reductions') and stores x to shared memory only where ``gx_in`` says the element is one."""
     s = step_util.lowered(factory().to(torch.bfloat16))
     forms = _forms(s)
     assert forms and all(ok for _, ok in forms), forms
     source = render(s).source
     blocks = _register_blocks(source)
-    assert blocks and source.count("#if FUSEC_PROLOGUE_REGS") == len(blocks)
-    for b in blocks:
+    calls = re.findall(r"#if FUSEC_PROLOGUE_REGS\n(gx_prologue_\w+)\(.*\); __syncthreads\(\);\n#else\n", source)
+    assert blocks and calls and set(calls) == set(blocks)
+    assert source.count("#if FUSEC_PROLOGUE_REGS") == len(calls)
+    for b in blocks.values():
         lines = b.splitlines()
-        assert "gx_ldcg(" in lines[3] and "gx_in ?" in lines[3], lines[:4]   # decl, pragma, loads
-        assert not any("gx_ld" in ln for ln in lines[4:]), b                 # no load after them
-        assert b.count("__syncthreads()") == 1 and not re.search(r"gx_\w+_[0-9a-f]{10}\(", b), b
-        assert "if (gx_in) ((__nv_bfloat16*)smem)[i] =" in b
+        assert "gx_ldcg(" in lines[2] and "gx_in ?" in lines[2], lines[:3]   # decl, pragma, loads
+        assert not any("gx_ld" in ln for ln in lines[3:]), b                 # no load after them
+        assert "__syncthreads()" not in b and not re.search(r"gx_\w+_[0-9a-f]{10}\(", b), b
+        assert "bufs[" not in b and "if (gx_in) ((__nv_bfloat16*)smem)[i] =" in b
 
 
 def test_a_reduction_other_than_a_norm_keeps_the_shared_memory_form():
@@ -92,7 +92,7 @@ def test_a_broadcast_scalar_input_is_read_from_memory_in_the_register_form():
     model.model.norm = Scaled(model.model.norm)
     s = step_util.lowered(model.to(torch.bfloat16))
     assert _forms(s) == [("rms_lm_head", True)]
-    (block,) = _register_blocks(render(s).source)
+    (block,) = _register_blocks(render(s).source).values()
     assert re.search(r"__restrict__ p\d+ = ", block) and "+ (0))" in block, block
 
 

@@ -295,7 +295,8 @@ def cuda(op: Op, g: Graph, bufs: Any, own: int) -> dict[str, Any]:
     from fusec.instructions.prologue_regs import register_form
     regs = register_form(op, g, bufs)
     if regs is not None:
-        pre = f"\n#if FUSEC_PROLOGUE_REGS\n{regs}\n#else\n{pre}\n#endif\n"
+        pre = f"\n#if FUSEC_PROLOGUE_REGS\n{regs['call']}\n#else\n{pre}\n#endif\n"
+        sources.append(regs)
     return {"pre": pre, "sources": sources}
 
 

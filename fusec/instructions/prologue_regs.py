@@ -9,6 +9,7 @@ generated code (:mod:`fusec.cuda.gen`, whose loops and loads take the register f
 """
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from fusec.ir import Graph, Op
@@ -39,7 +40,8 @@ class RegisterBufs:
         per, full = -(-n // CTA_THREADS), n // CTA_THREADS
         inside = "true" if per == full else f"gx_k < {full} || {var} < {n}"
         return (f"#pragma unroll\nfor (int gx_k = 0; gx_k < {per}; ++gx_k) {{ "
-                f"const {ix} {var} = threadIdx.x + gx_k * GX_NTHREADS; [[maybe_unused]] const bool gx_in = {inside};")
+                f"[[maybe_unused]] const {ix} {var} = threadIdx.x + gx_k * GX_NTHREADS; "
+                f"[[maybe_unused]] const bool gx_in = {inside};")
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._bufs, name)
@@ -64,8 +66,9 @@ MAX_REG_VALUES = 48
 REGISTER_REDUCTIONS = ("rmsnorm", "layernorm")
 
 
-def register_form(op: Op, g: Graph, bufs: Any) -> str | None:
-    """The prologue as one block of registers, or None where it cannot be.
+def register_form(op: Op, g: Graph, bufs: Any) -> dict[str, Any] | None:
+    """The prologue in registers, as a generated function and its call (:func:`_as_function`),
+    or None where it cannot be.
 
     Each thread owns the elements ``threadIdx.x + k * GX_NTHREADS`` of every member tensor of
     x's size (``N``: the hidden vector): it loads its elements of the external inputs once, up
@@ -128,5 +131,37 @@ def register_form(op: Op, g: Graph, bufs: Any) -> str | None:
     if keep:
         stores.append("if (gx_in && in.p0 == 0) { " + " ".join(
             f"{bufs.ptr(t)}[i] = {arrays[g.span(t)][0]}[gx_k];" for t in keep) + " }")
-    return "\n".join(["{ // prologue, register form", decl, each + " ".join(loads) + " }", *blocks,
-                      each + " ".join(stores) + " }", "__syncthreads(); }"])
+    body = "\n".join([decl, each + " ".join(loads) + " }", *blocks, each + " ".join(stores) + " }"])
+    return _as_function(body)
+
+
+#: a buffer's pointer expression in generated code (:meth:`fusec.cuda.codegen.Buffers.ptr`)
+_PTR = re.compile(r"\(\(((?:const )?[\w: ]+)\*\)bufs\[\d+\](?: \+ \d+)?\)")
+
+
+def _as_function(body: str) -> dict[str, Any] | None:
+    """The register form's statements as a ``__noinline__`` function of its own (registers
+    allocated apart from the kernel's dispatch loop: inline, its few live values tipped kernels
+    already at 128 registers into spills, fp32 Gemma-3 at its published widths) and the call
+    that runs it (``{"name", "source", "call", "helpers"}``, as :func:`fusec.cuda.gen.generate`
+    gives): each buffer pointer of ``body`` becomes a parameter (the call passes the pointer, so
+    the layers share the function), then ``smem`` and the instruction word's ``p0``."""
+    import hashlib
+    exprs: dict[str, tuple[str, str]] = {}   # pointer expression -> (parameter, C type)
+
+    def param(m: re.Match) -> str:
+        e = m.group(0)
+        if e not in exprs:
+            exprs[e] = (f"gp{len(exprs)}", m.group(1))
+        return exprs[e][0]
+
+    body = _PTR.sub(param, body).replace("in.p0", "gx_p0")
+    if "bufs[" in body:
+        return None   # a pointer of another form (the shared-memory form runs)
+    params = ", ".join([f"{ct}* __restrict__ {name}" for name, ct in exprs.values()]
+                       + ["float* __restrict__ smem", "int gx_p0"])
+    name = "gx_prologue_" + hashlib.sha1(f"{params}|{body}".encode()).hexdigest()[:10]
+    source = (f"// a folded prologue, register form\n__device__ __noinline__ void {name}({params}) {{\n{body}\n"
+              f"}}  // {name}\n")
+    call = f"{name}({', '.join([*exprs, 'smem', 'in.p0'])}); __syncthreads();"
+    return {"name": name, "source": source, "call": call, "helpers": "generic_ops.cuh"}
