@@ -45,9 +45,9 @@ def test_post_norm_and_scaled_residual_prologues_run_in_registers(factory):
     assert blocks and calls and set(calls) == set(blocks)
     assert source.count("#if FUSEC_PROLOGUE_REGS") == len(calls)
     for b in blocks.values():
-        lines = b.splitlines()
-        assert "gx_ldcg(" in lines[2] and "gx_in ?" in lines[2], lines[:3]   # decl, pragma, loads
-        assert not any("gx_ld" in ln for ln in lines[3:]), b                 # no load after them
+        lines = b.splitlines()   # gx_in's default, the arrays, the pragma, the loads
+        assert "gx_ldcg(" in lines[3] and "(gx_in ? i : 0)" in lines[3], lines[:4]
+        assert not any("gx_ld" in ln for ln in lines[4:]), b                 # no load after them
         assert "__syncthreads()" not in b and not re.search(r"gx_\w+_[0-9a-f]{10}\(", b), b
         assert "bufs[" not in b and "if (gx_in) ((__nv_bfloat16*)smem)[i] =" in b
 
@@ -75,8 +75,9 @@ def test_a_reduction_other_than_a_norm_keeps_the_shared_memory_form():
 
 def test_a_broadcast_scalar_input_is_read_from_memory_in_the_register_form():
     """A member that reads a one-element tensor (a learned scale in front of the final norm,
-    broadcast to every element) reads it from global memory inside the register form; the hidden
-    vector's tensors stay in registers."""
+    broadcast to every element) reads it from global memory inside the register form, at element
+    0 where the round's element is past the vector (a broadcast's offset could pass its
+    tensor's end there); the hidden vector's tensors stay in registers."""
     from torch import nn
 
     class Scaled(nn.Module):
@@ -93,7 +94,7 @@ def test_a_broadcast_scalar_input_is_read_from_memory_in_the_register_form():
     s = step_util.lowered(model.to(torch.bfloat16))
     assert _forms(s) == [("rms_lm_head", True)]
     (block,) = _register_blocks(render(s).source).values()
-    assert re.search(r"__restrict__ p\d+ = ", block) and "+ (0))" in block, block
+    assert re.search(r"__restrict__ p\d+ = ", block) and "+ (gx_in ? (0) : 0))" in block, block
 
 
 def test_register_form_compiles_without_spills_at_gemma2_width(tmp_path):
@@ -121,13 +122,33 @@ def test_register_form_compiles_without_spills_at_gemma2_width(tmp_path):
     assert on["stack_frame_bytes"] <= off["stack_frame_bytes"], (on, off)
 
 
+def test_fp32_member_outputs_are_not_contracted_into_the_next_member():
+    """fp32 OLMo-2 (``rmsnorm > add``, and ``> rmsnorm`` before the LM head): in each register
+    form's PTX, from the post-norm's rsqrt to the residual add, the weight's product and the add
+    stay two instructions (the member outputs pass through ``gx_opaque``); without it NVVM
+    contracted them into one ``fma.rn.f32``, an unrounded product that neither eager nor the
+    shared-memory form has."""
+    from fusec.cuda.jit import compile_ptx
+    s = step_util.lowered(hf_tiny.olmo2().to(torch.float32))
+    ptx = compile_ptx(render(s).source)
+    fns = re.findall(r"\.func\s+\S*gx_prologue_\w+\([\s\S]*?\n\}\n", ptx)
+    assert fns
+    for f in fns:
+        tail = f[f.index("rsqrt.approx"):]
+        assert "add.f32" in tail
+        tail = tail[:tail.index("add.f32")]
+        assert "mul.f32" in tail and "fma.rn.f32" not in tail, tail
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("factory", [hf_tiny.olmo2, hf_tiny.gemma2, hf_tiny.granite, hf_tiny.gemma3])
-def test_register_form_gives_the_shared_memory_forms_logits_on_the_gpu(factory):
-    """bf16 on the GPU, default options, six decode steps: the kernel with the register form
-    (default) and with ``FUSEC_PROLOGUE_REGS=0`` give the same logits bit for bit (the same ops,
-    roundings and summation order), both within bf16 tolerance of eager, no fallback. The tiny
+@pytest.mark.parametrize("factory, dtype", [(hf_tiny.olmo2, torch.bfloat16), (hf_tiny.gemma2, torch.bfloat16),
+                                            (hf_tiny.granite, torch.bfloat16), (hf_tiny.gemma3, torch.bfloat16),
+                                            (hf_tiny.olmo2, torch.float32), (hf_tiny.gemma2, torch.float32)])
+def test_register_form_gives_the_shared_memory_forms_logits_on_the_gpu(factory, dtype):
+    """bf16 and fp32 on the GPU, default options, six decode steps: the kernel with the register
+    form (default) and with ``FUSEC_PROLOGUE_REGS=0`` give the same logits bit for bit (the same
+    ops, roundings and summation order), both within tolerance of eager, no fallback. The tiny
     models' hidden vector (64) is one partial round: every element past it masked."""
-    model = factory().to(device="cuda", dtype=torch.bfloat16)
+    model = factory().to(device="cuda", dtype=dtype)
     step_util.assert_option_changes_no_value(model, {"defines": {"FUSEC_PROLOGUE_REGS": 0}}, seed=12,
                                              num_sms=None, device="cuda")

@@ -269,8 +269,9 @@ def dispatch_by_kind(cases: list[dict[str, Any]]) -> tuple[list[dict[str, Any]],
     spare-counter offsets (the layers of a kind).
 
     Each ``bufs[N]`` and ``(counters + N)`` of an op's call becomes ``bufs[A[j]]`` /
-    ``(counters + A[j])``, j counting from the left; ops with the same rewritten call share a
-    case, and ``A`` is the op's row of the argument table (its N, in order). Expects
+    ``(counters + A[j])``, j counting from the left (a buffer or counter that the call names
+    again, as a folded prologue's two forms do, takes its first j); ops with the same rewritten
+    call share a case, and ``A`` is the op's row of the argument table (its N, in order). Expects
     ``cases`` in op order (``cases[k]["op"] == k``). Returns (the shared cases, each with ``id``,
     ``call``, ``kind`` and its ``ops``; the table rows by op, padded to the widest; its width).
     """
@@ -278,10 +279,14 @@ def dispatch_by_kind(cases: list[dict[str, Any]]) -> tuple[list[dict[str, Any]],
     rows: list[list[int]] = []
     for c in cases:
         row: list[int] = []
+        seen: dict[tuple[str, int], int] = {}   # a buffer or counter named again takes its first slot
 
         def slot(m: re.Match, fmt: str) -> str:
-            row.append(int(m.group(1)))
-            return fmt.format(len(row) - 1)
+            key = (fmt, int(m.group(1)))
+            if key not in seen:
+                seen[key] = len(row)
+                row.append(key[1])
+            return fmt.format(seen[key])
 
         call = _BUF.sub(lambda m: slot(m, "bufs[A[{}]]"), c["call"])
         call = _CTR.sub(lambda m: slot(m, "(counters + A[{}])"), call)

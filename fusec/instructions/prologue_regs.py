@@ -31,10 +31,11 @@ class RegisterBufs:
         """The opening line of a loop over a thread's elements (close it with ``}``): unrolled,
         ``var`` the element, ``gx_k`` its register's index, ``gx_in`` whether ``var`` is one (the
         last round of a size that is not a multiple of the CTA's threads runs past it). Every
-        thread runs every round, with no branch: the external inputs load 0 past the end, the
-        reductions add nothing there (:meth:`fusec.cuda.gen.core.Ctx.owned`), and only the
-        stores to memory test ``gx_in``. A branch around each round (or around the loop) took
-        Gemma-2's kernel from 116 registers to 128 and spills, in its split-KV attention."""
+        thread runs every round, with no branch: past the end, loads read element 0 of their
+        tensor (:meth:`fusec.cuda.gen.core.Ctx.load`), the reductions take nothing
+        (:meth:`fusec.cuda.gen.core.Ctx.owned`), and only the stores to memory test ``gx_in``.
+        (Inline in the kernel, a branch around each round took Gemma-2's kernel from 116
+        registers to 128 and spills; the form is now a function of its own, :func:`_as_function`.)"""
         from fusec.instructions.base import CTA_THREADS
         n = self.reg_numel
         per, full = -(-n // CTA_THREADS), n // CTA_THREADS
@@ -57,9 +58,9 @@ class RegisterBufs:
         return self._bufs.ptr(t)
 
 
-#: the register form's arrays hold at most this many values per thread in all (the kind that
-#: follows keeps its own registers; 512 threads leave 128 per thread)
-MAX_REG_VALUES = 48
+#: the register form's arrays hold at most this many values per thread in all (512 threads leave
+#: 128 registers a thread; Gemma-2-9B's post-norm, add and pre-norm at hidden 3584: 7 arrays of 7)
+MAX_REG_VALUES = 64
 #: the members the register form runs: elementwise ops (each element from the same element of
 #: its operands) and the norms whose reductions mask the elements past the end (``Ctx.owned``);
 #: any other reduction's emitter would add them
@@ -75,10 +76,12 @@ def register_form(op: Op, g: Graph, bufs: Any) -> dict[str, Any] | None:
     front (all its loads in flight together, as ``rms_prologue`` does for Llama's RMSNorm), runs
     every member on them in registers, inline, with no barrier but a norm's block reduction,
     and stores its elements of x to shared memory (where the kind reads its staged vector) and,
-    on the writer tile, of the kept outputs to global memory; one barrier at the end. The shared
-    memory form (each member a function over shared memory, a barrier after each) took 0.7-1.9
-    µs more per prologue than Llama's norm on the H100 (OLMo-2, Granite, Gemma-2,
-    docs/performance.md). Numerics are the same: each member's output rounded to its dtype.
+    on the writer tile, of the kept outputs to global memory; the case calls it, then one
+    barrier. The shared-memory form (each member a function over shared memory, a barrier after
+    each) took 0.7-1.9 µs more per prologue than Llama's norm on the H100 (OLMo-2, Granite,
+    Gemma-2, docs/performance.md). Numerics are the same: each member's output rounded to its
+    dtype (an fp32 one through ``gx_opaque``: not contracted into the next member's arithmetic,
+    :meth:`fusec.cuda.gen.core.Ctx.store`), the sums in the same order.
 
     None (the shared-memory form then runs) where a member reads or writes a tensor of x's size
     other than at the element its thread owns (a broadcast, a gather), loops over another size,
@@ -125,13 +128,15 @@ def register_form(op: Op, g: Graph, bufs: Any) -> dict[str, Any] | None:
         if key[0] in member_roots:
             continue
         fn = "gx_ldg" if g.tensors[g.root(key[0])].role in (Role.WEIGHT, Role.CONSTANT, Role.INPUT) else "gx_ldcg"
-        loads.append(f"{name}[gx_k] = gx_in ? {fn}({bufs.ptr(first[key])} + i) : gx_cast<{ct}>(0.f);")
+        loads.append(f"{name}[gx_k] = {fn}({bufs.ptr(first[key])} + (gx_in ? i : 0));")
     xa = arrays[g.span(x)][0]
     stores = [f"if (gx_in) (({bufs.cname(g.tensors[x].dtype)}*)smem)[i] = {xa}[gx_k];"]
     if keep:
         stores.append("if (gx_in && in.p0 == 0) { " + " ".join(
             f"{bufs.ptr(t)}[i] = {arrays[g.span(t)][0]}[gx_k];" for t in keep) + " }")
-    body = "\n".join([decl, each + " ".join(loads) + " }", *blocks, each + " ".join(stores) + " }"])
+    # gx_in outside the loops: true (a load there is not of an element; the loops shadow it)
+    body = "\n".join(["[[maybe_unused]] constexpr bool gx_in = true;", decl, each + " ".join(loads) + " }",
+                      *blocks, each + " ".join(stores) + " }"])
     return _as_function(body)
 
 

@@ -262,6 +262,11 @@ class Ctx:
         r = self._reg_at(t, off)
         if r is not None:
             return r
+        if self.reg is not None:
+            # the register form runs every round on every thread: past the vector's end a
+            # broadcast operand's offset can pass its tensor's end, so it reads element 0 there
+            # (a value no store and no reduction takes: Ctx.owned, RegisterBufs.reg_loop)
+            off = f"gx_in ? ({off}) : 0"
         in_smem = getattr(self.bufs, "in_smem", None)
         if in_smem is not None and in_smem(t):
             return f"{self.ptr(t)}[{off}]"
@@ -277,6 +282,11 @@ class Ctx:
         ct = self.ctype(t)
         v = value if vtype == ct else f"gx_cast<{ct}>({value})"
         r = self._reg_at(t, off)
+        if r is not None and ct == "float":
+            # an op's fp32 output is rounded where it is stored: in registers too, so that the
+            # compiler does not fuse it into the next op's arithmetic (a product and the add of
+            # the op after it into one FMA: not eager's value)
+            v = f"gx_opaque({v})"
         return f"{r if r is not None else self.ptr(t) + '[' + off + ']'} = {v};"
 
     # --- code --------------------------------------------------------------------------------
