@@ -164,27 +164,25 @@ def prompts_against_eager(model, options: dict, prompt_lens, steps: int = 2, cac
     return errs, w
 
 
-def assert_option_changes_no_value(model, off: dict, seed: int, n: int = 6, num_sms: int | None = 16,
-                                   tol: float = 2e-2, device: str = "cpu") -> None:
-    """``n`` decode steps of ``model`` (on ``device``: the CPU's simulator or the GPU's kernel)
-    through ``torch.compile(backend="fusec")`` with default options (and ``num_sms`` unless None),
-    through it with the options ``off`` added, and eagerly, each on its own 32-row StaticCache
-    after the same random 5-token prompt. Asserts what a pass that must change no value
-    guarantees: no fallback, both compiles ran, the first two give the same logits bit for bit
-    at every step, and they are within ``tol`` (relative) of eager's."""
+def assert_option_changes_no_value(model, off: dict, seed: int, n: int = 6, num_sms: int = 16,
+                                   tol: float = 2e-2) -> None:
+    """``n`` decode steps of ``model`` (CPU, simulator) through ``torch.compile(backend="fusec")``
+    with default options, through it with the options ``off`` added, and eagerly, each on its
+    own 32-row StaticCache after the same random 5-token prompt. Asserts what a pass that must
+    change no value guarantees: no fallback, both compiles ran, the first two give the same
+    logits bit for bit at every step, and they are within ``tol`` (relative) of eager's."""
     from transformers import StaticCache
     from fusec.fallbacks import FallbackWatch
     gen = torch.Generator().manual_seed(seed)
     caches = [StaticCache(config=model.config, max_cache_len=32) for _ in range(3)]
-    p = torch.randint(0, 128, (1, 5), generator=gen).to(device)
+    p = torch.randint(0, 128, (1, 5), generator=gen)
     with torch.no_grad():
         for c in caches:
             model(input_ids=p, past_key_values=c, use_cache=True)
-    toks = [torch.randint(0, 128, (1, 1), generator=gen).to(device) for _ in range(n)]
+    toks = [torch.randint(0, 128, (1, 1), generator=gen) for _ in range(n)]
     outs = []
-    base = {} if num_sms is None else {"num_sms": num_sms}
     with FallbackWatch() as w, torch.no_grad():
-        for cache, opts in ((caches[0], base), (caches[1], {**base, **off})):
+        for cache, opts in ((caches[0], {"num_sms": num_sms}), (caches[1], {"num_sms": num_sms, **off})):
             torch._dynamo.reset()
             compiled = torch.compile(model, backend="fusec", options=opts)
             outs.append([compiled(input_ids=t, past_key_values=cache, use_cache=True).logits for t in toks])
