@@ -114,7 +114,7 @@ def generate(op: Op, g: Graph, bufs: Any, ranged: bool = False) -> dict[str, Any
 
 def generate_inline(op: Op, g: Graph, bufs: Any) -> str:
     """The CUDA form of ``op`` as a block of statements to place inside another function (a
-    folded prologue's register form, :mod:`fusec.instructions.prologue`): its buffers are local
+    folded prologue's register form, :mod:`fusec.instructions.prologue_regs`): its buffers are local
     ``__restrict__`` pointers declared at the block's start, its register tensors (``bufs.reg``)
     the arrays of the enclosing code.
 

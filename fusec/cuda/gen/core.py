@@ -33,7 +33,8 @@ class Unsupported(FallbackRequired):
 class RegisterMiss(Exception):
     """An op of a folded prologue cannot run in the register form (:meth:`Ctx.loop`): it reads or
     writes a register tensor other than at the element its thread owns, or loops over another
-    size. The prologue then runs in its shared-memory form (:mod:`fusec.instructions.prologue`)."""
+    size. The prologue then runs in its shared-memory form alone
+    (:mod:`fusec.instructions.prologue_regs`)."""
 
 
 def contiguous_strides(shape: Sequence[int]) -> list[int]:
@@ -139,7 +140,7 @@ class Ctx:
         self.smem_floats = 0
         self.args = self._bind() if "target" in op.attrs else {}
         #: the register form's tensors (``bufs.reg(t)``: the array that holds t's elements, or
-        #: None), where ``bufs`` offers it (:class:`fusec.instructions.prologue.RegisterBufs`)
+        #: None), where ``bufs`` offers it (:class:`fusec.instructions.prologue_regs.RegisterBufs`)
         self.reg = getattr(bufs, "reg", None)
         self._reg_vars: set[str] = set()
 
