@@ -100,10 +100,12 @@ def test_a_broadcast_scalar_input_is_read_from_memory_in_the_register_form():
 def test_register_form_compiles_without_spills_at_gemma2_width(tmp_path):
     """Two layers of Gemma-2-2B's widths (hidden 2304: five rounds of 512 threads, the last
     partial; head_dim 256, MLP 9216; a small vocabulary) bf16: every prologue in registers, and the
-    kernel compiles with NVRTC for sm_90a without spills or a stack frame beyond the
-    shared-memory form's. A branch around each round's body instead of the ``gx_in`` masks took
-    this kernel to 128 registers and 8 B of spills (in its split-KV attention: 8 -> 12 µs a
-    layer on an H100)."""
+    kernel and its functions (the register forms' among them) compile with NVRTC for sm_90a
+    without spills. Inline in the kernel's dispatch loop with a branch around each round's
+    body, the register form took this kernel to 128 registers and 8 B of spills (in its split-KV
+    attention: 8 -> 12 µs a layer on an H100); inline without the branch, fp32 Gemma-3's kernel
+    still spilled (tests/test_qk_head_norms.py). As a function of its own it leaves the kernel's
+    registers alone."""
     from transformers import Gemma2Config, Gemma2ForCausalLM
     from fusec.cuda.jit import compile_cuda
     torch.manual_seed(0)
@@ -115,11 +117,9 @@ def test_register_form_compiles_without_spills_at_gemma2_width(tmp_path):
     forms = _forms(s)
     assert forms and all(ok for _, ok in forms), forms
     source = render(s).source
-    on = compile_cuda(source, "fusec_step.cu", cache_dir=str(tmp_path)).resources["fusec_step"]
-    off = compile_cuda(source.replace("#define FUSEC_PROLOGUE_REGS 1", "#define FUSEC_PROLOGUE_REGS 0"),
-                       "fusec_step.cu", cache_dir=str(tmp_path)).resources["fusec_step"]
-    assert on["spill_store_bytes"] == on["spill_load_bytes"] == 0, on
-    assert on["stack_frame_bytes"] <= off["stack_frame_bytes"], (on, off)
+    res = compile_cuda(source, "fusec_step.cu", cache_dir=str(tmp_path)).resources
+    assert all(r["spill_store_bytes"] == r["spill_load_bytes"] == 0 for r in res.values()), res
+    assert any(name.startswith("_Z") and "gx_prologue_" in name for name in res), list(res)
 
 
 def test_fp32_member_outputs_are_not_contracted_into_the_next_member():
