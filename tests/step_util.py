@@ -88,6 +88,21 @@ def random_cache_state(cache, position: int, gen: torch.Generator):
         layer.cumulative_length.fill_(position)
 
 
+def steps_at_position(model, compiled, toks, position: int, gen: torch.Generator, rows: int = 1024):
+    """A ``rows``-row StaticCache of ``model`` (on the model's device) with random contents and
+    its position counter at ``position`` (:func:`random_cache_state`), and a copy: each token of
+    ``toks`` through ``compiled`` on the cache and through eager ``model`` on the copy. Returns
+    [(compiled logits, eager logits)] in fp32, one pair per token."""
+    import copy
+    import hf_tiny
+    cache = hf_tiny.static_cache(model, rows)
+    model(input_ids=toks[0], past_key_values=cache, use_cache=True)   # allocate on the model's device
+    random_cache_state(cache, position, gen)
+    ref = copy.deepcopy(cache)
+    return [(compiled(input_ids=t, past_key_values=cache, use_cache=True).logits.float(),
+             model(input_ids=t, past_key_values=ref, use_cache=True).logits.float()) for t in toks]
+
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm()).item()

@@ -10,7 +10,6 @@ the attention functions issue no 2-byte V loads; GPU: the logits against eager.
 """
 from __future__ import annotations
 
-import copy
 import re
 
 import pytest
@@ -84,13 +83,7 @@ def test_head_dims_match_eager_on_the_gpu(head_dim, heads, kv_heads, dtype):
     compiled = torch.compile(model, backend="fusec", options={"fallback": "eager"})
     with torch.no_grad(), FallbackWatch() as watch:
         for pos in (5, 300, 1000):
-            cache = hf_tiny.static_cache(model, 1024)
-            model(input_ids=toks[0], past_key_values=cache, use_cache=True)   # allocate on the GPU
-            step_util.random_cache_state(cache, pos, gen)
-            ref = copy.deepcopy(cache)
-            for tok in toks:
-                a = compiled(input_ids=tok, past_key_values=cache, use_cache=True).logits.float()
-                b = model(input_ids=tok, past_key_values=ref, use_cache=True).logits.float()
+            for a, b in step_util.steps_at_position(model, compiled, toks, pos, gen):
                 err = step_util.rel(a, b)
                 assert torch.isfinite(a).all() and err < tol, (pos, err)
     torch._dynamo.reset()

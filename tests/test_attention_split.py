@@ -319,7 +319,6 @@ def test_active_splits_on_the_gpu(merge):
     and 1022 (random caches; two steps each, so tickets wrap between them) every kernel's logits
     stay within bf16's gross-error bound of eager's and within 2e-2 of the all-splits kernel's;
     no fallback."""
-    import copy
     import step_util
     from fusec.fallbacks import FallbackWatch
     model = _qwen2_gqa7().to(device="cuda", dtype=torch.bfloat16)
@@ -334,13 +333,7 @@ def test_active_splits_on_the_gpu(merge):
             logits[r] = []
             state = torch.Generator().manual_seed(12)   # the same caches for every r
             for pos in (5, 31, 63, 600, 1022):
-                cache = hf_tiny.static_cache(model, 1024)
-                model(input_ids=toks[0], past_key_values=cache, use_cache=True)   # allocate on the GPU
-                step_util.random_cache_state(cache, pos, state)
-                ref = copy.deepcopy(cache)
-                for tok in toks:
-                    a = compiled(input_ids=tok, past_key_values=cache, use_cache=True).logits.float()
-                    b = model(input_ids=tok, past_key_values=ref, use_cache=True).logits.float()
+                for a, b in step_util.steps_at_position(model, compiled, toks, pos, state):
                     assert torch.isfinite(a).all() and step_util.rel(a, b) < 5e-2, (r, pos, step_util.rel(a, b))
                     logits[r].append(a)
     torch._dynamo.reset()

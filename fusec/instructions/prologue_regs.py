@@ -9,7 +9,6 @@ generated code (:mod:`fusec.cuda.gen`, whose loops and loads take the register f
 """
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from fusec.ir import Graph, Op
@@ -26,6 +25,9 @@ class RegisterBufs:
                  member_roots: set[str]):
         self._bufs, self._g, self._arrays, self._member_roots = bufs, g, arrays, member_roots
         self.reg_numel = numel
+        #: each buffer pointer the form uses (the kernel's expression, ``Buffers.ptr``) -> the
+        #: function's parameter that holds it and its C type (:func:`_as_function`)
+        self.params: dict[str, tuple[str, str]] = {}
 
     def reg_loop(self, var: str, ix: str = "int") -> str:
         """The opening line of a loop over a thread's elements (close it with ``}``): unrolled,
@@ -52,10 +54,20 @@ class RegisterBufs:
         return a[0] if a else None
 
     def ptr(self, t: str) -> str:
+        """A member's pointer to ``t`` (:meth:`param_ptr`); RegisterMiss for a member output,
+        which has no place outside the registers."""
         from fusec.cuda.gen.core import RegisterMiss
         if self._g.root(t) in self._member_roots:
             raise RegisterMiss(f"{t} is a member output of {self._g.tensors[t].numel} elements")
-        return self._bufs.ptr(t)
+        return self.param_ptr(t)
+
+    def param_ptr(self, t: str) -> str:
+        """``t``'s pointer inside the form's function: a parameter (the call passes the kernel's
+        pointer, so the layers share the function), cast as ``Buffers.ptr`` casts it."""
+        expr = self._bufs.ptr(t)   # "((const float*)bufs[3])", a view's "((float*)bufs[3] + 128)"
+        ct = expr[2:expr.index("*")]
+        name = self.params.setdefault(expr, (f"gp{len(self.params)}", ct))[0]
+        return f"(({ct}*){name})"
 
 
 #: the register form's arrays hold at most this many values per thread in all (512 threads leave
@@ -128,45 +140,31 @@ def register_form(op: Op, g: Graph, bufs: Any) -> dict[str, Any] | None:
         if key[0] in member_roots:
             continue
         fn = "gx_ldg" if g.tensors[g.root(key[0])].role in (Role.WEIGHT, Role.CONSTANT, Role.INPUT) else "gx_ldcg"
-        loads.append(f"{name}[gx_k] = {fn}({bufs.ptr(first[key])} + (gx_in ? i : 0));")
+        loads.append(f"{name}[gx_k] = {fn}({rb.ptr(first[key])} + (gx_in ? i : 0));")
     xa = arrays[g.span(x)][0]
     stores = [f"if (gx_in) (({bufs.cname(g.tensors[x].dtype)}*)smem)[i] = {xa}[gx_k];"]
     if keep:
-        stores.append("if (gx_in && in.p0 == 0) { " + " ".join(
-            f"{bufs.ptr(t)}[i] = {arrays[g.span(t)][0]}[gx_k];" for t in keep) + " }")
+        stores.append("if (gx_in && gx_p0 == 0) { " + " ".join(
+            f"{rb.param_ptr(t)}[i] = {arrays[g.span(t)][0]}[gx_k];" for t in keep) + " }")
     # gx_in outside the loops: true (a load there is not of an element; the loops shadow it)
     body = "\n".join(["[[maybe_unused]] constexpr bool gx_in = true;", decl, each + " ".join(loads) + " }",
                       *blocks, each + " ".join(stores) + " }"])
-    return _as_function(body)
+    return _as_function(body, rb.params)
 
 
-#: a buffer's pointer expression in generated code (:meth:`fusec.cuda.codegen.Buffers.ptr`)
-_PTR = re.compile(r"\(\(((?:const )?[\w: ]+)\*\)bufs\[\d+\](?: \+ \d+)?\)")
-
-
-def _as_function(body: str) -> dict[str, Any] | None:
+def _as_function(body: str, params: dict[str, tuple[str, str]]) -> dict[str, Any]:
     """The register form's statements as a ``__noinline__`` function of its own (registers
     allocated apart from the kernel's dispatch loop: inline, its few live values tipped kernels
     already at 128 registers into spills, fp32 Gemma-3 at its published widths) and the call
     that runs it (``{"name", "source", "call", "helpers"}``, as :func:`fusec.cuda.gen.generate`
-    gives): each buffer pointer of ``body`` becomes a parameter (the call passes the pointer, so
-    the layers share the function), then ``smem`` and the instruction word's ``p0``."""
+    gives): its parameters are the buffer pointers ``params`` (:attr:`RegisterBufs.params`: the
+    kernel's expression -> parameter, C type), then ``smem`` and the instruction word's ``p0``
+    (``gx_p0``)."""
     import hashlib
-    exprs: dict[str, tuple[str, str]] = {}   # pointer expression -> (parameter, C type)
-
-    def param(m: re.Match) -> str:
-        e = m.group(0)
-        if e not in exprs:
-            exprs[e] = (f"gp{len(exprs)}", m.group(1))
-        return exprs[e][0]
-
-    body = _PTR.sub(param, body).replace("in.p0", "gx_p0")
-    if "bufs[" in body:
-        return None   # a pointer of another form (the shared-memory form runs)
-    params = ", ".join([f"{ct}* __restrict__ {name}" for name, ct in exprs.values()]
-                       + ["float* __restrict__ smem", "int gx_p0"])
-    name = "gx_prologue_" + hashlib.sha1(f"{params}|{body}".encode()).hexdigest()[:10]
-    source = (f"// a folded prologue, register form\n__device__ __noinline__ void {name}({params}) {{\n{body}\n"
+    decl = ", ".join([f"{ct}* __restrict__ {name}" for name, ct in params.values()]
+                     + ["float* __restrict__ smem", "int gx_p0"])
+    name = "gx_prologue_" + hashlib.sha1(f"{decl}|{body}".encode()).hexdigest()[:10]
+    source = (f"// a folded prologue, register form\n__device__ __noinline__ void {name}({decl}) {{\n{body}\n"
               f"}}  // {name}\n")
-    call = f"{name}({', '.join([*exprs, 'smem', 'in.p0'])}); __syncthreads();"
+    call = f"{name}({', '.join([*params, 'smem', 'in.p0'])}); __syncthreads();"
     return {"name": name, "source": source, "call": call, "helpers": "generic_ops.cuh"}
