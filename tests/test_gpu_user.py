@@ -136,3 +136,44 @@ def test_call_patterns_run_the_megakernel():
         run(48, 3, lambda i: {})
     torch._dynamo.reset()
     assert not w.fallbacks, w.fallbacks
+
+
+def test_kept_outputs_of_a_plain_loop_are_never_overwritten():
+    """A plain loop that keeps every step's logits without a copy (fp32: ``.float()`` is no
+    copy; ``out.logits[:, -1]``, a view) gets each step's own values, as in eager: the logits
+    kept from steps 1..6 equal eager's for those steps after the loop (they were the kernel's
+    one buffer, each overwritten by the next step, before fusec.runtime.outputs). Then a loop that
+    drops its outputs (``del out``) moves no buffer."""
+    import copy
+    import gc
+
+    import step_util
+    from fusec.runtime.cuda_step import CudaStep
+    model, cache = step_util.tiny_on_gpu(lambda: hf_tiny.llama(layers=2), torch.float32)
+    ref = copy.deepcopy(cache)
+    gen = torch.Generator().manual_seed(9)
+    toks = [torch.randint(0, 128, (1, 1), generator=gen).cuda() for _ in range(6)]
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fusec")
+    kept, kept_last, eager = [], [], []
+    with torch.no_grad(), FallbackWatch() as w:
+        for t in toks:
+            out = compiled(input_ids=t, past_key_values=cache, use_cache=True)
+            kept.append(out.logits.float())
+            kept_last.append(out.logits[:, -1])
+            eager.append(model(input_ids=t, past_key_values=ref, use_cache=True).logits.clone())
+    assert w.compiled and not w.fallbacks, w.fallbacks
+    for i, (a, v, b) in enumerate(zip(kept, kept_last, eager)):
+        assert step_util.rel(a, b) < 1e-4 and step_util.rel(v, b[:, -1]) < 1e-4, (i, step_util.rel(a, b))
+    assert len({a.data_ptr() for a in kept}) == len(kept)   # six buffers: each one handed over
+    del kept, kept_last, out
+    steps = [o for o in gc.get_objects() if isinstance(o, CudaStep)]
+    moved = sum(s.outputs.moved for s in steps)
+    with torch.no_grad():
+        for t in toks[:3]:
+            out = compiled(input_ids=t, past_key_values=cache, use_cache=True)
+            nxt = out.logits[:, -1].argmax(-1)
+            del out
+    torch.cuda.synchronize()
+    assert nxt.shape == (1,) and sum(s.outputs.moved for s in steps) == moved
+    torch._dynamo.reset()

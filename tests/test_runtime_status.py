@@ -17,6 +17,7 @@ from fusec.runtime import driver as cu
 from fusec.errors import FusecError, IndexFaultError, WatchdogError
 from fusec.abi import ST_HEAD, Status
 from fusec.runtime.cuda_step import CudaStep
+from fusec.runtime.outputs import StepOutputs
 from fusec.runtime.status import status_error
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "tiny_llama.py"
@@ -209,7 +210,7 @@ def _step(n_sms=4, check_watchdog=True, graph_launch=False, staging_a=False):
     token ids."""
     step = CudaStep.__new__(CudaStep)
     info = SimpleNamespace(dtype=torch.float32, shape=(4,), role=SimpleNamespace(value="input"), sym={})
-    step.g = SimpleNamespace(tensors={"a": info, "b": info}, inputs=["a", "b"], ops=[], lengths={})
+    step.g = SimpleNamespace(tensors={"a": info, "b": info}, inputs=["a", "b"], outputs=[], ops=[], lengths={})
     step.plan = SimpleNamespace(num_sms=n_sms, threads=128, smem_bytes=0, profile=False, buffers=["w", "a", "b"])
     step.device = torch.device("cpu")
     step.check_watchdog, step.graph_launch = check_watchdog, graph_launch
@@ -234,7 +235,8 @@ def _step(n_sms=4, check_watchdog=True, graph_launch=False, staging_a=False):
     step._side = "side"
     step._owned = SimpleNamespace(graphs=[], dev=[0xD000], host=[], streams=["side"])
     step._graph, step._graph_tried = None, False
-    step._outs = []
+    step.owned = {}
+    step.outputs = StepOutputs(step.g, step.owned, step.g.inputs, None)
     step._staging = {"a": torch.empty(4)} if staging_a else {}
     step._told_staging = False
     step._init_lengths()
@@ -450,8 +452,8 @@ def _poly_step():
     role = SimpleNamespace(value="kv_cache")
     cache = SimpleNamespace(dtype=torch.float32, shape=(1, 2, CAP, 4), role=role, sym={2: "s0"})
     plain = SimpleNamespace(dtype=torch.float32, shape=(4,), role=SimpleNamespace(value="input"), sym={})
-    step.g = SimpleNamespace(tensors={"a": plain, "k": cache, "v": cache}, inputs=["a", "k", "v"], ops=[],
-                             lengths={"s0": CAP})
+    step.g = SimpleNamespace(tensors={"a": plain, "k": cache, "v": cache}, inputs=["a", "k", "v"], outputs=[],
+                             ops=[], lengths={"s0": CAP})
     step.plan = SimpleNamespace(num_sms=4, threads=128, smem_bytes=0, profile=False,
                                 buffers=["w", "a", "k", "v", "#len:s0"])
     step.device = torch.device("cpu")
@@ -477,7 +479,8 @@ def _poly_step():
     step._side = "side"
     step._owned = SimpleNamespace(graphs=[], dev=[0xD000], host=[], streams=["side"])
     step._graph, step._graph_tried = None, False
-    step._outs = []
+    step.owned = {}
+    step.outputs = StepOutputs(step.g, step.owned, step.g.inputs, None)
     step._staging = {}
     step._told_staging = False
     step._init_lengths()
@@ -566,3 +569,80 @@ def test_captured_launch_freezes_the_lengths_of_its_call(fake):
     assert fake.calls[-1] == ("launch", ("stream", 7), 0xD100)
     assert list((ctypes.c_uint64 * 5).from_address(step._stage))[4] == 7
     fake.capturing = 0
+
+
+# ---- the outputs: never overwritten while the caller holds them ----
+
+def _step_with_outputs():
+    """:func:`_step` whose buffer ``w`` (slot 0) is the step's own: outputs ``o`` (all of it,
+    [2, 2]) and ``v`` (a view of its last two elements), and output ``c`` aliases input ``b``."""
+    from fusec.ir import Graph, Role, TensorInfo
+    step, a, b = _step()
+    g = Graph()
+    for name, i in (("a", 0), ("b", 1)):
+        g.add_tensor(TensorInfo(name, (4,), torch.float32, Role.INPUT, input_index=i))
+        g.inputs.append(name)
+    g.add_tensor(TensorInfo("w", (4,), torch.float32, Role.OUTPUT))
+    g.add_tensor(TensorInfo("o", (2, 2), torch.float32, Role.OUTPUT, alias_of="w"))
+    g.add_tensor(TensorInfo("v", (2,), torch.float32, Role.OUTPUT, alias_of="w", offset=2))
+    g.add_tensor(TensorInfo("c", (2, 2), torch.float32, Role.OUTPUT, alias_of="b"))
+    g.outputs = ["o", "v", "c"]
+    step.g = g
+    step.owned = {"w": torch.arange(4.0)}
+    step.ptrs[0] = step.owned["w"].data_ptr()
+    step.outputs = StepOutputs(g, step.owned, g.inputs,
+                               lambda name, p, stream: step._write_ptr(step.slot[name], p, stream))
+    return step, a, b
+
+
+def test_outputs_are_views_of_the_steps_buffer_while_nothing_holds_them(fake):
+    """A loop that drops each step's outputs before the next (HF generate()'s ``del outputs``):
+    the same buffer every step, no pointer write, the input alias a view of this call's input."""
+    step, a, b = _step_with_outputs()
+    w = step.owned["w"].data_ptr()
+    fake.calls.clear()
+    for _ in range(3):
+        o, v, c = step(a, b)
+        assert o.data_ptr() == w and v.data_ptr() == w + 8 and c.data_ptr() == b.data_ptr()
+        assert c.shape == (2, 2) and o.shape == (2, 2) and v.shape == (2,)
+        del o, v, c
+    assert fake.calls == [("launch", ("stream", 7), BUFS_ADDR)] * 3 and step.outputs.moved == 0
+
+
+@pytest.mark.parametrize("held", ["whole", "view", "derived"])
+def test_held_output_is_handed_over_and_the_kernel_writes_a_new_buffer(fake, held):
+    """``out = step(...)`` in a loop holds the previous outputs during the call (or a view made
+    from one: ``logits[:, -1]``): the held buffer is the caller's from then on (its values stay),
+    and the kernel's pointer to it is rewritten before the launch (stream-ordered)."""
+    step, a, b = _step_with_outputs()
+    o, v, _ = step(a, b)
+    o.fill_(5.0)   # what the "kernel" wrote at that step
+    keep = {"whole": o, "view": v, "derived": o[:, -1]}[held]
+    expect = keep.clone()
+    del o, v
+    old = step.owned["w"].data_ptr()
+    fake.calls.clear()
+    o2, v2, _ = step(a, b)
+    new = step.owned["w"].data_ptr()
+    assert new != old and step.ptrs[0] == new and step.outputs.moved == 1
+    assert o2.data_ptr() == new and v2.data_ptr() == new + 8 and keep.untyped_storage().data_ptr() == old
+    halves = [("memset", BUFS_ADDR + 4 * h, (new >> 32 * h) & 0xFFFFFFFF, 1) for h in (0, 1)
+              if (new >> 32 * h) & 0xFFFFFFFF != (old >> 32 * h) & 0xFFFFFFFF]
+    assert halves and fake.calls == halves + [("launch", ("stream", 7), BUFS_ADDR)]
+    o2.fill_(7.0)  # the next step's values land in the new buffer, not in what the caller kept
+    assert torch.equal(keep, expect)
+    del keep, o2, v2
+    fake.calls.clear()
+    step(a, b)   # nothing held now: no move
+    assert step.outputs.moved == 1 and fake.calls == [("launch", ("stream", 7), BUFS_ADDR)]
+
+
+def test_a_captured_launch_moves_no_output(fake):
+    """Inside a CUDA-graph capture the outputs are the graph's (its replays write them): a held
+    output is not moved, the captured table holds the step's buffer."""
+    step, a, b = _step_with_outputs()
+    o, _, _ = step(a, b)
+    w = step.owned["w"].data_ptr()
+    fake.capturing = 1
+    o2, _, _ = step(a, b)
+    assert step.outputs.moved == 0 and o2.data_ptr() == w == o.data_ptr()

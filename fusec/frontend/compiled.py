@@ -47,8 +47,10 @@ class CompiledStep:
 
     Called with the flat inputs of the ATen graph (parameters lifted), it returns the list of
     graph outputs and updates KV caches and position counters in place. On ``target="cuda"``
-    the outputs are the kernel's own buffers, overwritten by the next step (as with CUDA
-    graphs): clone them to keep them.
+    the outputs are views of the kernel's own buffers; one still referenced at the next step is
+    left to its holder and the kernel writes a new buffer (:mod:`fusec.runtime.outputs`), so
+    outputs are never overwritten while held, as in eager (a captured CUDA graph's replays
+    write the buffers of its capture).
 
     If lowering fails with a :class:`FusecError` at the first call (an op without a CUDA form,
     say), the step runs ``aten_gm`` eagerly from then on, with one log line: the captured ATen

@@ -37,6 +37,10 @@ host<->device copy.
   same lengths: the table holds the capture's), and
   its replays never disturb the eager calls' table. It must not outlive this CudaStep (which
   owns that table). The status is not checked during a capture (its error path synchronizes).
+- Outputs: views of the step's own buffers; a buffer still referenced by the caller at the
+  next (uncaptured) call is left to the caller and the kernel gets a new one, its address
+  written like a moved input's (:mod:`fusec.runtime.outputs`): no output is overwritten while
+  held, as in eager.
 - ``graph_launch`` (option ``mode`` "reduce-overhead" / "max-autotune"): the step records a
   CUDA graph of its own single launch at its first call outside a capture and replays it with
   ``cuGraphLaunch``. Its kernel node's parameters point to device arrays allocated once here
@@ -61,6 +65,7 @@ from fusec.errors import CudaError, FusecError, KernelRecordError
 from fusec.ir import Graph, Role
 from fusec.cuda.jit import CompiledKernel
 from fusec.runtime import driver as cu
+from fusec.runtime.outputs import StepOutputs
 from fusec.runtime.status import status_error
 
 log = logging.getLogger("fusec.runtime.cuda_step")
@@ -205,16 +210,10 @@ class CudaStep:
         self._params = self._param_array(self._vals)
         self._graph: Any = None          # the instantiated graph of one launch (graph_launch)
         self._graph_tried = False
-        # per output: its own buffer viewed in the output's shape, or (input index, shape)
-        self._outs: list[torch.Tensor | tuple[int, tuple[int, ...]]] = []
-        for t in g.outputs:
-            info = g.tensors[t]   # (an input's alias of a run-time length: that dim from the input)
-            r, shape = g.root(t), tuple(-1 if d in info.sym else n for d, n in enumerate(info.shape))
-            if g.is_view(t) and r in self.owned:   # part of a buffer of the step's (TensorInfo.offset)
-                _, a, b = g.span(t)
-                self._outs.append(self.owned[r].view(-1)[a:b].view(shape))
-                continue
-            self._outs.append(self.owned[r].view(shape) if r in self.owned else (g.inputs.index(r), shape))
+        # the outputs: views of the step's buffers, a buffer still referenced at the next launch
+        # handed over to its holder (fusec.runtime.outputs)
+        self.outputs = StepOutputs(g, self.owned, g.inputs,
+                                   lambda name, p, stream: self._write_ptr(self.slot[name], p, stream))
 
     @staticmethod
     def _param_array(vals: list[Any]) -> Any:
@@ -462,13 +461,14 @@ class CudaStep:
             if self.check_watchdog and self._head[Status.ANY]:
                 self._raise_recorded()        # an earlier step recorded a fault: the error path
             self._update_inputs(args, stream)
+            self.outputs.before_launch(stream)
             if self.graph_launch and not self._graph_tried:
                 self._record_graph()
             if self._graph is not None:
                 cu.check(drv.cuGraphLaunch(self._graph, stream), "cuGraphLaunch")
             else:
                 self._launch(self._params, stream)
-        return [o if isinstance(o, torch.Tensor) else args[o[0]].view(o[1]) for o in self._outs]
+        return self.outputs.views(args)
 
     def profile_records(self) -> torch.Tensor:
         """The last step's per-instruction records, int64 [instructions, len(Prof) + PROF_MARKS]
