@@ -163,8 +163,8 @@ def test_kept_outputs_of_a_plain_loop_are_never_overwritten():
             kept_last.append(out.logits[:, -1])
             eager.append(model(input_ids=t, past_key_values=ref, use_cache=True).logits.clone())
     assert w.compiled and not w.fallbacks, w.fallbacks
-    for i, (a, v, b) in enumerate(zip(kept, kept_last, eager)):
-        assert step_util.rel(a, b) < 1e-4 and step_util.rel(v, b[:, -1]) < 1e-4, (i, step_util.rel(a, b))
+    errors = [(step_util.rel(a, b), step_util.rel(v, b[:, -1])) for a, v, b in zip(kept, kept_last, eager)]
+    assert all(e < 1e-4 and f < 1e-4 for e, f in errors), errors
     assert len({a.data_ptr() for a in kept}) == len(kept)   # six buffers: each one handed over
     del kept, kept_last, out
     steps = [o for o in gc.get_objects() if isinstance(o, CudaStep)]

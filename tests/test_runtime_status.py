@@ -231,12 +231,12 @@ def _step(n_sms=4, check_watchdog=True, graph_launch=False, staging_a=False):
     step._stage_mem = ctypes.create_string_buffer(3 * 8)
     step._stage = ctypes.addressof(step._stage_mem)
     step._tables = [0xD100, 0xD000]
-    step._frozen = {}
+    step._frozen, step._frozen_bufs = {}, []
     step._side = "side"
     step._owned = SimpleNamespace(graphs=[], dev=[0xD000], host=[], streams=["side"])
     step._graph, step._graph_tried = None, False
     step.owned = {}
-    step.outputs = StepOutputs(step.g, step.owned, step.g.inputs, None)
+    step.outputs = StepOutputs(step.g, step.owned, step.g.inputs)
     step._staging = {"a": torch.empty(4)} if staging_a else {}
     step._told_staging = False
     step._init_lengths()
@@ -475,12 +475,12 @@ def _poly_step():
     step._stage_mem = ctypes.create_string_buffer(5 * 8)
     step._stage = ctypes.addressof(step._stage_mem)
     step._tables = [0xD100, 0xD000]
-    step._frozen = {}
+    step._frozen, step._frozen_bufs = {}, []
     step._side = "side"
     step._owned = SimpleNamespace(graphs=[], dev=[0xD000], host=[], streams=["side"])
     step._graph, step._graph_tried = None, False
     step.owned = {}
-    step.outputs = StepOutputs(step.g, step.owned, step.g.inputs, None)
+    step.outputs = StepOutputs(step.g, step.owned, step.g.inputs)
     step._staging = {}
     step._told_staging = False
     step._init_lengths()
@@ -590,8 +590,7 @@ def _step_with_outputs():
     step.g = g
     step.owned = {"w": torch.arange(4.0)}
     step.ptrs[0] = step.owned["w"].data_ptr()
-    step.outputs = StepOutputs(g, step.owned, g.inputs,
-                               lambda name, p, stream: step._write_ptr(step.slot[name], p, stream))
+    step.outputs = StepOutputs(g, step.owned, g.inputs)
     return step, a, b
 
 
@@ -637,12 +636,71 @@ def test_held_output_is_handed_over_and_the_kernel_writes_a_new_buffer(fake, hel
     assert step.outputs.moved == 1 and fake.calls == [("launch", ("stream", 7), BUFS_ADDR)]
 
 
-def test_a_captured_launch_moves_no_output(fake):
+def test_a_captured_launch_moves_no_output_and_keeps_its_buffer(fake):
     """Inside a CUDA-graph capture the outputs are the graph's (its replays write them): a held
-    output is not moved, the captured table holds the step's buffer."""
+    output is not moved and the captured table holds the step's buffer. An eager call after it,
+    with the graph's outputs held, hands that buffer over, but the step keeps it alive for the
+    graph's replays (the table still points to it)."""
     step, a, b = _step_with_outputs()
     o, _, _ = step(a, b)
     w = step.owned["w"].data_ptr()
     fake.capturing = 1
     o2, _, _ = step(a, b)
     assert step.outputs.moved == 0 and o2.data_ptr() == w == o.data_ptr()
+    (key, _), = step._frozen.items()
+    assert key[0] == w
+    kept = step.owned["w"]
+    del o
+    fake.capturing = 0
+    o3, _, _ = step(a, b)   # o2 (the graph's output) is held: moved
+    assert step.outputs.moved == 1 and o3.data_ptr() != w and step.owned["w"] is not kept
+    import weakref
+    ref = weakref.ref(kept)
+    del kept, o2
+    assert ref() is not None and ref().data_ptr() == w   # kept for the graph
+
+
+def test_every_held_buffer_is_seen_after_another_moved(fake):
+    """Two output buffers, the first held at one call and the second at the next: each held one
+    moves, once (a buffer with two held views is not moved twice), and a view kept of the one
+    that did not move at the first call is seen at the second (its count taken afresh)."""
+    from fusec.ir import Graph, Role, TensorInfo
+    step, a, b = _step()
+    g = Graph()
+    for name, i in (("a", 0), ("b", 1)):
+        g.add_tensor(TensorInfo(name, (4,), torch.float32, Role.INPUT, input_index=i))
+        g.inputs.append(name)
+    for name in ("x", "y"):
+        g.add_tensor(TensorInfo(name, (4,), torch.float32, Role.OUTPUT))
+    g.add_tensor(TensorInfo("x2", (2, 2), torch.float32, Role.OUTPUT, alias_of="x"))
+    g.outputs = ["x", "x2", "y"]
+    step.g = g
+    step.owned = {"x": torch.zeros(4), "y": torch.zeros(4)}
+    step.plan.buffers = ["w", "a", "b", "x", "y"]
+    step.slot.update({"x": 3, "y": 4})
+    step._bufs_addr, step.ptrs = BUFS_ADDR, step.ptrs + [step.owned["x"].data_ptr(), step.owned["y"].data_ptr()]
+    step.outputs = StepOutputs(g, step.owned, g.inputs)
+    x, x2, y = step(a, b)
+    x.fill_(1.0); y.fill_(1.0)
+    del y
+    x, x2, y = step(a, b)            # x held (twice): moved once; y not held
+    assert step.outputs.moved == 1
+    y.fill_(2.0)
+    keep_y = y[1:]                   # a view of y's buffer, kept
+    del x, x2, y
+    step(a, b)
+    assert step.outputs.moved == 2 and torch.equal(keep_y, torch.full((3,), 2.0))
+
+
+def test_a_view_of_a_moved_buffer_is_seen_at_the_next_call(fake):
+    """The buffer the kernel got at a move is counted afresh: a view kept of it at the next call
+    moves it again (nothing of the move itself left in its count)."""
+    step, a, b = _step_with_outputs()
+    o, v, _ = step(a, b)
+    o, v, _ = step(a, b)          # the first call's o and v held: moved
+    assert step.outputs.moved == 1
+    o.fill_(3.0)
+    keep = o[0]
+    del o, v
+    step(a, b)
+    assert step.outputs.moved == 2 and torch.equal(keep, torch.full((2,), 3.0))

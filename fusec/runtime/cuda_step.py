@@ -189,6 +189,7 @@ class CudaStep:
         self._table_bytes = 8 * len(self.ptrs)
         self._tables: list[int] = []
         self._frozen: dict[tuple[int, ...], int] = {}
+        self._frozen_bufs: list[dict[str, torch.Tensor]] = []
         self._grow_tables(4)
         self._stage = self._host_alloc(self._table_bytes, drv.CU_MEMHOSTALLOC_PORTABLE)
         self._side = cu.check(drv.cuStreamCreate(drv.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
@@ -212,8 +213,7 @@ class CudaStep:
         self._graph_tried = False
         # the outputs: views of the step's buffers, a buffer still referenced at the next launch
         # handed over to its holder (fusec.runtime.outputs)
-        self.outputs = StepOutputs(g, self.owned, g.inputs,
-                                   lambda name, p, stream: self._write_ptr(self.slot[name], p, stream))
+        self.outputs = StepOutputs(g, self.owned, g.inputs)
 
     @staticmethod
     def _param_array(vals: list[Any]) -> Any:
@@ -425,6 +425,9 @@ class CudaStep:
                     "cuMemcpyHtoDAsync(pointer table)")
                 cu.check(drv.cuStreamSynchronize(self._side), "cuStreamSynchronize(side stream)")
             self._frozen[key] = dev
+            # the buffers this table points to live as long as the step (a graph replays into
+            # them), even one the eager calls later hand over to a caller (fusec.runtime.outputs)
+            self._frozen_bufs.append(dict(self.owned))
         vals = list(self._vals)
         vals[_BUFS_PARAM] = ctypes.c_void_p(dev)
         self._launch(self._param_array(vals), stream)
@@ -461,7 +464,8 @@ class CudaStep:
             if self.check_watchdog and self._head[Status.ANY]:
                 self._raise_recorded()        # an earlier step recorded a fault: the error path
             self._update_inputs(args, stream)
-            self.outputs.before_launch(stream)
+            for name, p in self.outputs.before_launch():
+                self._write_ptr(self.slot[name], p, stream)
             if self.graph_launch and not self._graph_tried:
                 self._record_graph()
             if self._graph is not None:

@@ -52,32 +52,35 @@ class StepOutputs:
         owned: the step's own device buffers by name (updated in place when one moves).
         inputs: the graph's input names (an output that aliases an input is a view of the
             caller's tensor at each call: a KV cache written in place).
-        write_ptr: ``(buffer name, address, stream)``: the kernel's pointer table entry of a
-            buffer set to a new address, ordered on ``stream`` before the launch.
     """
 
-    def __init__(self, g: Graph, owned: dict[str, torch.Tensor], inputs: Sequence[str],
-                 write_ptr: Callable[[str, int, Any], None]):
-        self.g, self.owned, self._write_ptr = g, owned, write_ptr
+    def __init__(self, g: Graph, owned: dict[str, torch.Tensor], inputs: Sequence[str]):
+        self.g, self.owned = g, owned
         self._inputs = list(inputs)
         self.roots = sorted({g.root(t) for t in g.outputs
                              if g.root(t) in owned and g.tensors[g.root(t)].role != Role.CONSTANT})
         #: buffers handed over to a caller that still held them (a count, for tests and logs)
         self.moved = 0
+        self._outs: list[torch.Tensor | tuple[int, tuple[int, ...]]] = []
+        self._views: list[tuple[str, torch.Tensor]] = []
         self._build()
 
     def _build(self) -> None:
-        """The output views over the current buffers and each moving buffer's own count."""
+        """The output views over the current buffers and each moving buffer's own count (the
+        views of the last build dropped first: the counts are of this build's only)."""
         g = self.g
-        self._outs: list[torch.Tensor | tuple[int, tuple[int, ...]]] = []
+        self._outs, self._views, self._base, self._view_base = [], [], [], []
+        outs: list[torch.Tensor | tuple[int, tuple[int, ...]]] = []
         for t in g.outputs:
             info = g.tensors[t]   # (an input's alias of a run-time length: that dim from the input)
             r, shape = g.root(t), tuple(-1 if d in info.sym else n for d, n in enumerate(info.shape))
             if g.is_view(t) and r in self.owned:   # part of a buffer of the step's (TensorInfo.offset)
                 _, a, b = g.span(t)
-                self._outs.append(self.owned[r].view(-1)[a:b].view(shape))
+                outs.append(self.owned[r].view(-1)[a:b].view(shape))
                 continue
-            self._outs.append(self.owned[r].view(shape) if r in self.owned else (self._inputs.index(r), shape))
+            outs.append(self.owned[r].view(shape) if r in self.owned else (self._inputs.index(r), shape))
+        self._outs = outs
+        del outs
         moving = set(self.roots)
         # a caller holds a buffer through a view of its own (another TensorImpl: the storage's
         # count) or through the very view objects returned (the same object each call: their
@@ -87,22 +90,35 @@ class StepOutputs:
                        if isinstance(o, torch.Tensor) and self.g.root(t) in moving]
         self._view_base = [sys.getrefcount(o) for _, o in self._views]
 
-    def before_launch(self, stream: Any) -> None:
+    def before_launch(self) -> list[tuple[str, int]]:
         """Give the kernel a new buffer for each output buffer referenced beyond this object's
-        own views (called before a launch that is not being captured)."""
-        held = [r for r, n in self._base if _uses(self.owned[r]) > n]
-        held += [r for (r, o), n in zip(self._views, self._view_base) if sys.getrefcount(o) > n and r not in held]
+        own views (called before a launch that is not being captured). Returns the moved
+        buffers' ``(name, new address)``, for the caller to write into the kernel's pointer
+        table before the launch (stream-ordered)."""
+        held = self._held()
         if not held:
-            return
-        for r in held:
-            old = self.owned[r]
-            self.owned[r] = new = torch.empty_like(old)
-            self._write_ptr(r, new.data_ptr(), stream)
-        self.moved += len(held)
-        if self.moved == len(held):
-            log.debug("outputs %s still referenced at the next launch: handed over, new buffers for the kernel",
-                      ", ".join(held))
-        self._build()
+            return []
+        moved = []
+        try:
+            for r in held:
+                self.owned[r] = torch.empty_like(self.owned[r])   # (no local name: _build counts)
+                moved.append((r, self.owned[r].data_ptr()))
+        finally:   # (an allocation that failed: the buffers moved so far are the ones returned)
+            self.moved += len(moved)
+            if moved and self.moved == len(moved):
+                log.debug("outputs %s still referenced at the next launch: handed over, new buffers for the "
+                          "kernel", ", ".join(r for r, _ in moved))
+            self._build()
+        return moved
+
+    def _held(self) -> list[str]:
+        """The moving buffers referenced beyond this object's own views, each once. (A function
+        of its own: no loop variable of it may hold a view while :meth:`_build` counts.)"""
+        held = {r: None for r, n in self._base if _uses(self.owned[r]) > n}
+        for (r, o), n in zip(self._views, self._view_base):
+            if sys.getrefcount(o) > n:
+                held[r] = None
+        return list(held)
 
     def views(self, args: Sequence[Any]) -> list[torch.Tensor]:
         """This call's outputs (views of the step's buffers; an input's alias from ``args``)."""

@@ -156,6 +156,8 @@ def time_decode(model: torch.nn.Module, args: tuple, kwargs: dict, *, steps: int
             if i == 0:   # (a copy: the comparison with eager is of the first timed step)
                 t = first_tensor(out)
                 first = t.detach().clone() if t is not None else None
+                del t
+            del out   # (held during the next call, a fusec output would be handed over: not timed)
         return times, first
 
     torch._dynamo.reset()
