@@ -76,6 +76,44 @@ def test_mid_size_matvec_paths_match_eager(hidden, inter):
     assert w.compiled >= 1 and w2.compiled >= 1
 
 
+@pytest.mark.parametrize("family", ["llama", "olmo2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_split_last_round_rows_match_eager_and_the_unsplit_kernel(family, dtype):
+    """The rows of a matvec tile past its last full round of warps split along K over the idle
+    warps (common.cuh split_rows, FUSEC_SPLIT_LAST_ROUND): a down projection with 4104-wide rows
+    (whole warp steps and a chunk past them, in fp32 and bf16) over 64 or 896 output rows, so
+    that the tiles on 132 SMs hold 1 row (OLMo-2's post-norm MLP: plain ``matvec``, each row over
+    16 warps) or 6-7 rows (Llama: ``matvec_residual``, 2 warps a row; the kinds and tiles are
+    checked on the CPU: tests/test_matvec_widths.py). Six steps each: fp32
+    within 1e-4 of eager, bf16 within bf16's gross-error bound of eager and within 1e-2 of the
+    kernel without the split (FUSEC_SPLIT_LAST_ROUND 0: one warp per row); no fallback."""
+    from transformers import Olmo2Config, Olmo2ForCausalLM
+
+    def factory():
+        if family == "llama":
+            return hf_tiny.llama(layers=2, hidden=896, inter=4104, heads=8, kv_heads=2, head_dim=64, vocab=256)
+        return hf_tiny._small(Olmo2Config, Olmo2ForCausalLM, intermediate_size=4104)
+    gen = torch.Generator().manual_seed(21)
+    toks = [torch.randint(0, 128, (1, 1), generator=gen).cuda() for _ in range(6)]
+    model, cache = step_util.tiny_on_gpu(factory, dtype)
+    logits = {}
+    with torch.no_grad(), FallbackWatch() as w:
+        for split in (1, 0):
+            c, ref = copy.deepcopy(cache), copy.deepcopy(cache)
+            torch._dynamo.reset()
+            compiled = torch.compile(model, backend="fusec", options={"defines": {"FUSEC_SPLIT_LAST_ROUND": split}})
+            logits[split] = []
+            for tok in toks:
+                a = compiled(input_ids=tok, past_key_values=c, use_cache=True).logits.float()
+                b = model(input_ids=tok, past_key_values=ref, use_cache=True).logits.float()
+                assert torch.isfinite(a).all() and step_util.rel(a, b) < (1e-4 if dtype == torch.float32 else 5e-2)
+                logits[split].append(a)
+    torch._dynamo.reset()
+    assert w.compiled >= 2 and not w.fallbacks, w.fallbacks
+    for a, b in zip(logits[1], logits[0]):
+        assert step_util.rel(a, b) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
 @pytest.mark.parametrize("defines", [{"FUSEC_LOADS_IN_FLIGHT": 4},
                                      {"FUSEC_ATTN_PREFETCH": 0}, {"FUSEC_ATTN_PREFETCH": 2},
                                      {"FUSEC_STAGE_QUEUE": 0}, {"FUSEC_DISPATCH_BY_KIND": 0},
@@ -387,6 +425,7 @@ def test_llama_1b_1000_steps_track_eager(llama_1b):
             step_util.poison(step)
             logits = step(*flat)[0]
             assert torch.isfinite(logits).all(), i
+            del logits   # (held at the next call, its poisoned buffer would go to this test, not the kernel)
             model(input_ids=toks[i], past_key_values=eager, use_cache=True)
             ref32(input_ids=toks[i], past_key_values=ref, use_cache=True)
     end = start + steps

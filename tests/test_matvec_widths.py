@@ -28,3 +28,39 @@ def test_rows_past_a_warp_step_compile_without_spills(hidden, heads, kv_heads, h
     sched = _lowered(model, dtype, 132, 512)
     assert any(o.kind == "rms_qkv_rope" for o in sched.graph.ops)   # the two-row dot over `hidden`
     compile_cuda(render(sched).source, "fusec_step.cu", cache_dir=str(tmp_path)).assert_no_spills()
+
+
+def split_factory(family):
+    """The models of tests/test_gpu.py's split-rows test: a 4104-wide down projection (whole warp
+    steps and a chunk past them) over 896 output rows (Llama: ``matvec_residual``) or 64
+    (OLMo-2's post-norm MLP: ``matvec``)."""
+    from transformers import Olmo2Config, Olmo2ForCausalLM
+    if family == "llama":
+        return hf_tiny.llama(layers=2, hidden=896, inter=4104, heads=8, kv_heads=2, head_dim=64, vocab=256)
+    return hf_tiny._small(Olmo2Config, Olmo2ForCausalLM, intermediate_size=4104)
+
+
+@pytest.mark.parametrize("family,kind", [("llama", "matvec_residual"), ("olmo2", "matvec")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_split_last_round_tiles_and_kernels(family, kind, dtype, tmp_path):
+    """The GPU test of the split rows (tests/test_gpu.py) runs what it says: on 132 SMs the down
+    projection is ``kind`` with K = 4104, its tiles hold at most 8 rows (no full round of the 16
+    warps, and at most half of them: every row split along K, common.cuh split_rows), and the kernel compiles
+    with NVRTC without spills with the split (default) and without it (FUSEC_SPLIT_LAST_ROUND 0)."""
+    pytest.importorskip("cuda.bindings.nvrtc")
+    import re
+    from fusec.cuda.codegen import render
+    from fusec.cuda.jit import compile_cuda
+    from test_attention_split import _lowered
+    sched = _lowered(lambda: split_factory(family), dtype, 132, 64)
+    g = sched.graph
+    downs = [o for o in g.ops if o.kind == kind and g.tensors[o.inputs["w"]].shape[-1] == 4104]
+    assert len(downs) == 2, [o.kind for o in g.ops]
+    rows = [i.tile.params["rows"][1] - i.tile.params["rows"][0] for i in sched.instrs if i.op in {o.name for o in downs}]
+    assert rows and max(rows) <= 8, rows   # at most half of the 16 warps: every row split
+    src = render(sched).source
+    assert re.search(r"#define FUSEC_SPLIT_LAST_ROUND 1\b", src)
+    for v in (1, 0):
+        k = compile_cuda(src.replace("#define FUSEC_SPLIT_LAST_ROUND 1", f"#define FUSEC_SPLIT_LAST_ROUND {v}"),
+                         "fusec_step.cu", cache_dir=str(tmp_path))
+        k.assert_no_spills()

@@ -126,6 +126,12 @@ TABLE: tuple[Knob, ...] = (
          "a thread in one round and reduce q's and k's sums of squares together, where a thread "
          "has at most 8 rotation pairs (OLMo-2-1B: 4, 7B: 8); 0: all of q (load, sum, load, rotate, "
          "store), then all of k, four dependent rounds (OLMo-2-1B 1.196 -> 1.160 ms, H100)"),
+    Knob("FUSEC_SPLIT_LAST_ROUND", 1,
+         "1: the rows of a matvec / matvec_residual tile past its last full round of warps (one "
+         "row per warp), when they are at most half the warps and a row takes more than one batch "
+         "of loads, are each split along K over the idle warps and their sums added in shared "
+         "memory (common.cuh split_rows): Gemma-2-2B's 17-18-row tiles of 9216-wide rows ran their "
+         "last 1-2 rows on one warp each; 0: one warp per row throughout"),
     Knob("FUSEC_ATTN_SPLIT_ROWS", 32,
          "R > 0: a split-KV op uses only the first min(NC, max(1, ceil(rows / R))) of its NC splits "
          "per KV head at run time (rows: the valid rows pos + 1, or the cache's L with a mask), "
