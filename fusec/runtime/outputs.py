@@ -10,9 +10,10 @@ buffers, raise when an overwritten output is read.
 :class:`StepOutputs` gives eager's semantics at no cost where nothing is held: before each
 launch outside a CUDA-graph capture it compares each output buffer's storage use count
 (``torch._C._storage_Use_Count``: one per tensor or view of it, wherever it lives) and the
-Python reference counts of the view objects it returns with the counts of its own references; a buffer someone else still references is handed over to them for
-good, and the kernel gets a new one (``torch.empty``; its address written into ``bufs`` by the
-caller's stream-ordered pointer write). HF ``generate()`` drops each step's outputs (``del
+Python reference counts of the view objects it returns with the counts of its own references;
+a buffer someone else still references is handed over to them for good, and the kernel gets a
+new one (``torch.empty_like``; its address written into ``bufs`` by the caller's stream-ordered
+pointer write). HF ``generate()`` drops each step's outputs (``del
 outputs``) before the next, so its steps move nothing; a plain ``out = model(...)`` loop holds
 the previous ``out`` during the call, so each of its steps moves the logits' buffer (one
 allocation from torch's caching allocator and one or two 4-byte memsets).
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
