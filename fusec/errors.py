@@ -122,9 +122,11 @@ class CudaError(FusecError):
     """A CUDA driver call failed; the message names the call and the error."""
 
 
-class IndexFaultError(KernelRecordError):
+class IndexFaultError(KernelRecordError, IndexError):
     """A run-time index read by the megakernel (token id, position) was out of range; the
-    kernel skipped the access instead of faulting, so the step's outputs are invalid.
+    kernel skipped the access instead of faulting, so the step's outputs are invalid. Also an
+    :class:`IndexError`, the error eager PyTorch raises for the same index (``aten.embedding``,
+    ``index_copy_``), so that code catching that one catches this one.
 
     Attributes:
         code: which index, a :class:`fusec.abi.Fault` code (token id, table-lookup position or

@@ -82,9 +82,9 @@ def test_gather_index_range_matches_eager(case, value):
 
 @pytest.mark.parametrize("max_fusions", [None, 0], ids=["fused", "unfused"])
 def test_negative_token_id_under_torch_compile_raises_and_writes_no_cache_row(max_fusions):
-    """A tiny HF Llama on the simulator: a token id of -1 raises IndexFaultError, as eager
-    raises IndexError, and no KV-cache row is written (before: vocab-1's logits, its K/V row
-    in the cache)."""
+    """A tiny HF Llama on the simulator: a token id of -1 raises IndexFaultError, an IndexError
+    as eager raises (code that catches eager's error catches fusec's), and no KV-cache row is
+    written (before: vocab-1's logits, its K/V row in the cache)."""
     model = hf_tiny.llama(layers=1)
     cache = hf_tiny.static_cache(model, 16)
     opts = {"target": "sim", "num_sms": 4}
@@ -101,6 +101,7 @@ def test_negative_token_id_under_torch_compile_raises_and_writes_no_cache_row(ma
             compiled(input_ids=torch.tensor([[-1]]), past_key_values=cache, use_cache=True)
     torch._dynamo.reset()
     assert (e.value.code, e.value.value, e.value.bound) == (1, -1, model.config.vocab_size)
+    assert isinstance(e.value, IndexError)
     for (k, v), layer in zip(kv, cache.layers):
         assert torch.equal(k, layer.keys) and torch.equal(v, layer.values)
 
