@@ -80,8 +80,8 @@ def test_mid_size_matvec_paths_match_eager(hidden, inter):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_split_last_round_rows_match_eager_and_the_unsplit_kernel(family, dtype):
     """The rows of a matvec tile past its last full round of warps split along K over the idle
-    warps (common.cuh split_rows, FUSEC_SPLIT_LAST_ROUND): a down projection with 4104-wide rows
-    (whole warp steps and a chunk past them, in fp32 and bf16) over 64 or 896 output rows, so
+    warps (matvec_split.cuh matvec_split_rows, FUSEC_SPLIT_LAST_ROUND): a down projection with
+    4104-wide rows (whole warp steps and a chunk past them, in fp32 and bf16) over 64 or 896 output rows, so
     that the tiles on 132 SMs hold 1 row (OLMo-2's post-norm MLP: plain ``matvec``, each row over
     16 warps) or 6-7 rows (Llama: ``matvec_residual``, 2 warps a row; the kinds and tiles are
     checked on the CPU: tests/test_matvec_widths.py). Six steps each: fp32

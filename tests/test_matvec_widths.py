@@ -45,8 +45,9 @@ def split_factory(family):
 def test_split_last_round_tiles_and_kernels(family, kind, dtype, tmp_path):
     """The GPU test of the split rows (tests/test_gpu.py) runs what it says: on 132 SMs the down
     projection is ``kind`` with K = 4104, its tiles hold at most 8 rows (no full round of the 16
-    warps, and at most half of them: every row split along K, common.cuh split_rows), and the kernel compiles
-    with NVRTC without spills with the split (default) and without it (FUSEC_SPLIT_LAST_ROUND 0)."""
+    warps, and at most half of them: every row split along K, matvec_split.cuh
+    matvec_split_rows), and the kernel compiles with NVRTC without spills with the split
+    (default) and without it (FUSEC_SPLIT_LAST_ROUND 0)."""
     pytest.importorskip("cuda.bindings.nvrtc")
     import re
     from fusec.cuda.codegen import render

@@ -51,6 +51,10 @@ ROWS: tuple[tuple[str, str, str], ...] = (
      "`FUSEC_LOADS_IN_FLIGHT` loads in flight); `stage_vec`, `rms_prologue` (the input vector, or its "
      "norm, in shared memory); `gate_act`, `glu_row` (a GLU MLP's gate activation and one "
      "intermediate row); `attention_out_row`, `merge_split_kv` (the log-sum-exp merge of split-KV partials; its output row of a query row, transposed in a step of K > 1 query tokens)"),
+    ("`matvec_split.cuh`, inlined", r"^// Matvec rows split along K",
+     "`dot_steps`, `matvec_split_from`, `matvec_split_rows`: a matvec tile's rows past its last "
+     "full round of warps, each split along K over the idle warps and summed in shared memory "
+     "(`FUSEC_SPLIT_LAST_ROUND`)"),
     ("`struct Instr`, `wait_all`", r"^struct Instr \{",
      "the instruction word (a field per `fusec.abi.Word`); the wait loop (a poll: the abort flag, "
      "the timer, a `__nanosleep(FUSEC_POLL_SLEEP)`, the counter's acquire load), with the watchdog"),

@@ -130,8 +130,8 @@ TABLE: tuple[Knob, ...] = (
          "1: the rows of a matvec / matvec_residual tile past its last full round of warps (one "
          "row per warp), when they are at most half the warps and a row takes more than one batch "
          "of loads, are each split along K over the idle warps and their sums added in shared "
-         "memory (common.cuh split_rows): Gemma-2-2B's 17-18-row tiles of 9216-wide rows ran their "
-         "last 1-2 rows on one warp each; 0: one warp per row throughout (Gemma-2-2B 2.393 -> "
+         "memory (matvec_split.cuh matvec_split_rows): Gemma-2-2B's 17-18-row tiles of 9216-wide "
+         "rows ran their last 1-2 rows on one warp each; 0: one warp per row throughout (Gemma-2-2B 2.393 -> "
          "2.361 ms, H100, full depth; performance.md)"),
     Knob("FUSEC_ATTN_SPLIT_ROWS", 32,
          "R > 0: a split-KV op uses only the first min(NC, max(1, ceil(rows / R))) of its NC splits "
