@@ -15,9 +15,43 @@ log = logging.getLogger("fusec")
 MARK = "fusec_fallback"   # LogRecord attribute set (True) on every fallback line
 
 
-def warn(msg: str, *args: Any) -> None:
-    """Log one fallback line (``logging`` %-style ``msg`` and ``args``) on the ``fusec`` logger."""
+def warn(msg: str, *args: Any) -> str:
+    """Log one fallback line (``logging`` %-style ``msg`` and ``args``) on the ``fusec`` logger;
+    returns the line (the ``reason`` of the graph's :class:`FallbackRun`)."""
     log.warning(msg, *args, extra={MARK: True})
+    return msg % args if args else msg
+
+
+#: the :class:`FallbackWatch` objects open now (nested ones too: fusec.generate opens its own)
+_OPEN: list["FallbackWatch"] = []
+
+
+def ran_fallback(reason: str) -> None:
+    """One call ran a graph that went to another backend when it was compiled (``reason``: its
+    fallback line, logged once, then): every open :class:`FallbackWatch` counts it."""
+    for w in _OPEN:
+        w._runs.append(reason)
+
+
+class FallbackRun:
+    """The callable of a graph that fell back (inductor's or the eager graph's): each call tells
+    the open watches (:func:`ran_fallback`), so that a later call of the same graph, which logs
+    nothing (dynamo reuses its compiled code), still shows in ``FallbackWatch.fallbacks``.
+
+    Args:
+        fn: the fallback's callable (dynamo's calling convention: ``_boxed_call`` is kept).
+        reason: the fallback line logged when the graph was compiled.
+    """
+
+    def __init__(self, fn: Any, reason: str):
+        self.fn, self.reason = fn, reason
+        if getattr(fn, "_boxed_call", False):
+            self._boxed_call = True
+
+    def __call__(self, *args: Any) -> Any:
+        if _OPEN:
+            ran_fallback(self.reason)
+        return self.fn(*args)
 
 
 #: decode steps fusec compiled in this process (:class:`fusec.frontend.compiled.CompiledStep` built an
@@ -45,7 +79,11 @@ class FallbackWatch(logging.Handler):
 
     Attributes:
         warnings: every WARNING-or-above message, in order.
-        fallbacks: the messages of fallback lines (:func:`warn`) among them.
+        fallbacks: the messages of fallback lines (:func:`warn`) among them, and for a graph that
+            fell back in an earlier call and ran again while the watch was open (dynamo reuses
+            it without a new line) its line once more, marked ``[ran again]``.
+        fallback_runs: calls of graphs that fell back (:class:`FallbackRun`) while open, the
+            first call's included (a CUDA graph's replays run no Python and are not counted).
         compiled: decode steps fusec compiled while the watch was open (0 after a call that
             should have compiled means fusec never ran: HF skipping compilation on a CPU, say).
     """
@@ -57,6 +95,8 @@ class FallbackWatch(logging.Handler):
         self._start = 0
         self._echo = False
         self.compiled = 0
+        self.fallback_runs = 0
+        self._runs: list[str] = []
 
     def emit(self, record: logging.LogRecord) -> None:
         msg = record.getMessage()
@@ -74,10 +114,18 @@ class FallbackWatch(logging.Handler):
             log.setLevel(logging.WARNING)
         self._echo = not log.hasHandlers()   # nothing configured: logging's last resort would print
         self._start = COMPILED[0]
+        self._runs = []
         log.addHandler(self)
+        _OPEN.append(self)
         return self
 
     def __exit__(self, *exc: Any) -> None:
         log.removeHandler(self)
         log.setLevel(self._level)
+        if self in _OPEN:
+            _OPEN.remove(self)
         self.compiled = COMPILED[0] - self._start
+        self.fallback_runs = len(self._runs)
+        for reason in dict.fromkeys(self._runs):   # in order, once each
+            if reason not in self.fallbacks:   # not logged while open: compiled before, ran again
+                self.fallbacks.append(f"{reason} [ran again: a graph that fell back when it was compiled]")

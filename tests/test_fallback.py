@@ -83,6 +83,34 @@ def test_prefill_falls_back_and_is_correct(caplog):
     assert len(msgs) == 1 and "(1, 4, 10, 16)" in msgs[0] and "10 query tokens, more than 1" in msgs[0]
 
 
+def test_a_graph_that_fell_back_is_reported_by_every_watch_it_runs_in():
+    """A graph that went to another backend logs its line once, when it is compiled; later calls
+    reuse dynamo's compiled code and log nothing. A watch opened around such a later call must
+    still list the fallback (a test or a benchmark would otherwise compare or time the other
+    backend as fusec's), and a nested watch (fusec.generate opens one) counts it too."""
+    torch._dynamo.reset()
+    model = hf_tiny.llama()
+    compiled = torch.compile(model, backend="fusec", options={"fallback": "eager"})
+    ids = torch.randint(0, 128, (1, 10))   # a prefill: more query tokens than option query_tokens (1)
+    with torch.no_grad():
+        with FallbackWatch() as first:
+            a = compiled(input_ids=ids, past_key_values=hf_tiny.static_cache(model, 16), use_cache=True).logits
+        with FallbackWatch() as outer, FallbackWatch() as inner:
+            b = compiled(input_ids=ids, past_key_values=hf_tiny.static_cache(model, 16), use_cache=True).logits
+            compiled(input_ids=ids, past_key_values=hf_tiny.static_cache(model, 16), use_cache=True)
+        with FallbackWatch() as none:   # eager itself: no graph of fusec's runs
+            model(input_ids=ids, past_key_values=hf_tiny.static_cache(model, 16), use_cache=True)
+    torch._dynamo.reset()
+    torch.testing.assert_close(a, b)
+    assert len(first.fallbacks) == 1 and "10 query tokens, more than 1" in first.fallbacks[0]
+    assert first.fallback_runs == 1
+    for w in (outer, inner):
+        assert w.fallback_runs == 2 and len(w.fallbacks) == 1, w.fallbacks
+        assert w.fallbacks[0].startswith(first.fallbacks[0]) and "[ran again" in w.fallbacks[0]
+        assert not w.warnings   # nothing was logged again
+    assert none.fallback_runs == 0 and not none.fallbacks
+
+
 def test_inductor_fallback_runs(monkeypatch):
     """``fallback="inductor"`` (the default outside this suite, tests/conftest.py) hands the graph
     fusec does not take to inductor's compile_fx, and its result equals eager's."""

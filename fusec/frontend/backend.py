@@ -24,7 +24,7 @@ from fusec.frontend.counters import mark_cache_counters_dynamic
 from fusec.frontend.compiled import CompiledStep
 from fusec.config import DEFAULT_MAX_CACHE_LEN, Options
 from fusec.errors import BatchSizeVaries, CapacityExceeded, FallbackRequired, FusecError, NotLengthPolymorphic
-from fusec.fallbacks import warn as warn_fallback
+from fusec.fallbacks import FallbackRun, warn as warn_fallback
 from fusec.pipeline import Dumper, build_ir
 
 log = logging.getLogger("fusec")
@@ -93,8 +93,8 @@ def _tensor_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], opts: Opt
                      "step per batch size", e.shape)
             return PerBatchStep(gm, opts, e.symbols)
         except FallbackRequired as e:   # one line for the graph, not one per shape
-            warn_fallback("fusec: %s; using %s", e, opts.fallback)
-            return fallback(gm, example_inputs, opts.fallback)
+            why = warn_fallback("fusec: %s; using %s", e, opts.fallback)
+            return fallback(gm, example_inputs, opts.fallback, why)
         mark_model_tensors(gm, example_inputs)   # before dynamo drops its sources
         symbolic.mark_symbolic(gm)
         return SymbolicStep(gm, example_inputs, opts)
@@ -199,8 +199,8 @@ class PerBatchStep:
                 check_decode_step(module, safe.query_tokens)
                 inner = SymbolicStep(module, kept, safe)
             except FallbackRequired as e:
-                warn_fallback("fusec: %s; using %s", e, safe.fallback)
-                inner = fallback(module, kept, safe.fallback)
+                why = warn_fallback("fusec: %s; using %s", e, safe.fallback)
+                inner = fallback(module, kept, safe.fallback, why)
         else:
             log.info("fusec: compiling the step for a batch of %s", "/".join(map(str, values.values())))
             inner = _compile(module, kept, safe, live=False)
@@ -313,8 +313,8 @@ def _compile(gm: torch.fx.GraphModule, args: list[Any], opts: Options, symbolic_
         with context:
             return aten_capture(gm, fakes, compiler)
     except FallbackRequired as e:
-        warn_fallback("fusec: %s; using %s", e, opts.fallback)
-        return fallback(gm, args, opts.fallback)
+        why = warn_fallback("fusec: %s; using %s", e, opts.fallback)
+        return fallback(gm, args, opts.fallback, why)
     except FusecError:
         raise
     except Exception as e:   # AOT autograd could not trace the graph: never a crash
@@ -322,9 +322,9 @@ def _compile(gm: torch.fx.GraphModule, args: list[Any], opts: Options, symbolic_
         if live and _in_dynamo() and isinstance(e, RestartAnalysis):
             raise   # dynamo traces again (a float it must specialize) and calls the backend again
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        warn_fallback("fusec: capturing the graph to ATen failed (%s: %s); using %s", type(e).__name__,
-                      first[:200], opts.fallback)
-        return fallback(gm, args, opts.fallback)
+        why = warn_fallback("fusec: capturing the graph to ATen failed (%s: %s); using %s", type(e).__name__,
+                            first[:200], opts.fallback)
+        return fallback(gm, args, opts.fallback, why)
 
 
 def _host_split(gm: torch.fx.GraphModule) -> HostSplit | None:
@@ -448,12 +448,14 @@ def _lru(entries: dict[tuple, Callable], key: tuple, limit: int,
     return fn, evicted
 
 
-def fallback(gm: torch.fx.GraphModule, example_inputs: list[Any], kind: str) -> Callable:
-    """Compile ``gm`` with inductor (when ``kind == 'inductor'`` and it works) or run it eagerly."""
+def fallback(gm: torch.fx.GraphModule, example_inputs: list[Any], kind: str, reason: str) -> Callable:
+    """Compile ``gm`` with inductor (when ``kind == 'inductor'`` and it works) or run it eagerly;
+    ``reason``: the fallback line logged for it. Each call of the result counts in the open
+    :class:`fusec.fallbacks.FallbackWatch` objects (:class:`fusec.fallbacks.FallbackRun`)."""
     if kind == "inductor":
         try:
             from torch._inductor.compile_fx import compile_fx
-            return compile_fx(gm, example_inputs)
+            return FallbackRun(compile_fx(gm, example_inputs), reason)
         except Exception as e:  # inductor needs a C++ compiler; eager always works
             warn_fallback("fusec: inductor fallback failed (%s); running eagerly", type(e).__name__)
-    return gm.forward
+    return FallbackRun(gm.forward, reason)

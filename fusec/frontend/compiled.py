@@ -15,7 +15,7 @@ import torch
 from fusec.cache.artifacts import compile_graph, tensor_digest
 from fusec.config import Options
 from fusec.errors import CapacityExceeded, FusecError, NotLengthPolymorphic
-from fusec.fallbacks import LAUNCHED, note_compiled, warn as warn_fallback
+from fusec.fallbacks import LAUNCHED, note_compiled, ran_fallback, warn as warn_fallback
 from fusec.ir import Graph
 from fusec.pipeline import Dumper
 from fusec.ir.schedule import Schedule
@@ -76,7 +76,7 @@ class CompiledStep:
         self.target = target
         self.schedule: Schedule | None = None
         self.engine: Callable[[list[Any]], list[torch.Tensor]] | None = None
-        self.fallen_back = False
+        self.fallen_back = ""   # the fallback line, once the step runs its graph eagerly
         self.calls = 0
         self.profile_written = False
         self._cuda_step = None
@@ -112,6 +112,7 @@ class CompiledStep:
     def __call__(self, *args: Any) -> list[torch.Tensor]:
         if self.fallen_back:
             LAUNCHED[0] = self
+            ran_fallback(self.fallen_back)
             return self.aten_gm(*args)
         full = args
         if self._skip:   # the integer sizes dynamo passes for a symbolic length: not step inputs
@@ -135,8 +136,7 @@ class CompiledStep:
             except NotLengthPolymorphic:
                 raise   # the caller compiles the graph per length instead
             except FusecError as e:
-                warn_fallback("fusec: running this graph eagerly: %s", e)
-                self.fallen_back = True
+                self.fallen_back = warn_fallback("fusec: running this graph eagerly: %s", e)   # its line
                 LAUNCHED[0] = self
                 return self.aten_gm(*full)
         LAUNCHED[0] = self.engine

@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import torch
 
-from fusec.fallbacks import warn as warn_fallback
+from fusec.fallbacks import ran_fallback, warn as warn_fallback
 
 _SCALARS = (torch.SymInt, torch.SymBool, torch.SymFloat, int, float, bool)
 
@@ -105,10 +105,12 @@ class HostSplit:
             if not all(0 <= int(v) < bound for v in derived):
                 step = self.tensor_gm.forward   # the kernel's position tables cover [0, bound) only
                 if not warned:
-                    warned.append(True)
-                    warn_fallback("fusec: a position computed on the host (%s) is outside the kernel's "
-                                  "position tables, [0, %d) (option position_rows, or the longest KV "
-                                  "cache); such steps run eagerly", [int(v) for v in derived], bound)
+                    warned.append(warn_fallback("fusec: a position computed on the host (%s) is outside the "
+                                                "kernel's position tables, [0, %d) (option position_rows, or the "
+                                                "longest KV cache); such steps run eagerly",
+                                                [int(v) for v in derived], bound))
+                else:
+                    ran_fallback(warned[0])
             positions = self._counters(args) if self.counted is not None else self._filled(derived)
             tensors = iter(step(*[args[i] for i in keep], *positions))
             if self.counted is not None and not _capturing():   # the step added one to each counter
