@@ -344,7 +344,8 @@ def test_by_default_a_short_prefill_falls_back_as_before(caplog):
             _same_step(compiled, model, caches, torch.randint(0, 128, (1, n), generator=gen))
     torch._dynamo.reset()
     assert w.compiled == 1 and len(w.fallbacks) == 1, (w.compiled, w.fallbacks)
-    assert "(4 query tokens, more than 1; option query_tokens=4 takes it" in w.fallbacks[0]
+    assert "(4 query tokens, more than 1; a prompt's prefill runs outside fusec" in w.fallbacks[0]
+    assert "speculative decoding takes option query_tokens=4" in w.fallbacks[0]
 
 
 def test_hf_assisted_decoding_refuses_a_static_cache():

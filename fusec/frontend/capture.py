@@ -127,7 +127,9 @@ def check_decode_step(gm: torch.fx.GraphModule, query_tokens: int = 1) -> None:
                     f"than {MAX_QUERY_ROWS}" if shape[2] <= query_tokens else
                     f"{shape[2]} query tokens, more than {query_tokens}" +
                     ("" if query_tokens >= MAX_QUERY_TOKENS or shape[2] > MAX_QUERY_TOKENS else
-                     f"; option query_tokens={shape[2]} takes it as speculative decoding's verification"))
+                     f"; a prompt's prefill runs outside fusec (prefill it eagerly, then pass one new token "
+                     f"per step); a verification step of speculative decoding takes option "
+                     f"query_tokens={shape[2]}"))
             msg = (f"not a decode step of at most {query_tokens} query token{'s' if query_tokens != 1 else ''} "
                    f"({what}): attention query has shape ({text}) "
                    f"(the batch and the query length must be fixed sizes, the query length at most "
