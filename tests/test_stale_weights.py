@@ -100,3 +100,45 @@ def test_weights_read_through_views_are_read_at_run_time(how, caplog, steps):
         assert "changed since the step was built" in caplog.text
     torch._dynamo.reset()
     assert not w.fallbacks, w.fallbacks
+
+
+def test_a_model_made_under_inference_mode_compiles_and_its_compiled_in_values_are_watched(caplog):
+    """A model built (or loaded) under ``torch.inference_mode()`` has inference tensors, which
+    have no version counter: fusec.generate and HF generate() through fusec run it (reading
+    ``_version`` raised "Inference tensors do not track version counter" in every path), inside
+    and outside inference mode, with eager's tokens; a compiled-in value (RoPE's ``inv_freq``)
+    changed in place under inference mode still rebuilds the step (on the CPU its digest is
+    compared at every call) and its logits follow eager's."""
+    import fusec
+    from transformers.generation import CompileConfig
+    with torch.inference_mode():
+        model = hf_tiny.llama()
+    model.generation_config.pad_token_id = 0
+    assert _inv_freq(model).is_inference()
+    ids = torch.randint(1, model.config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(4))
+    ref = model.generate(ids, max_new_tokens=6, do_sample=False, cache_implementation="static")
+    torch._dynamo.reset()
+    cc = CompileConfig(backend="fusec", options={"generate_loop": "hf"})
+    cc._compile_all_devices = True   # HF compiles on CUDA only unless told (this machine has no GPU)
+    with FallbackWatch() as w, caplog.at_level(logging.INFO, logger="fusec"):
+        assert torch.equal(fusec.generate(model, ids, max_new_tokens=6), ref)
+        with torch.inference_mode():
+            assert torch.equal(fusec.generate(model, ids, max_new_tokens=6), ref)
+        assert torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False, cache_implementation="static",
+                                          compile_config=cc), ref)
+        compiled = torch.compile(model, backend="fusec", options={"num_sms": 8})
+        caches = [hf_tiny.static_cache(model, 32) for _ in range(2)]
+        with torch.inference_mode():
+            for c in caches:
+                model(input_ids=ids, past_key_values=c, use_cache=True)
+            for change in (False, True):
+                if change:
+                    _inv_freq(model).mul_(1.25)   # no version counter to move
+                tok = torch.randint(1, model.config.vocab_size, (1, 1))
+                a = compiled(input_ids=tok, past_key_values=caches[0], use_cache=True).logits
+                b = model(input_ids=tok, past_key_values=caches[1], use_cache=True).logits
+                assert 0 < _rel(a, b) < 1e-4, _rel(a, b)
+                assert ("changed since the step was built" in caplog.text) == change
+    torch._dynamo.reset()
+    assert not w.fallbacks, w.fallbacks
+    assert "changed since the step was built" in caplog.text

@@ -26,6 +26,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("fusec")
 
 
+def _version(x: torch.Tensor) -> int | None:
+    """``x``'s version counter (moved by every in-place write through autograd's view of it), or
+    None for an inference tensor (made under ``torch.inference_mode()``), which has none."""
+    return None if x.is_inference() else x._version
+
+
 def _under_aot_check() -> bool:
     """Whether the innermost Python dispatch mode is AOT autograd's check of custom ops'
     aliasing (``torch._functorch`` ``_AnalyzeCustomOpInputOutputMode``), under which AOT runs a
@@ -167,7 +173,7 @@ class CompiledStep:
         pointers and (a 0-d CPU tensor) values now."""
         names = self.schedule.compiled_in if self.schedule is not None else {}
         index = {n: i for i, n in enumerate(self.graph.inputs)}
-        return [(index[n], x._version, x.data_ptr(), n, self._scalar(x)) for n in names
+        return [(index[n], _version(x), x.data_ptr(), n, self._scalar(x)) for n in names
                 if n in index and isinstance(x := args[index[n]], torch.Tensor)]
 
     @staticmethod
@@ -194,10 +200,10 @@ class CompiledStep:
             if value is not None:   # a Python float dynamo passes as a new 0-d tensor at every call
                 if x.device.type == "cpu" and x.dim() == 0 and x.item() == value:
                     continue   # (a NaN never equals: its digest decides below)
-            elif x._version == version and x.data_ptr() == ptr and x.device.type != "cpu":
+            elif _version(x) == version and x.data_ptr() == ptr and x.device.type != "cpu":
                 continue
             if tensor_digest(x) == self.schedule.compiled_in[name]:
-                self._watched[k] = (i, x._version, x.data_ptr(), name, self._scalar(x))
+                self._watched[k] = (i, _version(x), x.data_ptr(), name, self._scalar(x))
                 continue
             if self.target == "cuda" and torch.cuda.is_current_stream_capturing():
                 raise FusecError(f"weight {name} was changed after the step was built, and its value "
