@@ -124,6 +124,8 @@ def _compiled_step(model: torch.nn.Module, sample: bool, temperature: float, top
             BatchDecodeStep(model, sample, temperature, top_k, select_in_graph, *batch)
         steps[key] = PrecompiledStep(wrapper, model, options) if PRECOMPILE and precompile else \
             torch.compile(own_forward(wrapper), backend="fusec", options=options)   # graphs of its own
+    elif isinstance(steps[key], PrecompiledStep):
+        steps[key].check_code()   # the model's code replaced since: dynamo's guards would see it
     return steps[key]
 
 
@@ -354,6 +356,8 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: in
     key = (sample, float(temperature) if sample else None, top_k, top_p, select_in_graph,
            repr(sorted(opts.items())), rows) if mask is None else None
     kept, keep = session.take(steps, session.DECODE, key, model, max_len, device)
+    if kept is not None and isinstance(kept.dec.step, PrecompiledStep):
+        kept.dec.step.check_code()   # the model's code replaced since: its next step traces again
     try:
         return _generate(model, input_ids, mask, max_new_tokens, max_len, cuda, sample, select_in_graph,
                          temperature, top_k, top_p, eos, pad, streamer, opts, generator, steps,

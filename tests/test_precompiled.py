@@ -406,3 +406,43 @@ def test_a_second_model_with_another_head_dim_precompiles_its_own_step(cache_on)
             out = fusec.generate(model, prompt, 4, eos_token_id=[], options=OPTS)
         assert w.compiled and not w.fallbacks, (extra, w.fallbacks)
         assert torch.equal(out, _hf(model, prompt, 4)), extra
+
+
+def test_code_replaced_between_two_calls_of_one_process_traces_again(cache_on, caplog, monkeypatch):
+    """A module function rebound between two generate() calls in one process (dynamo's guards
+    on it cannot be saved, so a loaded step keeps none): fusec.generate and HF generate()
+    through fusec trace again (:meth:`PrecompiledStep.check_code`) and give eager's tokens
+    with the new function; both served the old graph's tokens before. Putting the original
+    back serves the first entry again."""
+    import transformers.models.llama.modeling_llama as ml
+    from transformers.generation import CompileConfig
+    caplog.set_level(logging.INFO, logger="fusec")
+    model = hf_tiny.llama(seed=5)
+    with torch.no_grad():   # attention's share of the logits large enough for RoPE to move the tokens
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.mul_(30)
+            layer.self_attn.q_proj.weight.mul_(10)
+    prompt = torch.randint(1, 128, (1, 7), generator=torch.Generator().manual_seed(0))
+    cc = CompileConfig(backend="fusec", options={**OPTS, "generate_loop": "hf"})
+    cc._compile_all_devices = True   # HF compiles on CUDA only unless told (this machine has no GPU)
+    original = ml.apply_rotary_pos_emb
+
+    def run(ref):
+        assert torch.equal(fusec.generate(model, prompt, 8, eos_token_id=[], options=OPTS), ref)
+        assert torch.equal(model.generate(prompt, max_new_tokens=8, do_sample=False, cache_implementation="static",
+                                          pad_token_id=0, eos_token_id=None, compile_config=cc), ref)
+    with FallbackWatch() as w:
+        ref = _hf(model, prompt, 8)
+        run(ref)
+        traced = len(_records(caplog, "stage precompiled   traced"))
+        monkeypatch.setattr(ml, "apply_rotary_pos_emb",   # zeroes a decode step's queries, not a prefill's
+                            lambda q, k, cos, sin, *a, **kw: original(q if q.shape[2] > 1 else q * 0, k, cos, sin,
+                                                                      *a, **kw))
+        new = _hf(model, prompt, 8)
+        assert not torch.equal(new, ref)   # the rebound function changes the tokens
+        run(new)
+        assert len(_records(caplog, "the model's code changed")) == 2
+        assert len(_records(caplog, "stage precompiled   traced")) == traced + 2
+        monkeypatch.setattr(ml, "apply_rotary_pos_emb", original)
+        run(ref)
+    assert not w.fallbacks, w.fallbacks

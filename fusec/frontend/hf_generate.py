@@ -202,4 +202,7 @@ def _get_compiled_call(original: Callable, self: Any, compile_config: Any) -> Ca
     if not isinstance(mine, HFDecodeCall) or self._last_compile_config != compile_config:
         self._last_compile_config = compile_config
         self._compiled_call = HFDecodeCall(self, compile_config)
+    else:   # once per generate(): the model's code replaced since, which dynamo's guards would see
+        for step in mine.steps.values():
+            step.check_code()
     return self._compiled_call
