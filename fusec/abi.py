@@ -124,6 +124,24 @@ class Fault(Slot):
     ATTN_POS = 5, "attention position"
 
 
+def fault_remedy(code: int, value: int, bound: int, what: str) -> str:
+    """What an index fault's message tells the user (``what``: the index as the message names
+    it). A position past fusec's position tables (RoPE cos/sin, computed when the step was
+    built for ``[0, bound)``: the KV cache's rows unless option ``position_rows`` is set) is
+    one eager computes, so the remedy is that option; any other index out of range is one eager
+    PyTorch raises IndexError for. The kernel's ``INDEX`` code is also a generated gather's."""
+    if code == Fault.ROPE_POS or (code == Fault.INDEX and what.startswith("position")):
+        if value < 0:
+            fix = "eager computes RoPE at a negative position; fusec's position tables start at 0"
+        else:
+            fix = (f"fusec's position tables were computed for positions [0, {bound}) when the step was built "
+                   "(the KV cache's rows) and eager computes any position: build the step with option "
+                   f"position_rows={value + 1} or more (torch.compile(..., options={{'position_rows': N}}))")
+        return fix + ("; a gathered index out of range instead is one eager raises IndexError for"
+                      if "gathered" in what else "")
+    return "eager PyTorch raises IndexError for it"
+
+
 class Prof(Slot):
     """The fixed uint64 fields of a profiling build's per-instruction record (%globaltimer ns,
     but the SM); its ``FUSEC_MARK(k)`` timestamps follow (``PROF_MARKS`` slots, 0: not taken)."""

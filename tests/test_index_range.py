@@ -16,6 +16,7 @@ import torch
 
 import hf_tiny
 from fusec.errors import IndexFaultError
+from fusec.fallbacks import FallbackWatch
 from fusec.ir import Graph, Op, Ref, Role, TensorInfo
 from fusec.passes import schedule, tile
 from fusec.sim import Simulator
@@ -104,6 +105,35 @@ def test_negative_token_id_under_torch_compile_raises_and_writes_no_cache_row(ma
     assert isinstance(e.value, IndexError)
     for (k, v), layer in zip(kv, cache.layers):
         assert torch.equal(k, layer.keys) and torch.equal(v, layer.values)
+
+
+def test_a_position_past_the_position_tables_names_option_position_rows():
+    """``position_ids`` past the cache's rows (the cache position inside them): eager computes
+    RoPE at any position and does not raise; fusec's RoPE tables cover the cache's rows, so
+    the step raises IndexFaultError naming option ``position_rows`` (it claimed "eager PyTorch
+    raises IndexError"), and with that option the step gives eager's logits."""
+    model = hf_tiny.llama(layers=1)
+    caches = [hf_tiny.static_cache(model, 16) for _ in range(3)]
+    tok, pos, cp = torch.tensor([[5]]), torch.tensor([[40]]), torch.tensor([3])
+    with torch.no_grad():
+        for c in caches:
+            model(input_ids=torch.tensor([[1, 2, 3]]), past_key_values=c, use_cache=True)
+        ref = model(input_ids=tok, past_key_values=caches[0], position_ids=pos, cache_position=cp).logits
+        for rows in (None, 41):
+            torch._dynamo.reset()
+            opts = {"target": "sim", "num_sms": 4, **({"position_rows": rows} if rows else {})}
+            compiled = torch.compile(model, backend="fusec", options=opts, fullgraph=True)
+            with FallbackWatch() as w:
+                if rows is None:
+                    with pytest.raises(IndexFaultError) as e:
+                        compiled(input_ids=tok, past_key_values=caches[1], position_ids=pos, cache_position=cp)
+                else:
+                    out = compiled(input_ids=tok, past_key_values=caches[2], position_ids=pos, cache_position=cp)
+            assert not w.fallbacks, w.fallbacks
+    torch._dynamo.reset()
+    assert (e.value.code, e.value.value, e.value.bound) == (3, 40, 16)
+    assert "position_rows=41" in str(e.value) and "raises IndexError" not in str(e.value), str(e.value)
+    assert ((out.logits - ref).norm() / ref.norm()).item() < 1e-4
 
 
 def test_out_of_range_token_id_in_a_batch_row_raises():

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from fusec.abi import Fault
+from fusec.abi import Fault, fault_remedy
 from fusec.errors import IndexFaultError
 from fusec.ir import Op, Ref
 from fusec.ir.env import Env
@@ -28,12 +28,12 @@ def substitute(a: Any, op: Op, env: Env) -> Any:
 
 
 def index_fault(op: Op, what: str, value: int, bound: int, code: Fault, lo: int = 0) -> IndexFaultError:
-    """The simulator's error for a run-time index outside ``[lo, bound)`` (where eager PyTorch
-    raises IndexError), with the fields of the kernel's record (``code``: the fault code the
+    """The simulator's error for a run-time index outside ``[lo, bound)`` (what to do about it:
+    :func:`fusec.abi.fault_remedy`), with the fields of the kernel's record (``code``: the fault code the
     kernel records for that index, :class:`fusec.abi.Fault`; :class:`fusec.errors.IndexFaultError`)."""
     src = f" at {op.source}" if op.source else ""
     return IndexFaultError(f"simulator: {what} {value} out of range [{lo}, {bound}) in {op.name} "
-                           f"({op.kind}{src}); eager PyTorch raises IndexError for it",
+                           f"({op.kind}{src}); {fault_remedy(code, value, bound, what)}",
                            {"code": int(code), "value": value, "bound": bound})
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from fusec.abi import Claim, Fault, Status, WdRecord
+from fusec.abi import Claim, Fault, Status, WdRecord, fault_remedy
 from fusec.errors import IndexFaultError, KernelRecordError, WatchdogError
 
 
@@ -41,6 +41,9 @@ def status_error(head: Sequence[int], records: Sequence[Sequence[int]],
     if head[Status.FAULT]:
         code, value, bound = (int(head[k]) for k in (Status.CODE, Status.VALUE, Status.BOUND))
         what = Fault(code).doc if code in list(Fault) else f"index (code {code})"
+        if code == Fault.INDEX:
+            what = "position (table lookup) or gathered index"
         return IndexFaultError(f"megakernel: {what} {value} out of range [0, {bound}); the step's "
-                               f"outputs are invalid", {"code": code, "value": value, "bound": bound})
+                               f"outputs are invalid; {fault_remedy(code, value, bound, what)}",
+                               {"code": code, "value": value, "bound": bound})
     return None
