@@ -83,6 +83,31 @@ def test_prefill_falls_back_and_is_correct(caplog):
     assert len(msgs) == 1 and "(1, 4, 10, 16)" in msgs[0] and "10 query tokens, more than 1" in msgs[0]
 
 
+def test_parameters_that_require_grad_outside_no_grad_fall_back_with_one_line(recwarn):
+    """A decode step called with grad mode on and parameters that require grad (a model as
+    ``from_pretrained`` gives it, called outside ``torch.no_grad()``): one fallback line naming
+    ``torch.no_grad()``, no autograd warning (AOT's trace of a backward through fusec's SDPA op
+    printed 30 lines), eager's logits; under ``torch.no_grad()`` the same call compiles."""
+    torch._dynamo.reset()
+    model = hf_tiny.llama().requires_grad_(True)
+    caches = [hf_tiny.static_cache(model, 16) for _ in range(3)]
+    with torch.no_grad():
+        for c in caches:
+            model(input_ids=torch.tensor([[1, 2, 3]]), past_key_values=c, use_cache=True)
+        ref = model(input_ids=torch.tensor([[7]]), past_key_values=caches[0], use_cache=True).logits
+    compiled = torch.compile(model, backend="fusec", options={"fallback": "eager"})
+    with FallbackWatch() as w:
+        out = compiled(input_ids=torch.tensor([[7]]), past_key_values=caches[1], use_cache=True).logits
+    assert len(w.fallbacks) == 1 and "torch.no_grad()" in w.fallbacks[0] and "require grad" in w.fallbacks[0]
+    assert not [x for x in recwarn if "autograd" in str(x.message) or "backward" in str(x.message)]
+    torch.testing.assert_close(out.detach(), ref)
+    with FallbackWatch() as w, torch.no_grad():
+        out = compiled(input_ids=torch.tensor([[7]]), past_key_values=caches[2], use_cache=True).logits
+    torch._dynamo.reset()
+    assert not w.fallbacks and w.compiled, w.fallbacks
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
 def test_a_graph_that_fell_back_is_reported_by_every_watch_it_runs_in():
     """A graph that went to another backend logs its line once, when it is compiled; later calls
     reuse dynamo's compiled code and log nothing. A watch opened around such a later call must

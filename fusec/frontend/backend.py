@@ -62,6 +62,13 @@ def fusec_backend(gm: torch.fx.GraphModule, example_inputs: list[Any],
         FusecError: only for invalid options; everything else falls back.
     """
     opts = Options.from_dict({**(options or {}), **kwargs})
+    grads = sum(isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs)
+    if grads and torch.is_grad_enabled():   # AOT autograd would trace a backward fusec has no form for
+        why = warn_fallback("fusec: %d inputs of the graph (the model's parameters) require grad and grad mode is on, "
+                            "and fusec compiles inference steps only: call the model under torch.no_grad() or "
+                            "torch.inference_mode() (generate() does), or model.requires_grad_(False); using %s",
+                            grads, opts.fallback)
+        return fallback(gm, example_inputs, opts.fallback, why)
     split = _host_split(gm)
     if split is not None:
         # a Python counter the model keeps (HF's sliding-window cache layers): the host computes
