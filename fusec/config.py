@@ -58,8 +58,10 @@ MAX_QUERY_TOKENS = 8
 #: kinds take (``fusec.instructions.matvec_rows.MAX_SEQS``, their ``max_rows``); a larger one runs
 #: on the fallback backend (one line) instead of as generic ops on one SM each (docs/batch.md)
 MAX_QUERY_ROWS = 16
-#: the longest ``max_cache_len`` (rows): the causal-mask proof and the position tables at 2**20
-#: rows took 12 s and 5 GB on a tiny model (2**22: 65 s, 17.6 GB)
+#: the longest KV cache (rows) and ``max_cache_len``: the position tables grow with it (a step
+#: at 2**20 rows: 5 s and 1.5 GB on a tiny model on a 2-core CPU; 2**22 took 65 s and 17.6 GB
+#: before the causal-mask proof had a budget). A longer cache runs eagerly (one line);
+#: ``fusec.generate`` refuses a prompt plus ``max_new_tokens`` above it
 MAX_CACHE_LEN = 1 << 20
 #: the largest ``watchdog_s``: the kernel counts it in 64-bit nanoseconds
 MAX_WATCHDOG_S = 1e9

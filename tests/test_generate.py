@@ -182,6 +182,7 @@ def test_argument_errors():
         (dict(input_ids=ids.float()), "input_ids must be"),
         (dict(input_ids=ids[:, :0]), "prompt is empty"),
         (dict(max_new_tokens=0), "max_new_tokens"),
+        (dict(max_new_tokens=(1 << 20) - 3), r"KV cache of 1048577 rows .* max_new_tokens <= 1048572"),
         (dict(do_sample=True, temperature=0.0), "temperature"),
         (dict(do_sample=True, top_p=0.0), "top_p"),
         (dict(do_sample=True, top_p=1.5), "top_p"),

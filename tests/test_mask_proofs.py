@@ -67,3 +67,37 @@ def test_a_mask_or_positions_wrong_at_one_counter_value_is_refused(monkeypatch, 
         return w
 
     assert _proof(monkeypatch, mask_at, pos_at) is None
+
+
+def test_proof_positions_stay_within_an_element_budget_at_long_caches():
+    """Every position up to PROOF_ALL rows; beyond, the first and last rows and a spread between,
+    fewer at longer caches so that a proof evaluates at most about PROOF_ELEMENTS mask elements
+    (2**21 rows took 12.7 s with the 1792 positions of a 32768-row cache)."""
+    assert mask_proofs.proof_positions(96) == list(range(96))
+    for length in (1 << 13, 1 << 15, 1 << 17, 1 << 18, 1 << 20):
+        ps = mask_proofs.proof_positions(length)
+        assert ps == sorted(set(ps)) and 0 <= ps[0] and ps[-1] == length - 1
+        assert ps[:16] == list(range(16)) and ps[-16:] == list(range(length - 16, length))
+        if length > 1 << 17:
+            assert len(ps) * length <= 1.01 * mask_proofs.PROOF_ELEMENTS
+        else:
+            assert len(ps) <= 1792
+        gaps = max(b - a for a, b in zip(ps, ps[1:]))
+        assert gaps <= 2 * length // min(512, len(ps) // 4)   # no stretch of the cache left unchecked
+    assert len(mask_proofs.proof_positions(1 << 20)) < 300
+
+
+def test_a_cache_longer_than_fusecs_longest_is_refused_clearly():
+    """A cache above MAX_CACHE_LEN rows: the capacity falls back with a line naming the limit
+    (before: a 2**21 capacity built in 20 s, 2**24 in 305 s and 5.7 GB); a step built again for a
+    longer cache doubles at most up to the limit."""
+    from fusec.config import MAX_CACHE_LEN
+    from fusec.errors import FallbackRequired
+    from fusec.frontend import symbolic
+    assert symbolic.capacity(None, MAX_CACHE_LEN) == MAX_CACHE_LEN
+    assert symbolic.capacity(None, symbolic.doubled(MAX_CACHE_LEN // 2 + 1)) == MAX_CACHE_LEN
+    assert symbolic.capacity(None, symbolic.doubled(1000)) == max(2048, symbolic.capacity(None, 1))
+    with pytest.raises(FallbackRequired, match="longer than fusec's longest, 1048576"):
+        symbolic.capacity(None, MAX_CACHE_LEN + 1)
+    with pytest.raises(FallbackRequired, match="longer than fusec's longest"):
+        symbolic.capacity(None, symbolic.doubled(MAX_CACHE_LEN + 1))

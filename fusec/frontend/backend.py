@@ -161,8 +161,13 @@ class SymbolicStep:
             except NotLengthPolymorphic as e:   # found by the passes at the first call
                 self._per_length(e)
             except CapacityExceeded as e:   # a warm-started step meets a longer cache than it was built for
+                try:
+                    cap = symbolic.capacity(None, symbolic.doubled(e.rows))
+                except FallbackRequired as too_long:   # this call only: a shorter cache compiles
+                    warn_fallback("fusec: running this call eagerly: %s", too_long)
+                    return self.gm(*args)
                 log.info("fusec: %s: capturing the graph again for a larger capacity", e)
-                self.opts = dataclasses.replace(self.opts, max_cache_len=symbolic.capacity(None, 2 * e.rows - 1))
+                self.opts = dataclasses.replace(self.opts, max_cache_len=cap)
                 self._capture(list(args), live=False)
                 return self(*args)
         return self.per_length(*args)
@@ -314,7 +319,7 @@ def _compile(gm: torch.fx.GraphModule, args: list[Any], opts: Options, symbolic_
                     log.info("fusec: no warm start for this graph (AOT autograd must run each time: %s)", why)
 
             def rebuild(rows: int):   # a longer cache than the capacity: the IR for twice its rows
-                return build_ir(aten_gm, ex, dump, lambda r: symbolic.capacity(None, max(r, 2 * rows - 1)))
+                return build_ir(aten_gm, ex, dump, lambda r: symbolic.capacity(None, max(r, symbolic.doubled(rows))))
             return CompiledStep(aten_gm, g, opts, dump, target, rebuild=rebuild if g.lengths else None)
 
         with context:

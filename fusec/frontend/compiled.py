@@ -14,7 +14,7 @@ import torch
 
 from fusec.cache.artifacts import compile_graph, tensor_digest
 from fusec.config import Options
-from fusec.errors import CapacityExceeded, FusecError, NotLengthPolymorphic
+from fusec.errors import CapacityExceeded, FallbackRequired, FusecError, NotLengthPolymorphic
 from fusec.fallbacks import LAUNCHED, note_compiled, ran_fallback, warn as warn_fallback
 from fusec.ir import Graph
 from fusec.pipeline import Dumper
@@ -124,7 +124,12 @@ class CompiledStep:
         if self._skip:   # the integer sizes dynamo passes for a symbolic length: not step inputs
             args = self._kept(args)
         if self._rows_at:
-            self._grow(args)
+            try:
+                self._grow(args)
+            except FallbackRequired as e:   # a cache longer than fusec's longest: this call only
+                LAUNCHED[0] = self
+                warn_fallback("fusec: running this call eagerly: %s", e)
+                return self.aten_gm(*full)
         if self.engine is not None and self._watched and self._compiled_in_changed(args):
             self.engine = None
         if self.engine is None:

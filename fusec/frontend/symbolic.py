@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from fusec.config import DEFAULT_MAX_CACHE_LEN
+from fusec.config import DEFAULT_MAX_CACHE_LEN, MAX_CACHE_LEN
+from fusec.errors import FallbackRequired
 
 log = logging.getLogger("fusec")
 
@@ -197,10 +198,24 @@ def fake_inputs(gm: torch.fx.GraphModule, args: list[Any]) -> tuple[Any, list[An
     return mode, fakes
 
 
+def doubled(rows: int) -> int:
+    """The rows a step is built again for when a cache of ``rows`` is longer than its capacity:
+    twice as many (``2 * rows - 1``, which :func:`capacity` rounds up to a power of two), at
+    most :data:`~fusec.config.MAX_CACHE_LEN` unless ``rows`` is above it already."""
+    return min(2 * rows - 1, max(rows, MAX_CACHE_LEN))
+
+
 def capacity(max_cache_len: int | None, rows: int) -> int:
     """The cache length a length-polymorphic step is built for: ``max_cache_len`` when set (at
     least ``rows``), else the larger of :data:`~fusec.config.DEFAULT_MAX_CACHE_LEN` and ``rows``
-    rounded up to a power of two."""
+    rounded up to a power of two.
+
+    Raises:
+        FallbackRequired: ``rows`` above :data:`~fusec.config.MAX_CACHE_LEN`."""
+    if rows > MAX_CACHE_LEN:
+        raise FallbackRequired(f"a KV cache of {rows} rows is longer than fusec's longest, {MAX_CACHE_LEN} "
+                               "(fusec.config.MAX_CACHE_LEN: the position tables and the causal-mask proof grow "
+                               "with it); use a shorter cache")
     if max_cache_len is not None and max_cache_len >= rows:
         return int(max_cache_len)
     return max(DEFAULT_MAX_CACHE_LEN, 1 << max(0, int(rows) - 1).bit_length())

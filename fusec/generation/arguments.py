@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from fusec.config import MAX_CACHE_LEN
 from fusec.errors import FusecError
 
 log = logging.getLogger("fusec")
@@ -67,6 +68,11 @@ def check_args(input_ids: Any, attention_mask: Any, max_new_tokens: Any, do_samp
         raise FusecError(f"fusec.generate: the prompt is empty (input_ids has shape {tuple(input_ids.shape)})")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise FusecError(f"fusec.generate: max_new_tokens={max_new_tokens!r} must be an int >= 1")
+    if input_ids.shape[1] + max_new_tokens > MAX_CACHE_LEN:   # the static cache spans the whole generation
+        raise FusecError(f"fusec.generate: a prompt of {input_ids.shape[1]} tokens and max_new_tokens={max_new_tokens} "
+                         f"need a KV cache of {input_ids.shape[1] + max_new_tokens} rows (one static cache for the "
+                         f"whole generation), longer than fusec's longest, {MAX_CACHE_LEN} rows "
+                         f"(fusec.config.MAX_CACHE_LEN): pass max_new_tokens <= {MAX_CACHE_LEN - input_ids.shape[1]}")
     if do_sample:
         if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
                 or not math.isfinite(temperature) or temperature <= 0:
