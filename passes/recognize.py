@@ -23,8 +23,9 @@ with the same values, by one op each:
   readers of the functional result read the cache buffer after the write; ``pos`` one position,
   or K of them (K query tokens per sequence: ``val`` [B, H, K, D], HF's ``index_copy_`` at
   ``cache_position`` [K])
-* ``attention(q, k, v, pos[, mask]; scale, mask_kind)``  ``fusec.sdpa`` over KV caches, seen
-  through the GQA ``repeat_kv`` expand. With a mask that equals ``kv_index <= pos`` for every
+* ``attention(q, k, v, pos[, mask]; scale, mask_kind[, softcap])``  ``fusec.sdpa`` over KV
+  caches, seen through the GQA ``repeat_kv`` expand (``softcap``: Gemma-2's logit softcap,
+  fusec.sdpa's last argument, only when it is not 0). With a mask that equals ``kv_index <= pos`` for every
   position (checked by evaluating the mask at every position of the cache; one row, or in a batch
   [B, 1, 1, L] whose every sequence's row is causal: no prompt padded) the mask is dropped
   (``mask_kind`` 0). Any other mask over the ``L`` cache rows (HF generate()'s precomputed 4-D
@@ -381,8 +382,9 @@ def _attention(g: Graph, weights: dict[str, torch.Tensor]) -> int:
         if o.kind != "fusec.sdpa.default":
             new_ops.append(o)
             continue
-        q, k, v, mask, dropout, is_causal, scale, gqa = [
+        q, k, v, mask, dropout, is_causal, scale, gqa, *rest = [
             o.inputs[a.slot] if hasattr(a, "slot") else a for a in o.attrs["args"]]
+        softcap = float(rest[0]) if rest else 0.0   # Gemma-2's logit softcap (eager attention)
         kc, vc = _cache_of(g, prods, k), _cache_of(g, prods, v)
         if kc and vc and not (g.tensors[q].shape[-1] == g.tensors[kc[0]].shape[-1] == g.tensors[vc[0]].shape[-1]):
             kc = vc = None   # values of another head size than the keys: the attention kinds take one D
@@ -426,7 +428,8 @@ def _attention(g: Graph, weights: dict[str, torch.Tensor]) -> int:
         d = g.tensors[q].shape[-1]
         new_ops.append(Op(o.name, "attention", ins, {"out": o.outputs["out"]},
                           attrs={"scale": float(scale) if scale is not None else default_scale(d),
-                                 "mask_kind": mask_kind, **({"mask_bound": True} if bound else {})},
+                                 "mask_kind": mask_kind, **({"mask_bound": True} if bound else {}),
+                                 **({"softcap": softcap} if softcap else {})},
                           source=o.source))
         n += 1
     g.ops = new_ops

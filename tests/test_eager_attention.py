@@ -1,7 +1,7 @@
 """Eager attention (HF ``attn_implementation="eager"``) is recognized as SDPA
-(``fusec.frontend.eager_attention``): HF models compile on the CPU simulator and match eager
-(fp32, 1e-4, no fallback); attention that is not SDPA (weights returned, logit softcapping)
-falls back with a line saying why."""
+(``fusec.frontend.eager_attention``), Gemma-2's logit softcapping as fusec.sdpa's softcap: HF
+models compile on the CPU simulator and match eager (fp32, 1e-4, no fallback); attention that
+is not SDPA (weights returned, a tanh that is not a softcap) falls back with a line saying why."""
 from __future__ import annotations
 
 import operator
@@ -25,18 +25,22 @@ def _repeat_kv(x, n):
 class HFShape(torch.nn.Module):
     """HF's ``eager_attention_forward`` (older transformers: the mask sliced to the key length;
     ``@`` for the second matmul), GQA by ``repeat_kv``; ``returns_weights``: the weights are
-    returned too (output_attentions=True); ``softcap``: Gemma-2's tanh logit softcapping."""
+    returned too (output_attentions=True); ``softcap``: Gemma-2's tanh logit softcapping
+    (``mask_first``: the tanh after the mask, not a softcap)."""
 
-    def __init__(self, n_rep=2, returns_weights=False, softcap=None):
+    def __init__(self, n_rep=2, returns_weights=False, softcap=None, mask_first=False):
         super().__init__()
-        self.n_rep, self.returns_weights, self.softcap = n_rep, returns_weights, softcap
+        self.n_rep, self.returns_weights, self.softcap, self.mask_first = n_rep, returns_weights, softcap, mask_first
 
     def forward(self, q, k, v, mask):
         ks, vs = _repeat_kv(k, self.n_rep), _repeat_kv(v, self.n_rep)
         w = torch.matmul(q, ks.transpose(2, 3)) * (q.shape[-1] ** -0.5)
+        if self.mask_first:
+            w = w + mask[:, :, :, : ks.shape[-2]]
         if self.softcap is not None:
             w = torch.tanh(w / self.softcap) * self.softcap
-        w = w + mask[:, :, :, : ks.shape[-2]]
+        if not self.mask_first:
+            w = w + mask[:, :, :, : ks.shape[-2]]
         w = F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
         w = F.dropout(w, p=0.1, training=self.training)
         o = (w @ vs).transpose(1, 2).contiguous()
@@ -115,13 +119,31 @@ def _first(out):
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
+def test_rewrite_makes_a_softcapped_attention_one_fusec_sdpa():
+    """Gemma-2's softcap (``tanh(w / c) * c`` between the scaling and the mask) becomes one
+    fusec.sdpa with softcap c and the scale of the scores, computing the module's values (scores
+    large enough that the tanh bends them)."""
+    module, args = HFShape(softcap=5.0), _inputs(1)
+    args = (args[0] * 6, args[1] * 6, *args[2:])
+    gm, ex = _dynamo_graph(module, args)
+    want = module(*args)
+    assert rewrite_eager_attention(gm) == 1
+    (call,) = _calls(gm, {torch.ops.fusec.sdpa.default})
+    assert call.args[6] == pytest.approx(args[0].shape[-1] ** -0.5) and call.args[8] == 5.0
+    assert not _calls(gm, {F.scaled_dot_product_attention, torch.tanh, "softmax", F.softmax})
+    torch.testing.assert_close(_first(gm(*ex)), want, rtol=1e-5, atol=1e-6)
+    plain = HFShape()(*args)
+    assert ((plain - want).norm() / want.norm()).item() > 1e-2   # the softcap bends these scores
+
+
 def test_rewrite_leaves_attention_that_is_not_sdpa():
-    """Weights returned (output_attentions=True) and softcapping: no rewrite, and the refusal
-    says why at the model line; the graph still computes the module's values."""
+    """Weights returned (output_attentions=True) and a tanh after the mask (not a softcap): no
+    rewrite, and the refusal says why at the model line; the graph still computes the module's
+    values."""
     for module, words, line in ((HFShape(returns_weights=True), "weights are returned (output_attentions=True)",
                                  "F.softmax(w, dim=-1"),
-                                (HFShape(softcap=5.0), "attention logit softcapping is not supported",
-                                 "torch.tanh(w / self.softcap)")):
+                                (HFShape(softcap=5.0, mask_first=True), "tanh that is not a logit softcap "
+                                 "(the mask added before it)", "torch.tanh(w / self.softcap)")):
         args = _inputs(4)
         gm, ex = _dynamo_graph(module, args)
         found, refused = find_eager_attention(gm)
@@ -237,14 +259,53 @@ def test_returned_weights_fall_back_with_the_reason():
     assert max(errs) < 1e-6, errs
 
 
-def test_gemma2_softcap_falls_back_with_the_reason():
-    """Gemma-2's eager attention softcaps its logits (tanh): not SDPA; the fallback line says so
-    at the model's line, and the logits are eager's."""
+def test_gemma2_softcapped_eager_attention_compiles_and_matches_eager(steps):
+    """Gemma-2's eager attention softcaps its logits (``* scaling; / c; tanh; * c``, then the
+    mask): it becomes fusec.sdpa with ``softcap`` c, the split-KV kind applies ``c * tanh(s / c)``
+    to its scaled scores, and the logits are eager's (fp32, 1e-4) with no fallback on both the
+    sliding and the full layers (before: "attention logit softcapping is not supported", every
+    step on the fallback)."""
     from transformers import Gemma2Config, Gemma2ForCausalLM
     model = hf_tiny._small(Gemma2Config, Gemma2ForCausalLM, 7, head_dim=16, sliding_window=128,
-                           attn_implementation="eager")
-    errs, w = _decode(model, n=2, fallback="eager")
-    assert w.compiled == 0 and w.fallbacks
-    assert all("attention logit softcapping is not supported" in f and "modeling_gemma2.py:" in f
-               and "torch.tanh" in f for f in w.fallbacks), w.fallbacks
-    assert max(errs) < 1e-6, errs
+                           attn_implementation="eager", attn_logit_softcapping=2.0)
+    for layer in model.model.layers:   # scores of several units, which the softcap bends
+        layer.self_attn.q_proj.weight.mul_(8)
+        layer.self_attn.k_proj.weight.mul_(8)
+    errs, w = _decode(model, n=3)
+    assert w.fallbacks == [] and w.compiled >= 1, w.fallbacks
+    assert max(errs) <= 1e-4 and min(errs) > 0, errs
+    g = steps[-1].schedule.graph
+    att = [o for o in g.ops if o.kind == "attention_partial"]
+    assert len(att) == model.config.num_hidden_layers and all(o.attrs["softcap"] == 2.0 for o in att)
+    # the softcap matters at this scale: eager without it gives other logits
+    ids = torch.randint(0, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        capped = model(ids).logits
+        model.config.attn_logit_softcapping = None
+        for layer in model.model.layers:
+            layer.self_attn.attn_logit_softcapping = None
+        plain = model(ids).logits
+    assert ((capped - plain).norm() / capped.norm()).item() > 2e-3   # 20x the 1e-4 fusec is held to
+
+
+def test_gemma2_softcapped_attention_kernel_compiles_with_nvrtc():
+    """The bf16 Gemma-2 eager-attention step's kernel: every attention call passes the softcap
+    (template argument SC 1, the cap as its last argument) and NVRTC compiles it for sm_90a
+    with no warning; a Llama step's calls name neither (its kernel text as before)."""
+    pytest.importorskip("cuda.bindings")
+    import re
+
+    import step_util
+    from fusec.cuda.codegen import render
+    from fusec.cuda.jit import compile_cuda
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+    model = hf_tiny._small(Gemma2Config, Gemma2ForCausalLM, 7, head_dim=16, sliding_window=128,
+                           attn_implementation="eager", attn_logit_softcapping=50.0).to(torch.bfloat16)
+    src = render(step_util.lowered(model)).source
+    calls = [c for c in re.findall(r"attention_partial_merge<[^;]*;", src) if "bufs" in c]
+    assert len(calls) == model.config.num_hidden_layers, calls
+    assert all(re.search(r", 1>\(.*, 50\.0f\);$", c, re.S) for c in calls), calls
+    kernel = compile_cuda(src, "fusec_step.cu")
+    assert "warning" not in kernel.log, kernel.log
+    llama = render(step_util.lowered(hf_tiny.llama().to(torch.bfloat16))).source
+    assert not re.search(r"attention_partial_merge<[^;]*0\.0f\);", llama)

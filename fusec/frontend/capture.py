@@ -96,7 +96,7 @@ def check_decode_step(gm: torch.fx.GraphModule, query_tokens: int = 1) -> None:
     one SM).
     A key that is a ``torch.cat`` of the past keys and the new one (HF ``DynamicCache``) changes
     shape every step: the message says to use a StaticCache. Eager attention that is not SDPA
-    (its weights returned, logit softcapping): the message says why, at the model's source line.
+    (its weights returned): the message says why, at the model's source line.
     """
     eager, refused = find_eager_attention(gm)
     if refused:

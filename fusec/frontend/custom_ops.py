@@ -14,18 +14,41 @@ import torch.nn.functional as F
 
 @torch.library.custom_op("fusec::sdpa", mutates_args=())
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
-         dropout_p: float, is_causal: bool, scale: float | None, enable_gqa: bool) -> torch.Tensor:
-    """Scaled dot-product attention, PyTorch semantics (``F.scaled_dot_product_attention``).
+         dropout_p: float, is_causal: bool, scale: float | None, enable_gqa: bool,
+         softcap: float = 0.0) -> torch.Tensor:
+    """Scaled dot-product attention, PyTorch semantics (``F.scaled_dot_product_attention``), with
+    Gemma-2's attention logit softcapping when ``softcap`` > 0: the scaled scores ``s`` become
+    ``softcap * tanh(s / softcap)`` before the mask (HF ``Gemma2`` ``eager_attention_forward``;
+    Gemma 2 report, section 2), computed as HF's eager attention does (scores in q's dtype, the
+    softmax in fp32).
 
     Shapes: q [B, Hq, S, D], k/v [B, Hkv, L, D]; returns [B, Hq, S, D] in q's dtype.
     """
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
-                                          is_causal=is_causal, scale=scale,
-                                          enable_gqa=enable_gqa).contiguous()
+    if not softcap:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
+                                              is_causal=is_causal, scale=scale,
+                                              enable_gqa=enable_gqa).contiguous()
+    return softcapped_attention(q, k, v, attn_mask, is_causal, scale, softcap)
+
+
+def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
+                         is_causal: bool, scale: float | None, softcap: float) -> torch.Tensor:
+    """:func:`sdpa` with ``softcap`` > 0 (no dropout): HF's Gemma-2 eager attention, GQA by
+    repeating the KV heads; a bool mask keeps True rows. Shapes as :func:`sdpa`'s."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    w = torch.matmul(q, k.transpose(2, 3)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    w = torch.tanh(w / softcap) * softcap
+    if is_causal:
+        w = w.masked_fill(~torch.ones(w.shape[-2:], dtype=torch.bool, device=w.device).tril(), float("-inf"))
+    if attn_mask is not None:
+        w = w.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else w + attn_mask
+    w = torch.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(w, v).contiguous()
 
 
 @sdpa.register_fake
-def _sdpa_fake(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+def _sdpa_fake(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap=0.0):
     return q.new_empty(q.shape[:-1] + (v.shape[-1],))
 
 

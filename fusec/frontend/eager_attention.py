@@ -28,11 +28,16 @@ or by a 0-d tensor (then applied to the query, SDPA scale 1) or a symbolic float
 value already have the query's heads, or one head broadcast); casts (``to``, ``type``,
 ``float``, ``type_as``) around the softmax; dropout with ``training=False`` or ``p=0``.
 
+Gemma-2's attention logit softcapping (``w * scaling; w / c; tanh; * c``, then the mask)
+becomes ``torch.ops.fusec.sdpa`` with its ``softcap`` argument ``c`` (SDPA has none), with
+the scale the product of every factor (``scaling``): ``c * tanh(s * scaling / c)``.
+
 Not rewritten, and reported by :func:`find_eager_attention` as a :class:`Refusal` (the
 decode-step check turns it into the fallback line): attention weights with another user
-than the dropout / second matmul (``output_attentions=True`` returns them), logit
-softcapping (Gemma-2: ``w / c; tanh; * c``), dropout in training mode, a mask added before
-the scaling, and dtypes that SDPA does not take (a mask of another dtype than the query).
+than the dropout / second matmul (``output_attentions=True`` returns them), a tanh that is
+not a softcap (a mask before it, two of them, a factor after it that is not a positive
+Python number), dropout in training mode, a mask added before the scaling, and dtypes that
+SDPA does not take (a mask of another dtype than the query).
 
 Precision: SDPA semantics compute the softmax in the input dtype where eager computes it in
 fp32 and rounds the weights to the query's dtype; in fp32 the two are the same computation,
@@ -49,6 +54,8 @@ import torch
 import torch.nn.functional as F
 from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_known_true
+
+from fusec.frontend import custom_ops  # noqa: F401 - registers fusec::sdpa, which a softcapped attention becomes
 
 log = logging.getLogger("fusec.frontend.eager_attention")
 
@@ -67,7 +74,8 @@ class EagerAttention:
     ``query`` [B, Hq, S, D], ``key`` [B, Hkv, L, D], ``value`` [B, Hkv, L, Dv] (before
     ``repeat_kv``), ``mask`` (additive, broadcast to [B, Hq, S, L], or None) and ``scale``
     (a Python float, or the node of a symbolic float) with the query multiplied (divided) by
-    the 0-d tensors or symbolic floats in ``query_factors`` ((node, divide) pairs)."""
+    the 0-d tensors or symbolic floats in ``query_factors`` ((node, divide) pairs), the
+    scaled scores softcapped by ``softcap`` when it is not 0 (``fusec.sdpa``'s argument)."""
     query: Node
     key: Node
     value: Node
@@ -77,6 +85,7 @@ class EagerAttention:
     enable_gqa: bool
     out: Node
     replaced: list[Node]   # the ops SDPA replaces, in graph order (erased when unused)
+    softcap: float = 0.0   # Gemma-2's logit softcap (0: none): fusec.sdpa's, applied to the scaled scores
 
 
 @dataclasses.dataclass
@@ -284,10 +293,9 @@ def _match(sm: Node) -> EagerAttention | Refusal | None:
         else:
             return None
         y = u
-    if any(kind == "tanh" for kind, _, _ in ops):
-        tanh = next(n for kind, n, _ in ops if kind == "tanh")
-        return Refusal("attention logit softcapping is not supported (a tanh of the attention scores)", tanh,
-                       "fusec compiles attention as one SDPA call, which has no softcap")
+    softcap = _softcap(ops)
+    if isinstance(softcap, Refusal):
+        return softcap
     kinds = [kind for kind, _, _ in ops]
     if kinds.count("mask") > 1 or ("mask" in kinds and "scale" in kinds[kinds.index("mask"):]):
         return Refusal("eager attention that scales the scores after adding the mask", sm)
@@ -323,7 +331,35 @@ def _match(sm: Node) -> EagerAttention | Refusal | None:
     if scale == 1.0 and len(factors) == 1 and not factors[0][1] and isinstance(_val(factors[0][0]), torch.SymFloat):
         scale, factors = factors[0][0], []   # dynamic=True: SDPA's scale is the symbolic float, as HF's SDPA passes it
     return EagerAttention(q, key, value, mask, scale, factors, hq != hk, mm2,
-                          rk + rv + [kt] + chain + [mm2])
+                          rk + rv + [kt] + chain + [mm2], softcap)
+
+
+def _softcap(ops: list[tuple[str, Node, Any]]) -> float | Refusal:
+    """Gemma-2's attention logit softcap in the scores' ops (graph order): ``s * a; tanh; * c``
+    (HF: ``w / softcap; tanh; * softcap`` after ``* scaling``) is ``c * tanh(s * a)``, the
+    softcap ``c`` of scores scaled by ``a * c`` (the product of every scale, which :func:`_match`
+    takes as SDPA's scale). 0.0 without a tanh; a Refusal for any other use of a tanh (two, a
+    mask before it, a factor after it that is not a positive Python number)."""
+    tanhs = [i for i, (kind, _, _) in enumerate(ops) if kind == "tanh"]
+    if not tanhs:
+        return 0.0
+    t, tanh = tanhs[0], ops[tanhs[0]][1]
+    if len(tanhs) > 1 or any(kind == "mask" for kind, _, _ in ops[:t]):
+        return Refusal("attention scores through a tanh that is not a logit softcap "
+                       + ("(two tanh)" if len(tanhs) > 1 else "(the mask added before it)"), tanh)
+    c = 1.0
+    for kind, n, payload in ops[t + 1:]:
+        if kind == "mask":
+            break
+        if kind == "scale":
+            f, div = payload
+            if not isinstance(f, float):
+                return Refusal("attention logit softcap by a tensor or symbolic factor", n,
+                               "fusec takes a softcap that is a Python number (the model config's)")
+            c = c / f if div else c * f
+    if not c > 0:
+        return Refusal(f"attention logit softcap {c} (not positive)", tanh)
+    return c
 
 
 def find_eager_attention(gm: torch.fx.GraphModule) -> tuple[list[EagerAttention], list[Refusal]]:
@@ -356,9 +392,13 @@ def rewrite_eager_attention(gm: torch.fx.GraphModule) -> int:
                 meta = dict(q.meta)
                 q = g.call_function(operator.truediv if div else operator.mul, (q, c))
                 q.meta.update(meta)
-            sdpa = g.call_function(F.scaled_dot_product_attention, (q, a.key, a.value),
-                                   {"attn_mask": a.mask, "dropout_p": 0.0, "scale": a.scale,
-                                    "enable_gqa": a.enable_gqa})
+            if a.softcap:   # fusec's own op: SDPA has no softcap
+                sdpa = g.call_function(torch.ops.fusec.sdpa.default, (q, a.key, a.value, a.mask, 0.0, False,
+                                                                      a.scale, a.enable_gqa, a.softcap))
+            else:
+                sdpa = g.call_function(F.scaled_dot_product_attention, (q, a.key, a.value),
+                                       {"attn_mask": a.mask, "dropout_p": 0.0, "scale": a.scale,
+                                        "enable_gqa": a.enable_gqa})
         sdpa.meta.update(a.out.meta)
         a.out.replace_all_uses_with(sdpa)
         for n in reversed(list(dict.fromkeys(a.replaced))):

@@ -94,7 +94,7 @@ import torch
 from fusec.abi import Fault
 from fusec.ir.env import Env
 from fusec.ir import Graph, Op
-from fusec.ir.semantics import TOKEN_POSITIONS, apply_mask, token_mask
+from fusec.ir.semantics import TOKEN_POSITIONS, apply_mask, soft_cap, token_mask
 from fusec.ir.pattern import sem
 from fusec.instructions.base import COST_ROWS, CTA_THREADS, Instruction, Region, Tile, register, split_range
 from fusec.instructions.call import P0, P1, SMEM, Call, Expr, Float, Int, Ptr, Type
@@ -245,6 +245,11 @@ def _query_mask_rows(op: Op, gi: int) -> list[int]:
             for i in range(gi * per_group, (gi + 1) * per_group)]
 
 
+def _softcapped(op: Op) -> bool:
+    """Whether ``op``'s scaled scores pass through Gemma-2's logit softcap (attr ``softcap``)."""
+    return bool(op.attrs.get("softcap"))
+
+
 def _mask_arg(op: Op, g: Graph, bufs) -> str:
     """The mask pointer a tile of ``op`` passes to the template: the mask, or at ``mask_rows``
     B > 1 its group's sequence row (``in.p0``, the group, over the groups per sequence, times
@@ -337,11 +342,14 @@ class AttentionPartial(Instruction):
                        Int("KS", lambda op, g: op.attrs.get("q_groups", 1)),
                        Expr("MB", lambda op, g, bufs: "true" if AttentionPartial.multi_block(op, g) else "false"),
                        Int("MK", _template_mask_kind, default=0),
-                       Type("tm", "mask", when=lambda op: "mask" in op.inputs),
+                       # (a placeholder without a mask where SC follows: template arguments are positional)
+                       Type("tm", "mask", otherwise="bool", when=lambda op: "mask" in op.inputs or _softcapped(op)),
                        # K query tokens per sequence: each query row's own mask row
                        Int("QK", lambda op, g: op.attrs.get("query_tokens", 1), default=1),
                        # the merge's output transposed to [B, K, Hq, D] (out_tokens): Hq
-                       Int("OHQ", lambda op, g: _out_heads(op), default=0, when=_merges)),
+                       Int("OHQ", lambda op, g: _out_heads(op), default=0, when=_merges),
+                       # Gemma-2's logit softcap of the scaled scores (the argument softcap)
+                       Int("SC", lambda op, g: int(_softcapped(op)), default=0)),
                 args=(Ptr("q"), Ptr("kcache"), Ptr("vcache"), Ptr("pos"), Ptr("o_part"), Ptr("ml_part"),
                       Ptr("out", when=_merges),
                       Expr("tickets", lambda op, g, bufs: bufs.counters(op.name, AttentionPartial._dims(op, g)[1]),
@@ -350,7 +358,8 @@ class AttentionPartial(Instruction):
                       Expr("L", lambda op, g, bufs: bufs.length(op.inputs["kcache"], 2)),
                       Float("scale", "scale"), P0, P1, SMEM,
                       # a batch's mask (mask_rows): the group's sequence row (_mask_arg)
-                      Expr("mask", _mask_arg, default="nullptr")),
+                      Expr("mask", _mask_arg, default="nullptr"),
+                      Float("softcap", "softcap", fallback=0.0, default="0.0")),
                 numbering=("q", "kcache", "vcache", "pos", "o_part", "ml_part", "mask", "out"))
 
     @classmethod
@@ -501,7 +510,7 @@ class AttentionPartial(Instruction):
             b1 = min(b0 + chunk, r1)
             kh = _kv_head(op, gi)
             k, v = kc[kh, b0:b1].float(), vc[kh, b0:b1].float()
-            s = (q @ k.T) * op.attrs["scale"]
+            s = soft_cap((q @ k.T) * op.attrs["scale"], op.attrs.get("softcap", 0.0))
             if mask_all is not None:   # each query row under its own mask row
                 s = torch.stack([apply_mask(s[j], mask_all[j, b0:b1], kind)
                                  for j in range(s.shape[0])])

@@ -119,6 +119,8 @@ def split_attention(c: Ctx, m: dict) -> list[Op]:
              "chunk": chunk, "n_chunks": n_chunks, "mask_kind": att.attrs.get("mask_kind", 0)}
     if att.attrs.get("mask_bound"):   # only then: the graph (and its dump) as before the attr
         attrs["mask_bound"] = True
+    if att.attrs.get("softcap"):      # likewise (Gemma-2's eager attention)
+        attrs["softcap"] = att.attrs["softcap"]
     if per_split > 0:   # only then: the default graph (and its dump) as before the knob
         attrs["split_rows"] = per_split
     if hs > 1:          # likewise: a group of at most MAX_TILE_HEADS query heads is one tile group

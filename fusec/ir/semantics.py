@@ -62,18 +62,26 @@ def apply_mask(s: torch.Tensor, mask: torch.Tensor | None, kind: int) -> torch.T
     return s + m.float()
 
 
+def soft_cap(s: torch.Tensor, cap: float) -> torch.Tensor:
+    """Gemma-2's attention logit softcap of scaled scores ``s`` (fp32): ``cap * tanh(s / cap)``
+    (Gemma 2 report, section 2; HF ``Gemma2`` ``eager_attention_forward``); ``s`` when ``cap``
+    is 0."""
+    return torch.tanh(s / cap) * cap if cap else s
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int, scale: float,
-           mask: torch.Tensor | None = None, mask_kind: int = 0) -> torch.Tensor:
+           mask: torch.Tensor | None = None, mask_kind: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Decode attention with GQA over cache positions ``[0, length)``.
 
-    q: [Hq, D]; k, v: [Hkv, L, D]; mask: [L] bool (``mask_kind`` 1) or additive float (2).
+    q: [Hq, D]; k, v: [Hkv, L, D]; mask: [L] bool (``mask_kind`` 1) or additive float (2),
+    applied after the ``softcap`` (:func:`soft_cap`) of the scaled scores.
     Returns fp32 [Hq, D]. Hq must be a multiple of Hkv.
     """
     hq, hkv = q.shape[0], k.shape[0]
     rep = hq // hkv
     kk = k[:, :length].float().repeat_interleave(rep, 0)
     vv = v[:, :length].float().repeat_interleave(rep, 0)
-    s = apply_mask(torch.einsum("hd,hld->hl", q.float(), kk) * scale, mask, mask_kind)
+    s = apply_mask(soft_cap(torch.einsum("hd,hld->hl", q.float(), kk) * scale, softcap), mask, mask_kind)
     p = torch.softmax(s, -1).nan_to_num(0.0)   # every row masked: 0, as SDPA
     return torch.einsum("hl,hld->hd", p, vv)
 
@@ -197,7 +205,7 @@ def _attention(op: Op, env: Env) -> None:
             mask, kind = token_mask(mask, L), 1
         m, bm, km = mask_rows(mask, L)
         o = torch.stack([torch.stack([attend(qb[b, :, t], kb[b], vb[b], L, op.attrs["scale"],
-                                             m[b % bm, t % km], kind)
+                                             m[b % bm, t % km], kind, op.attrs.get("softcap", 0.0))
                                       for t in range(K)], 1) for b in range(B)])
         env.set(op.outputs["out"], o.to(info.dtype).reshape(info.shape))
         return
@@ -209,7 +217,8 @@ def _attention(op: Op, env: Env) -> None:
     if mask is not None:
         mask = mask.reshape(-1, L)
     o = torch.stack([attend(qb[b], kb[b], vb[b], length, op.attrs["scale"],
-                            None if mask is None else mask[b % mask.shape[0]], op.attrs.get("mask_kind", 0))
+                            None if mask is None else mask[b % mask.shape[0]], op.attrs.get("mask_kind", 0),
+                            op.attrs.get("softcap", 0.0))
                      for b in range(B)])
     env.set(op.outputs["out"], o.to(info.dtype).reshape(info.shape))
 

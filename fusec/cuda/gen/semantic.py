@@ -181,8 +181,9 @@ def _kv_write(ctx: Ctx) -> None:
 
 def _attend_rows(ctx: Ctx, *, rows: int, D: int, Dv: int, q_off: str, k_row: str, v_row: str, n_keys: str,
                  scale: float, out_off: str, q: str, k: str, v: str, mask_expr: str | None = None,
-                 mask_kind: int = 0, setup: list[str] = (), skip: str | None = None) -> None:
-    """One warp per query row: online softmax over keys t < n_keys of scale * q.k (+ mask),
+                 mask_kind: int = 0, setup: list[str] = (), skip: str | None = None, softcap: float = 0.0) -> None:
+    """One warp per query row: online softmax over keys t < n_keys of scale * q.k (softcapped
+    to ``softcap * tanh(s / softcap)`` when ``softcap`` is not 0: Gemma-2) (+ mask),
     out = sum p_t v_t / sum p_t (fp32). ``q_off``/``out_off`` are in terms of the row ``h``,
     ``k_row``/``v_row`` the element offsets of key/value row ``t``."""
     out = ctx.out
@@ -202,6 +203,9 @@ def _attend_rows(ctx: Ctx, *, rows: int, D: int, Dv: int, q_off: str, k_row: str
              "      const int d = GX_LANE + j * GX_NLANES;",
              f"      if (d < {D}) s += qv[j] * {ctx.load_as(k, f'{k_row} + d', 'float')};", "    }",
              f"    s = gx_warp_reduce(s, GxSum()) * {literal(float(scale), 'float')};")
+    if softcap:
+        cap = literal(float(softcap), "float")
+        ctx.emit(f"    s = {cap} * tanhf(s / {cap});")
     if mask_expr is not None:
         if mask_kind == 1:
             ctx.emit(f"    if (!{mask_expr}) continue;")
@@ -262,7 +266,7 @@ def _attention(ctx: Ctx) -> None:
         [f"const int b_ = h / {hq}; const int kh = b_ * {hkv} + (h % {hq}) / {hq // hkv};"]
     _attend_rows(ctx, rows=B * hq, D=D, Dv=D, q_off=f"h * {D}", k_row=f"(kh * {L} + t) * {D}",
                  v_row=f"(kh * {Lv} + t) * {D}", n_keys="n", scale=op.attrs["scale"], out_off=f"h * {D}",
-                 q=q, k=k, v=v, mask_expr=mexpr, mask_kind=kind, setup=setup)
+                 q=q, k=k, v=v, mask_expr=mexpr, mask_kind=kind, setup=setup, softcap=op.attrs.get("softcap", 0.0))
 
 
 def _attention_tokens(ctx: Ctx) -> None:
@@ -304,13 +308,14 @@ def _attention_tokens(ctx: Ctx) -> None:
         n_keys = str(L)
     _attend_rows(ctx, rows=B * hq * K, D=D, Dv=D, q_off=f"h * {D}", k_row=f"(kh * {L} + t) * {D}",
                  v_row=f"(kh * {Lv} + t) * {D}", n_keys=n_keys, scale=op.attrs["scale"], out_off=f"h * {D}",
-                 q=q, k=k, v=v, mask_expr=mexpr, mask_kind=kind, setup=setup)
+                 q=q, k=k, v=v, mask_expr=mexpr, mask_kind=kind, setup=setup, softcap=op.attrs.get("softcap", 0.0))
 
 
 @emitter("fusec.sdpa")
 def _sdpa(ctx: Ctx) -> None:
     """fusec.sdpa(q [B,Hq,S,D], k [B,Hk,L,D], v [B,Hk,L,Dv], attn_mask, dropout_p, is_causal,
-    scale, enable_gqa): PyTorch SDPA over all L keys; bool mask (False: excluded) or additive
+    scale, enable_gqa[, softcap]): PyTorch SDPA over all L keys (Gemma-2's softcap of the scaled
+    scores first, where it is not 0); bool mask (False: excluded) or additive
     float mask, broadcast to [B,Hq,S,L]; is_causal keeps keys t <= s; one warp per (b, h, s)."""
     a = ctx.args
     q, k, v = ctx.arg_tensor("q"), ctx.arg_tensor("k"), ctx.arg_tensor("v")
@@ -345,4 +350,4 @@ def _sdpa(ctx: Ctx) -> None:
     _attend_rows(ctx, rows=rows, D=D, Dv=Dv, q_off=f"h * {D}", k_row=f"(kh * {L} + t) * {D}",
                  v_row=f"(kh * {L} + t) * {Dv}", n_keys=str(L), scale=scale, out_off=f"h * {Dv}",
                  q=q, k=k, v=v, mask_expr=mexpr, mask_kind=kind, setup=setup,
-                 skip=skip)
+                 skip=skip, softcap=float(a.get("softcap") or 0.0))
