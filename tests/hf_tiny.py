@@ -139,6 +139,19 @@ def gemma2(seed=0, window=128):
     return _nonzero_norms(_small(Gemma2Config, Gemma2ForCausalLM, seed, head_dim=16, sliding_window=window), seed)
 
 
+def gemma2_eager(seed=0, window=128):
+    """:func:`gemma2` with ``attn_implementation="eager"`` (HF's recommendation for Gemma-2: its
+    attention logit softcap, here 2.0, applies only there) and q/k projections 8x larger, so that
+    the scores reach the softcap's bend."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+    m = _nonzero_norms(_small(Gemma2Config, Gemma2ForCausalLM, seed, head_dim=16, sliding_window=window,
+                              attn_implementation="eager", attn_logit_softcapping=2.0), seed)
+    for layer in m.model.layers:
+        layer.self_attn.q_proj.weight.mul_(8)
+        layer.self_attn.k_proj.weight.mul_(8)
+    return m
+
+
 def gemma3(seed=0, window=128, layers=2):
     """A tiny ``Gemma3ForCausalLM`` (text): sliding and full layers, q/k norms, four norms per layer
     (``layers=6``: Gemma-3's five sliding layers to one full one)."""

@@ -265,12 +265,7 @@ def test_gemma2_softcapped_eager_attention_compiles_and_matches_eager(steps):
     to its scaled scores, and the logits are eager's (fp32, 1e-4) with no fallback on both the
     sliding and the full layers (before: "attention logit softcapping is not supported", every
     step on the fallback)."""
-    from transformers import Gemma2Config, Gemma2ForCausalLM
-    model = hf_tiny._small(Gemma2Config, Gemma2ForCausalLM, 7, head_dim=16, sliding_window=128,
-                           attn_implementation="eager", attn_logit_softcapping=2.0)
-    for layer in model.model.layers:   # scores of several units, which the softcap bends
-        layer.self_attn.q_proj.weight.mul_(8)
-        layer.self_attn.k_proj.weight.mul_(8)
+    model = hf_tiny.gemma2_eager(seed=7)   # softcap 2.0, scores of several units, which it bends
     errs, w = _decode(model, n=3)
     assert w.fallbacks == [] and w.compiled >= 1, w.fallbacks
     assert max(errs) <= 1e-4 and min(errs) > 0, errs
