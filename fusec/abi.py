@@ -117,7 +117,7 @@ class Fault(Slot):
     skipped the access; the host raises IndexFaultError). ``doc`` is what the message calls it;
     ``INDEX`` is also the code of a generated gather's index (index_select, gather, index)."""
 
-    TOKEN_ID = 1, "token id (embedding row)"
+    TOKEN_ID = 1, "token id or learned position (embedding row)"
     INDEX = 2, "position (table lookup)"
     ROPE_POS = 3, "RoPE position"
     KV_POS = 4, "KV-cache write position"
@@ -129,7 +129,8 @@ def fault_remedy(code: int, value: int, bound: int, what: str) -> str:
     it). A position past fusec's position tables (RoPE cos/sin, computed when the step was
     built for ``[0, bound)``: the KV cache's rows unless option ``position_rows`` is set) is
     one eager computes, so the remedy is that option; any other index out of range is one eager
-    PyTorch raises IndexError for. The kernel's ``INDEX`` code is also a generated gather's."""
+    PyTorch raises IndexError for (an embedding row: a token id, or a learned position past the
+    model's table, GPT-2's ``wpe``). The kernel's ``INDEX`` code is also a generated gather's."""
     if code == Fault.ROPE_POS or (code == Fault.INDEX and what.startswith("position")):
         if value < 0:
             fix = "eager computes RoPE at a negative position; fusec's position tables start at 0"
@@ -139,6 +140,9 @@ def fault_remedy(code: int, value: int, bound: int, what: str) -> str:
                    f"position_rows={value + 1} or more (torch.compile(..., options={{'position_rows': N}}))")
         return fix + ("; a gathered index out of range instead is one eager raises IndexError for"
                       if "gathered" in what else "")
+    if code == Fault.TOKEN_ID:
+        return ("eager PyTorch raises IndexError for it (where the table holds learned positions, GPT-2's wpe: "
+                "the sequence, prompt and new tokens, is longer than the config's max_position_embeddings / n_positions)")
     return "eager PyTorch raises IndexError for it"
 
 

@@ -52,7 +52,7 @@ class Embedding(Instruction):
         vocab = env.g.tensors[op.inputs["table"]].shape[0]
         if not 0 <= tok < vocab:
             from fusec.ir.aten_exec import index_fault
-            raise index_fault(op, "token id (embedding row)", tok, vocab, Fault.TOKEN_ID)
+            raise index_fault(op, Fault.TOKEN_ID.doc, tok, vocab, Fault.TOKEN_ID)
         return tok
 
     @classmethod

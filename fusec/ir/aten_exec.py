@@ -39,7 +39,7 @@ def index_fault(op: Op, what: str, value: int, bound: int, code: Fault, lo: int 
 
 #: gathers whose index range the simulator checks as eager does: base name -> (what, whether a
 #: negative index counts from the end); the CUDA forms (fusec.cuda.gen.data) match
-_GATHERS = {"embedding": ("token id (embedding row)", False), "index": ("index", True),
+_GATHERS = {"embedding": (Fault.TOKEN_ID.doc, False), "index": ("index", True),
             "_unsafe_index": ("index", True), "index_select": ("index", False),
             "gather": ("index", False)}
 
