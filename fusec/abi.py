@@ -132,8 +132,12 @@ def fault_remedy(code: int, value: int, bound: int, what: str) -> str:
     PyTorch raises IndexError for (an embedding row: a token id, or a learned position past the
     model's table, GPT-2's ``wpe``). The kernel's ``INDEX`` code is also a generated gather's."""
     if code == Fault.ROPE_POS or (code == Fault.INDEX and what.startswith("position")):
+        from fusec.config import MAX_CACHE_LEN
         if value < 0:
             fix = "eager computes RoPE at a negative position; fusec's position tables start at 0"
+        elif value >= MAX_CACHE_LEN:
+            fix = (f"eager computes RoPE at any position, fusec's position tables end at {MAX_CACHE_LEN} "
+                   "(fusec.config.MAX_CACHE_LEN, the largest option position_rows)")
         else:
             fix = (f"fusec's position tables were computed for positions [0, {bound}) when the step was built "
                    "(the KV cache's rows) and eager computes any position: build the step with option "

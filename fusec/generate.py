@@ -99,7 +99,10 @@ def _prefill_attention(cuda: bool) -> Any:
 
 
 class _StepCache(dict):
-    """The compiled decode steps kept on a model; copies and pickles of the model start empty."""
+    """The compiled decode steps kept on a model; copies and pickles of the model start empty.
+    ``watch``: the model's :class:`~fusec.frontend.code_fingerprint.CodeWatch` (:func:`_steps_of`)."""
+
+    watch: Any = None
 
     def __deepcopy__(self, memo: dict) -> "_StepCache":
         return _StepCache()
@@ -124,8 +127,6 @@ def _compiled_step(model: torch.nn.Module, sample: bool, temperature: float, top
             BatchDecodeStep(model, sample, temperature, top_k, select_in_graph, *batch)
         steps[key] = PrecompiledStep(wrapper, model, options) if PRECOMPILE and precompile else \
             torch.compile(own_forward(wrapper), backend="fusec", options=options)   # graphs of its own
-    elif isinstance(steps[key], PrecompiledStep):
-        steps[key].check_code()   # the model's code replaced since: dynamo's guards would see it
     return steps[key]
 
 
@@ -227,11 +228,21 @@ class _DecodeSession(session.Session):
 
 
 def _steps_of(model: torch.nn.Module) -> "_StepCache":
-    """The compiled steps and kept sessions of ``model`` (its ``_fusec_generate_steps``; made on first use)."""
+    """The compiled steps and kept sessions of ``model`` (its ``_fusec_generate_steps``; made on
+    first use), emptied first when the model's code changed since the last call (one line)."""
     steps = model.__dict__.get("_fusec_generate_steps")
     if steps is None:
         steps = _StepCache()
         object.__setattr__(model, "_fusec_generate_steps", steps)   # not a submodule: no state_dict entry
+    if steps.watch is None:
+        from fusec.frontend.code_fingerprint import CodeWatch
+        steps.watch = CodeWatch(model)
+    if not any(getattr(s, "busy", False) for s in steps.values()) and steps.watch.changed() and steps:
+        # a module function rebound, a method patched, a hook or an attention function added since
+        # the steps were traced: no guard of theirs sees it (CodeWatch); the next call traces again
+        log.info("fusec.generate: the model's code changed since its steps were traced (a function of its "
+                 "modules, a method, a hook or an attention function replaced): tracing again")
+        steps.clear()
     return steps
 
 
@@ -356,8 +367,6 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: in
     key = (sample, float(temperature) if sample else None, top_k, top_p, select_in_graph,
            repr(sorted(opts.items())), rows) if mask is None else None
     kept, keep = session.take(steps, session.DECODE, key, model, max_len, device)
-    if kept is not None and isinstance(kept.dec.step, PrecompiledStep):
-        kept.dec.step.check_code()   # the model's code replaced since: its next step traces again
     try:
         return _generate(model, input_ids, mask, max_new_tokens, max_len, cuda, sample, select_in_graph,
                          temperature, top_k, top_p, eos, pad, streamer, opts, generator, steps,

@@ -139,6 +139,12 @@ def gemma2(seed=0, window=128):
     return _nonzero_norms(_small(Gemma2Config, Gemma2ForCausalLM, seed, head_dim=16, sliding_window=window), seed)
 
 
+def llama_eager(seed=3):
+    """A tiny Llama (4 heads over 2 KV heads) with ``attn_implementation="eager"``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    return _small(LlamaConfig, LlamaForCausalLM, seed, num_key_value_heads=2, attn_implementation="eager")
+
+
 def gemma2_eager(seed=0, window=128):
     """:func:`gemma2` with ``attn_implementation="eager"`` (HF's recommendation for Gemma-2: its
     attention logit softcap, here 2.0, applies only there) and q/k projections 8x larger, so that

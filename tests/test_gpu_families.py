@@ -37,8 +37,9 @@ FAMILIES = {"llama": hf_tiny.llama, "smollm2": _smollm2, "qwen3": hf_tiny.qwen3,
             # the fourteenth session's: sliding-window cache layers (a Python counter on the host),
             # a graph-made constant (Falcon), learned positions (GPT-2), Phi-1/2, StarCoder2
             "mistral_sw": hf_tiny.mistral_sw, "gemma2": hf_tiny.gemma2, "gemma3": hf_tiny.gemma3,
-            # Gemma-2's eager attention: its logit softcap in the split-KV kind (template argument SC)
-            "gemma2_eager": hf_tiny.gemma2_eager,
+            # eager attention (HF's mask built on the GPU: the causal-mask proof evaluates it on
+            # the CPU), Gemma-2's with its logit softcap in the split-KV kind (template argument SC)
+            "llama_eager": hf_tiny.llama_eager, "gemma2_eager": hf_tiny.gemma2_eager,
             "falcon": hf_tiny.falcon, "gpt2": hf_tiny.gpt2, "phi2": hf_tiny.phi2, "starcoder2": hf_tiny.starcoder2,
             # Falcon-7B's shape (one LayerNorm, multi-query): matvec_group's GELU epilogue
             "falcon_7b": hf_tiny.falcon_7b}

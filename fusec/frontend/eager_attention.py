@@ -355,7 +355,10 @@ def _softcap(ops: list[tuple[str, Node, Any]]) -> float | Refusal:
             f, div = payload
             if not isinstance(f, float):
                 return Refusal("attention logit softcap by a tensor or symbolic factor", n,
-                               "fusec takes a softcap that is a Python number (the model config's)")
+                               "fusec takes a softcap that is a Python number; dynamo makes the config's "
+                               "number a symbolic float under torch.compile(dynamic=True) (HF's "
+                               "CompileConfig(dynamic=True)): compile without dynamic=True (fusec's step "
+                               "serves every cache length without it)")
             c = c / f if div else c * f
     if not c > 0:
         return Refusal(f"attention logit softcap {c} (not positive)", tanh)
@@ -406,5 +409,6 @@ def rewrite_eager_attention(gm: torch.fx.GraphModule) -> int:
                 g.erase_node(n)
     if found:
         gm.recompile()
-        log.info("rewrote %d eager attention(s) as scaled_dot_product_attention", len(found))
+        log.info("rewrote %d eager attention(s) as one scaled_dot_product_attention each (fusec.sdpa with "
+                 "Gemma-2's softcap)", len(found))
     return len(found)

@@ -90,6 +90,7 @@ class HFDecodeCall:
         self._plain: Callable | None = None
         self._prepared: Any = None   # a weak reference to the cache made length-symbolic last
         self.steps: dict[tuple[str, ...], Any] = {}   # one precompiled step per set of argument names
+        self.watch: Any = None   # the model's CodeWatch (_get_compiled_call; not here: see above)
 
     @property
     def options(self) -> dict[str, Any]:
@@ -202,7 +203,12 @@ def _get_compiled_call(original: Callable, self: Any, compile_config: Any) -> Ca
     if not isinstance(mine, HFDecodeCall) or self._last_compile_config != compile_config:
         self._last_compile_config = compile_config
         self._compiled_call = HFDecodeCall(self, compile_config)
-    else:   # once per generate(): the model's code replaced since, which dynamo's guards would see
-        for step in mine.steps.values():
-            step.check_code()
-    return self._compiled_call
+    call = self._compiled_call
+    if call.watch is None:
+        from fusec.frontend.code_fingerprint import CodeWatch
+        call.watch = CodeWatch(self)
+    if call.watch.changed() and call.steps:   # once per generate(): what no kept guard sees (CodeWatch)
+        log.info("fusec: the model's code changed since its generate() step was traced (a function of its modules, "
+                 "a method, a hook or an attention function replaced): tracing again")
+        call.steps.clear()
+    return call

@@ -24,8 +24,8 @@ on module hooks. The key stands in for them: the model class, transformers' and 
 versions, fusec's source, and a digest of the code the model's forward may run, its hooks and
 transformers' attention registry (:mod:`fusec.frontend.code_fingerprint`: a patched
 ``forward``, a rebound module function, a registered attention function or a hook gives
-another key; within one process, :meth:`PrecompiledStep.check_code`, called once per
-``generate()``, traces again after such a change). What that digest does not cover (a global
+another key; within one process, the steps kept for a model are dropped when such a change is
+seen, :class:`fusec.frontend.code_fingerprint.CodeWatch`, and the next call traces again). What that digest does not cover (a global
 flag the model's code reads, code in modules the model's modules import nothing from) a loaded
 step does not see: set the ``cache`` option off (``FUSEC_CACHE=0``) in a process that changes
 such state. The guards kept (every
@@ -408,30 +408,6 @@ class PrecompiledStep:
         self.entries: list[Any] = []        # loaded AOT functions, most recent first
         self.compiled: Callable | None = None   # the fallback, once the precompile failed
         self.marks = _TAKEN                     # dim markings taken off inputs (put back to trace)
-        self.code: tuple[int, str] | None = None   # the entries' model code: identity, digest
-
-    def check_code(self) -> None:
-        """Drop the loaded and traced entries when the model's code changed since they were
-        traced in this process (a function of its modules rebound, a method patched, a hook or
-        an attention function registered: :mod:`fusec.frontend.code_fingerprint`); the next
-        call traces again (or loads the entry stored for the new code). The guards kept cannot
-        see such a change, and a new process's key does. Cheap when nothing changed (the
-        functions' identities, ~1 ms for a Llama on a 2-core CPU): callers call it once per
-        ``generate()``, not per step."""
-        from fusec.frontend.code_fingerprint import model_code_digest, model_code_identity
-        if not self.entries or self.code is None:
-            return
-        identity = model_code_identity(self.model)
-        if identity == self.code[0]:
-            return
-        digest = model_code_digest(self.model)
-        if digest == self.code[1]:   # a function object replaced by the same code
-            self.code = (identity, digest)
-            return
-        log.info("fusec: the model's code changed since its precompiled step was traced (a function of its "
-                 "modules, a method, a hook or an attention function was replaced): tracing again")
-        self.entries.clear()
-        self.code = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.compiled is not None:   # torch.compile traces again when its guards fail
@@ -495,7 +471,6 @@ class PrecompiledStep:
                 if held:
                     log.info("stage %-13s loaded %s (%.1f KiB): dynamo's trace skipped, %.2f s", "precompiled",
                              k[:12], len(art["data"]) / 1024, time.perf_counter() - t0)
-                    self._traced_code(code)
                     return fn
                 log.info("fusec: precompiled step %s: its guards do not hold for these inputs (%s); tracing again",
                          k[:12], _guard_failure(fn, self.module, *args, **kwargs))
@@ -521,12 +496,4 @@ class PrecompiledStep:
         log.info("stage %-13s traced %s in %.2f s%s", "precompiled", k[:12], time.perf_counter() - t0,
                        f", stored ({stored / 1024:.1f} KiB)" if stored else "")
         fn.disable_guard_check()
-        self._traced_code(code)
         return fn
-
-    def _traced_code(self, digest: str) -> None:
-        """Record the model code an entry was bound for (:meth:`check_code`); its identity is
-        taken after the trace (dynamo's trace adds globals to the model's modules)."""
-        from fusec.frontend.code_fingerprint import model_code_identity
-        if self.code is None or self.code[1] != digest:
-            self.code = (model_code_identity(self.model), digest)

@@ -59,7 +59,8 @@ class Env:
                 self.lengths[sym], seen[sym] = n, name
         for t in g.tensors.values():
             if t.role == Role.CONSTANT and t.alias_of is None:
-                self.bufs[t.name] = t.value
+                v = t.value   # a graph constant made on the model's device (HF's eager mask: torch.tensor(0.0, device=...))
+                self.bufs[t.name] = v.to(device) if device is not None and isinstance(v, torch.Tensor) else v
 
     def once(self, key: Any, make: Callable[[], Any]) -> Any:
         """``make()``, computed once per step for ``key`` (kept in :attr:`memo`): what every tile

@@ -159,7 +159,7 @@ def evaluate_many(g: Graph, targets: list[str], counter: str, positions: range,
     # only the weights these ops read: the values read are what a compiled artifact depends on
     # (fusec.pipeline.ValueReads)
     reads = {g.root(x) for op in ops for x in op.reads()}
-    env.bufs.update({n: weights[n] for n in sorted(reads) if n in weights})
+    env.bufs.update({n: weights[n].cpu() for n in sorted(reads) if n in weights})   # small: inv_freq, masks
     base = dict(env.bufs)
 
     def at(value: torch.Tensor) -> tuple[torch.Tensor, ...]:
