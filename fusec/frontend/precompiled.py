@@ -25,10 +25,10 @@ versions, fusec's source, and a digest of the code the model's forward may run, 
 transformers' attention registry (:mod:`fusec.frontend.code_fingerprint`: a patched
 ``forward``, a rebound module function, a registered attention function or a hook gives
 another key; within one process, the steps kept for a model are dropped when such a change is
-seen, :class:`fusec.frontend.code_fingerprint.CodeWatch`, and the next call traces again). What that digest does not cover (a global
-flag the model's code reads, code in modules the model's modules import nothing from) a loaded
-step does not see: set the ``cache`` option off (``FUSEC_CACHE=0``) in a process that changes
-such state. The guards kept (every
+seen, :class:`fusec.frontend.code_fingerprint.CodeWatch`, and the next call traces again). What
+that digest does not cover (a global flag the model's code reads, code in modules the model's
+modules import nothing from) a loaded step does not see: set the ``cache`` option off
+(``FUSEC_CACHE=0``) in a process that changes such state. The guards kept (every
 tensor's shape, dtype, device and stride, the modules' ``training`` flags, the step's
 settings) are checked before every call; a miss traces again for the new inputs.
 """
@@ -208,7 +208,7 @@ def _describe(x: Any) -> Any:
 
 
 def key(module: torch.nn.Module, model: torch.nn.Module, args: tuple, options: dict[str, Any],
-        kwargs: dict[str, Any] | None = None, code: str | None = None) -> str:
+        kwargs: dict[str, Any] | None = None) -> str:
     """The cache key (hex sha256) of precompiling ``module(*args, **kwargs)``: the toolchain
     (:func:`fusec.cache.artifacts.toolchain`, transformers' version), the model's class and
     configuration (``config.to_json_string``), the code its forward may run and its hooks
@@ -216,8 +216,7 @@ def key(module: torch.nn.Module, model: torch.nn.Module, args: tuple, options: d
     be saved), the step module's class and its plain settings, each input's description (tensor
     shapes, dtypes, device types; a cache object's class and its tensors' shapes), the
     parameters' dtypes and devices, fusec's options and the global
-    modes dynamo's tracing depends on. Not the weights' values. ``code``: the model's code
-    digest when the caller has it already."""
+    modes dynamo's tracing depends on. Not the weights' values."""
     from fusec.frontend.code_fingerprint import model_code_digest
     from fusec.frontend.warm import global_modes
     from fusec.cache.artifacts import toolchain
@@ -232,7 +231,7 @@ def key(module: torch.nn.Module, model: torch.nn.Module, args: tuple, options: d
     parts = {**toolchain(), "kind": KIND, "transformers": tf_version,
              "model": f"{type(model).__module__}.{type(model).__qualname__}",
              "config": cfg.to_json_string() if hasattr(cfg, "to_json_string") else repr(cfg),
-             "code": code or model_code_digest(model),
+             "code": model_code_digest(model),
              "module": f"{type(module).__module__}.{type(module).__qualname__}", "settings": settings,
              "args": [_describe(a) for a in args], "params": params,
              **({"kwargs": {k: _describe(v) for k, v in sorted(kwargs.items())}} if kwargs else {}),
@@ -447,10 +446,7 @@ class PrecompiledStep:
         cache = ArtifactCache.for_options(opts)
         try:
             from torch._dynamo.aot_compile import AOTCompiledFunction
-
-            from fusec.frontend.code_fingerprint import model_code_digest
-            code = model_code_digest(self.model)
-            k = key(self.module, self.model, args, self.options, kwargs, code=code)
+            k = key(self.module, self.model, args, self.options, kwargs)
         except Exception as e:   # noqa: BLE001 - no precompile API, or no key: the fallback
             log.info("fusec: no precompiled step (%s: %s); dynamo traces the model in every process",
                      type(e).__name__, str(e)[:200])
