@@ -103,3 +103,34 @@ def test_a_forward_hook_added_between_calls_is_seen(factory, cache, tmp_path, mo
         assert torch.equal(fusec.generate(model, prompt, 8, eos_token_id=[], options=OPTS), ref)
     assert not w.fallbacks, w.fallbacks
     assert len(_records(caplog, "the model's code changed")) == 2
+
+
+def test_nothing_changed_traces_nothing_again_in_a_new_process(tmp_path):
+    """A new process: fusec.generate, then HF generate() through fusec on the same model (whose
+    device loop reuses fusec.generate's step): no "code changed" line and nothing compiled the
+    second time (the first trace imports fusec's backend, which patches transformers; a watch
+    that looked before that saw a change)."""
+    import subprocess
+    import sys
+    script = tmp_path / "run.py"
+    script.write_text(
+        "import logging, torch, fusec\n"
+        "from fusec.fallbacks import FallbackWatch\n"
+        "from transformers import LlamaConfig, LlamaForCausalLM, CompileConfig\n"
+        "logging.basicConfig(); logging.getLogger('fusec').setLevel(logging.INFO)\n"
+        "torch.manual_seed(0)\n"
+        "model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,\n"
+        "    num_attention_heads=4, num_key_value_heads=2, vocab_size=128)).eval()\n"
+        "ids = torch.randint(0, 128, (1, 5))\n"
+        "cc = CompileConfig(backend='fusec'); cc._compile_all_devices = True\n"
+        "with FallbackWatch() as w: fusec.generate(model, ids, max_new_tokens=4, options={'num_sms': 8})\n"
+        "print('first', w.compiled)\n"
+        "cc.options = {'num_sms': 8}\n"
+        "with FallbackWatch() as w: model.generate(ids, max_new_tokens=4, do_sample=False,\n"
+        "    cache_implementation='static', compile_config=cc)\n"
+        "print('second', w.compiled, len(w.fallbacks))\n")
+    env = {**__import__("os").environ, "FUSEC_CACHE": "1", "FUSEC_CACHE_DIR": str(tmp_path / "cache")}
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "first 1" in res.stdout and "second 0 0" in res.stdout, (res.stdout, res.stderr[-2000:])
+    assert "code changed" not in res.stderr, res.stderr[-2000:]

@@ -198,6 +198,9 @@ class CodeWatch:
     ``torch.compile`` either. The compiled steps kept for a model are dropped when it says so."""
 
     def __init__(self, model: torch.nn.Module):
+        # the backend's import patches transformers (its RoPE and SDPA polyfills): before the first
+        # look, or the first trace would look like a change of the model's code
+        import fusec.frontend.backend  # noqa: F401
         self.model = model
         self._objs: list[Any] | None = None
         self._digest: str | None = None
