@@ -457,6 +457,14 @@ __device__ __forceinline__ int attention_out_row(int h) {
   else return h;
 }
 
+// Gemma-2's attention logit softcap of a scaled score x, cap * tanh(x / cap), where the op has one
+// (SC; fusec.sdpa's softcap, HF Gemma2's eager attention: before the mask); x itself otherwise
+template <int SC>
+__device__ __forceinline__ float attention_softcap(float x, float cap) {
+  if constexpr (SC != 0) return cap * tanhf(x / cap);
+  else return (void)cap, x;
+}
+
 // One batch of merge_split_kv: partials [c0, c0 + NB) of head h (those past na: m = -inf, l = o = 0),
 // element t of o, every load issued before any use ({m, l} as one float2: 8-byte aligned)
 template <int NB, int D, int NC>
