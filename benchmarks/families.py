@@ -156,21 +156,23 @@ PUBLISHED: dict[str, Published] = {
 
 
 def build(name: str, config: str, device: str | torch.device,
-          layers: int | None = None) -> tuple[torch.nn.Module, str]:
+          layers: int | None = None, attn: str = "sdpa") -> tuple[torch.nn.Module, str]:
     """The family's model in bf16 on ``device`` (eval, no grad) and its configuration label.
 
     ``layers``: the decoder depth of a published configuration (None: the checkpoint's own,
-    ``Published.layers``); a tiny model keeps its own."""
+    ``Published.layers``); a tiny model keeps its own. ``attn``: the published configuration's
+    ``attn_implementation`` ("sdpa" or "eager"; a tiny model keeps its own)."""
     if config == "published" and name in PUBLISHED:
         import transformers
         pub = PUBLISHED[name]
         n = pub.layers if layers is None else layers
         cfg = getattr(transformers, pub.config_cls)(**{**pub.kwargs, "num_hidden_layers": n,
-                                                       "attn_implementation": "sdpa"})
+                                                       "attn_implementation": attn})
         torch.manual_seed(0)
         with _common._default_dtype(torch.bfloat16), torch.device(device), _common._skip_torch_default_init():
             model = getattr(transformers, pub.model_cls)(cfg)
-        return model.eval().requires_grad_(False), f"{pub.label} ({n} layers)"
+        suffix = "" if attn == "sdpa" else f", {attn} attention"
+        return model.eval().requires_grad_(False), f"{pub.label} ({n} layers{suffix})"
     model = FAMILIES[name]().to(device=device, dtype=torch.bfloat16)
     return model, f"tiny ({model.config.num_hidden_layers} layers)"
 
@@ -275,7 +277,7 @@ def bench_family(name: str, args: argparse.Namespace) -> dict[str, Any]:
     from transformers import StaticCache
 
     from fusec.fallbacks import FallbackWatch
-    model, label = build(name, args.config, DEVICE, args.layers)
+    model, label = build(name, args.config, DEVICE, args.layers, args.attn)
     layers, read = model.config.num_hidden_layers, step_read_bytes(model)
     row: dict[str, Any] = {"config": label, "layers": layers, "params": sum(p.numel() for p in model.parameters()),
                            "read_bytes": read, "floor_ms": read / args.bandwidth * 1e3}
@@ -337,7 +339,7 @@ def dry_run(names: list[str], args: argparse.Namespace) -> int:
           f"{'read GB':>7} {'floor ms':>8}  rope / cache layers")
     for name in names:
         dev = "meta" if args.config == "published" and name in PUBLISHED else "cpu"
-        model, label = build(name, args.config, dev, args.layers)
+        model, label = build(name, args.config, dev, args.layers, args.attn)
         c = model.config
         kinds = {type(x).__name__ for x in StaticCache(config=c, max_cache_len=args.max_cache_len).layers}
         heads = f"{c.num_attention_heads}/{getattr(c, 'num_key_value_heads', None) or c.num_attention_heads}"
@@ -395,6 +397,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=layers_arg, default="full", metavar="full|N",
                     help="decoder layers of a published configuration: 'full' (default) is each "
                          "checkpoint's own, N overrides (the tiny models keep theirs)")
+    ap.add_argument("--attn", choices=("sdpa", "eager"), default="sdpa",
+                    help="the published configurations' attn_implementation (default %(default)s)")
     ap.add_argument("--prefill", type=int, default=PREFILL, help="eager prefill tokens (default %(default)s)")
     ap.add_argument("--max-cache-len", type=int, default=MAX_CACHE_LEN,
                     help="StaticCache length (default %(default)s)")

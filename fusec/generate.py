@@ -455,9 +455,8 @@ def _generate(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tenso
         while pos < max_new_tokens and end is None:
             if dec is None:
                 counted = host_counted(cache)
-                if not counted:
-                    from fusec.frontend.static_cache import length_symbolic
-                    length_symbolic(cache)
+                from fusec.frontend.static_cache import length_symbolic
+                length_symbolic(cache, getattr(model.config.get_text_config(decoder=True), "sliding_window", None))
                 if counted:
                     log.info("fusec.generate: the cache's sliding-window layers count positions in Python; "
                              "each step is launched on its own (no CUDA graph, no precompiled step)")

@@ -394,7 +394,7 @@ def _attention(g: Graph, weights: dict[str, torch.Tensor]) -> int:
         if kc and vc and kc[1] == vc[1] and not dropout and not is_causal and mask is not None:
             rows = g.tensors[kc[0]].shape[2]   # this layer's cache: a sliding window's may be shorter
             if (mask, rows) not in checked:
-                checked[mask, rows] = mask_proofs.causal_counter(g, mask, dep, ctrs, weights, rows)
+                checked[mask, rows] = _causal(g, mask, dep, ctrs, weights, rows, (kc[0], vc[0]))
             ins = {"q": q, "k": kc[0], "v": vc[0], "pos": checked[mask, rows]}
             wp = _write_position(g, new_ops, kc[0])
             fixed_row = wp is not None and position.only_counter(dep, g, wp, ctrs) is None
@@ -434,6 +434,24 @@ def _attention(g: Graph, weights: dict[str, torch.Tensor]) -> int:
         n += 1
     g.ops = new_ops
     return n
+
+
+def _causal(g: Graph, mask: str, dep, ctrs, weights, rows: int, caches: tuple[str, str]) -> str | None:
+    """:func:`fusec.ir.mask_proofs.causal_counter` of ``mask`` over ``rows``; where the caches'
+    rows are a run-time length (evaluated at the capacity) and the mask is causal only below
+    some position P (a sliding window of P rows before it is full: HF's sliding layer holds at
+    most P rows, and dynamo's guard keeps its positions below its rows), also its counter, with
+    P the capacity of that length (``Graph.lengths``: a longer cache runs eagerly)."""
+    syms = {g.tensors[g.root(c)].sym.get(2) for c in caches}
+    if None in syms or not syms <= set(g.lengths):
+        return mask_proofs.causal_counter(g, mask, dep, ctrs, weights, rows)
+    c, below = mask_proofs.causal_below(g, mask, dep, ctrs, weights, rows)
+    if c is not None and below < rows:
+        log.info("attention mask %s causal below position %d only: caches %s of at most %d rows",
+                 mask, below, ", ".join(caches), below)
+        for sym in syms:
+            g.lengths[sym] = min(g.lengths[sym], below)
+    return c
 
 
 def _write_position(g: Graph, ops_before: list[Op], cache: str) -> str | None:

@@ -90,22 +90,38 @@ class CompiledStep:
         self._watched: list[tuple[int, int, int, str, Any]] = []
 
     @staticmethod
-    def _length_inputs(g: Graph) -> list[tuple[int, int]]:
-        """(input index, dim) of one input per run-time length symbol (the capacity check)."""
+    def _length_inputs(g: Graph) -> list[tuple[int, int, str]]:
+        """(input index, dim, symbol) of one input per run-time length symbol (the capacity check)."""
         seen, out = set(), []
         for i, n in enumerate(g.inputs):
             for d, sym in g.tensors[n].sym.items():
                 if sym not in seen:
                     seen.add(sym)
-                    out.append((i, d))
+                    out.append((i, d, sym))
         return out
 
     def _grow(self, args: tuple) -> None:
-        """Build the step again for a larger capacity when a cache is longer than the current one."""
-        rows = max((args[i].shape[d] for i, d in self._rows_at if isinstance(args[i], torch.Tensor)), default=0)
-        cap = min(self.graph.lengths.values())
-        if rows <= cap:
+        """Build the step again for a larger capacity when a cache is longer than its length's.
+
+        Raises:
+            CapacityExceeded: no ``rebuild``.
+            FallbackRequired: the length's capacity is a bound of its attention's mask (a
+                sliding window's rows, found by ``recognize``: the built step's graph holds a
+                smaller capacity than the one it was built for), which no rebuild raises:
+                this call runs eagerly."""
+        over = []
+        for i, d, sym in self._rows_at:
+            if isinstance(args[i], torch.Tensor):
+                cap, bound = self._capacity(i, d, sym)
+                if args[i].shape[d] > cap:
+                    over.append((int(args[i].shape[d]), cap, bound, i))
+        if not over:
             return
+        rows, cap, bound, i = max(over)
+        if bound:
+            raise FallbackRequired(f"a KV cache of {rows} rows (input {self.graph.inputs[i]}) is longer than "
+                                   f"the {cap} rows below which its attention mask is causal (a sliding "
+                                   "window's: HF's sliding layer holds at most that many)")
         if self.rebuild is None:
             raise CapacityExceeded(f"a KV cache of {rows} rows is longer than the {cap} this step was built for",
                                    rows)
@@ -115,6 +131,18 @@ class CompiledStep:
         self.graph, self.engine, self.schedule, self._watched = g, None, None, []
         self._rows_at = self._length_inputs(g)
 
+    def _capacity(self, i: int, d: int, sym: str) -> tuple[int, bool]:
+        """The most rows input ``i``'s dim ``d`` (length ``sym``) may have, and whether the
+        passes bounded it below the capacity the step was built for (``recognize``: a mask
+        causal below a window only); from the built step's graph once there is one."""
+        cap = self.graph.lengths[sym]
+        if self.schedule is None:
+            return cap, False
+        sg = self.schedule.graph
+        info = sg.tensors.get(self.graph.inputs[i])
+        built = sg.lengths.get(info.sym.get(d), cap) if info is not None else cap
+        return min(cap, built), built < cap
+
     def __call__(self, *args: Any) -> list[torch.Tensor]:
         if self.fallen_back:
             LAUNCHED[0] = self
@@ -123,13 +151,8 @@ class CompiledStep:
         full = args
         if self._skip:   # the integer sizes dynamo passes for a symbolic length: not step inputs
             args = self._kept(args)
-        if self._rows_at:
-            try:
-                self._grow(args)
-            except FallbackRequired as e:   # a cache longer than fusec's longest: this call only
-                LAUNCHED[0] = self
-                warn_fallback("fusec: running this call eagerly: %s", e)
-                return self.aten_gm(*full)
+        if self._rows_at and not self._rows_fit(args):   # a cache longer than fusec's longest,
+            return self.aten_gm(*full)                   # or than its mask's bound: this call only
         if self.engine is not None and self._watched and self._compiled_in_changed(args):
             self.engine = None
         if self.engine is None:
@@ -144,6 +167,8 @@ class CompiledStep:
                          "above; dynamo and AOT autograd, when they ran, before them: see the capture line)",
                          "compiled", time.perf_counter() - t0)
                 note_compiled()
+                if self._rows_at and not self._rows_fit(args):   # bounded by the passes (_capacity)
+                    return self.aten_gm(*full)
             except NotLengthPolymorphic:
                 raise   # the caller compiles the graph per length instead
             except FusecError as e:
@@ -163,6 +188,16 @@ class CompiledStep:
             except (OSError, ValueError) as e:   # a profile must never break the step
                 log.warning("fusec: timeline not written: %s", e)
         return out
+
+    def _rows_fit(self, args: tuple) -> bool:
+        """:meth:`_grow`; False (with one line) where this call must run eagerly."""
+        try:
+            self._grow(args)
+            return True
+        except FallbackRequired as e:
+            LAUNCHED[0] = self
+            warn_fallback("fusec: running this call eagerly: %s", e)
+            return False
 
     def _kept(self, args: tuple) -> tuple:
         """``args`` without the :attr:`Graph.skip_args` (a getter made once per argument count:

@@ -254,24 +254,65 @@ def _affine(derived: list[torch.fx.Node], placeholders: list[torch.fx.Node],
 
 def _without_max(expr: Any, shape_env: Any) -> Any:
     """``expr`` with each ``Max(a, b)`` / ``Min(a, b)`` replaced by the argument that dynamo's
-    guards make the larger (smaller) wherever this graph runs (HF's rolled window, guarded
-    ``s >= W``: ``Max(0, s - W + 1)`` is ``s - W + 1``), or None where they do not decide."""
+    guards make the larger (smaller) wherever this graph runs, or None where they do not decide.
+    HF's rolled window, guarded ``s >= W``: ``Max(0, s - W + 1)`` is ``s - W + 1``; its window
+    before it is full, guarded ``s < L`` with a symbolic cache length ``L`` (a second length):
+    ``Max(0, s - L + 1)`` is 0."""
     def pick(e: Any) -> Any:
         if len(e.args) != 2:
             raise ValueError(e)
         a, b = e.args
-        try:
-            r = shape_env.bound_sympy(a - b)
-        except Exception as exc:   # noqa: BLE001 - an expression sympy cannot bound: undecided
-            raise ValueError(e) from exc
-        big, small = (a, b) if r.lower >= 0 else (b, a) if r.upper <= 0 else (None, None)
-        if big is None:
+        sign = _sign(a - b, shape_env)
+        if sign is None:
             raise ValueError(e)
+        big, small = (a, b) if sign >= 0 else (b, a)
         return big if "Max" in type(e).__name__ else small
     try:
         return expr.replace(lambda e: type(e).__name__ in ("Max", "Min"), pick)
     except ValueError:
         return None
+
+
+def _sign(expr: Any, shape_env: Any) -> int | None:
+    """1 where ``expr >= 0``, -1 where ``expr <= 0`` wherever this graph runs, else None: first
+    from the symbols' ranges (``bound_sympy``), then from dynamo's guards taken as axioms (a
+    relation between two symbols, ``s < L``, which no range shows)."""
+    import sympy
+    try:
+        r = shape_env.bound_sympy(expr)
+        if r.lower >= 0:
+            return 1
+        if r.upper <= 0:
+            return -1
+    except Exception:   # noqa: BLE001 - an expression sympy cannot bound: try the guards
+        pass
+    try:   # torch's ShapeEnv: the guards recorded so far as axioms, no new guard added
+        axioms = shape_env.get_axioms()
+        same = _equal_symbols(axioms)   # Eq(s36, s27): one symbol for both
+        expr, axioms = expr.xreplace(same), tuple(a.xreplace(same) for a in axioms)
+        for want, sign in ((sympy.Ge(expr, 0), 1), (sympy.Le(expr, 0), -1)):
+            if shape_env._maybe_evaluate_static(want, axioms=axioms) == sympy.true:
+                return sign
+    except Exception:   # noqa: BLE001 - a ShapeEnv without these (another torch): undecided
+        pass
+    return None
+
+
+def _equal_symbols(axioms: tuple) -> dict:
+    """A substitution that makes the symbols that ``Eq(a, b)`` axioms (dynamo's guards: two cache
+    lengths equal) relate one symbol each, the least by name."""
+    parent: dict = {}
+
+    def find(x):
+        while x in parent:
+            x = parent[x]
+        return x
+    for a in axioms:
+        if type(a).__name__ == "Equality" and all(getattr(x, "is_Symbol", False) for x in a.args):
+            x, y = sorted((find(a.args[0]), find(a.args[1])), key=str)
+            if x != y:
+                parent[y] = x
+    return {s: find(s) for s in parent}
 
 
 def _count_on_device(tg: torch.fx.Graph, last: torch.fx.Node, t_out: torch.fx.Node, derived: list[torch.fx.Node],
@@ -304,21 +345,24 @@ def _count_on_device(tg: torch.fx.Graph, last: torch.fx.Node, t_out: torch.fx.No
 
 def _pinned(n: torch.fx.Node) -> int | None:
     """The one value a host integer can take in this graph, or None: dynamo's guards bound its
-    symbols (the graph runs only where they hold), and some expressions have one value within
-    those bounds. HF's sliding-window layer before its window is full: dynamo guards
-    ``cumulative_length_int < W`` (its ``is_full`` branch), so the mask's ``kv_offset =
-    max(cumulative_length_int - W + 1, 0)`` is 0 in that graph, and a mask over positions alone
+    symbols and relate them (the graph runs only where they hold), and some expressions have one
+    value under them. HF's sliding-window layer before its window is full: dynamo guards
+    ``cumulative_length_int < L`` (its ``is_full`` branch; ``L`` the layer's rows, the window or
+    a shorter cache, a symbol under a second cache length), so the mask's ``kv_offset =
+    max(cumulative_length_int - L + 1, 0)`` is 0 in that graph, and a mask over positions alone
     is what ``recognize`` can prove causal."""
     v = _example(n)
     if not isinstance(v, torch.SymInt):
         return None
+    shape_env = v.node.shape_env
     try:
-        r = v.node.shape_env.bound_sympy(v.node.expr)
-    except Exception:   # noqa: BLE001 - an expression sympy cannot bound: not pinned
-        return None
-    if r.is_singleton() and r.lower.is_integer:
-        return int(r.lower)
-    return None
+        r = shape_env.bound_sympy(v.node.expr)
+        if r.is_singleton() and r.lower.is_integer:
+            return int(r.lower)
+    except Exception:   # noqa: BLE001 - an expression sympy cannot bound: try without its Max
+        pass
+    e = _without_max(v.node.expr, shape_env)
+    return int(e) if e is not None and e.is_Integer else None
 
 
 def _size_symbols(nodes: list[torch.fx.Node]) -> set[Any]:

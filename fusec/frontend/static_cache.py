@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers.cache_utils import StaticLayer
+from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
 
 
 class StaticLayerRows(StaticLayer):
@@ -33,18 +33,50 @@ class StaticLayerRows(StaticLayer):
         return super().update(key_states, value_states, *args, **kwargs)
 
 
-def length_symbolic(cache: Any) -> bool:
+class SlidingLayerRows(StaticSlidingWindowLayer):
+    """HF's ``StaticSlidingWindowLayer`` whose ``max_cache_len`` (its rows: the window, or a
+    shorter cache's length) reads its K tensor's rows once it is initialized (symbolic when
+    marked dynamic), so that its mask sizes, its ``is_full`` branch and its window offset follow
+    the tensor's length rather than a Python int dynamo would specialize on. Same values."""
+
+    @property
+    def max_cache_len(self) -> Any:
+        keys = self.__dict__.get("keys")
+        return keys.shape[-2] if isinstance(keys, torch.Tensor) else self.__dict__["max_cache_len"]
+
+    @max_cache_len.setter
+    def max_cache_len(self, value: int) -> None:
+        self.__dict__["max_cache_len"] = value
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """HF's update, after telling dynamo that the V rows are the K rows (as
+        :meth:`StaticLayerRows.update`)."""
+        torch._check(self.values.shape[-2] == self.keys.shape[-2])
+        return super().update(key_states, value_states, *args, **kwargs)
+
+
+def length_symbolic(cache: Any, sliding_window: int | None = None) -> bool:
     """Make the (initialized) static ``cache``'s length symbolic for dynamo: its full-attention
     layers become :class:`StaticLayerRows` and their K and V rows are marked dynamic
-    (``torch._dynamo.maybe_mark_dynamic``). Sliding-window layers are left as they are (their
-    length is the window, and they count positions on the host). Returns whether every layer
-    was changed."""
+    (``torch._dynamo.maybe_mark_dynamic``). A sliding-window layer shorter than the model's
+    ``sliding_window`` (a cache shorter than the window: its rows are the cache's length, which
+    changes with each call's) becomes :class:`SlidingLayerRows`, marked the same way; one of
+    the window's rows (or any, without ``sliding_window``) is left as it is: its length is the
+    window, and its rolled step (past the window) is traced for it. Returns whether every
+    layer was changed."""
     layers = getattr(cache, "layers", ())
     done = 0
     for layer in layers:
-        if type(layer) not in (StaticLayer, StaticLayerRows) or not isinstance(getattr(layer, "keys", None), torch.Tensor):
+        if not isinstance(getattr(layer, "keys", None), torch.Tensor):
             continue
-        layer.__class__ = StaticLayerRows
+        if type(layer) in (StaticLayer, StaticLayerRows):
+            layer.__class__ = StaticLayerRows
+        elif type(layer) in (StaticSlidingWindowLayer, SlidingLayerRows) and sliding_window is not None \
+                and layer.keys.shape[-2] < sliding_window:
+            layer.__class__ = SlidingLayerRows
+        else:
+            continue
         torch._dynamo.maybe_mark_dynamic(layer.keys, 2)
         torch._dynamo.maybe_mark_dynamic(layer.values, 2)
         done += 1

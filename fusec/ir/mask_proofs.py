@@ -63,27 +63,53 @@ def causal_counter(g: Graph, mask: str, dep, ctrs, weights, length: int) -> str 
     one row for every head (``length`` elements), or ``[B, 1, 1, length]`` for a batch of B
     sequences (HF's mask of a batch: one row per sequence, all of them causal when no prompt is
     padded); evaluated in chunks of about 16M mask elements."""
+    c, below = causal_below(g, mask, dep, ctrs, weights, length)
+    return c if below == length else None
+
+
+def causal_below(g: Graph, mask: str, dep, ctrs, weights, length: int) -> tuple[str | None, int]:
+    """``(c, P)``: the position counter ``c`` on which ``mask`` (over ``length`` cache rows)
+    depends alone, and the count ``P`` of positions ``[0, P)`` at which it is the causal mask
+    ``row <= p`` (:func:`causal_counter`: ``P == length``); ``(None, 0)`` where there is no such
+    counter or the mask is not causal at position 0. A sliding-window layer's mask at a cache
+    length of run-time size, evaluated at the capacity: causal below its window W, so ``P`` is W,
+    which bounds that cache's rows (HF's sliding layer has at most W) and its positions. The
+    positions checked are :func:`proof_positions` of ``length``, then every one of
+    :func:`proof_positions` of ``P`` again where the first pass found a position that is not."""
     info = g.tensors[mask]
     c = position.only_counter(dep, g, mask, ctrs)
     if c is None or info.shape[-1] != length:
-        return None
+        return None, 0
     if info.numel != length and (len(info.shape) != 4 or info.shape[0] != g.batch()
                                  or tuple(info.shape[1:]) != (1, 1, length)):
-        return None
+        return None, 0
     if _length_as_value(g, mask):
-        return None
-    positions = proof_positions(length)
+        return None, 0
+    first = _first_not_causal(g, mask, c, weights, proof_positions(length), length)
+    if first is None:
+        return c, length
+    if first == 0 or _first_not_causal(g, mask, c, weights, proof_positions(first), length) is not None:
+        return None, 0
+    return c, first
+
+
+def _first_not_causal(g: Graph, mask: str, c: str, weights, positions: list[int], length: int) -> int | None:
+    """The first of ``positions`` (ascending) at which ``mask`` is not the causal mask, or None."""
     ar = torch.arange(length)
-    for ps in _chunks(positions, info.numel):
+    numel = g.tensors[mask].numel
+    for ps in _chunks(positions, numel):
         m = position.evaluate_many(g, [mask], c, ps, weights)[mask].reshape(len(ps), -1, length)   # a row per sequence
         want = (ar[None, :] <= torch.tensor(ps)[:, None])[:, None, :].expand_as(m)
         if m.dtype == torch.bool:
-            if not torch.equal(m, want):
-                return None
-        elif not (m.is_floating_point() and bool((m[want] == 0).all())
-                  and bool((m[~want] <= torch.finfo(m.dtype).min).all())):
-            return None   # masked rows -inf, or the dtype's lowest (HF's eager mask): softmax
-    return c              # gives them weight 0 either way, as every row keeps its visible row p
+            ok = (m == want).flatten(1).all(1)
+        elif m.is_floating_point():   # masked rows -inf, or the dtype's lowest (HF's eager mask): softmax
+            low = torch.finfo(m.dtype).min   # gives them weight 0 either way, as every row keeps its visible row p
+            ok = torch.where(want, m == 0, m <= low).flatten(1).all(1)
+        else:
+            return ps[0]
+        if not bool(ok.all()):
+            return ps[int((~ok).nonzero()[0])]
+    return None
 
 
 def token_positions(g: Graph, mask: str, dep, ctrs, weights, length: int) -> str | None:
