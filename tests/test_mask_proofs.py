@@ -101,3 +101,36 @@ def test_a_cache_longer_than_fusecs_longest_is_refused_clearly():
         symbolic.capacity(None, MAX_CACHE_LEN + 1)
     with pytest.raises(FallbackRequired, match="longer than fusec's longest"):
         symbolic.capacity(None, symbolic.doubled(MAX_CACHE_LEN + 1))
+
+
+def _window_proof(monkeypatch, length: int, window: int | None, hole: int | None = None):
+    """causal_below over a one-row bool mask of ``length`` rows whose value at counter value p
+    is HF's sliding-window mask ``p - window < row <= p`` (``window`` None: causal), with one
+    wrong element at position ``hole``."""
+    monkeypatch.setattr(position, "only_counter", lambda dep, g, t, ctrs: "c")
+    monkeypatch.setattr(mask_proofs, "_length_as_value", lambda g, t: False)
+    ar = torch.arange(length)
+
+    def evaluate_many(g, names, c, ps, weights):
+        p = torch.tensor(ps)[:, None]
+        m = (ar[None, :] <= p) & ((ar[None, :] > p - window) if window else True)
+        if hole in ps:
+            m[ps.index(hole), 0] = ~m[ps.index(hole), 0]
+        return {"mask": m}
+    monkeypatch.setattr(position, "evaluate_many", evaluate_many)
+    g = NS(tensors={"mask": NS(dtype=torch.bool, shape=(1, 1, 1, length), numel=length)}, batch=lambda: 1)
+    return mask_proofs.causal_below(g, "mask", None, None, None, length)
+
+
+@pytest.mark.parametrize("window", [2047, 4096, 777, 1024, 5000])
+def test_a_window_mask_is_causal_below_its_window_at_a_long_capacity(monkeypatch, window):
+    """At a 32768-row capacity (positions sampled past 1024), a window W anywhere, on the
+    sampling grid or not, is proven causal exactly below W (the first non-causal position is
+    searched between the last sampled causal one and the first sampled one that is not)."""
+    assert _window_proof(monkeypatch, 32768, window) == ("c", window)
+
+
+def test_a_mask_wrong_at_one_position_is_causal_only_below_it(monkeypatch):
+    assert _window_proof(monkeypatch, 4096, None) == ("c", 4096)
+    assert _window_proof(monkeypatch, 4096, 1000, hole=500) == ("c", 500)
+    assert _window_proof(monkeypatch, 4096, 1000, hole=0) == (None, 0)

@@ -74,8 +74,9 @@ def causal_below(g: Graph, mask: str, dep, ctrs, weights, length: int) -> tuple[
     counter or the mask is not causal at position 0. A sliding-window layer's mask at a cache
     length of run-time size, evaluated at the capacity: causal below its window W, so ``P`` is W,
     which bounds that cache's rows (HF's sliding layer has at most W) and its positions. The
-    positions checked are :func:`proof_positions` of ``length``, then every one of
-    :func:`proof_positions` of ``P`` again where the first pass found a position that is not."""
+    positions checked are :func:`proof_positions` of ``length``; where one is not causal, every
+    position between it and the checked one before it (the first that is not: ``P``), then
+    :func:`proof_positions` of ``P`` again."""
     info = g.tensors[mask]
     c = position.only_counter(dep, g, mask, ctrs)
     if c is None or info.shape[-1] != length:
@@ -85,9 +86,13 @@ def causal_below(g: Graph, mask: str, dep, ctrs, weights, length: int) -> tuple[
         return None, 0
     if _length_as_value(g, mask):
         return None, 0
-    first = _first_not_causal(g, mask, c, weights, proof_positions(length), length)
+    positions = proof_positions(length)
+    first = _first_not_causal(g, mask, c, weights, positions, length)
     if first is None:
         return c, length
+    k = positions.index(first)   # the first position that is not lies after the last checked one that is
+    gap = _first_not_causal(g, mask, c, weights, list(range(positions[k - 1] + 1 if k else 0, first)), length)
+    first = first if gap is None else gap
     if first == 0 or _first_not_causal(g, mask, c, weights, proof_positions(first), length) is not None:
         return None, 0
     return c, first
