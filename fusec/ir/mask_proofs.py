@@ -63,11 +63,12 @@ def causal_counter(g: Graph, mask: str, dep, ctrs, weights, length: int) -> str 
     one row for every head (``length`` elements), or ``[B, 1, 1, length]`` for a batch of B
     sequences (HF's mask of a batch: one row per sequence, all of them causal when no prompt is
     padded); evaluated in chunks of about 16M mask elements."""
-    c, below = causal_below(g, mask, dep, ctrs, weights, length)
+    c, below = causal_below(g, mask, dep, ctrs, weights, length, search=False)
     return c if below == length else None
 
 
-def causal_below(g: Graph, mask: str, dep, ctrs, weights, length: int) -> tuple[str | None, int]:
+def causal_below(g: Graph, mask: str, dep, ctrs, weights, length: int,
+                 search: bool = True) -> tuple[str | None, int]:
     """``(c, P)``: the position counter ``c`` on which ``mask`` (over ``length`` cache rows)
     depends alone, and the count ``P`` of positions ``[0, P)`` at which it is the causal mask
     ``row <= p`` (:func:`causal_counter`: ``P == length``); ``(None, 0)`` where there is no such
@@ -76,7 +77,7 @@ def causal_below(g: Graph, mask: str, dep, ctrs, weights, length: int) -> tuple[
     which bounds that cache's rows (HF's sliding layer has at most W) and its positions. The
     positions checked are :func:`proof_positions` of ``length``; where one is not causal, every
     position between it and the checked one before it (the first that is not: ``P``), then
-    :func:`proof_positions` of ``P`` again."""
+    :func:`proof_positions` of ``P`` again (``search`` False: ``(None, 0)`` at once)."""
     info = g.tensors[mask]
     c = position.only_counter(dep, g, mask, ctrs)
     if c is None or info.shape[-1] != length:
@@ -90,6 +91,8 @@ def causal_below(g: Graph, mask: str, dep, ctrs, weights, length: int) -> tuple[
     first = _first_not_causal(g, mask, c, weights, positions, length)
     if first is None:
         return c, length
+    if not search:
+        return None, 0
     k = positions.index(first)   # the first position that is not lies after the last checked one that is
     gap = _first_not_causal(g, mask, c, weights, list(range(positions[k - 1] + 1 if k else 0, first)), length)
     first = first if gap is None else gap
