@@ -237,12 +237,8 @@ def _steps_of(model: torch.nn.Module) -> "_StepCache":
     if steps.watch is None:
         from fusec.frontend.code_fingerprint import CodeWatch
         steps.watch = CodeWatch(model)
-    if not any(getattr(s, "busy", False) for s in steps.values()) and steps.watch.changed() and steps:
-        # a module function rebound, a method patched, a hook or an attention function added since
-        # the steps were traced: no guard of theirs sees it (CodeWatch); the next call traces again
-        log.info("fusec.generate: the model's code changed since its steps were traced (a function of its "
-                 "modules, a method, a hook or an attention function replaced): tracing again")
-        steps.clear()
+    if not any(getattr(s, "busy", False) for s in steps.values()):   # no guard of theirs sees it
+        steps.watch.clear_if_changed(steps, "fusec.generate steps were")
     return steps
 
 

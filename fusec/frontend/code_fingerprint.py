@@ -20,11 +20,14 @@ Cost: about 0.1 s for a Llama on a 2-core CPU (a few thousand functions).
 from __future__ import annotations
 
 import hashlib
+import logging
 import sys
 import types
 from typing import Any
 
 import torch
+
+log = logging.getLogger("fusec")
 
 #: closure depth followed from a function (decorators wrap one or two levels)
 _DEPTH = 4
@@ -215,3 +218,11 @@ class CodeWatch:
         moved = self._digest is not None and digest != self._digest
         self._objs, self._digest = objs, digest
         return moved
+
+    def clear_if_changed(self, steps: dict, what: str) -> None:
+        """Empty ``steps`` (the compiled steps kept for the model) when :meth:`changed`, with
+        one line naming ``what`` was traced: the next call traces again."""
+        if self.changed() and steps:
+            log.info("fusec: the model's code changed since its %s traced (a function of its modules, a "
+                     "method, a hook or an attention function replaced): tracing again", what)
+            steps.clear()

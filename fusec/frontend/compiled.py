@@ -77,6 +77,8 @@ class CompiledStep:
         self._skip = frozenset(g.skip_args)
         self._keep: tuple[int, Callable[[tuple], tuple]] | None = None   # (argument count, its getter)
         self._rows_at = self._length_inputs(g)
+        self._limits_of: Schedule | None = None              # the built step _limits_list is for
+        self._limits_list: list[tuple[int, int, int, bool]] | None = None
         self.opts = opts
         self.dump = dump
         self.target = target
@@ -106,15 +108,10 @@ class CompiledStep:
         Raises:
             CapacityExceeded: no ``rebuild``.
             FallbackRequired: the length's capacity is a bound of its attention's mask (a
-                sliding window's rows, found by ``recognize``: the built step's graph holds a
-                smaller capacity than the one it was built for), which no rebuild raises:
-                this call runs eagerly."""
-        over = []
-        for i, d, sym in self._rows_at:
-            if isinstance(args[i], torch.Tensor):
-                cap, bound = self._capacity(i, d, sym)
-                if args[i].shape[d] > cap:
-                    over.append((int(args[i].shape[d]), cap, bound, i))
+                sliding window's rows, :meth:`_limits`), which no rebuild raises: this call
+                runs eagerly."""
+        over = [(int(args[i].shape[d]), cap, bound, i) for i, d, cap, bound in self._limits()
+                if isinstance(args[i], torch.Tensor) and args[i].shape[d] > cap]
         if not over:
             return
         rows, cap, bound, i = max(over)
@@ -129,19 +126,23 @@ class CompiledStep:
         log.info("fusec: a KV cache of %d rows is longer than the step's capacity %d: building it again for %d "
                  "(option max_cache_len sets the capacity)", rows, cap, min(g.lengths.values()))
         self.graph, self.engine, self.schedule, self._watched = g, None, None, []
-        self._rows_at = self._length_inputs(g)
+        self._rows_at, self._limits_list = self._length_inputs(g), None
 
-    def _capacity(self, i: int, d: int, sym: str) -> tuple[int, bool]:
-        """The most rows input ``i``'s dim ``d`` (length ``sym``) may have, and whether the
-        passes bounded it below the capacity the step was built for (``recognize``: a mask
-        causal below a window only); from the built step's graph once there is one."""
-        cap = self.graph.lengths[sym]
-        if self.schedule is None:
-            return cap, False
-        sg = self.schedule.graph
-        info = sg.tensors.get(self.graph.inputs[i])
-        built = sg.lengths.get(info.sym.get(d), cap) if info is not None else cap
-        return min(cap, built), built < cap
+    def _limits(self) -> list[tuple[int, int, int, bool]]:
+        """(input index, dim, the most rows it may have, whether the passes bounded that below
+        the capacity the step was built for) per run-time length: from the built step's graph
+        once there is one (``recognize``: a mask causal below a window only), worked out once
+        per built step."""
+        if self._limits_of is not self.schedule or self._limits_list is None:
+            sg = self.schedule.graph if self.schedule is not None else self.graph
+            out = []
+            for i, d, sym in self._rows_at:
+                cap = self.graph.lengths[sym]
+                info = sg.tensors.get(self.graph.inputs[i])
+                built = sg.lengths.get(info.sym.get(d), cap) if info is not None else cap
+                out.append((i, d, min(cap, built), built < cap))
+            self._limits_of, self._limits_list = self.schedule, out
+        return self._limits_list
 
     def __call__(self, *args: Any) -> list[torch.Tensor]:
         if self.fallen_back:
@@ -167,7 +168,7 @@ class CompiledStep:
                          "above; dynamo and AOT autograd, when they ran, before them: see the capture line)",
                          "compiled", time.perf_counter() - t0)
                 note_compiled()
-                if self._rows_at and not self._rows_fit(args):   # bounded by the passes (_capacity)
+                if self._rows_at and not self._rows_fit(args):   # bounded by the passes (_limits)
                     return self.aten_gm(*full)
             except NotLengthPolymorphic:
                 raise   # the caller compiles the graph per length instead

@@ -207,8 +207,5 @@ def _get_compiled_call(original: Callable, self: Any, compile_config: Any) -> Ca
     if call.watch is None:
         from fusec.frontend.code_fingerprint import CodeWatch
         call.watch = CodeWatch(self)
-    if call.watch.changed() and call.steps:   # once per generate(): what no kept guard sees (CodeWatch)
-        log.info("fusec: the model's code changed since its generate() step was traced (a function of its modules, "
-                 "a method, a hook or an attention function replaced): tracing again")
-        call.steps.clear()
+    call.watch.clear_if_changed(call.steps, "generate() step was")   # once per generate(): no kept guard sees it
     return call

@@ -15,6 +15,14 @@ import torch
 from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
 
 
+def _one_length(layer: Any) -> None:
+    """Tell dynamo that ``layer``'s V cache rows are its K cache's (``torch._check``), before
+    HF's update: the two marked tensors would otherwise keep a length symbol each unless some op
+    equates them (HF's ``repeat_kv`` and the mask did for K; with SDPA taking grouped-query
+    inputs nothing does for V), and fusec needs one length per layer."""
+    torch._check(layer.values.shape[-2] == layer.keys.shape[-2])
+
+
 class StaticLayerRows(StaticLayer):
     """HF's ``StaticLayer`` whose attention-mask length is its cache tensor's rows
     (``keys.shape[-2]``: symbolic when marked dynamic) rather than the int ``max_cache_len``.
@@ -25,11 +33,7 @@ class StaticLayerRows(StaticLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """HF's update, after telling dynamo that the V cache's rows are the K cache's
-        (``torch._check``): the two marked tensors would otherwise keep a length symbol each
-        unless some op equates them (HF's ``repeat_kv`` and the mask did for K; with SDPA
-        taking grouped-query inputs nothing does for V), and fusec needs one length per layer."""
-        torch._check(self.values.shape[-2] == self.keys.shape[-2])
+        _one_length(self)
         return super().update(key_states, value_states, *args, **kwargs)
 
 
@@ -50,9 +54,7 @@ class SlidingLayerRows(StaticSlidingWindowLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """HF's update, after telling dynamo that the V rows are the K rows (as
-        :meth:`StaticLayerRows.update`)."""
-        torch._check(self.values.shape[-2] == self.keys.shape[-2])
+        _one_length(self)
         return super().update(key_states, value_states, *args, **kwargs)
 
 
