@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import hf_tiny
-from fusec.instructions.attention_rules import MAX_TILE_HEADS, q_groups
+from fusec.instructions.attention_rules import MAX_TILE_HEADS, q_groups, tile_heads
 
 
 def test_the_parts_are_the_fewest_equal_ones_of_at_most_max_tile_heads():
@@ -17,6 +17,31 @@ def test_the_parts_are_the_fewest_equal_ones_of_at_most_max_tile_heads():
         assert rep % k == 0 and rep // k <= MAX_TILE_HEADS
         assert all(rep % j or rep // j > MAX_TILE_HEADS for j in range(1, k))   # no fewer would do
     assert [q_groups(r) for r in (1, 4, 7, 8, 12, 16, 71)] == [1, 1, 1, 1, 2, 2, 71]
+
+
+def test_the_tile_heads_knob_bounds_the_parts():
+    """FUSEC_ATTN_TILE_HEADS (the defines option) caps a tile's heads below MAX_TILE_HEADS:
+    Qwen2.5-0.5B's 7 heads per KV head become 7 tile groups of one at 1 (and at 2..6: 7 has no
+    other divisor), Llama's 4 become 2 of 2 at 2; out-of-range values are clamped."""
+    assert tile_heads({}) == MAX_TILE_HEADS
+    assert [tile_heads({"defines": {"FUSEC_ATTN_TILE_HEADS": n}}) for n in (0, 1, 3, 8, 99)] == [1, 1, 3, 8, 8]
+    assert [q_groups(7, n) for n in (1, 2, 6, 7, 8)] == [7, 7, 7, 1, 1]
+    assert [q_groups(4, n) for n in (1, 2, 3, 4)] == [4, 2, 2, 1]
+
+
+@pytest.mark.parametrize("heads", [1, 2])
+def test_a_group_cut_by_the_tile_heads_knob_equals_eager(heads, steps):
+    """A Qwen2.5-shaped GQA group (7 query heads over 1 KV head) cut by FUSEC_ATTN_TILE_HEADS
+    into 7 tile groups of one head: decode after prefills of 3, 17 and 40 tokens equals eager
+    on the simulator, no fallback, the op carries q_groups 7."""
+    import step_util
+    model = hf_tiny.llama(hidden=112, heads=7, kv_heads=1, head_dim=16)
+    options = {"num_sms": 24, "defines": {"FUSEC_ATTN_TILE_HEADS": heads}}
+    errs, w = step_util.prompts_against_eager(model, options, (3, 17, 40))
+    assert max(errs.values()) < 1e-4, errs
+    assert not w.fallbacks and w.compiled >= 1, w.fallbacks
+    att = [o for st in steps for o in st.schedule.graph.ops if o.kind == "attention_partial"]
+    assert att and all(o.attrs.get("q_groups") == 7 for o in att)
 
 
 def _falcon_mqa():

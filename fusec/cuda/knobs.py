@@ -96,6 +96,11 @@ TABLE: tuple[Knob, ...] = (
          "L2 round trips). Llama-3.2-1B, one process (H100, 2026-12-05, docs/batch.md): B = 8 "
          "1.371 -> 1.355 ms, K = 4 1.365 -> 1.319, K = 8 1.489 -> 1.467; B = 1 and B = 16 (8 "
          "chunks a thread: the warp path) unchanged"),
+    Knob("FUSEC_ATTN_TILE_HEADS", 8,
+         "the most query heads of a GQA group one split-KV tile computes (1 to 8): a group of more "
+         "is cut into equal parts, each a tile group of its own that reads the KV head's rows "
+         "again (from L2), so more tiles share the heads' work and each merge is smaller. Lowering "
+         "reads it (the op's q_groups): set it through the defines option"),
     Knob("FUSEC_ATTN_BLOCK_ROWS", 512,
          "the most cache rows a split-KV tile scores in one block (shared memory: heads x rows x 4 "
          "bytes); a split of more rows runs block after block, each a dependent round of scores, "

@@ -32,11 +32,19 @@ def max_block(options: dict) -> int:
 MAX_TILE_HEADS = 8
 
 
-def q_groups(rep: int) -> int:
+def tile_heads(options: dict) -> int:
+    """The most query heads one split-KV tile computes: the kernel knob ``FUSEC_ATTN_TILE_HEADS``
+    among the ``defines`` option, else its default, clamped to ``[1, MAX_TILE_HEADS]``."""
+    n = int(options.get("defines", {}).get("FUSEC_ATTN_TILE_HEADS", KNOBS["FUSEC_ATTN_TILE_HEADS"]))
+    return max(1, min(MAX_TILE_HEADS, n))
+
+
+def q_groups(rep: int, max_heads: int = MAX_TILE_HEADS) -> int:
     """The parts a GQA group of ``rep`` query heads is cut into: the fewest, ``k``, that divide
-    ``rep`` with at most :data:`MAX_TILE_HEADS` heads each (1 for ``rep <= 8``; 12 -> 2 of 6,
-    71 -> 71 of 1). Equal parts keep the template's heads per tile a constant."""
-    return next(k for k in range(1, rep + 1) if rep % k == 0 and rep // k <= MAX_TILE_HEADS)
+    ``rep`` with at most ``max_heads`` (:data:`MAX_TILE_HEADS` unless given) heads each (1 for
+    ``rep <= 8``; 12 -> 2 of 6, 71 -> 71 of 1). Equal parts keep the template's heads per tile a
+    constant."""
+    return next(k for k in range(1, rep + 1) if rep % k == 0 and rep // k <= max_heads)
 
 
 def _seqs(g: Graph, att: Op) -> int:
@@ -102,7 +110,7 @@ def split_attention(c: Ctx, m: dict) -> list[Op]:
     b, hkv, L, d = kc.shape
     nkv = b * hkv   # a batch of B sequences: B * Hkv KV heads (the cache's flat layout)
     nq = g.tensors[att.inputs["q"]].numel // d
-    hs = q_groups(nq // nkv)
+    hs = q_groups(nq // nkv, tile_heads(c.options))
     n_chunks = max(1, min(math.ceil(L / 16), c.options["num_sms"] // (nkv * hs)))
     chunk = math.ceil(math.ceil(L / n_chunks) / 16) * 16
     block = max_block(c.options)
