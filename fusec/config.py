@@ -342,11 +342,16 @@ class Options:
             values[k] = int(v)
         o.defines = values
         if o.defines:
-            from fusec.cuda.knobs import KNOBS   # the kernel's knobs (a misspelt one would do nothing)
+            from fusec.cuda.knobs import KNOBS, RANGES   # the kernel's knobs (a misspelt one would do nothing)
             unknown = sorted(set(o.defines) - set(KNOBS))
             if unknown:
                 raise FusecError(f"option defines{via('defines')}: unknown kernel knob(s) {unknown}; "
                                  f"known: {sorted(KNOBS)}")
+            for k, v in o.defines.items():
+                lo, hi = RANGES.get(k, (None, None))
+                if (lo is not None and v < lo) or (hi is not None and v > hi):
+                    raise FusecError(f"option defines{via('defines')}: {k}={v} is out of range; it takes "
+                                     f"{lo if lo is not None else '...'} to {hi if hi is not None else '...'}")
         return o
 
 

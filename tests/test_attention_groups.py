@@ -22,9 +22,16 @@ def test_the_parts_are_the_fewest_equal_ones_of_at_most_max_tile_heads():
 def test_the_tile_heads_knob_bounds_the_parts():
     """FUSEC_ATTN_TILE_HEADS (the defines option) caps a tile's heads below MAX_TILE_HEADS:
     Qwen2.5-0.5B's 7 heads per KV head become 7 tile groups of one at 1 (and at 2..6: 7 has no
-    other divisor), Llama's 4 become 2 of 2 at 2; out-of-range values are clamped."""
+    other divisor), Llama's 4 become 2 of 2 at 2; a value outside 1..8 is a FusecError naming
+    the knob and its range (0 or -1 read as "no cap" would give the opposite, one head a tile)."""
+    from fusec.config import Options
+    from fusec.errors import FusecError
     assert tile_heads({}) == MAX_TILE_HEADS
-    assert [tile_heads({"defines": {"FUSEC_ATTN_TILE_HEADS": n}}) for n in (0, 1, 3, 8, 99)] == [1, 1, 3, 8, 8]
+    assert [tile_heads({"defines": Options.from_dict({"defines": {"FUSEC_ATTN_TILE_HEADS": n}}).defines})
+            for n in (1, 3, "8")] == [1, 3, 8]
+    for bad in (0, -1, 9, 100):
+        with pytest.raises(FusecError, match=rf"FUSEC_ATTN_TILE_HEADS={bad} is out of range; it takes 1 to 8"):
+            Options.from_dict({"defines": {"FUSEC_ATTN_TILE_HEADS": bad}})
     assert [q_groups(7, n) for n in (1, 2, 6, 7, 8)] == [7, 7, 7, 1, 1]
     assert [q_groups(4, n) for n in (1, 2, 3, 4)] == [4, 2, 2, 1]
 

@@ -14,10 +14,13 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Knob:
-    """One kernel knob: its ``#define`` name, default value (an int) and what it does."""
+    """One kernel knob: its ``#define`` name, default value (an int), what it does, and the
+    values it takes where not every int is one (``lo``..``hi``, inclusive; None: no bound)."""
     name: str
     default: int
     doc: str
+    lo: int | None = None
+    hi: int | None = None
 
 
 TABLE: tuple[Knob, ...] = (
@@ -100,7 +103,7 @@ TABLE: tuple[Knob, ...] = (
          "the most query heads of a GQA group one split-KV tile computes (1 to 8): a group of more "
          "is cut into equal parts, each a tile group of its own that reads the KV head's rows "
          "again (from L2), so more tiles share the heads' work and each merge is smaller. Lowering "
-         "reads it (the op's q_groups): set it through the defines option"),
+         "reads it (the op's q_groups): set it through the defines option", lo=1, hi=8),
     Knob("FUSEC_ATTN_BLOCK_ROWS", 512,
          "the most cache rows a split-KV tile scores in one block (shared memory: heads x rows x 4 "
          "bytes); a split of more rows runs block after block, each a dependent round of scores, "
@@ -156,6 +159,9 @@ TABLE: tuple[Knob, ...] = (
 
 #: name -> default, in the order the kernel's header defines them
 KNOBS: dict[str, int] = {k.name: k.default for k in TABLE}
+#: name -> (lo, hi) of the knobs that declare the values they take (:class:`Knob`)
+RANGES: dict[str, tuple[int | None, int | None]] = {k.name: (k.lo, k.hi) for k in TABLE
+                                                     if k.lo is not None or k.hi is not None}
 
 #: The latency knobs' values before 2026-12-02 (all off; §16 and FUSEC_ATTN_LANES / _V_SCATTER of §17): the GPU
 #: knob test and the Qwen3 / Qwen2 family GPU tests keep that path checked

@@ -34,7 +34,8 @@ MAX_TILE_HEADS = 8
 
 def tile_heads(options: dict) -> int:
     """The most query heads one split-KV tile computes: the kernel knob ``FUSEC_ATTN_TILE_HEADS``
-    among the ``defines`` option, else its default, clamped to ``[1, MAX_TILE_HEADS]``."""
+    among the ``defines`` option (:class:`fusec.config.Options` takes 1 to 8 only), else its
+    default; at most :data:`MAX_TILE_HEADS`."""
     n = int(options.get("defines", {}).get("FUSEC_ATTN_TILE_HEADS", KNOBS["FUSEC_ATTN_TILE_HEADS"]))
     return max(1, min(MAX_TILE_HEADS, n))
 
