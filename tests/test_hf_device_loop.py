@@ -263,3 +263,18 @@ def test_prompt_lookup_on_a_sliding_window_model_runs_hfs_assisted_decoding(capl
                              compile_config=_cc())
     assert torch.equal(out, ref)
     assert any("(a sliding-window model" in r.getMessage() for r in caplog.records)
+
+
+def test_prompt_lookup_with_a_static_cache_that_fusec_does_not_take_warns_before_hfs_error(caplog):
+    """The same model with cache_implementation="static": HF's assisted decoding raises its own
+    ValueError (it refuses static caches), which names no reason; fusec's line before it is a
+    warning that says why fusec did not take the call and what to change."""
+    model = hf_tiny.mistral_sw()
+    model.generation_config.pad_token_id = 0
+    prompt = torch.randint(1, 128, (1, 12), generator=torch.Generator().manual_seed(5))
+    with caplog.at_level("INFO", logger="fusec"), pytest.raises(ValueError, match="Static cache"):
+        model.generate(prompt, max_new_tokens=8, do_sample=False, prompt_lookup_num_tokens=3,
+                       cache_implementation="static", compile_config=_cc())
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("(a sliding-window model" in m and "refuses a static cache" in m
+               and "drop cache_implementation='static'" in m for m in warned), warned

@@ -215,16 +215,36 @@ def _eos(stopping_criteria: Any) -> list[int]:
     return ids
 
 
-def _tell(model: Any, why: str, asked: bool = False, lookup: bool = False, assistant: bool = False) -> None:
+#: what HF's assisted decoding says of a static cache (transformers' generate(), 5.x)
+_HF_STATIC_REFUSAL = "assisted generate is not supported with Static cache classes"
+
+
+def _static_cache(generation_config: Any, model_kwargs: dict[str, Any]) -> bool:
+    """Whether generate() asked for a static cache (``cache_implementation="static"`` or a
+    ``StaticCache`` passed), which HF's assisted decoding refuses with a ValueError."""
+    from transformers import StaticCache
+    return getattr(generation_config, "cache_implementation", None) == "static" or \
+        isinstance(model_kwargs.get("past_key_values"), StaticCache)
+
+
+def _tell(model: Any, why: str, asked: bool = False, lookup: bool = False, assistant: bool = False,
+          static: bool = False) -> None:
     """One info line per model and reason (``asked``: the user chose HF's loop; ``lookup``: of
     prompt lookup, which HF runs as assisted decoding; ``assistant``: of assisted decoding with a
-    draft model)."""
+    draft model). ``static`` (with ``lookup`` or ``assistant``: the call asked for a static cache,
+    which HF's assisted decoding refuses with its own error next): a warning that says so, since
+    HF's message does not name the reason fusec did not take the call."""
     told = model.__dict__.setdefault("_fusec_loop_told", set())
     key = ("assistant: " if assistant else "lookup: " if lookup else "") + why
-    if key in told:
+    if key in told and not static:
         return
     told.add(key)
-    if assistant:
+    if static and (assistant or lookup):
+        log.warning("fusec: generate()'s %s is not fusec's here (%s), and HF's own assisted decoding refuses a "
+                    "static cache (it raises %r next): drop cache_implementation='static' for HF's, or use "
+                    "fusec.generate where it takes the model", "assisted decoding" if assistant else "prompt lookup",
+                    why, _HF_STATIC_REFUSAL)
+    elif assistant:
         log.info("fusec: generate()'s assisted decoding runs HF's own, its plain forward (%s); with an "
                  "assistant_model, one greedy prompt without padding runs as fusec.generate's speculative decoding",
                  why)
@@ -326,7 +346,8 @@ def _on_the_device(model: Any, input_ids: torch.Tensor, logits_processor: Any, s
         arguments_refusal(model, input_ids, stopping_criteria, generation_config, streamer, model_kwargs, options,
                           lookup, assistant)
     if why is not None:
-        _tell(model, why, lookup=lookup is not None, assistant=drafts)
+        _tell(model, why, lookup=lookup is not None, assistant=drafts,
+              static=(lookup is not None or drafts) and _static_cache(generation_config, model_kwargs))
         return None
     return run(model, input_ids, stopping_criteria, generation_config, streamer, model_kwargs, options, lookup,
                assistant)
@@ -410,7 +431,7 @@ def _assisted(original: Any) -> Any:
             why = "assistant_tokenizer (a draft model with its own tokenizer)"
         if why is not None and _compile_options(generation_config) is not None \
                 and not getattr(generation_config, "is_assistant", False):
-            _tell(self, why, lookup=True, assistant=True)
+            _tell(self, why, lookup=True, assistant=True, static=_static_cache(generation_config, model_kwargs))
         if out is not None:
             return out
         return original(self, input_ids, logits_processor, stopping_criteria, generation_config,
