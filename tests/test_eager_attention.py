@@ -283,6 +283,29 @@ def test_gemma2_softcapped_eager_attention_compiles_and_matches_eager(steps):
     assert ((capped - plain).norm() / capped.norm()).item() > 2e-3   # 20x the 1e-4 fusec is held to
 
 
+def test_a_softcap_changed_between_calls_falls_back_with_a_line_that_says_so():
+    """Gemma-2's softcap set to another number between two fusec.generate calls: dynamo's
+    automatic dynamic makes it a symbolic float, which fusec does not take; the call falls back
+    (its tokens eager's) with a line that names the change (before, it named dynamic=True only,
+    an option the user never set)."""
+    import fusec
+    model = hf_tiny.gemma2_eager(window=7)
+    p = torch.randint(1, 128, (1, 5), generator=torch.Generator().manual_seed(8))
+    lines = []
+    for cap in (2.0, 0.3):
+        for layer in model.model.layers:
+            layer.self_attn.attn_logit_softcapping = cap
+        ref = model.generate(p, max_new_tokens=4, do_sample=False, pad_token_id=0, eos_token_id=None)
+        with FallbackWatch() as w:
+            out = fusec.generate(model, p, 4, eos_token_id=[], options={"num_sms": 8})
+        assert torch.equal(out, ref)
+        lines.append(w.fallbacks)
+    torch._dynamo.reset()
+    assert lines[0] == [], lines[0]
+    assert any("softcap by a tensor or symbolic factor" in f and "changed between two calls" in f
+               for f in lines[1]), lines[1]
+
+
 def test_gemma2_softcapped_attention_kernel_compiles_with_nvrtc():
     """The bf16 Gemma-2 eager-attention step's kernel: every attention call passes the softcap
     (template argument SC 1, the cap as its last argument) and NVRTC compiles it for sm_90a

@@ -357,8 +357,10 @@ def _softcap(ops: list[tuple[str, Node, Any]]) -> float | Refusal:
                 return Refusal("attention logit softcap by a tensor or symbolic factor", n,
                                "fusec takes a softcap that is a Python number; dynamo makes the config's "
                                "number a symbolic float under torch.compile(dynamic=True) (HF's "
-                               "CompileConfig(dynamic=True)): compile without dynamic=True (fusec's step "
-                               "serves every cache length without it)")
+                               "CompileConfig(dynamic=True)), or once the number changed between two calls "
+                               "(its automatic dynamic): compile without dynamic=True (fusec's step serves "
+                               "every cache length without it), and keep attn_logit_softcapping fixed or "
+                               "call torch._dynamo.reset() after changing it")
             c = c / f if div else c * f
     if not c > 0:
         return Refusal(f"attention logit softcap {c} (not positive)", tanh)
