@@ -85,10 +85,18 @@ def template_dir() -> Path:
     return inside if inside.is_dir() else _HERE.parent / "templates"
 
 
+#: submodules a user reaches as attributes after ``import fusec`` (``fusec.fallbacks.FallbackWatch``)
+_LAZY_MODULES = ("fallbacks", "config", "errors")
+
+
 def __getattr__(name: str):
-    """Lazy exports: ``fusec.generate`` (imports torch and transformers on first use)."""
+    """Lazy exports: ``fusec.generate`` (imports torch and transformers on first use), and the
+    submodules of :data:`_LAZY_MODULES` (imported on first use)."""
     if name == "generate":
         from fusec.generate import generate
         globals()["generate"] = generate
         return generate
+    if name in _LAZY_MODULES:
+        import importlib
+        return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -278,3 +278,31 @@ def test_prompt_lookup_with_a_static_cache_that_fusec_does_not_take_warns_before
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert any("(a sliding-window model" in m and "refuses a static cache" in m
                and "drop cache_implementation='static'" in m for m in warned), warned
+
+
+def test_a_cpu_model_without_compile_all_devices_names_the_setting(caplog):
+    """On a CPU, HF's generate() skips compilation unless compile_config._compile_all_devices is
+    set: fusec never runs (nothing compiles, the tokens are eager's), and fusec's line names that
+    setting instead of a generic "would not compile"."""
+    from transformers.generation import CompileConfig
+    from fusec.fallbacks import FallbackWatch
+    model = _model()
+    prompt = torch.randint(1, 128, (1, 5), generator=torch.Generator().manual_seed(3))
+    ref = model.generate(prompt, max_new_tokens=4, do_sample=False)
+    with FallbackWatch() as w, caplog.at_level("INFO", logger="fusec"):
+        out = model.generate(prompt, max_new_tokens=4, do_sample=False, cache_implementation="static",
+                             compile_config=CompileConfig(backend="fusec"))
+    assert torch.equal(out, ref) and w.compiled == 0
+    lines = [r.getMessage() for r in caplog.records]
+    assert any("compiles only on a CUDA device and the model is on cpu" in m
+               and "_compile_all_devices = True" in m for m in lines), lines
+
+
+def test_fusec_fallbacks_is_an_attribute_after_import_fusec():
+    """``import fusec`` then ``fusec.fallbacks.FallbackWatch()`` (the README's words), in a new
+    process where nothing imported the submodule first."""
+    import subprocess
+    import sys
+    code = "import fusec; w = fusec.fallbacks.FallbackWatch(); print(type(w).__name__, fusec.errors.FusecError.__name__)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.split() == ["FallbackWatch", "FusecError"], out.stderr[-2000:]

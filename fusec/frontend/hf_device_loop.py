@@ -127,6 +127,10 @@ def refusal(model: Any, input_ids: torch.Tensor, logits_processor: Any, stopping
         if why:
             return why
     elif not model._valid_auto_compile_criteria(model_kwargs, generation_config):
+        cc = getattr(generation_config, "compile_config", None)
+        if cc is not None and not getattr(cc, "_compile_all_devices", False) and model.device.type != "cuda":
+            return (f"generate() compiles only on a CUDA device and the model is on {model.device.type}: set "
+                    "compile_config._compile_all_devices = True to run fusec's simulator there")
         return "generate() would not compile this call (no static cache, or compilation disabled)"
     if getattr(model_kwargs.get("past_key_values"), "_is_user_defined", False):
         return "a cache the caller passed (generate() must fill it)"
@@ -253,7 +257,8 @@ def _tell(model: Any, why: str, asked: bool = False, lookup: bool = False, assis
                  "greedy prompt without padding runs as fusec.generate's prompt lookup", why)
     else:
         log.info("fusec: generate() runs HF's decode loop (%s)%s", why,
-                 "" if asked else "; greedy search without logits processors runs as fusec.generate's device loop")
+                 "" if asked else "; where it compiles, greedy search without logits processors runs as "
+                 "fusec.generate's device loop")
 
 
 def run(model: Any, input_ids: torch.Tensor, stopping_criteria: Any, generation_config: Any, streamer: Any,
