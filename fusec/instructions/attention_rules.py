@@ -34,10 +34,9 @@ MAX_TILE_HEADS = 8
 
 def tile_heads(options: dict) -> int:
     """The most query heads one split-KV tile computes: the kernel knob ``FUSEC_ATTN_TILE_HEADS``
-    among the ``defines`` option (:class:`fusec.config.Options` takes 1 to 8 only), else its
-    default; at most :data:`MAX_TILE_HEADS`."""
-    n = int(options.get("defines", {}).get("FUSEC_ATTN_TILE_HEADS", KNOBS["FUSEC_ATTN_TILE_HEADS"]))
-    return max(1, min(MAX_TILE_HEADS, n))
+    among the ``defines`` option, else its default (1 to :data:`MAX_TILE_HEADS`: the knob's
+    range, which :class:`fusec.config.Options` checks)."""
+    return int(options.get("defines", {}).get("FUSEC_ATTN_TILE_HEADS", KNOBS["FUSEC_ATTN_TILE_HEADS"]))
 
 
 def q_groups(rep: int, max_heads: int = MAX_TILE_HEADS) -> int:
