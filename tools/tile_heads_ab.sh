@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine, from the repository root: FUSEC_ATTN_TILE_HEADS (the most query heads of a
-# GQA group one split-KV tile computes; lowering reads it) at 8 (the default) and 1, for the
+# GQA group one split-KV tile computes; lowering reads it) at 8 (the kernels before the default
+# rule, attention_rules.auto_q_groups) and 1, for the
 # families with the most query heads per KV head and the fewest KV heads (Qwen2.5-0.5B: 7 over 2;
 # Gemma-2-2B: 2 over 4), at a short and a long position (cache 4096), full depth, kernel under a
 # CUDA graph (benchmarks/families.py); then the GPU attention tests with the knob at 1.

@@ -99,11 +99,21 @@ TABLE: tuple[Knob, ...] = (
          "L2 round trips). Llama-3.2-1B, one process (H100, 2026-12-05, docs/batch.md): B = 8 "
          "1.371 -> 1.355 ms, K = 4 1.365 -> 1.319, K = 8 1.489 -> 1.467; B = 1 and B = 16 (8 "
          "chunks a thread: the warp path) unchanged"),
-    Knob("FUSEC_ATTN_TILE_HEADS", 8,
+    Knob("FUSEC_ATTN_TILE_HEADS", 0,
          "the most query heads of a GQA group one split-KV tile computes (1 to 8): a group of more "
          "is cut into equal parts, each a tile group of its own that reads the KV head's rows "
-         "again (from L2), so more tiles share the heads' work and each merge is smaller. Lowering "
-         "reads it (the op's q_groups): set it through the defines option", lo=1, hi=8),
+         "again (from L2), so more tiles share the heads' work and each merge is smaller. 0: the "
+         "rule of attention_rules.auto_q_groups (cut while a group's merge has more than 16 "
+         "partials and a tile's K and V at the cache's capacity stay within 128 KiB). Measured "
+         "8 against 1 (H100, full depth, cache 4096, kernel under a CUDA graph, positions 600 / 3000 "
+         "unless said): Qwen2.5-0.5B 1.006 -> 0.833 ms at 100, 1.109 -> 0.939 at 3000; SmolLM2-360M "
+         "0.996 -> 0.922 / 1.007 -> 1.022; Gemma-2-2B 2.293 -> 2.285 at 100, 2.438 -> 2.455 at "
+         "3000; Llama-3.2-1B 1.100 -> 1.069 / 1.112 -> 1.196; Qwen3-0.6B 0.935 -> 0.930 / 1.034 "
+         "-> 1.121 (at 4096 rows the rule cuts the first two only, Gemma-2 up to 2048; at 1024 "
+         "rows: Qwen2.5-0.5B 0.945 -> 0.795, SmolLM2 0.907 -> 0.849, Gemma-2 2.318 -> 2.274, "
+         "docs/performance.md). Lowering reads it (the op's q_groups): set it through the "
+         "defines option",
+         lo=0, hi=8),
     Knob("FUSEC_ATTN_BLOCK_ROWS", 512,
          "the most cache rows a split-KV tile scores in one block (shared memory: heads x rows x 4 "
          "bytes); a split of more rows runs block after block, each a dependent round of scores, "

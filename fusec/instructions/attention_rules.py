@@ -34,8 +34,9 @@ MAX_TILE_HEADS = 8
 
 def tile_heads(options: dict) -> int:
     """The most query heads one split-KV tile computes: the kernel knob ``FUSEC_ATTN_TILE_HEADS``
-    among the ``defines`` option, else its default (1 to :data:`MAX_TILE_HEADS`: the knob's
-    range, which :class:`fusec.config.Options` checks)."""
+    among the ``defines`` option, else its default; 0 (the default): :func:`auto_q_groups` picks
+    the cut (1 to :data:`MAX_TILE_HEADS` otherwise: the knob's range, which
+    :class:`fusec.config.Options` checks)."""
     return int(options.get("defines", {}).get("FUSEC_ATTN_TILE_HEADS", KNOBS["FUSEC_ATTN_TILE_HEADS"]))
 
 
@@ -45,6 +46,47 @@ def q_groups(rep: int, max_heads: int = MAX_TILE_HEADS) -> int:
     ``rep <= 8``; 12 -> 2 of 6, 71 -> 71 of 1). Equal parts keep the template's heads per tile a
     constant."""
     return next(k for k in range(1, rep + 1) if rep % k == 0 and rep // k <= max_heads)
+
+
+#: :func:`auto_q_groups` cuts a group while its merge would combine more partials than this
+MERGE_PARTS = 16
+#: ... and while a tile's K and V rows at the cache's capacity stay within this many bytes
+TILE_KV_BYTES = 128 * 1024
+
+
+def splits(rows: int, groups: int, num_sms: int) -> int:
+    """The split-KV splits per tile group before blocking (:func:`split_attention`): one per 16
+    cache rows, at most the SMs each of ``groups`` tile groups gets."""
+    return max(1, min(math.ceil(rows / 16), num_sms // groups))
+
+
+def auto_q_groups(rep: int, n_kv: int, rows: int, head_dim: int, itemsize: int, num_sms: int) -> int:
+    """The parts a GQA group of ``rep`` query heads is cut into when the knob
+    ``FUSEC_ATTN_TILE_HEADS`` is 0 (its default): of the cuts :func:`q_groups` allows (equal
+    parts of at most :data:`MAX_TILE_HEADS` heads), the fewest whose merge combines at most
+    :data:`MERGE_PARTS` partials per tile group, among those whose tile reads at most
+    :data:`TILE_KV_BYTES` of K and V at the cache's capacity; where none has so few partials, the
+    most parts within those bytes; where no cut is within them, the fewest parts.
+
+    Args:
+        rep: query heads (times query tokens) per KV head; ``n_kv``: KV heads (times sequences);
+        rows: the cache's rows (its capacity); ``head_dim``, ``itemsize``: the cache's head
+        size and bytes per element; ``num_sms``: the SMs the step runs on.
+
+    Why (docs/performance.md, H100, full depth, cache 4096): with few KV heads a group's splits
+    are many and short, and its last tile merges them all (Qwen2.5-0.5B, 2 KV heads of 7 query
+    heads: 66 splits of 7 heads; cut to 14 groups of one head: 9 splits, the step 0.17 ms
+    shorter at positions 100 and 3000); cut further than 16 partials, each group reads its KV
+    head's rows again, and a tile's K and V grow with the cut (Qwen3-0.6B cut to 16 groups of
+    128-wide heads: 256 KiB a tile, 8% slower at 3000)."""
+    ks = [k for k in range(q_groups(rep), rep + 1) if rep % k == 0 and rep // k <= MAX_TILE_HEADS]
+
+    def tile_bytes(k: int) -> int:
+        return math.ceil(rows / splits(rows, n_kv * k, num_sms)) * head_dim * 2 * itemsize
+
+    within = [k for k in ks if tile_bytes(k) <= TILE_KV_BYTES]
+    few = [k for k in within if splits(rows, n_kv * k, num_sms) <= MERGE_PARTS]
+    return few[0] if few else within[-1] if within else ks[0]
 
 
 def _seqs(g: Graph, att: Op) -> int:
@@ -110,8 +152,10 @@ def split_attention(c: Ctx, m: dict) -> list[Op]:
     b, hkv, L, d = kc.shape
     nkv = b * hkv   # a batch of B sequences: B * Hkv KV heads (the cache's flat layout)
     nq = g.tensors[att.inputs["q"]].numel // d
-    hs = q_groups(nq // nkv, tile_heads(c.options))
-    n_chunks = max(1, min(math.ceil(L / 16), c.options["num_sms"] // (nkv * hs)))
+    th = tile_heads(c.options)
+    hs = (q_groups(nq // nkv, th) if th else
+          auto_q_groups(nq // nkv, nkv, L, d, kc.dtype.itemsize, c.options["num_sms"]))
+    n_chunks = splits(L, nkv * hs, c.options["num_sms"])
     chunk = math.ceil(math.ceil(L / n_chunks) / 16) * 16
     block = max_block(c.options)
     if chunk <= block:   # a split is one block: as few splits as hold L
