@@ -71,7 +71,14 @@ class CompileResult:
     def format_summary(self) -> str:
         s = self.summary()
         mb = 1 / (1 << 20)
-        lines = ["fused ops by kind:"]
+        g = self.graph
+        b, k = g.batch(), g.query_tokens()
+        lines = [f"step: {b} sequence{'s' if b != 1 else ''} of {k} query token{'s' if k != 1 else ''}"]
+        if self.opts.query_tokens > k:   # the option is a bound: the captured inputs decide K
+            lines[0] += (f" (option query_tokens={self.opts.query_tokens} is the most a step takes; "
+                         f"the inputs build() returned give {k}: pass input_ids of "
+                         f"{self.opts.query_tokens} tokens for a {self.opts.query_tokens}-token step)")
+        lines.append("fused ops by kind:")
         lines += [f"  {k:<22} {v}" for k, v in s["fused_ops_by_kind"].items()]
         lines.append(f"instructions: {s['instructions']} on {self.schedule.num_sms} SMs, "
                      f"{s['waits']} counter waits")

@@ -430,3 +430,18 @@ def test_option_flag_compiles_a_k_token_step_and_checks_its_values(tmp_path, cap
     with pytest.raises(SystemExit):
         main(["compile", str(f), "--option", "emit_cuda=True"])
     assert "emit_cuda: set it with --emit-cuda" in capsys.readouterr().err
+
+
+def test_summary_names_the_step_shape_and_a_query_tokens_bound_the_inputs_do_not_reach(tmp_path, capsys):
+    """The summary's first line is the step's shape. ``--option query_tokens=4`` is the most
+    query tokens a step takes, not a shape: on a model file whose build() passes one token the
+    step has one, and the line says so and what to pass instead (it compiled a 1-token step
+    silently before)."""
+    example = str(ROOT / "examples" / "tiny_llama.py")
+    assert main(["compile", example, "-o", str(tmp_path / "a")]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first == "step: 1 sequence of 1 query token", first
+    assert main(["compile", example, "-o", str(tmp_path / "b"), "--option", "query_tokens=4"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("step: 1 sequence of 1 query token (option query_tokens=4 is the most"), first
+    assert "pass input_ids of 4 tokens for a 4-token step" in first, first
