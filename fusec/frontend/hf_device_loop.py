@@ -129,7 +129,7 @@ def refusal(model: Any, input_ids: torch.Tensor, logits_processor: Any, stopping
     elif not model._valid_auto_compile_criteria(model_kwargs, generation_config):
         cc = getattr(generation_config, "compile_config", None)
         if cc is not None and not getattr(cc, "_compile_all_devices", False) and model.device.type != "cuda":
-            return (f"generate() compiles only on a CUDA device and the model is on {model.device.type}: set "
+            return (f"{NO_COMPILE_ON_DEVICE} and the model is on {model.device.type}: set "
                     "compile_config._compile_all_devices = True to run fusec's simulator there")
         return "generate() would not compile this call (no static cache, or compilation disabled)"
     if getattr(model_kwargs.get("past_key_values"), "_is_user_defined", False):
@@ -231,9 +231,16 @@ def _static_cache(generation_config: Any, model_kwargs: dict[str, Any]) -> bool:
         isinstance(model_kwargs.get("past_key_values"), StaticCache)
 
 
+#: the start of the reason given where generate() compiles nothing because of the model's device:
+#: a warning (fusec, which the caller asked for, runs nowhere in the call, and HF's own line does
+#: not say why), not an info line
+NO_COMPILE_ON_DEVICE = "generate() compiles only on a CUDA device"
+
+
 def _tell(model: Any, why: str, asked: bool = False, lookup: bool = False, assistant: bool = False,
           static: bool = False) -> None:
-    """One info line per model and reason (``asked``: the user chose HF's loop; ``lookup``: of
+    """One info line per model and reason (a warning where the device keeps generate() from
+    compiling at all, :data:`NO_COMPILE_ON_DEVICE`; ``asked``: the user chose HF's loop; ``lookup``: of
     prompt lookup, which HF runs as assisted decoding; ``assistant``: of assisted decoding with a
     draft model). ``static`` (with ``lookup`` or ``assistant``: the call asked for a static cache,
     which HF's assisted decoding refuses with its own error next): a warning that says so, since
@@ -255,6 +262,8 @@ def _tell(model: Any, why: str, asked: bool = False, lookup: bool = False, assis
     elif lookup:
         log.info("fusec: generate()'s prompt lookup runs as HF's assisted decoding, its plain forward (%s); one "
                  "greedy prompt without padding runs as fusec.generate's prompt lookup", why)
+    elif why.startswith(NO_COMPILE_ON_DEVICE):
+        log.warning("fusec: generate() runs HF's decode loop uncompiled: fusec does not run (%s)", why)
     else:
         log.info("fusec: generate() runs HF's decode loop (%s)%s", why,
                  "" if asked else "; where it compiles, greedy search without logits processors runs as "
