@@ -358,3 +358,34 @@ def test_one_row_window_past_its_window_equals_eager(name, steps):
     assert steps
     for a, b in zip(caches[0].layers, caches[1].layers):
         assert (a.keys - b.keys).abs().max() < 1e-5 and (a.values - b.values).abs().max() < 1e-5
+
+
+def test_a_k_token_step_on_a_full_window_falls_back_with_a_line_that_says_so():
+    """Two query tokens a step (option ``query_tokens=2``, speculative decoding's verification
+    shape) on a Mistral sliding window of 8 rows: before the window fills the step is fusec's;
+    where the new tokens fill it or it is full, HF's sliding-window cache concatenates them to its
+    window (cache_utils.py) and fusec falls back with a line that says that, not that a DynamicCache was
+    passed (it said so before); the logits equal eager's either way."""
+    from transformers import StaticCache
+    model = hf_tiny.mistral_sw(window=8)
+    gen = torch.Generator().manual_seed(4)
+    caches = [StaticCache(config=model.config, max_cache_len=32) for _ in range(2)]
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fusec", options={"num_sms": 8, "query_tokens": 2})
+    with torch.no_grad():
+        p = torch.randint(0, 128, (1, 3), generator=gen)
+        for c in caches:
+            model(input_ids=p, past_key_values=c, use_cache=True)
+        for n in (1, 5):   # position 3 (the window not full), then 13 (full: 3 + 2 + 4 * 2)
+            with FallbackWatch() as w:
+                for _ in range(n):
+                    tok = torch.randint(0, 128, (1, 2), generator=gen)
+                    a = compiled(input_ids=tok, past_key_values=caches[0], use_cache=True).logits
+                    b = model(input_ids=tok, past_key_values=caches[1], use_cache=True).logits
+                    assert ((a - b).norm() / b.norm()).item() < 1e-4
+            if n == 1:
+                assert not w.fallbacks and w.compiled, w.fallbacks
+    torch._dynamo.reset()
+    full = [f for f in w.fallbacks if "sliding-window cache concatenates the 2 new tokens" in f]
+    assert full and "cache_utils.py" in full[0], w.fallbacks
+    assert not any("DynamicCache" in f for f in w.fallbacks), w.fallbacks

@@ -142,8 +142,17 @@ def check_decode_step(gm: torch.fx.GraphModule, query_tokens: int = 1) -> None:
             raise NotDecodeStepError(msg)
     if n == 0:
         raise NotDecodeStepError("not a decode step: the graph has no attention call")
-    for _, _, key in calls:
+    for _, query, key in calls:
         grown = _concatenated(key)
+        q = _val(query)
+        tokens = _concrete(q.shape[2], sizes) if q is not None and q.dim() == 4 else 1
+        if grown is not None and "cache_utils.py" in node_source(grown) and tokens != 1:
+            raise NotDecodeStepError(
+                f"HF's sliding-window cache concatenates the {tokens} new tokens to its window where they "
+                f"fill it or it is full, at {node_source(grown)}: attention over the window's rows and the "
+                "new ones, not a static KV cache of fixed rows; fusec takes a step of several query "
+                "tokens on a sliding-window model until they would fill its window, and one-token steps "
+                "at any length")
         if grown is not None:
             raise NotDecodeStepError(
                 "the KV cache grows by concatenation (a DynamicCache) at "
