@@ -389,3 +389,12 @@ def test_a_k_token_step_on_a_full_window_falls_back_with_a_line_that_says_so():
     full = [f for f in w.fallbacks if "sliding-window cache concatenates the 2 new tokens" in f]
     assert full and "cache_utils.py" in full[0], w.fallbacks
     assert not any("DynamicCache" in f for f in w.fallbacks), w.fallbacks
+    # a DynamicCache's K-token step concatenates too: its line still says so
+    with FallbackWatch() as w, torch.no_grad():
+        from transformers import DynamicCache
+        cache = DynamicCache()
+        model(input_ids=torch.randint(0, 128, (1, 3), generator=gen), past_key_values=cache, use_cache=True)
+        compiled(input_ids=torch.randint(0, 128, (1, 2), generator=gen), past_key_values=cache, use_cache=True)
+    torch._dynamo.reset()
+    assert any("(a DynamicCache)" in f for f in w.fallbacks), w.fallbacks
+    assert not any("sliding-window" in f for f in w.fallbacks), w.fallbacks

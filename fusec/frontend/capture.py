@@ -146,7 +146,7 @@ def check_decode_step(gm: torch.fx.GraphModule, query_tokens: int = 1) -> None:
         grown = _concatenated(key)
         q = _val(query)
         tokens = _concrete(q.shape[2], sizes) if q is not None and q.dim() == 4 else 1
-        if grown is not None and "cache_utils.py" in node_source(grown) and tokens != 1:
+        if grown is not None and tokens != 1 and _window_slice(grown):
             raise NotDecodeStepError(
                 f"HF's sliding-window cache concatenates the {tokens} new tokens to its window where they "
                 f"fill it or it is full, at {node_source(grown)}: attention over the window's rows and the "
@@ -167,6 +167,20 @@ def check_decode_step(gm: torch.fx.GraphModule, query_tokens: int = 1) -> None:
 
 _VIEW_CALLS = {"view", "reshape", "expand", "contiguous", "transpose", "permute", "to", "clone",
                "unsqueeze", "flatten", "__getitem__", "getitem", "expand_as", "repeat_interleave"}
+
+
+def _window_slice(cat: torch.fx.Node) -> bool:
+    """Whether the ``torch.cat`` node ``cat`` (an attention key's) starts with a slice of a tensor
+    (HF's sliding-window cache: ``cat((self.keys[:, :, 1:, :], key_states))`` where the new tokens
+    fill its window or it is full) rather than the whole past (a ``DynamicCache``:
+    ``cat([self.keys, key_states])``)."""
+    parts = cat.args[0] if cat.args else cat.kwargs.get("tensors")
+    first = parts[0] if isinstance(parts, (list, tuple)) and parts else None
+    if not isinstance(first, torch.fx.Node) or first.op != "call_function" or len(first.args) < 2:
+        return False
+    index = first.args[1]
+    return getattr(first.target, "__name__", "") == "getitem" and isinstance(index, tuple) \
+        and any(isinstance(i, slice) and i != slice(None) for i in index)
 
 
 def _concatenated(node: Any) -> torch.fx.Node | None:
