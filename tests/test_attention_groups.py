@@ -39,7 +39,7 @@ def test_the_tile_heads_knob_bounds_the_parts():
 #: published shapes (query heads per KV head, KV heads, head_dim) -> the rule's cut at a bf16
 #: cache of 1024 / 4096 rows on 132 SMs
 PUBLISHED_CUTS = {
-    "Qwen2.5-0.5B": ((7, 2, 64), (7, 7)),     # 2 groups of 66 partials -> 14 of 9 (measured faster)
+    "Qwen2.5-0.5B": ((7, 2, 64), (7, 7)),     # 2 groups of 64-66 partials -> 14 of 8-9 (measured faster)
     "SmolLM2-360M": ((3, 5, 64), (3, 3)),     # 5 of 26 -> 15 of 8 (measured faster at 600)
     "Gemma-2-2B": ((2, 4, 256), (2, 1)),      # at 4096 a cut tile would read 256 KiB (measured even)
     "Llama-3.2-1B": ((4, 8, 64), (1, 1)),     # 8 groups of 16 partials already

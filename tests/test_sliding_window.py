@@ -363,9 +363,9 @@ def test_one_row_window_past_its_window_equals_eager(name, steps):
 def test_a_k_token_step_on_a_full_window_falls_back_with_a_line_that_says_so():
     """Two query tokens a step (option ``query_tokens=2``, speculative decoding's verification
     shape) on a Mistral sliding window of 8 rows: before the window fills the step is fusec's;
-    where the new tokens fill it or it is full, HF's sliding-window cache concatenates them to its
-    window (cache_utils.py) and fusec falls back with a line that says that, not that a DynamicCache was
-    passed (it said so before); the logits equal eager's either way."""
+    where the new tokens fill it or it is full, HF's sliding-window cache concatenates them to
+    its window (cache_utils.py) and fusec falls back with a line that says that, not that a
+    DynamicCache was passed (it said so before); the logits equal eager's either way."""
     from transformers import StaticCache
     model = hf_tiny.mistral_sw(window=8)
     gen = torch.Generator().manual_seed(4)
@@ -376,7 +376,7 @@ def test_a_k_token_step_on_a_full_window_falls_back_with_a_line_that_says_so():
         p = torch.randint(0, 128, (1, 3), generator=gen)
         for c in caches:
             model(input_ids=p, past_key_values=c, use_cache=True)
-        for n in (1, 5):   # position 3 (the window not full), then 13 (full: 3 + 2 + 4 * 2)
+        for n in (1, 5):   # position 3 (the window not full), then 5 to 13 (it fills and rolls)
             with FallbackWatch() as w:
                 for _ in range(n):
                     tok = torch.randint(0, 128, (1, 2), generator=gen)
