@@ -7,8 +7,10 @@ StaticCache under ``torch.compile`` with a backend that only records dynamo's gr
 inputs; then each capture runs ``--repeat`` times and prints its mean milliseconds and ATen op
 count: ``aot_module_simplified`` as fusec calls it (``fusec/frontend/capture.py``: inference,
 input mutations kept, core ATen decompositions) and ``make_fx(functionalize(gm,
-remove="mutations"))`` with the same decompositions (fake tensors made from the real inputs:
-static shapes only).
+remove="mutations"))`` with the same decompositions under the python dispatcher, dead code out
+(AOT's graph op for op; fake tensors made from the real inputs: static shapes only). Outside
+dynamo, as here, AOT makes fakes of its own: inside the suite's captures the gap is smaller
+(docs/testing.md).
 
 Usage: ``OMP_NUM_THREADS=1 .venv/bin/python tools/aot_capture_time.py [--layers 2] [--repeat 3]``
 """
@@ -60,9 +62,13 @@ def main() -> int:
                               keep_inference_input_mutations=True)
         return out["g"]
 
-    def single():
-        return make_fx(torch.func.functionalize(gm, remove="mutations"), decomposition_table=decompositions(),
-                       tracing_mode="fake")(*ex)
+    def single():   # under the python dispatcher, as AOT traces, and dead code out: AOT's graph
+        from torch._dispatch.python import enable_python_dispatcher
+        with enable_python_dispatcher():
+            g = make_fx(torch.func.functionalize(gm, remove="mutations"), decomposition_table=decompositions(),
+                        tracing_mode="fake")(*ex)
+        g.graph.eliminate_dead_code()
+        return g
 
     for name, fn in (("aot_module_simplified", aot), ("make_fx(functionalize)", single)) * 2:
         t = time.perf_counter()
