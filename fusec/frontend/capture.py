@@ -144,22 +144,23 @@ def check_decode_step(gm: torch.fx.GraphModule, query_tokens: int = 1) -> None:
         raise NotDecodeStepError("not a decode step: the graph has no attention call")
     for _, query, key in calls:
         grown = _concatenated(key)
+        if grown is None:
+            continue
         q = _val(query)
         tokens = _concrete(q.shape[2], sizes) if q is not None and q.dim() == 4 else 1
-        if grown is not None and tokens != 1 and _window_slice(grown):
+        if tokens != 1 and _window_slice(grown):
             raise NotDecodeStepError(
                 f"HF's sliding-window cache concatenates the {tokens} new tokens to its window where they "
                 f"fill it or it is full, at {node_source(grown)}: attention over the window's rows and the "
                 "new ones, not a static KV cache of fixed rows; fusec takes a step of several query "
                 "tokens on a sliding-window model until they would fill its window, and one-token steps "
                 "at any length")
-        if grown is not None:
-            raise NotDecodeStepError(
-                "the KV cache grows by concatenation (a DynamicCache) at "
-                f"{node_source(grown) or grown.name}: fusec compiles decode steps over a static KV "
-                "cache; pass a transformers StaticCache (generate(): cache_implementation=\"static\"), or, "
-                "where one was passed, the model's own generation code replaced it (Phi-3's LongRoPE "
-                "prefills again into a new cache once the sequence passes original_max_position_embeddings)")
+        raise NotDecodeStepError(
+            "the KV cache grows by concatenation (a DynamicCache) at "
+            f"{node_source(grown) or grown.name}: fusec compiles decode steps over a static KV "
+            "cache; pass a transformers StaticCache (generate(): cache_implementation=\"static\"), or, "
+            "where one was passed, the model's own generation code replaced it (Phi-3's LongRoPE "
+            "prefills again into a new cache once the sequence passes original_max_position_embeddings)")
     if varies:
         varies.symbols = frozenset(batch_symbols)
         raise varies
