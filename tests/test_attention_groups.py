@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import hf_tiny
-from fusec.instructions.attention_rules import MAX_TILE_HEADS, auto_q_groups, q_groups, tile_heads
+from fusec.instructions.attention_rules import MAX_TILE_HEADS, REFERENCE_ROWS, auto_q_groups, q_groups, tile_heads
 
 
 def test_the_parts_are_the_fewest_equal_ones_of_at_most_max_tile_heads():
@@ -37,7 +37,8 @@ def test_the_tile_heads_knob_bounds_the_parts():
 
 
 #: published shapes (query heads per KV head, KV heads, head_dim) -> the rule's cut at a bf16
-#: cache of 1024 / 4096 rows on 132 SMs
+#: cache of 1024 / 4096 rows on 132 SMs (and at more rows: a capacity counts as at most
+#: REFERENCE_ROWS = 4096)
 PUBLISHED_CUTS = {
     "Qwen2.5-0.5B": ((7, 2, 64), (7, 7)),     # 2 groups of 64-66 partials -> 14 of 8-9 (measured faster)
     "SmolLM2-360M": ((3, 5, 64), (3, 3)),     # 5 of 26 -> 15 of 8 (measured faster at 600)
@@ -53,11 +54,14 @@ PUBLISHED_CUTS = {
 @pytest.mark.parametrize("name", sorted(PUBLISHED_CUTS))
 def test_the_default_rule_cuts_few_kv_head_groups_within_the_tile_bytes(name):
     """auto_q_groups (FUSEC_ATTN_TILE_HEADS = 0): the fewest equal parts whose merge has at most 16
-    partials and whose tile reads at most 128 KiB of K and V at the capacity; a cache of 64 rows
-    has 4 splits and is never cut; fp32 doubles the bytes."""
+    partials and whose tile reads at most 128 KiB of K and V at the capacity, taken as at most
+    4096 rows (the 32768 rows of a length-polymorphic step: HF generate(), fusec.generate, cut
+    as 4096 are); a cache of 64 rows has 4 splits and is never cut; fp32 doubles the bytes."""
     (rep, n_kv, d), want = PUBLISHED_CUTS[name]
     got = tuple(auto_q_groups(rep, n_kv, rows, d, 2, 132) for rows in (1024, 4096))
     assert got == want
+    assert REFERENCE_ROWS == 4096
+    assert all(auto_q_groups(rep, n_kv, rows, d, 2, 132) == want[1] for rows in (8192, 32768, 131072))
     assert auto_q_groups(rep, n_kv, 64, d, 2, 132) == q_groups(rep)
     for rows in (64, 1024, 4096, 32768):
         for itemsize in (2, 4):
@@ -164,3 +168,32 @@ def test_cut_group_kernels_compile_without_spills(dtype, tmp_path):
     src = render(sched).source
     assert "attention_partial_merge<" in src and ", 71, 64, " in src   # NKV: the 71 groups
     compile_cuda(src, "fusec_step.cu", cache_dir=str(tmp_path)).assert_no_spills()
+
+
+def test_hf_generate_cuts_a_qwen2_shaped_group_at_its_run_time_capacity(steps):
+    """HF generate() through ``CompileConfig(backend="fusec")`` with default options on a
+    Qwen2.5-shaped GQA (7 query heads over each of 2 KV heads): its length-polymorphic step (a
+    32768-row capacity, counted as REFERENCE_ROWS) gets the rule's cut, 7 tile groups of one head
+    per KV head; two calls with prompts of 5 and 37 tokens give eager generate()'s greedy tokens,
+    no fallback, one step compiled for both."""
+    from fusec.fallbacks import FallbackWatch
+    from transformers.generation import CompileConfig
+    model = hf_tiny.llama(hidden=224, heads=14, kv_heads=2, head_dim=16)
+    model.generation_config.pad_token_id = 0
+    cc = CompileConfig(backend="fusec")
+    cc._compile_all_devices = True   # HF compiles on CUDA only unless told (this machine has no GPU)
+    gen = torch.Generator().manual_seed(11)
+    torch._dynamo.reset()
+    with FallbackWatch() as w:
+        for n in (5, 37):
+            ids = torch.randint(1, 128, (1, n), generator=gen)
+            kw = dict(max_new_tokens=6, do_sample=False, cache_implementation="static")
+            ours = model.generate(ids, compile_config=cc, **kw)
+            ref = model.generate(ids, disable_compile=True, **kw)
+            assert torch.equal(ours, ref), (n, ours, ref)
+    torch._dynamo.reset()
+    assert not w.fallbacks and w.compiled >= 1, w.fallbacks
+    assert len(steps) == 1
+    att = [o for o in steps[0].schedule.graph.ops if o.kind == "attention_partial"]
+    assert att and all(o.attrs.get("q_groups") == 7 for o in att), [o.attrs for o in att]
+    assert steps[0].graph.lengths, "not the length-polymorphic step"

@@ -169,7 +169,8 @@ def test_generate_decode_kernel_compiles_with_nvrtc(steps):
     (step,) = steps
     plan = render(step.schedule)
     # 4 query heads over 2 KV heads; a tile group per KV head, or per head where the default
-    # tile-heads rule cuts the groups (attention_rules.auto_q_groups; the step's capacity: 32768 rows)
+    # tile-heads rule cuts the groups (attention_rules.auto_q_groups; the step's 32768-row capacity
+    # counts as its REFERENCE_ROWS)
     (a,) = {(o.attrs["n_kv"], o.attrs.get("q_groups", 1)) for o in step.schedule.graph.ops
             if o.kind == "attention_partial"}
     assert a[0] == 2

@@ -52,6 +52,11 @@ def q_groups(rep: int, max_heads: int = MAX_TILE_HEADS) -> int:
 MERGE_PARTS = 16
 #: ... and while a tile's K and V rows at the cache's capacity stay within this many bytes
 TILE_KV_BYTES = 128 * 1024
+#: ... the capacity taken as at most this many rows: a length-polymorphic step (HF generate(),
+#: fusec.generate, a plain loop's second cache length) is built for 32768 rows, and its tiles
+#: share the valid rows at run time (``attention.split_rows``), so below this position a cut
+#: tile reads what it reads in a step of this capacity
+REFERENCE_ROWS = 4096
 
 
 def splits(rows: int, groups: int, num_sms: int) -> int:
@@ -65,21 +70,26 @@ def auto_q_groups(rep: int, n_kv: int, rows: int, head_dim: int, itemsize: int, 
     ``FUSEC_ATTN_TILE_HEADS`` is 0 (its default): of the cuts :func:`q_groups` allows (equal
     parts of at most :data:`MAX_TILE_HEADS` heads), the fewest whose merge combines at most
     :data:`MERGE_PARTS` partials per tile group, among those whose tile reads at most
-    :data:`TILE_KV_BYTES` of K and V at the cache's capacity; where none has so few partials, the
-    most parts within those bytes; where no cut is within them, the fewest parts.
+    :data:`TILE_KV_BYTES` of K and V at the cache's capacity (at most :data:`REFERENCE_ROWS`
+    rows); where none has so few partials, the most parts within those bytes; where no cut is
+    within them, the fewest parts.
 
     Args:
         rep: query heads (times query tokens) per KV head; ``n_kv``: KV heads (times sequences);
-        rows: the cache's rows (its capacity); ``head_dim``, ``itemsize``: the cache's head
-        size and bytes per element; ``num_sms``: the SMs the step runs on.
+        rows: the cache's rows (its capacity; more than :data:`REFERENCE_ROWS` count as that
+        many); ``head_dim``, ``itemsize``: the cache's head size and bytes per element;
+        ``num_sms``: the SMs the step runs on.
 
     Why (docs/performance.md, H100, full depth, cache 4096): with few KV heads a group's splits
     are many and short, and its last tile merges them all (Qwen2.5-0.5B, 2 KV heads of 7 query
     heads: 66 splits of 7 heads; cut to 14 groups of one head: 9 splits, the step 0.17 ms
     shorter at positions 100 and 3000); cut further than 16 partials, each group reads its KV
     head's rows again, and a tile's K and V grow with the cut (Qwen3-0.6B cut to 16 groups of
-    128-wide heads: 256 KiB a tile, 8% slower at 3000)."""
+    128-wide heads: 256 KiB a tile, 8% slower at 3000). A length-polymorphic step (capacity
+    32768, its splits sharing the valid rows at run time) is cut as a 4096-row step: Qwen2.5-0.5B
+    10-16% faster at positions 100-3000, 14% slower at 16000 (H100, 2026-12-07)."""
     ks = [k for k in range(q_groups(rep), rep + 1) if rep % k == 0 and rep // k <= MAX_TILE_HEADS]
+    rows = min(rows, REFERENCE_ROWS)
 
     def tile_bytes(k: int) -> int:
         return math.ceil(rows / splits(rows, n_kv * k, num_sms)) * head_dim * 2 * itemsize
