@@ -213,3 +213,104 @@ def test_compiled_in_weight_written_in_place_rebuilds_the_step(caplog):
     torch._dynamo.reset()
     assert not w.fallbacks, w.fallbacks
     assert any("changed since the step was built" in r.getMessage() for r in caplog.records)
+
+
+def _strided(cache) -> None:
+    """Each layer's keys as a strided view of the same values (every other element of a buffer
+    twice as wide), as a cache sharing one buffer would hold them."""
+    for layer in cache.layers:
+        big = torch.zeros(*layer.keys.shape[:3], 2 * layer.keys.shape[3])
+        big[..., ::2] = layer.keys
+        layer.keys = big[..., ::2]
+
+
+def test_a_strided_kv_cache_falls_back_with_a_line_that_names_it():
+    """A StaticCache whose keys are a strided view at the first call (found by trying to break
+    fusec, 2026-12-07: the simulator raised "buffer arg8_1 is not contiguous" at every call):
+    one fallback line naming the cache input and its strides, logits equal to eager's."""
+    model = hf_tiny.llama()
+    (ours, ref), gen = _prefilled(model, 32, 6)
+    _strided(ours)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fusec")
+    with FallbackWatch() as w, torch.no_grad():
+        for _ in range(2):
+            tok = torch.randint(0, 128, (1, 1), generator=gen)
+            a = compiled(input_ids=tok, past_key_values=ours, use_cache=True).logits
+            b = model(input_ids=tok, past_key_values=ref, use_cache=True).logits
+            assert _rel(a, b) < 1e-5, _rel(a, b)
+    torch._dynamo.reset()
+    assert len(w.fallbacks) == 1 and "past_key_values.layers[0].keys" in w.fallbacks[0] \
+        and "strided view (strides [2048, 1024, 32, 2])" in w.fallbacks[0], w.fallbacks
+    assert w.compiled == 0
+
+
+def test_a_cache_made_strided_after_fusec_ran_is_an_error_that_names_it_and_loses_nothing():
+    """Keys made a strided view after fusec's step was built: dynamo compiles again with
+    symbolic strides, whose layout fusec cannot read at compile time, so the call is a
+    FusecError naming the input, its role and strides, raised before the step runs; with the
+    keys contiguous again, later steps equal eager's."""
+    from fusec.errors import FusecError
+    model = hf_tiny.llama()
+    (ours, ref), gen = _prefilled(model, 32, 6)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fusec")
+    with FallbackWatch() as w, torch.no_grad():
+        for step in range(4):
+            tok = torch.randint(0, 128, (1, 1), generator=gen)
+            if step == 1:
+                saved = [layer.keys for layer in ours.layers]
+                _strided(ours)
+                with pytest.raises(FusecError, match=r"\(kv_cache, shape \[1, 2, 32, 16\]\): not contiguous "
+                                                     r"\(strides \[2048, 1024, 32, 2\]\).*store the cache's tensors contiguous"):
+                    compiled(input_ids=tok, past_key_values=ours, use_cache=True)
+                for layer, k in zip(ours.layers, saved):
+                    layer.keys = k
+            a = compiled(input_ids=tok, past_key_values=ours, use_cache=True).logits
+            b = model(input_ids=tok, past_key_values=ref, use_cache=True).logits
+            assert _rel(a, b) < 1e-5, (step, _rel(a, b))
+    torch._dynamo.reset()
+    assert not w.fallbacks and w.compiled >= 1, w.fallbacks
+
+
+class _IntPositionAttention(torch.nn.Module):
+    """A hand-written decode step whose position is a Python int (its own KV buffers, an SDPA
+    over a mask of the rows up to the position)."""
+
+    def __init__(self, d=32, heads=2, rows=16):
+        super().__init__()
+        self.h, self.hd, self.rows = heads, d // heads, rows
+        self.qkv, self.o = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
+        self.register_buffer("kc", torch.zeros(1, heads, rows, d // heads))
+        self.register_buffer("vc", torch.zeros(1, heads, rows, d // heads))
+
+    def forward(self, x, pos: int):
+        q, k, v = self.qkv(x).view(1, 1, 3, self.h, self.hd).permute(2, 0, 3, 1, 4)
+        self.kc[:, :, pos:pos + 1] = k
+        self.vc[:, :, pos:pos + 1] = v
+        mask = torch.arange(self.rows).view(1, 1, 1, -1) <= pos
+        a = torch.nn.functional.scaled_dot_product_attention(q, self.kc, self.vc, attn_mask=mask)
+        return self.o(a.transpose(1, 2).reshape(1, 1, -1))
+
+
+def test_an_int_position_compiled_per_value_says_so(caplog):
+    """A Python int position that the step uses as a value compiles one step per value; past
+    8 values the one warning names the integer input and says to pass the position as a tensor
+    (found by trying to break fusec, 2026-12-07: it blamed a changing shape and an
+    attention_mask); every output equals eager's."""
+    import copy
+    import logging
+    torch.manual_seed(0)
+    ours = _IntPositionAttention().eval().requires_grad_(False)
+    ref = copy.deepcopy(ours)
+    torch._dynamo.reset()
+    step = torch.compile(ours, backend="fusec")
+    with FallbackWatch() as w, torch.no_grad(), caplog.at_level(logging.WARNING, logger="fusec"):
+        for pos in range(10):
+            x = torch.randn(1, 1, 32)
+            assert _rel(step(x, pos), ref(x, pos)) < 1e-5
+    torch._dynamo.reset()
+    assert not w.fallbacks and w.compiled == 10, (w.fallbacks, w.compiled)
+    lines = [r.getMessage() for r in caplog.records if "input sizes or values seen" in r.getMessage()]
+    assert len(lines) == 1 and "integer inputs l_pos_ take new values" in lines[0] \
+        and "torch.tensor([pos])" in lines[0] and "attention_mask" not in lines[0], lines

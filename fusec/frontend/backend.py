@@ -411,10 +411,21 @@ class SpecializingStep:
             self.warned = True
             moving = [i for i, (a, b) in enumerate(zip(old, k)) if a != b]
             names = [n.name for n in self.gm.graph.nodes if n.op == "placeholder"]
-            log.warning("fusec: more than %d input sizes seen; every new size compiles a new kernel "
-                        "(inputs %s keep changing shape: an attention_mask shorter than the static "
-                        "cache? pass one of the cache's full length, as generate() does)",
-                        self.MAX_ENTRIES, ", ".join(names[i] if i < len(names) else str(i) for i in moving)[:300])
+
+            def named(ids: list[int]) -> str:
+                return ", ".join(names[i] if i < len(names) else str(i) for i in ids)[:300]
+            values = [i for i in moving if isinstance(args[i], (int, torch.SymInt))]
+            shapes = [i for i in moving if i not in values]
+            why = []
+            if values:
+                why.append(f"the integer inputs {named(values)} take new values and the step uses them as "
+                           f"values, not as a cache length: pass a position as a tensor, e.g. "
+                           f"torch.tensor([pos]), which the step reads at run time")
+            if shapes:
+                why.append(f"the inputs {named(shapes)} keep changing shape: an attention_mask shorter than the "
+                           f"static cache? pass one of the cache's full length, as generate() does")
+            log.warning("fusec: more than %d input sizes or values seen; every new one compiles a new kernel "
+                        "(%s)", self.MAX_ENTRIES, "; ".join(why))
         return fn(*args)
 
 

@@ -9,7 +9,7 @@ import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from fusec.frontend.capture import INPUT_NAMES, MODEL_TENSORS, node_source
-from fusec.errors import NotLengthPolymorphic, UnsupportedOpError
+from fusec.errors import FallbackRequired, NotLengthPolymorphic, UnsupportedOpError
 from fusec.instructions.generic import aten_category
 from fusec.ir import Graph, Op, Ref, Role, TensorInfo
 
@@ -84,6 +84,15 @@ class _Sizes:
         return tuple(dims), sym
 
 
+def _known_contiguous(v: torch.Tensor) -> bool:
+    """Whether ``v`` (a placeholder's example value) is contiguous: False only where its sizes and
+    strides are plain ints and say it is not (a symbolic size is left to the kernel's call-time
+    check, :meth:`fusec.runtime.cuda_step.CudaStep._guard`, which no guard on it would help)."""
+    if not all(isinstance(d, int) for d in (*v.shape, *v.stride())):
+        return True
+    return v.is_contiguous()
+
+
 def graph_from_aten(gm: torch.fx.GraphModule, example_inputs: list[Any],
                     capacity_for: Callable[[int], int] | None = None) -> Graph:
     """Translate an ATen FX graph into a :class:`Graph`.
@@ -135,6 +144,11 @@ def graph_from_aten(gm: torch.fx.GraphModule, example_inputs: list[Any],
                 raise UnsupportedOpError(f"graph input {n.name} is not a tensor ({type(v).__name__})")
             if n.name in mutated:
                 role = Role.KV_CACHE if (v.dim() == 4 and v.is_floating_point()) else Role.STATE
+                if not _known_contiguous(v):
+                    raise FallbackRequired(
+                        f"{what} ({'a KV cache' if role is Role.KV_CACHE else 'state'} the step writes in place, "
+                        f"shape {list(v.shape)}) is a strided view (strides {list(v.stride())}): fusec writes "
+                        f"it as one contiguous buffer; store the cache's tensors contiguous")
             elif v.is_floating_point() and (owned is None or idx >= len(owned) or owned[idx]):
                 role = Role.WEIGHT
             else:

@@ -50,6 +50,11 @@ class Env:
         self.lengths: dict[str, int] = {}
         seen: dict[str, str] = {}   # symbol -> the input its size came from
         for name, a in zip(g.inputs, flat_args):
+            role = g.tensors[name].role
+            if role in (Role.KV_CACHE, Role.STATE) and isinstance(a, torch.Tensor) and not a.is_contiguous():
+                raise FusecError(f"input {name} ({role.value}, shape {list(a.shape)}): not contiguous (strides "
+                                 f"{list(a.stride())}); the step writes it in place as one contiguous buffer: "
+                                 f"store the cache's tensors contiguous")
             self.bufs[name] = a
             for dim, sym in g.tensors[name].sym.items():
                 n = int(a.shape[dim])

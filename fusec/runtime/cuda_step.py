@@ -383,7 +383,8 @@ class CudaStep:
             raise FusecError(f"{where}: {a.dtype}{list(a.shape)}, the kernel was built for "
                              f"{info.dtype}[{', '.join(map(str, dims))}]")
         if layout and not a.is_contiguous():
-            raise FusecError(f"{where}: not contiguous (strides {a.stride()})")
+            raise FusecError(f"{where}: not contiguous (strides {list(a.stride())}); the kernel reads and writes "
+                             f"it as one contiguous buffer: store it contiguous")
         if layout and a.data_ptr() % 16:
             raise FusecError(f"{where}: data pointer not 16-byte aligned")
 
