@@ -327,3 +327,123 @@ def test_gemma2_softcapped_attention_kernel_compiles_with_nvrtc():
     assert "warning" not in kernel.log, kernel.log
     llama = render(step_util.lowered(hf_tiny.llama().to(torch.bfloat16))).source
     assert not re.search(r"attention_partial_merge<[^;]*0\.0f\);", llama)
+
+
+# ---- bool masks filled with -inf (nanoGPT's and GPT-2's hand-written attention) -----------
+
+class BoolFilled(torch.nn.Module):
+    """Scaled scores with a bool mask applied by filling: ``not``: ``masked_fill(~m, -inf)``
+    (m: True attends); ``out``: ``masked_fill(m_out, lowest)`` (m_out: True masks out; the
+    dtype's lowest value, as GPT-2's); ``where``: ``torch.where(m, w, -inf)``."""
+
+    def __init__(self, form):
+        super().__init__()
+        self.form = form
+
+    def forward(self, q, k, v, m):
+        w = (q @ _repeat_kv(k, 2).transpose(-2, -1)) * (q.shape[-1] ** -0.5)
+        if self.form == "not":
+            w = w.masked_fill(~m, float("-inf"))
+        elif self.form == "out":
+            w = w.masked_fill(m, torch.finfo(w.dtype).min)
+        else:
+            w = torch.where(m, w, float("-inf"))
+        return F.softmax(w, dim=-1) @ _repeat_kv(v, 2)
+
+
+@pytest.mark.parametrize("form", ["not", "out", "where"])
+def test_a_bool_mask_filled_with_lowest_scores_becomes_sdpas_bool_mask(form):
+    """``masked_fill`` / ``torch.where`` of the scores with -inf (or the lowest value) under a
+    bool mask (found by trying to break fusec, 2026-12-07: "the graph has no attention call"):
+    one SDPA whose bool mask attends where the model's does, the same values."""
+    q, k, v = _inputs(7, mask_extra=None)
+    g = torch.Generator().manual_seed(8)
+    m = torch.rand(1, 1, q.shape[2], k.shape[2], generator=g) < 0.6
+    m[..., 0] = True   # every query row attends at least one key
+    args = (q, k, v, ~m if form == "out" else m)
+    module = BoolFilled(form)
+    gm, ex = _dynamo_graph(module, args)
+    want = module(*args)
+    assert rewrite_eager_attention(gm) == 1
+    (sdpa,) = _calls(gm, {F.scaled_dot_product_attention})
+    assert not _calls(gm, {"masked_fill", torch.where, "softmax", F.softmax})
+    assert sdpa.kwargs["attn_mask"].meta["example_value"].dtype == torch.bool
+    torch.testing.assert_close(_first(gm(*ex)), want, rtol=1e-5, atol=1e-6)
+
+
+class HandWrittenDecode(torch.nn.Module):
+    """A hand-written decode step (its own KV buffers, a bool mask of the rows up to the
+    position, ``form`` as :class:`BoolFilled`, the position a 1-element tensor)."""
+
+    def __init__(self, form, d=64, heads=4, rows=16):
+        super().__init__()
+        self.form, self.h, self.hd, self.rows = form, heads, d // heads, rows
+        self.qkv, self.o = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
+        self.register_buffer("kc", torch.zeros(1, heads, rows, d // heads))
+        self.register_buffer("vc", torch.zeros(1, heads, rows, d // heads))
+
+    def forward(self, x, pos):
+        q, k, v = self.qkv(x).view(1, 1, 3, self.h, self.hd).permute(2, 0, 3, 1, 4)
+        self.kc.index_copy_(2, pos, k)
+        self.vc.index_copy_(2, pos, v)
+        w = torch.matmul(q, self.kc.transpose(2, 3)) * self.hd ** -0.5
+        keep = torch.arange(self.rows).view(1, 1, 1, -1) <= pos.view(1, 1, 1, 1)
+        if self.form == "not":
+            w = w.masked_fill(~keep, float("-inf"))
+        elif self.form == "out":
+            w = w.masked_fill(torch.arange(self.rows).view(1, 1, 1, -1) > pos.view(1, 1, 1, 1),
+                              torch.finfo(w.dtype).min)
+        else:
+            w = torch.where(keep, w, float("-inf"))
+        return self.o(torch.matmul(w.softmax(-1), self.vc).transpose(1, 2).reshape(1, 1, -1))
+
+
+@pytest.mark.parametrize("form", ["not", "out", "where"])
+def test_a_hand_written_decode_step_with_a_filled_bool_mask_compiles_and_matches_eager(form):
+    """The hand-written step through ``torch.compile(backend="fusec")`` on the CPU simulator:
+    one step compiled, no fallback, 5 positions equal to eager's (fp32, 1e-5)."""
+    import copy
+    torch.manual_seed(0)
+    ours = HandWrittenDecode(form).eval().requires_grad_(False)
+    ref = copy.deepcopy(ours)
+    torch._dynamo.reset()
+    step = torch.compile(ours, backend="fusec")
+    with FallbackWatch() as w, torch.no_grad():
+        for i in range(5):
+            x, pos = torch.randn(1, 1, 64), torch.tensor([i])
+            a, b = step(x, pos), ref(x, pos)
+            assert ((a - b).norm() / b.norm()).item() < 1e-5, i
+    torch._dynamo.reset()
+    assert not w.fallbacks and w.compiled == 1, (w.fallbacks, w.compiled)
+
+
+class UnmatchedSoftmax(HandWrittenDecode):
+    """:class:`HandWrittenDecode` whose scores are masked by subtracting 1e4 where masked out
+    (a form fusec does not match)."""
+
+    def forward(self, x, pos):
+        q, k, v = self.qkv(x).view(1, 1, 3, self.h, self.hd).permute(2, 0, 3, 1, 4)
+        self.kc.index_copy_(2, pos, k)
+        self.vc.index_copy_(2, pos, v)
+        w = torch.matmul(q, self.kc.transpose(2, 3)) * self.hd ** -0.5
+        out = (torch.arange(self.rows).view(1, 1, 1, -1) > pos.view(1, 1, 1, 1)).float()
+        w = (w - 1e4 * out).softmax(-1)
+        return self.o(torch.matmul(w, self.vc).transpose(1, 2).reshape(1, 1, -1))
+
+
+def test_attention_in_a_form_fusec_does_not_match_falls_back_naming_its_softmax():
+    """A softmax over scores that fusec does not take for attention: the fallback line says the
+    graph has no attention call fusec recognizes and names the softmax's source line (it said
+    only "the graph has no attention call"); the values are eager's."""
+    import copy
+    torch.manual_seed(0)
+    ours = UnmatchedSoftmax("not").eval().requires_grad_(False)
+    ref = copy.deepcopy(ours)
+    torch._dynamo.reset()
+    step = torch.compile(ours, backend="fusec")
+    with FallbackWatch() as w, torch.no_grad():
+        x, pos = torch.randn(1, 1, 64), torch.tensor([3])
+        torch.testing.assert_close(step(x, pos), ref(x, pos))
+    torch._dynamo.reset()
+    assert len(w.fallbacks) == 1 and "no attention call fusec recognizes (a softmax at" in w.fallbacks[0] \
+        and "test_eager_attention.py" in w.fallbacks[0], w.fallbacks

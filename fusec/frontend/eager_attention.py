@@ -26,7 +26,10 @@ or by a 0-d tensor (then applied to the query, SDPA scale 1) or a symbolic float
 ``.item()`` of one under ``dynamic=True``: the SDPA scale); no scaling (scale 1); no mask;
 ``repeat_kv`` by expand + reshape/view or ``repeat_interleave(n, dim=1)``, or none (key and
 value already have the query's heads, or one head broadcast); casts (``to``, ``type``,
-``float``, ``type_as``) around the softmax; dropout with ``training=False`` or ``p=0``.
+``float``, ``type_as``) around the softmax; dropout with ``training=False`` or ``p=0``; a
+bool mask applied as ``w.masked_fill(m, -inf)`` or ``torch.where(m, w, -inf)`` (or the dtype's
+lowest value instead of -inf: nanoGPT's and GPT-2's form), which becomes SDPA's bool mask (True:
+attend), ``m``'s negation for ``masked_fill``.
 
 Gemma-2's attention logit softcapping (``w * scaling; w / c; tanh; * c``, then the mask)
 becomes ``torch.ops.fusec.sdpa`` with its ``softcap`` argument ``c`` (SDPA has none), with
@@ -72,7 +75,8 @@ _ADDS = {operator.add, torch.add, torch.Tensor.add, "add"}
 class EagerAttention:
     """One matched eager attention: ``out`` (the second matmul, [B, Hq, S, Dv]) equals SDPA of
     ``query`` [B, Hq, S, D], ``key`` [B, Hkv, L, D], ``value`` [B, Hkv, L, Dv] (before
-    ``repeat_kv``), ``mask`` (additive, broadcast to [B, Hq, S, L], or None) and ``scale``
+    ``repeat_kv``), ``mask`` (additive, or bool where True attends, broadcast to [B, Hq, S, L];
+    negated first where ``mask_negated``; or None) and ``scale``
     (a Python float, or the node of a symbolic float) with the query multiplied (divided) by
     the 0-d tensors or symbolic floats in ``query_factors`` ((node, divide) pairs), the
     scaled scores softcapped by ``softcap`` when it is not 0 (``fusec.sdpa``'s argument)."""
@@ -86,6 +90,7 @@ class EagerAttention:
     out: Node
     replaced: list[Node]   # the ops SDPA replaces, in graph order (erased when unused)
     softcap: float = 0.0   # Gemma-2's logit softcap (0: none): fusec.sdpa's, applied to the scaled scores
+    mask_negated: bool = False   # a bool mask of the rows masked out (masked_fill's): SDPA gets its negation
 
 
 @dataclasses.dataclass
@@ -164,6 +169,46 @@ def _scale(node: Node) -> tuple[Node, Any, bool] | None:
     return None
 
 
+_FILLS = {torch.masked_fill, torch.Tensor.masked_fill, "masked_fill"}
+_WHERES = {torch.where, "where"}
+_NOTS = {operator.invert, torch.logical_not, torch.bitwise_not, "logical_not", "bitwise_not", "__invert__"}
+
+
+@dataclasses.dataclass
+class BoolMask:
+    """A bool mask applied by filling the scores with -inf: ``node`` attends where True
+    (``torch.where``'s condition) or, with ``negated``, masks where True (``masked_fill``'s)."""
+    node: Node
+    negated: bool
+
+
+def _lowest(value: Any, scores: Node) -> bool:
+    """``value`` fills a score out of the softmax: -inf, or the scores' dtype's lowest value."""
+    v = _val(scores)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not isinstance(v, torch.Tensor) \
+            or not v.is_floating_point():
+        return False
+    return value == float("-inf") or value == torch.finfo(v.dtype).min
+
+
+def _bool_fill(x: Node) -> tuple[Node, BoolMask] | None:
+    """(scores, mask) of ``scores.masked_fill(m, -inf)`` or ``torch.where(m, scores, -inf)``
+    with a bool ``m`` (-inf or the dtype's lowest value), else None."""
+    if _is(x, _FILLS) and len(x.args) + len(x.kwargs) == 3:
+        w, m, value = _arg(x, 0, "input"), _arg(x, 1, "mask"), _arg(x, 2, "value")
+        negated = True
+    elif _is(x, _WHERES) and len(x.args) == 3 and not x.kwargs:
+        m, w, value = x.args
+        negated = False
+    else:
+        return None
+    mv = _val(m)
+    if not (isinstance(w, Node) and isinstance(m, Node) and isinstance(mv, torch.Tensor)
+            and mv.dtype == torch.bool and _lowest(value, w)):
+        return None
+    return w, BoolMask(m, negated)
+
+
 def _scores(x: Any, trail: list[tuple[str, Node, Any]]) -> tuple[Node, list] | None:
     """Walk back from the softmax input to ``matmul(q, k^T)``: (the matmul, the ops on the way,
     softmax first) or None. Each op: ('cast' | 'tanh' | 'scale' | 'mask', node, payload)."""
@@ -178,6 +223,10 @@ def _scores(x: Any, trail: list[tuple[str, Node, Any]]) -> tuple[Node, list] | N
         sc = _scale(x)
         if sc is not None:
             trail, x = trail + [("scale", x, sc[1:])], sc[0]
+            continue
+        filled = _bool_fill(x)
+        if filled is not None:
+            trail, x = trail + [("mask", x, filled[1])], filled[0]
             continue
         if _is(x, _ADDS) and len(x.args) == 2 and not x.kwargs:
             for i in (0, 1):
@@ -315,11 +364,19 @@ def _match(sm: Node) -> EagerAttention | Refusal | None:
             and _eq(kv.shape[3], qv.shape[3]) and _eq(kv.shape[0], qv.shape[0])):
         return None
     mask = next((m for kind, _, m in ops if kind == "mask"), None)
+    negated, unnegated = False, []
+    if isinstance(mask, BoolMask):   # filled with -inf: SDPA's bool mask attends where True
+        mask, negated = mask.node, mask.negated
+        if negated and _is(mask, _NOTS) and len(mask.args) == 1 and _val(mask.args[0]) is not None \
+                and _val(mask.args[0]).dtype == torch.bool:   # masked_fill(~m): SDPA takes m itself
+            unnegated, mask, negated = [mask], mask.args[0], False
+    elif mask is not None and _val(mask).dtype != qv.dtype:
+        return Refusal(f"eager attention with a {_val(mask).dtype} mask on {qv.dtype} scores", mm2)
     if len({qv.dtype, kv.dtype, vv.dtype, wv.dtype}) != 1:
         return Refusal(f"eager attention with mixed dtypes (query {qv.dtype}, key {kv.dtype}, value {vv.dtype}, "
                        f"weights {wv.dtype})", mm2)
-    if mask is not None and (_val(mask).dtype != qv.dtype or _val(mask).dim() > 4):
-        return Refusal(f"eager attention with a {_val(mask).dtype} mask on {qv.dtype} scores", mm2)
+    if mask is not None and _val(mask).dim() > 4:
+        return Refusal(f"eager attention with a {_val(mask).dim()}-D mask", mm2)
     scale, factors = 1.0, []
     for kind, _, payload in ops:
         if kind == "scale":
@@ -331,7 +388,7 @@ def _match(sm: Node) -> EagerAttention | Refusal | None:
     if scale == 1.0 and len(factors) == 1 and not factors[0][1] and isinstance(_val(factors[0][0]), torch.SymFloat):
         scale, factors = factors[0][0], []   # dynamic=True: SDPA's scale is the symbolic float, as HF's SDPA passes it
     return EagerAttention(q, key, value, mask, scale, factors, hq != hk, mm2,
-                          rk + rv + [kt] + chain + [mm2], softcap)
+                          rk + rv + [kt] + chain + [mm2] + unnegated, softcap, negated)
 
 
 def _softcap(ops: list[tuple[str, Node, Any]]) -> float | Refusal:
@@ -392,17 +449,20 @@ def rewrite_eager_attention(gm: torch.fx.GraphModule) -> int:
     g = gm.graph
     for a in found:
         with g.inserting_before(a.out):
-            q = a.query
+            q, mask = a.query, a.mask
+            if a.mask_negated:
+                mask = g.call_function(torch.logical_not, (a.mask,))
+                mask.meta["example_value"] = torch.logical_not(_val(a.mask))
             for c, div in a.query_factors:
                 meta = dict(q.meta)
                 q = g.call_function(operator.truediv if div else operator.mul, (q, c))
                 q.meta.update(meta)
             if a.softcap:   # fusec's own op: SDPA has no softcap
-                sdpa = g.call_function(torch.ops.fusec.sdpa.default, (q, a.key, a.value, a.mask, 0.0, False,
+                sdpa = g.call_function(torch.ops.fusec.sdpa.default, (q, a.key, a.value, mask, 0.0, False,
                                                                       a.scale, a.enable_gqa, a.softcap))
             else:
                 sdpa = g.call_function(F.scaled_dot_product_attention, (q, a.key, a.value),
-                                       {"attn_mask": a.mask, "dropout_p": 0.0, "scale": a.scale,
+                                       {"attn_mask": mask, "dropout_p": 0.0, "scale": a.scale,
                                         "enable_gqa": a.enable_gqa})
         sdpa.meta.update(a.out.meta)
         a.out.replace_all_uses_with(sdpa)
