@@ -88,7 +88,9 @@ class CompileResult:
                      f"max {b['max'] * mb:.2f} MiB (total {s['total_bytes'] * mb:.1f} MiB)")
         lines.append(f"per-layer balance (max/mean bytes over SMs): worst {s['layer_balance_max']:.3f}, "
                      f"mean {s['layer_balance_mean']:.3f}")
-        lines.append(f"predicted step time at {self.opts.bandwidth / 1e12:.1f} TB/s: "
+        read = " (the option bandwidth; its default is an H200's measured read bandwidth)" \
+            if self.opts.bandwidth == Options().bandwidth else " (the option bandwidth)"
+        lines.append(f"predicted step time at {self.opts.bandwidth / 1e12:.1f} TB/s{read}: "
                      f"{s['predicted_ms_at_bandwidth'] * 1e3:.3g} us (all bytes), "
                      f"{s['predicted_ms_busiest_sm'] * 1e3:.3g} us (busiest SM)")
         if self.simulated:
