@@ -80,7 +80,9 @@ class Buffers:
     @staticmethod
     def cname(dtype: torch.dtype) -> str:
         if dtype not in CTYPES:
-            raise FallbackRequired(f"dtype {dtype} has no CUDA type in fusec")
+            raise FallbackRequired(f"dtype {dtype} has no CUDA type in fusec (its kernel takes bfloat16, float16 "
+                                   f"and float32 tensors, int32/int64 and bool indices): cast the model, "
+                                   f"e.g. model.to(torch.bfloat16)")
         return CTYPES[dtype]
 
     def ctype(self, t: str) -> str:
