@@ -147,7 +147,7 @@ def check_decode_step(gm: torch.fx.GraphModule, query_tokens: int = 1) -> None:
         if softmax is not None:   # attention written as plain ops in a form fusec does not match
             raise NotDecodeStepError(
                 f"not a decode step: the graph has no attention call fusec recognizes (a softmax at "
-                f"{node_source(softmax) or softmax.name} is not SDPA nor eager attention in a form fusec "
+                f"{node_source(softmax) or softmax.name} is neither SDPA nor eager attention in a form fusec "
                 f"matches: matmul, scale, an additive mask or a bool mask filled with -inf, softmax, matmul); "
                 f"call torch.nn.functional.scaled_dot_product_attention")
         raise NotDecodeStepError("not a decode step: the graph has no attention call")

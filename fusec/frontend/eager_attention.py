@@ -29,7 +29,8 @@ value already have the query's heads, or one head broadcast); casts (``to``, ``t
 ``float``, ``type_as``) around the softmax; dropout with ``training=False`` or ``p=0``; a
 bool mask applied as ``w.masked_fill(m, -inf)`` or ``torch.where(m, w, -inf)`` (or the dtype's
 lowest value instead of -inf: nanoGPT's and GPT-2's form), which becomes SDPA's bool mask (True:
-attend), ``m``'s negation for ``masked_fill``.
+attend), ``m``'s negation for ``masked_fill`` (they differ only in a query row that attends
+no key, which a decode step never has: it attends its own position).
 
 Gemma-2's attention logit softcapping (``w * scaling; w / c; tanh; * c``, then the mask)
 becomes ``torch.ops.fusec.sdpa`` with its ``softcap`` argument ``c`` (SDPA has none), with

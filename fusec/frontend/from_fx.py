@@ -86,8 +86,9 @@ class _Sizes:
 
 def _known_contiguous(v: torch.Tensor) -> bool:
     """Whether ``v`` (a placeholder's example value) is contiguous: False only where its sizes and
-    strides are plain ints and say it is not (a symbolic size is left to the kernel's call-time
-    check, :meth:`fusec.runtime.cuda_step.CudaStep._guard`, which no guard on it would help)."""
+    strides are plain ints and say it is not. A symbolic size or stride is left to the call-time
+    checks (the kernel's :meth:`fusec.runtime.cuda_step.CudaStep._guard`, the simulator's
+    :class:`fusec.ir.env.Env`): asking the fake tensor would add a guard on it."""
     if not all(isinstance(d, int) for d in (*v.shape, *v.stride())):
         return True
     return v.is_contiguous()
