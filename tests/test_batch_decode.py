@@ -246,10 +246,14 @@ def test_batch_kernel_compiles_with_nvrtc(steps):
     torch._dynamo.reset()
     (step,) = steps
     src = render(step.schedule).source
-    # the attention over 2 * 2 KV heads, a tile group's mask row its sequence's (2 groups each; the
-    # run-time length's slot: generate()'s step takes every cache length)
-    assert re.search(r"attention_partial_merge<float, float, float, 8, 4, 16, [^;]*, smem, "
-                     r"\(\(\(const bool\*\)bufs\[A\[\d+\]\]\) \+ \(size_t\)\(in\.p0 / 2\) \* FUSEC_LEN\(", src)
+    # the attention over 2 * 2 KV heads, each GQA group of 2 query heads cut as the tile-heads rule
+    # says (attention_rules.auto_q_groups: 2 tile groups of one head at the run-time length's
+    # capacity, counted as 4096 rows), a tile group's mask row its sequence's (the run-time
+    # length's slot: generate()'s step takes every cache length)
+    (cut,) = {o.attrs.get("q_groups", 1) for o in step.schedule.graph.ops if o.kind == "attention_partial"}
+    assert cut == 2
+    assert re.search(rf"attention_partial_merge<float, float, float, 8, {4 * cut}, 16, [^;]*, smem, "
+                     rf"\(\(\(const bool\*\)bufs\[A\[\d+\]\]\) \+ \(size_t\)\(in\.p0 / {2 * cut}\) \* FUSEC_LEN\(", src)
     assert "const int b_ = h / 4;" not in src   # no generic attention
     kernel = compile_cuda(src, "fusec_step.cu")
     assert kernel.resources["fusec_step"]["spill_store_bytes"] == 0
