@@ -7,9 +7,9 @@
 # under a CUDA graph (benchmarks/families.py); then, unless TESTS=0, the GPU attention tests with
 # the knob at 1.
 #   bash tools/tile_heads_ab.sh [FAMILIES]      (tables to stdout, JSON to $OUT)
-#   CACHE=32768 PREFILLS="100 3000 16000" HEADS="0 1" TESTS=0 bash tools/tile_heads_ab.sh qwen2,smollm2
-#     (the question docs/performance.md leaves open: at a 32768-row capacity, where the rule does
-#     not cut, would a cut still win at the positions a user reaches?)
+#   CACHE=32768 PREFILLS="100 3000 16000" HEADS="0 8" TESTS=0 bash tools/tile_heads_ab.sh qwen2,smollm2
+#     (the rule, which counts a capacity as at most 4096 rows, against no cut, at the 32768 rows
+#     of a length-polymorphic step: docs/performance.md "The rule at a run-time length")
 FAMS=${1:-qwen2,gemma2}
 OUT=${OUT:-build/tile_heads_ab}
 CACHE=${CACHE:-4096} PREFILLS=${PREFILLS:-100 3000} HEADS=${HEADS:-8 1} TESTS=${TESTS:-1}

@@ -17,7 +17,7 @@ import torch
 from torch._decomp import core_aten_decompositions
 
 from fusec.frontend.custom_ops import SDPA_TARGETS, rewrite_sdpa
-from fusec.frontend.eager_attention import find_eager_attention, rewrite_eager_attention
+from fusec.frontend.eager_attention import find_eager_attention, rewrite_eager_attention, softmaxes
 from fusec.config import MAX_QUERY_ROWS, MAX_QUERY_TOKENS
 from fusec.errors import BatchSizeVaries, NotDecodeStepError
 
@@ -141,9 +141,7 @@ def check_decode_step(gm: torch.fx.GraphModule, query_tokens: int = 1) -> None:
                 continue
             raise NotDecodeStepError(msg)
     if n == 0:
-        softmax = next((node for node in gm.graph.nodes if node.op in ("call_function", "call_method")
-                        and (node.target in (torch.softmax, torch.nn.functional.softmax, torch.Tensor.softmax)
-                             or node.target == "softmax")), None)
+        softmax = next(iter(softmaxes(gm)), None)
         if softmax is not None:   # attention written as plain ops in a form fusec does not match
             raise NotDecodeStepError(
                 f"not a decode step: the graph has no attention call fusec recognizes (a softmax at "

@@ -429,14 +429,19 @@ def find_eager_attention(gm: torch.fx.GraphModule) -> tuple[list[EagerAttention]
     """The eager attentions of a dynamo graph (module docstring) that are SDPA, and those that
     are attention but not SDPA (with the reason). Reads the graph only."""
     found, refused = [], []
-    for node in gm.graph.nodes:
-        if _is(node, _SOFTMAXES | {"softmax"}) and node.args:
-            m = _match(node)
-            if isinstance(m, EagerAttention):
-                found.append(m)
-            elif isinstance(m, Refusal):
-                refused.append(m)
+    for node in softmaxes(gm):
+        m = _match(node)
+        if isinstance(m, EagerAttention):
+            found.append(m)
+        elif isinstance(m, Refusal):
+            refused.append(m)
     return found, refused
+
+
+def softmaxes(gm: torch.fx.GraphModule) -> list[Node]:
+    """The softmax calls of a dynamo graph (``F.softmax``, ``torch.softmax``, ``x.softmax``),
+    in graph order: where an attention written as plain ops would be."""
+    return [n for n in gm.graph.nodes if _is(n, _SOFTMAXES | {"softmax"}) and n.args]
 
 
 def rewrite_eager_attention(gm: torch.fx.GraphModule) -> int:
