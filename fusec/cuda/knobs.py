@@ -116,6 +116,13 @@ TABLE: tuple[Knob, ...] = (
          "docs/performance.md). Lowering reads it (the op's q_groups): set it through the "
          "defines option",
          lo=0, hi=8),
+    Knob("FUSEC_ATTN_LONG_SET", 1,
+         "1: a split-KV op over more than 4096 rows whose cut at its capacity differs from the cut at "
+         "4096 rows (attention_rules.long_set) carries both tile sets, the position choosing one at "
+         "run time (fusec/instructions/attention_sets.py: Qwen2.5-0.5B and SmolLM2 in a "
+         "length-polymorphic step); 0: the 4096-row cut only, the kernel of before 2026-12-07. "
+         "Lowering reads it: set it through the defines option",
+         lo=0, hi=1),
     Knob("FUSEC_ATTN_BLOCK_ROWS", 512,
          "the most cache rows a split-KV tile scores in one block (shared memory: heads x rows x 4 "
          "bytes); a split of more rows runs block after block, each a dependent round of scores, "

@@ -21,6 +21,8 @@ Run-time lengths: the cache's rows L (and a mask's) may be a run-time length
 (:attr:`fusec.ir.TensorInfo.sym`); the splits (``n_chunks``) and the block (``chunk``) are fixed
 at compile time from the capacity, the rows of a split at run time, and the template takes L as
 an argument (:meth:`fusec.cuda.codegen.Buffers.length`).
+Over a capacity of more than 4096 rows an op may hold two tile sets of different cuts, the
+position choosing one at run time (:mod:`fusec.instructions.attention_sets`).
 
 ``attention_reduce``: one tile per range of query heads merges the chunks with the
 log-sum-exp rule: ``M = max m_c``, ``out = sum e^(m_c-M) o_c / sum e^(m_c-M) l_c``.
@@ -100,42 +102,11 @@ from fusec.instructions.base import COST_ROWS, CTA_THREADS, Instruction, Region,
 from fusec.instructions.call import P0, P1, SMEM, Call, Expr, Float, Int, Ptr, Type
 from fusec.instructions.matvec_rows import MAX_SEQS, elt
 from fusec.instructions.attention_rules import split_attention, takes_attention, transposed_output
+from fusec.instructions.attention_rows import (_active_parts, _out_heads, _out_regions, _per_split,
+                                               _query_mask_rows, _template_mask_kind, _write_rows, active_splits,
+                                               merge_partials, reads_to_position, split_rows)
+from fusec.instructions.attention_sets import SetsCall, chosen, has_sets, merged_tiles, set_tile, views
 from fusec.instructions.rule import Rule
-
-
-def merge_partials(o: torch.Tensor, ml: torch.Tensor) -> torch.Tensor:
-    """Log-sum-exp merge of split-KV partials: o [H, C, D], ml [H, C, 2] (m, l) fp32 ->
-    out [H, D] fp32. Empty chunks (m = -inf, l = 0) weigh 0."""
-    m, l = ml[..., 0], ml[..., 1]
-    big = m.max(-1, keepdim=True).values
-    wgt = torch.exp(m - big).nan_to_num(0.0)      # empty chunks: exp(-inf) = 0
-    den = (wgt * l).sum(-1, keepdim=True)
-    out = (wgt[..., None] * o).sum(1) / den
-    return torch.where(den > 0, out, torch.zeros_like(out))   # every row masked: 0, as SDPA
-
-
-def split_rows(c: int, pos: int, n_chunks: int) -> tuple[int, int]:
-    """Rows ``[r0, r1)`` of split ``c`` of the valid cache rows ``[0, pos]`` (even split,
-    the same integer arithmetic as the CUDA template). With active splits ``n_chunks`` is the
-    active count (:func:`active_splits`), for ``c`` below it."""
-    n = pos + 1
-    return c * n // n_chunks, (c + 1) * n // n_chunks
-
-
-def active_splits(pos: int, n_chunks: int, per_split: int = 0) -> int:
-    """How many of a group's ``n_chunks`` splits take rows at position ``pos`` (the first ones):
-    all of them with ``per_split`` 0 (knob ``FUSEC_ATTN_SPLIT_ROWS`` off), else
-    ``min(n_chunks, max(1, ceil((pos + 1) / per_split)))``: an active split holds at most
-    ``per_split`` rows unless all ``n_chunks`` are active, and at least ``per_split // 2`` when
-    two or more are (the template's ``attention_active_splits``)."""
-    if per_split <= 0:
-        return n_chunks
-    return min(n_chunks, max(1, (pos + per_split) // per_split))
-
-
-def _per_split(op: Op) -> int:
-    """The op's ``FUSEC_ATTN_SPLIT_ROWS`` as lowered (0: every split takes rows)."""
-    return op.attrs.get("split_rows", 0)
 
 
 def _active_reduce(op: Op) -> bool:
@@ -143,81 +114,9 @@ def _active_reduce(op: Op) -> bool:
     return _per_split(op) > 0
 
 
-def reads_to_position(op: Op) -> bool:
-    """Whether a split-KV op's tiles read the cache rows up to the last element of its ``pos``
-    input (no mask; the K write positions as the mask, ``mask_kind`` 3; a mask proven to attend
-    no row past them, attr ``mask_bound``) rather than all ``L`` rows, where a mask decides
-    (templates/attention_rows.cu.j2 ``attention_last_row``)."""
-    return "mask" not in op.inputs or op.attrs.get("mask_kind", 0) == TOKEN_POSITIONS \
-        or bool(op.attrs.get("mask_bound"))
-
-
-def _template_mask_kind(op: Op, g: Graph) -> int:
-    """The templates' MK: the op's ``mask_kind``, or 4 for a bool mask (kind 1) that attends no
-    row past the last write position (attr ``mask_bound``): read as kind 1, over rows up to
-    that position only (templates/attention_rows.cu.j2)."""
-    kind = op.attrs.get("mask_kind", 0)
-    return 4 if kind == 1 and op.attrs.get("mask_bound") else kind
-
-
 def _partial_of(op: Op, g: Graph) -> Op:
     """The ``attention_partial`` op whose partials ``attention_reduce`` ``op`` merges."""
     return next(o for o in g.ops if o.kind == "attention_partial" and o.outputs["o_part"] == op.inputs["o_part"])
-
-
-def _active_parts(op: Op, g: Graph, h0: int, h1: int, nc: int, d: int, active: int,
-                  o_slot: str = "o_part", ml_slot: str = "ml_part") -> list[Region]:
-    """The first ``active`` partials of query heads ``[h0, h1)`` (all ``nc``: two regions)."""
-    slots = {**op.inputs, **op.outputs}
-    if active >= nc:
-        return [Region.of(g, slots[o_slot], h0 * nc * d, h1 * nc * d),
-                Region.of(g, slots[ml_slot], h0 * nc * 2, h1 * nc * 2)]
-    out = []
-    for h in range(h0, h1):
-        out += [Region.of(g, slots[o_slot], h * nc * d, (h * nc + active) * d),
-                Region.of(g, slots[ml_slot], h * nc * 2, (h * nc + active) * 2)]
-    return out
-
-
-def out_rows(op: Op, h0: int, h1: int) -> list[int]:
-    """The output rows (of D elements) that the merged query rows ``[h0, h1)`` of ``op`` (an
-    ``attention_partial`` or ``attention_reduce``) are written at: the same rows, or with attr
-    ``out_tokens`` (a K-token step's output transposed to ``[B, K, Hq, D]``, :func:`~.attention_rules.transposed_output`)
-    query row ``(b·Hq + h)·K + k`` at ``(b·K + k)·Hq + h`` (the template's ``attention_out_row``)."""
-    if not op.attrs.get("out_tokens"):
-        return list(range(h0, h1))
-    k = op.attrs["query_tokens"]
-    hq = op.attrs["n_q"] // (op.attrs.get("batch", 1) * k)
-    return [((i // (hq * k)) * k + i % k) * hq + (i // k) % hq for i in range(h0, h1)]
-
-
-def _out_regions(op: Op, g: Graph, h0: int, h1: int, d: int) -> list[Region]:
-    """The regions of ``op``'s output that its merged query rows ``[h0, h1)`` are written to
-    (:func:`out_rows`; consecutive rows as one region)."""
-    runs: list[list[int]] = []
-    for r in out_rows(op, h0, h1):
-        if runs and runs[-1][1] == r:
-            runs[-1][1] = r + 1
-        else:
-            runs.append([r, r + 1])
-    return [Region.of(g, op.outputs["out"], a * d, b * d) for a, b in runs]
-
-
-def _write_rows(op: Op, env: Env, h0: int, h1: int, rows: torch.Tensor) -> None:
-    """Write the merged query rows ``[h0, h1)`` (``rows`` [h1 - h0, D]) of ``op`` at their output rows."""
-    dt = env.g.tensors[op.outputs["out"]].dtype
-    out = env.flat(op.outputs["out"]).view(-1, rows.shape[-1])
-    if op.attrs.get("out_tokens"):
-        out[out_rows(op, h0, h1)] = rows.to(dt)
-    else:
-        out[h0:h1] = rows.to(dt)
-
-
-def _out_heads(op: Op) -> int:
-    """The templates' OHQ: Hq where the output is written transposed (``out_tokens``), else 0."""
-    if not op.attrs.get("out_tokens"):
-        return 0
-    return op.attrs["n_q"] // (op.attrs.get("batch", 1) * op.attrs["query_tokens"])
 
 
 def _merges(op: Op) -> bool:
@@ -229,20 +128,6 @@ def _kv_head(op: Op, gi: int) -> int:
     """The KV head whose cache rows query-head group ``gi`` reads (in a batch, of the flat
     ``B * Hkv`` heads: sequence ``b``'s head ``h`` is ``b * Hkv + h``)."""
     return gi // op.attrs.get("q_groups", 1)
-
-
-def _query_mask_rows(op: Op, gi: int) -> list[int]:
-    """The mask row each query row of query-head group ``gi`` reads, in order (the group's
-    ``n_q / groups`` rows). Row ``i`` (flat over the batch's ``[B, Hq, K, D]`` queries) is
-    sequence ``b = i // (n_q / B)``'s token ``k = i % K``; it reads mask row ``b·K + k`` where the
-    mask has ``B·K`` rows (attr ``mask_rows``: its sequence's rows), else ``k`` (one set of K
-    rows for every sequence; at K = 1: row 0, or the sequence's row of a ``[B, 1, 1, L]`` mask)."""
-    a = op.attrs
-    b, qk, rows = a.get("batch", 1), a.get("query_tokens", 1), a.get("mask_rows", 1)
-    per_group = a["n_q"] // (a["n_kv"] * a.get("q_groups", 1))
-    per_seq = a["n_q"] // b
-    return [(i // per_seq if rows == b * qk else 0) * qk + i % qk
-            for i in range(gi * per_group, (gi + 1) * per_group)]
 
 
 def _softcapped(op: Op) -> bool:
@@ -302,16 +187,29 @@ class AttentionPartial(Instruction):
 
     @classmethod
     def tiles(cls, op: Op, g: Graph, want: int) -> list[Tile]:
+        """One tile per (query-head group, split); an op of two tile sets (attention_sets):
+        tile ``i`` of each."""
+        if has_sets(op):
+            return merged_tiles(op, *(cls._set_tiles(v, g) for v in views(op)))
+        return cls._set_tiles(op, g)
+
+    @staticmethod
+    def _group_reads(op: Op, g: Graph, gi: int, rep: int, d: int) -> list[Region]:
+        """What a tile of query-head group ``gi`` reads whatever the position: its queries, the
+        position and the whole mask (a batch's tile: its rows, :meth:`runtime_regions`)."""
+        reads = [Region.of(g, op.inputs["q"], gi * rep * d, (gi + 1) * rep * d), Region.whole(g, op.inputs["pos"])]
+        return reads + ([Region.whole(g, op.inputs["mask"])] if "mask" in op.inputs else [])
+
+    @classmethod
+    def _set_tiles(cls, op: Op, g: Graph) -> list[Tile]:
+        """The tiles of ``op``'s (one) tile set."""
         nq, ng, d, chunk, nc, L = cls._dims(op, g)
         rep = nq // ng
         tiles = []
         for gi in range(ng):
             for c in range(nc):
                 # the rows depend on the run-time position: declare the whole head
-                reads = [Region.of(g, op.inputs["q"], gi * rep * d, (gi + 1) * rep * d),
-                         Region.whole(g, op.inputs["pos"])]
-                if "mask" in op.inputs:
-                    reads.append(Region.whole(g, op.inputs["mask"]))
+                reads = cls._group_reads(op, g, gi, rep, d)
                 kh = _kv_head(op, gi)
                 for cache in ("kcache", "vcache"):
                     reads.append(Region.of(g, op.inputs[cache], kh * L * d, (kh + 1) * L * d))
@@ -330,9 +228,10 @@ class AttentionPartial(Instruction):
     @classmethod
     def encode(cls, op: Op, tile: Tile) -> list[int]:
         p = tile.params
-        return [p["group"], p["chunk"], 0, 0]
+        return [p["group"], p["chunk"], p.get("long_group", 0), p.get("long_chunk", 0)]
 
-    call = Call(lambda op: "attention_partial_merge" if _merges(op) else "attention_partial",
+    # two tile sets (attention_sets): both sets' calls, the position choosing
+    call = SetsCall(lambda op: "attention_partial_merge" if _merges(op) else "attention_partial",
                 targs=(Type("tq", "q"), Type("tc", "kcache"), Type("to", "out", when=_merges),
                        Int("NQ", lambda op, g: op.attrs["n_q"]),
                        # NKV: the query-head groups, KS of which share a KV head
@@ -366,10 +265,20 @@ class AttentionPartial(Instruction):
     def cuda_args(cls, op: Op, g: Graph, bufs) -> dict:
         if bufs.symbol(op.inputs["kcache"], 2) != bufs.symbol(op.inputs["vcache"], 2):
             raise NotImplementedError("attention_partial: K and V caches of different run-time lengths")
-        return {**super().cuda_args(op, g, bufs), "uses": ("attention_rows",)}   # the rows' helpers
+        short, *long = views(op)
+        a = {**cls.call.values(short, g, bufs), "uses": ("attention_rows",)}   # the rows' helpers
+        if long:   # the long set's values; the choice, as attention_sets.runs_long
+            a["long"] = cls.call.values(long[0], g, bufs)
+            a["long_when"] = (f"attention_long_set<{a.get('MK', 0)}, {a.get('QK', 1)}>({a['pos']}, {a['L']}, "
+                              f"{op.attrs['long_set']['switch_rows']})")
+        return a
 
     @classmethod
     def smem_floats(cls, op: Op, g: Graph) -> int:
+        return max(cls._set_smem(v, g) for v in views(op))
+
+    @classmethod
+    def _set_smem(cls, op: Op, g: Graph) -> int:
         nq, ng, d, chunk, nc, L = cls._dims(op, g)
         rep = nq // ng
         esize = g.tensors[op.inputs["kcache"]].dtype.itemsize
@@ -419,13 +328,26 @@ class AttentionPartial(Instruction):
         return pos
 
     @classmethod
+    def _pick(cls, op: Op, tile: Tile, env: Env) -> tuple[Op, Tile] | None:
+        """(the view of the tile set the step runs, the tile as that set's), or None where the
+        set has no tile of this index (:func:`~fusec.instructions.attention_sets.chosen`)."""
+        if not has_sets(op):
+            return op, tile
+        c = chosen(op, tile, cls._pos(op, env))
+        return None if c is None else (c[0], set_tile(c[0], tile, c[1], c[2]))
+
+    @classmethod
     def runtime_regions(cls, op, tile, env):
+        picked = cls._pick(op, tile, env)
+        if picked is None:   # no tile of the step's set: it reads the position only
+            return [Region.whole(env.g, op.inputs["pos"])], []
+        op, tile = picked
         nq, ng, d, chunk, nc, _ = cls._dims(op, env.g)
         L = cls._rows(op, env)
         rep, gi = nq // ng, tile.params["group"]
         pos = cls._pos(op, env)
         active = active_splits(pos, nc, _per_split(op))
-        reads = tile.reads[:3] if "mask" in op.inputs else tile.reads[:2]
+        reads = cls._group_reads(op, env.g, gi, rep, d)
         if "mask_rows" in op.attrs and op.attrs.get("mask_kind", 0) != TOKEN_POSITIONS:
             # the group's mask rows (its sequence's) at the run-time length
             rows = _query_mask_rows(op, gi)
@@ -442,8 +364,10 @@ class AttentionPartial(Instruction):
     def ticket_regions(cls, op, tile, env):
         """The merge, after the ticket: the group's partials and its output, if this tile's
         ticket is the group's last of the step."""
-        if "out" not in op.outputs:
+        picked = cls._pick(op, tile, env) if "out" in op.outputs else None
+        if picked is None:
             return [], []
+        op, tile = picked
         nq, ng, d, chunk, nc, L = cls._dims(op, env.g)
         rep, gi = nq // ng, tile.params["group"]
         if not cls._is_last(op, env, gi, nc, peek=True):
@@ -461,6 +385,10 @@ class AttentionPartial(Instruction):
 
     @classmethod
     def run_tile(cls, op: Op, tile: Tile, env: Env) -> None:
+        picked = cls._pick(op, tile, env)
+        if picked is None:   # no tile of the step's set
+            return
+        op, tile = picked
         nq, ng, d, chunk, nc, L = cls._dims(op, env.g)
         rep = nq // ng
         gi = tile.params["group"]

@@ -87,9 +87,14 @@ def auto_q_groups(rep: int, n_kv: int, rows: int, head_dim: int, itemsize: int, 
     head's rows again, and a tile's K and V grow with the cut (Qwen3-0.6B cut to 16 groups of
     128-wide heads: 256 KiB a tile, 8% slower at 3000). A length-polymorphic step (capacity
     32768, its splits sharing the valid rows at run time) is cut as a 4096-row step: Qwen2.5-0.5B
-    10-16% faster at positions 100-3000, 14% slower at 16000 (H100, 2026-12-07)."""
+    10-16% faster at positions 100-3000, 14% slower at 16000 (H100, 2026-12-07); past the cut's
+    tile bytes such a step runs a second tile set, the capacity's cut (:func:`long_set`)."""
+    return _cut(rep, n_kv, min(rows, REFERENCE_ROWS), head_dim, itemsize, num_sms)
+
+
+def _cut(rep: int, n_kv: int, rows: int, head_dim: int, itemsize: int, num_sms: int) -> int:
+    """:func:`auto_q_groups`'s choice at exactly ``rows`` rows (no :data:`REFERENCE_ROWS` bound)."""
     ks = [k for k in range(q_groups(rep), rep + 1) if rep % k == 0 and rep // k <= MAX_TILE_HEADS]
-    rows = min(rows, REFERENCE_ROWS)
 
     def tile_bytes(k: int) -> int:
         return math.ceil(rows / splits(rows, n_kv * k, num_sms)) * head_dim * 2 * itemsize
@@ -97,6 +102,52 @@ def auto_q_groups(rep: int, n_kv: int, rows: int, head_dim: int, itemsize: int, 
     within = [k for k in ks if tile_bytes(k) <= TILE_KV_BYTES]
     few = [k for k in within if splits(rows, n_kv * k, num_sms) <= MERGE_PARTS]
     return few[0] if few else within[-1] if within else ks[0]
+
+
+def _blocks(L: int, groups: int, options: dict) -> tuple[int, int]:
+    """(``n_chunks``, ``chunk``) of a tile set of ``groups`` query-head groups over a cache of
+    ``L`` rows (:func:`split_attention`): :func:`splits` splits of a multiple of 16 rows; where
+    that is at most :func:`max_block`, as few splits as hold L, else splits of several blocks;
+    with ``FUSEC_ATTN_SPLIT_ROWS`` = R > 0 among the ``defines`` the block grows to hold R rows."""
+    n_chunks = splits(L, groups, options["num_sms"])
+    chunk = math.ceil(math.ceil(L / n_chunks) / 16) * 16
+    block = max_block(options)
+    if chunk <= block:   # a split is one block: as few splits as hold L
+        n_chunks = math.ceil(L / chunk)
+    else:                # splits of several blocks
+        chunk = block
+    per_split = int(options.get("defines", {}).get("FUSEC_ATTN_SPLIT_ROWS", KNOBS["FUSEC_ATTN_SPLIT_ROWS"]))
+    if per_split > 0:   # an idle split leaves up to per_split rows to each active one: one block
+        chunk = max(chunk, min(block, math.ceil(per_split / 16) * 16))
+    return n_chunks, chunk
+
+
+def long_set(options: dict, rep: int, n_kv: int, rows: int, head_dim: int, itemsize: int, cut: int,
+             n_chunks: int) -> dict | None:
+    """The second tile set of a split-KV op over a capacity of more than :data:`REFERENCE_ROWS`
+    rows, or None: the cut :func:`auto_q_groups` makes at the capacity itself, where it differs
+    from ``cut`` (the one made at :data:`REFERENCE_ROWS`, ``n_chunks`` splits), and the step reads
+    more rows than ``switch_rows``, the most at which a tile of ``cut`` reads at most
+    :data:`TILE_KV_BYTES` of K and V. Only for the default cut (``FUSEC_ATTN_TILE_HEADS`` 0),
+    the last-tile merge and the kernel knob ``FUSEC_ATTN_LONG_SET`` at 1 (its default).
+
+    Returns:
+        ``{"q_groups", "n_chunks", "chunk", "switch_rows"}``: the attrs of the set
+        (:mod:`fusec.instructions.attention_sets` runs it where the step reads more than
+        ``switch_rows`` rows).
+
+    Why (H100, full depth, capacity 32768, 2026-12-07): Qwen2.5-0.5B cut to 14 groups of one head
+    was 10-16% faster than 2 groups of 7 at positions 100-3000 and 14% slower at 16000 (its
+    tiles' K and V grow with the position, 455 KB at 16000); SmolLM2-360M even, then 31% slower."""
+    on = int(options.get("defines", {}).get("FUSEC_ATTN_LONG_SET", KNOBS["FUSEC_ATTN_LONG_SET"]))
+    if not on or tile_heads(options) or options["attention_merge"] != "last_tile" or rows <= REFERENCE_ROWS:
+        return None
+    wide = _cut(rep, n_kv, rows, head_dim, itemsize, options["num_sms"])
+    switch = TILE_KV_BYTES // (head_dim * 2 * itemsize) * n_chunks
+    if wide == cut or switch >= rows:
+        return None
+    nc, chunk = _blocks(rows, n_kv * wide, options)
+    return {"q_groups": wide, "n_chunks": nc, "chunk": chunk, "switch_rows": switch}
 
 
 def _seqs(g: Graph, att: Op) -> int:
@@ -156,7 +207,11 @@ def split_attention(c: Ctx, m: dict) -> list[Op]:
     or ``attention_partial`` + ``attention_reduce`` (``"reduce"``). A non-zero
     ``FUSEC_ATTN_SPLIT_ROWS`` among the ``defines`` becomes the attr ``split_rows`` of both (and
     the reduce's input ``pos``), and the block grows to hold it (a multiple of 16, at most
-    :func:`max_block`): an active split holds up to that many rows while others idle."""
+    :func:`max_block`): an active split holds up to that many rows while others idle. Over more
+    than :data:`REFERENCE_ROWS` rows, at one query token per sequence, the last-tile merge's op
+    may carry a second tile set for the positions past the cut's tile bytes (:func:`long_set`;
+    attr ``long_set``, outputs ``o_part_long``, ``ml_part_long``:
+    :mod:`fusec.instructions.attention_sets`)."""
     g, att = c.g, m["_anchor"]
     kc = g.tensors[g.root(att.inputs["k"])]
     b, hkv, L, d = kc.shape
@@ -165,18 +220,13 @@ def split_attention(c: Ctx, m: dict) -> list[Op]:
     th = tile_heads(c.options)
     hs = (q_groups(nq // nkv, th) if th else
           auto_q_groups(nq // nkv, nkv, L, d, kc.dtype.itemsize, c.options["num_sms"]))
-    n_chunks = splits(L, nkv * hs, c.options["num_sms"])
-    chunk = math.ceil(math.ceil(L / n_chunks) / 16) * 16
-    block = max_block(c.options)
-    if chunk <= block:   # a split is one block: as few splits as hold L
-        n_chunks = math.ceil(L / chunk)
-    else:                # splits of several blocks
-        chunk = block
+    n_chunks, chunk = _blocks(L, nkv * hs, c.options)
     per_split = int(c.options.get("defines", {}).get("FUSEC_ATTN_SPLIT_ROWS", KNOBS["FUSEC_ATTN_SPLIT_ROWS"]))
-    if per_split > 0:   # an idle split leaves up to per_split rows to each active one: one block
-        chunk = max(chunk, min(block, math.ceil(per_split / 16) * 16))
     o_part = g.new_tensor(f"{att.name}_o_part", (nq, n_chunks, d), torch.float32)
     ml_part = g.new_tensor(f"{att.name}_ml_part", (nq, n_chunks, 2), torch.float32)
+    # one query token per sequence only: with both sets a K-token step's fusec_step spilled (8 B at
+    # K = 2 on Qwen2.5-0.5B's shape, NVRTC sm_90a)
+    long = long_set(c.options, nq // nkv, nkv, L, d, kc.dtype.itemsize, hs, n_chunks) if g.query_tokens() == 1 else None
     attrs = {"scale": att.attrs["scale"], "n_q": nq, "n_kv": nkv, "head_dim": d,
              "chunk": chunk, "n_chunks": n_chunks, "mask_kind": att.attrs.get("mask_kind", 0)}
     if att.attrs.get("mask_bound"):   # only then: the graph (and its dump) as before the attr
@@ -202,6 +252,12 @@ def split_attention(c: Ctx, m: dict) -> list[Op]:
               {"o_part": o_part, "ml_part": ml_part}, attrs=attrs, source=att.source)
     if c.options["attention_merge"] == "last_tile":
         part.outputs["out"] = att.outputs["out"]
+        if long:   # the second tile set (attention_sets): its partials of its own
+            part.attrs["long_set"] = long
+            part.outputs["o_part_long"] = g.new_tensor(f"{att.name}_o_part_long", (nq, long["n_chunks"], d),
+                                                       torch.float32)
+            part.outputs["ml_part_long"] = g.new_tensor(f"{att.name}_ml_part_long", (nq, long["n_chunks"], 2),
+                                                        torch.float32)
         return [part]
     red = Op(g.fresh_name(f"{att.name}_reduce"), "attention_reduce",
              {"o_part": o_part, "ml_part": ml_part}, {"out": att.outputs["out"]},
