@@ -24,12 +24,12 @@ def _long(rep, n_kv, d, rows, options=DEFAULT, itemsize=2):
 def test_the_rule_gives_few_kv_head_models_a_long_set_past_the_cuts_tile_bytes():
     """Qwen2.5-0.5B (7 query heads over each of 2 KV heads, 64 wide, bf16) at a 32768-row
     capacity: the short set is the 4096-row cut (14 groups of 9 splits), the long set the
-    capacity's (2 groups of 64 splits), switching past 4608 rows (512 rows of 256 B a split, 9
-    splits); SmolLM2-360M likewise at 4096. Llama-3.2-1B and Gemma-2-2B (never cut), a capacity
+    capacity's (2 groups of 64 splits), switching past 8064 rows (7 x 32 KiB a split: 896 rows of
+    256 B, 9 splits); SmolLM2-360M (15 of 8, then 5 of 26) past 3 x 128 x 8 = 3072. Llama-3.2-1B and Gemma-2-2B (never cut), a capacity
     of at most 4096 rows, the tile-heads knob, the reduce merge and FUSEC_ATTN_LONG_SET 0 get
     none."""
-    assert _long(7, 2, 64, 32768) == {"q_groups": 1, "n_chunks": 64, "chunk": 512, "switch_rows": 4608}
-    assert _long(3, 5, 64, 32768) == {"q_groups": 1, "n_chunks": 26, "chunk": 512, "switch_rows": 4096}
+    assert _long(7, 2, 64, 32768) == {"q_groups": 1, "n_chunks": 64, "chunk": 512, "switch_rows": 8064}
+    assert _long(3, 5, 64, 32768) == {"q_groups": 1, "n_chunks": 26, "chunk": 512, "switch_rows": 3072}
     assert _long(4, 8, 64, 32768) is None and _long(2, 4, 256, 32768) is None
     assert _long(7, 2, 64, REFERENCE_ROWS) is None and _long(7, 2, 64, 1024) is None
     assert _long(7, 2, 64, 32768, {**DEFAULT, "attention_merge": "reduce"}) is None
@@ -46,11 +46,18 @@ def _qwen_shaped():
     return hf_tiny.llama(hidden=448, inter=128, layers=2, heads=14, kv_heads=2, head_dim=32)
 
 
+def _smollm2_shaped():
+    """SmolLM2-360M's attention shape at half its width: 15 query heads over 5 KV heads of 32,
+    fp32 (a tile's K and V bytes as bf16 heads of 64), two layers."""
+    return hf_tiny.llama(hidden=480, inter=128, layers=2, heads=15, kv_heads=5, head_dim=32)
+
+
 def test_decode_on_both_sides_of_the_switch_equals_eager(steps, monkeypatch):
-    """torch.compile(backend="fusec"), default options, a 32768-row StaticCache: after prefills of
-    100 and 4700 tokens (switch at 4608 rows) two decode steps each equal eager on the simulator
-    (hazard check on), no fallback; the op carries both sets, the first prompt's steps ran only
-    the short set and the second's only the long one."""
+    """torch.compile(backend="fusec"), default options, a 32768-row StaticCache of a
+    SmolLM2-shaped model (15 groups of 8 splits, then 5 of 26): after prefills of 100 and 3100
+    tokens (switch at 3072 rows) two decode steps each equal eager on the simulator (hazard check
+    on), no fallback; the op carries both sets, the first prompt's steps ran only the short set
+    and the second's only the long one."""
     import step_util
     picked = []
     real = attention_sets.chosen
@@ -59,13 +66,13 @@ def test_decode_on_both_sides_of_the_switch_equals_eager(steps, monkeypatch):
         picked.append((last_row, attention_sets.runs_long(op, last_row)))
         return real(op, tile, last_row)
     monkeypatch.setattr("fusec.instructions.attention.chosen", spy)
-    errs, w = step_util.prompts_against_eager(_qwen_shaped(), {}, (100, 4700), cache_len=32768)
+    errs, w = step_util.prompts_against_eager(_smollm2_shaped(), {}, (100, 3100), cache_len=32768)
     assert max(errs.values()) < 1e-4, errs
     assert not w.fallbacks and w.compiled >= 1, w.fallbacks
     att = [o for st in steps for o in st.schedule.graph.ops if o.kind == "attention_partial"]
-    assert att and all(o.attrs.get("q_groups") == 7 and o.attrs["long_set"]["switch_rows"] == 4608 for o in att)
-    assert {long for row, long in picked if row < 4608} == {False}
-    assert {long for row, long in picked if row >= 4608} == {True}
+    assert att and all(o.attrs.get("q_groups") == 3 and o.attrs["long_set"]["switch_rows"] == 3072 for o in att)
+    assert {long for row, long in picked if row < 3072} == {False}
+    assert {long for row, long in picked if row >= 3072} == {True}
 
 
 def test_a_long_set_tile_without_a_short_tile_is_idle_there():
@@ -101,7 +108,7 @@ def test_the_kernel_of_two_sets_compiles_without_spills(dtype, tmp_path):
 @pytest.mark.gpu
 def test_both_sets_on_the_gpu():
     """GPU, bf16: Qwen2.5-0.5B's attention shape (14 / 2 heads of 64) over a 32768-row
-    StaticCache (switch at 4608 rows) at positions 100, 4606, 4607, 4608, 16000 and 32766 (random
+    StaticCache (switch at 8064 rows) at positions 100, 8062, 8063, 8064, 16000 and 32766 (random
     caches; two steps each, so each set's tickets wrap): the default kernel (both sets) is within
     bf16's gross-error bound of eager's logits and within 2e-2 of the uncut kernel's
     (FUSEC_ATTN_TILE_HEADS 8: one set); no fallback."""
@@ -118,7 +125,7 @@ def test_both_sets_on_the_gpu():
             compiled = torch.compile(model, backend="fusec", options={"fallback": "eager", "defines": defines})
             logits[name] = []
             state = torch.Generator().manual_seed(12)   # the same caches for both kernels
-            for pos in (100, 4606, 4607, 4608, 16000, 32766):
+            for pos in (100, 8062, 8063, 8064, 16000, 32766):
                 for a, b in step_util.steps_at_position(model, compiled, toks, pos, state, rows=32768):
                     assert torch.isfinite(a).all() and step_util.rel(a, b) < 5e-2, (name, pos, step_util.rel(a, b))
                     logits[name].append(a)

@@ -59,6 +59,11 @@ TILE_KV_BYTES = 128 * 1024
 REFERENCE_ROWS = 4096
 
 
+#: :func:`long_set` switches to the long tile set where a short-set tile would read more than this
+#: many bytes of K and V per query head a long-set tile has for each of the short one's
+SWITCH_BYTES_PER_HEAD = 32 * 1024
+
+
 def splits(rows: int, groups: int, num_sms: int) -> int:
     """The split-KV splits per tile group before blocking (:func:`split_attention`): one per 16
     cache rows, at most the SMs each of ``groups`` tile groups gets."""
@@ -128,22 +133,28 @@ def long_set(options: dict, rep: int, n_kv: int, rows: int, head_dim: int, items
     rows, or None: the cut :func:`auto_q_groups` makes at the capacity itself, where it differs
     from ``cut`` (the one made at :data:`REFERENCE_ROWS`, ``n_chunks`` splits), and the step reads
     more rows than ``switch_rows``, the most at which a tile of ``cut`` reads at most
-    :data:`TILE_KV_BYTES` of K and V. Only for the default cut (``FUSEC_ATTN_TILE_HEADS`` 0),
-    the last-tile merge and the kernel knob ``FUSEC_ATTN_LONG_SET`` at 1 (its default).
+    :data:`SWITCH_BYTES_PER_HEAD` of K and V times ``cut / wide`` (a long-set tile's query heads
+    per head of a short-set tile: 7 for Qwen2.5-0.5B, 3 for SmolLM2-360M). Only for the
+    default cut (``FUSEC_ATTN_TILE_HEADS`` 0), the last-tile merge and the kernel knob
+    ``FUSEC_ATTN_LONG_SET`` at 1 (its default).
 
     Returns:
         ``{"q_groups", "n_chunks", "chunk", "switch_rows"}``: the attrs of the set
         (:mod:`fusec.instructions.attention_sets` runs it where the step reads more than
         ``switch_rows`` rows).
 
-    Why (H100, full depth, capacity 32768, 2026-12-07): Qwen2.5-0.5B cut to 14 groups of one head
-    was 10-16% faster than 2 groups of 7 at positions 100-3000 and 14% slower at 16000 (its
-    tiles' K and V grow with the position, 455 KB at 16000); SmolLM2-360M even, then 31% slower."""
+    Why (H100, full depth, capacity 32768, 2026-12-07, docs/performance.md "Two tile sets"): cut
+    to one head a tile, Qwen2.5-0.5B (7 heads a long-set tile) is faster than uncut up to about
+    8000 rows and SmolLM2-360M (3) up to about 3000: where a short-set tile reads about 222 and
+    90 KB, 32 KiB per head of a long-set tile (two models, both with one head a short-set tile:
+    a fit, not a model of the tiles' time; the 128 KiB of :data:`TILE_KV_BYTES` switched Qwen2.5
+    3.9% too early at 6000 and SmolLM2 1% too late)."""
     on = int(options.get("defines", {}).get("FUSEC_ATTN_LONG_SET", KNOBS["FUSEC_ATTN_LONG_SET"]))
     if not on or tile_heads(options) or options["attention_merge"] != "last_tile" or rows <= REFERENCE_ROWS:
         return None
     wide = _cut(rep, n_kv, rows, head_dim, itemsize, options["num_sms"])
-    switch = TILE_KV_BYTES // (head_dim * 2 * itemsize) * n_chunks
+    # a long-set tile's heads per head of a short-set tile (each divides rep)
+    switch = SWITCH_BYTES_PER_HEAD * (cut // wide) // (head_dim * 2 * itemsize) * n_chunks
     if wide == cut or switch >= rows:
         return None
     nc, chunk = _blocks(rows, n_kv * wide, options)
