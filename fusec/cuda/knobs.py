@@ -121,7 +121,8 @@ TABLE: tuple[Knob, ...] = (
          "4096 rows (attention_rules.long_set) carries both tile sets, the position choosing one at "
          "run time (fusec/instructions/attention_sets.py: Qwen2.5-0.5B and SmolLM2 in a "
          "length-polymorphic step); 0: the 4096-row cut only, the kernel of before 2026-12-07. "
-         "Measured 1 against 0 (H100, full depth, cache 32768, kernel under a CUDA graph, positions "
+         "Measured 1 (its switch then at 128 KiB a short-set tile) against 0 (H100, full depth, cache "
+         "32768, kernel under a CUDA graph, positions "
          "100 / 3000 / 6000 / 16000): Qwen2.5-0.5B 0.839 -> 0.846, 0.945 -> 0.962, 1.073 -> 1.115, "
          "1.424 -> 1.256 ms; SmolLM2-360M 0.873 -> 0.873, 1.023 -> 1.032, 1.210 -> 1.091, 1.744 -> "
          "1.368 (docs/performance.md). Lowering reads it: set it through the defines option",
