@@ -220,7 +220,7 @@ def split_attention(c: Ctx, m: dict) -> list[Op]:
     the reduce's input ``pos``), and the block grows to hold it (a multiple of 16, at most
     :func:`max_block`): an active split holds up to that many rows while others idle. Over more
     than :data:`REFERENCE_ROWS` rows, at one query token per sequence, the last-tile merge's op
-    may carry a second tile set for the positions past the cut's tile bytes (:func:`long_set`;
+    may carry a second tile set for the positions past its switch (:func:`long_set`;
     attr ``long_set``, outputs ``o_part_long``, ``ml_part_long``:
     :mod:`fusec.instructions.attention_sets`)."""
     g, att = c.g, m["_anchor"]
