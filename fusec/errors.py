@@ -148,3 +148,8 @@ class SimulationMismatchError(FusecError):
     def __init__(self, message: str, mismatches: list[dict]):
         super().__init__(message)
         self.mismatches = mismatches
+
+
+class SimulatorWarning(UserWarning):
+    """A step runs on fusec's CPU simulator because its tensors are on the CPU (shown once per
+    process): it checks the kernel's schedule tile by tile in Python, far slower than eager."""

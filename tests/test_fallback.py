@@ -270,3 +270,29 @@ def test_cuda_target_schedules_one_cta_per_sm_of_the_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: Props)
     assert backend._device_sms([torch.zeros(2), 3]) == 114
+
+
+def test_a_cpu_model_is_told_it_runs_on_the_simulator():
+    """A model on the CPU compiled with default options runs on the simulator, and the user is
+    told so (a SimulatorWarning naming the simulator, its speed and what to do), with the step's
+    numbers fusec's own (no fallback); ``target='sim'``, asked for, warns nothing."""
+    import warnings
+    from fusec.errors import SimulatorWarning
+    from fusec.fallbacks import FallbackWatch
+    model = hf_tiny.llama()
+    cache = hf_tiny.static_cache(model, 16)
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, 128, (1, 3)), past_key_values=cache, use_cache=True)
+    tok = torch.randint(0, 128, (1, 1))
+    torch._dynamo.reset()
+    with torch.no_grad(), FallbackWatch() as w, \
+            pytest.warns(SimulatorWarning, match=r"CPU simulator.*10-100x slower.*CUDA device"):
+        torch.compile(model, backend="fusec")(input_ids=tok, past_key_values=cache, use_cache=True)
+    assert not w.fallbacks and w.compiled == 1
+    torch._dynamo.reset()
+    with torch.no_grad(), warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.compile(model, backend="fusec", options={"target": "sim"})(
+            input_ids=tok, past_key_values=cache, use_cache=True)
+    torch._dynamo.reset()
+    assert not [x for x in seen if issubclass(x.category, SimulatorWarning)]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -23,7 +24,8 @@ from fusec.frontend import hf_rope, hf_sdpa
 from fusec.frontend.counters import mark_cache_counters_dynamic
 from fusec.frontend.compiled import CompiledStep
 from fusec.config import DEFAULT_MAX_CACHE_LEN, Options
-from fusec.errors import BatchSizeVaries, CapacityExceeded, FallbackRequired, FusecError, NotLengthPolymorphic
+from fusec.errors import (BatchSizeVaries, CapacityExceeded, FallbackRequired, FusecError, NotLengthPolymorphic,
+                          SimulatorWarning)
 from fusec.fallbacks import FallbackRun, warn as warn_fallback
 from fusec.pipeline import Dumper, build_ir
 
@@ -115,6 +117,12 @@ def _step_target(example_inputs: list[Any], opts: Options) -> tuple[str, Options
         FallbackRequired: target 'cuda' without a CUDA device.
     """
     target = _target(example_inputs, opts)
+    if target == "sim" and not opts.target:   # once per process (Python's default warning filter)
+        warnings.warn("fusec: the step's tensors are on the CPU, so it runs on fusec's CPU simulator, which "
+                      "checks the kernel's schedule tile by tile in Python: 10-100x slower than eager, and a "
+                      "full-depth model's first call compiles for tens of seconds. Move the model to a CUDA "
+                      "device for the megakernel (option target='sim' says you mean it)", SimulatorWarning,
+                      stacklevel=2)
     if target == "cuda" and not torch.cuda.is_available():
         raise FallbackRequired("target 'cuda' but no CUDA device is available")
     if target == "cuda" and opts.num_sms is None:   # one CTA per SM of the model's GPU
