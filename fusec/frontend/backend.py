@@ -113,6 +113,10 @@ def _tensor_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], opts: Opt
 def _step_target(example_inputs: list[Any], opts: Options) -> tuple[str, Options]:
     """The target of a step over ``example_inputs`` and the options with ``num_sms`` set for it.
 
+    Warns:
+        SimulatorWarning: the step's tensors are on the CPU and no target was asked for (the
+            simulator: once per process).
+
     Raises:
         FallbackRequired: target 'cuda' without a CUDA device.
     """
