@@ -66,7 +66,7 @@ ROWS: tuple[tuple[str, str, str], ...] = (
      "`generic` has two (`table_lookup`, `copy_small`, after the `ld_ro`/`ld_cg` loads); "
      "`rms_qkv_rope` adds `qkv_head_epilogue` (the norm and rotation of "
      "a q/k head, by the head's last tile when a head is split); `attention_partial` adds "
-     "`attention_split_rows` (a split's cache rows), `attention_mask`, `attention_mask_row` (a query row's mask row in a step of K > 1 query tokens), `select_f` and `scatter_step` "
+     "`attention_split_rows` (a split's cache rows), `attention_long_set` (which of an op's two tile sets the position picks, fusec/instructions/attention_sets.py), `attention_mask`, `attention_mask_row` (a query row's mask row in a step of K > 1 query tokens), `select_f` and `scatter_step` "
      "(the value pass's reduce-scatter, `FUSEC_ATTN_V_SCATTER`), `attention_sum_values`, "
      "`attention_value_row` (one cache row's V chunk into the value accumulators), "
      "`attention_scores_lanes` (the scores by lanes, `FUSEC_ATTN_LANES`), "
