@@ -21,13 +21,13 @@ def _long(rep, n_kv, d, rows, options=DEFAULT, itemsize=2):
     return long_set(options, rep, n_kv, rows, d, itemsize, cut, nc)
 
 
-def test_the_rule_gives_few_kv_head_models_a_long_set_past_the_cuts_tile_bytes():
+def test_the_rule_gives_few_kv_head_models_a_long_set_past_its_switch():
     """Qwen2.5-0.5B (7 query heads over each of 2 KV heads, 64 wide, bf16) at a 32768-row
     capacity: the short set is the 4096-row cut (14 groups of 9 splits), the long set the
     capacity's (2 groups of 64 splits), switching past 8064 rows (7 x 32 KiB a split: 896 rows of
-    256 B, 9 splits); SmolLM2-360M (15 of 8, then 5 of 26) past 3 x 128 x 8 = 3072. Llama-3.2-1B and Gemma-2-2B (never cut), a capacity
-    of at most 4096 rows, the tile-heads knob, the reduce merge and FUSEC_ATTN_LONG_SET 0 get
-    none."""
+    256 B, 9 splits); SmolLM2-360M (15 of 8, then 5 of 26) past 3072 (3 x 32 KiB: 384 rows, 8
+    splits). Llama-3.2-1B and Gemma-2-2B (never cut), a capacity of at most 4096 rows, the
+    tile-heads knob, the reduce merge and FUSEC_ATTN_LONG_SET 0 get none."""
     assert _long(7, 2, 64, 32768) == {"q_groups": 1, "n_chunks": 64, "chunk": 512, "switch_rows": 8064}
     assert _long(3, 5, 64, 32768) == {"q_groups": 1, "n_chunks": 26, "chunk": 512, "switch_rows": 3072}
     assert _long(4, 8, 64, 32768) is None and _long(2, 4, 256, 32768) is None
