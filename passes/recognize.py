@@ -43,7 +43,10 @@ with the same values, by one op each:
   A bool mask that stays (a left-padded batch's: HF's causal part AND the padding part) and one of
   whose AND terms, a function of the position, attends no row past the last write position
   (:func:`fusec.ir.mask_proofs.bounded_by_positions`) gets the attr ``mask_bound``: the attention
-  reads rows ``0 .. pos[-1]`` under the mask.
+  reads rows ``0 .. pos[-1]`` under the mask; at one query token, a term that is exactly the
+  causal mask of that position (HF's, or the one generate()'s callers AND onto the 4-D masks they
+  pass, :mod:`fusec.frontend.mask_bound`) leaves the mask, all True over those rows
+  (:func:`fusec.ir.mask_proofs.without_causal_term`).
 
 Anything that does not match stays as it was. Dead ops are removed.
 """
@@ -376,6 +379,7 @@ def _attention(g: Graph, weights: dict[str, torch.Tensor]) -> int:
     checked: dict[str, str | None] = {}
     tokens_checked: dict[tuple[str, int], str | None] = {}
     bounds: dict[tuple[str, int], str | None] = {}
+    terms_left: dict[tuple[str, int], str | None] = {}
     n = 0
     new_ops = []
     for o in g.ops:
@@ -421,6 +425,11 @@ def _attention(g: Graph, weights: dict[str, torch.Tensor]) -> int:
                             g, mask, dep, ctrs, weights, rows, g.query_tokens())
                     if bounds[mask, rows] is not None:   # rows 0 .. its last element only
                         ins["pos"], bound = bounds[mask, rows], True
+                        if g.query_tokens() == 1:   # its causal term, all True over those rows, left out
+                            if (mask, rows) not in terms_left:
+                                terms_left[mask, rows] = mask_proofs.without_causal_term(
+                                    g, mask, ins["pos"], dep, ctrs, weights, rows)
+                            ins["mask"] = terms_left[mask, rows] or mask
         if mask_kind is None or ins["pos"] is None:
             log.info("attention %s left generic (mask or cache layout not recognized)", o.name)
             new_ops.append(o)

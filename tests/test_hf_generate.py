@@ -175,7 +175,8 @@ def test_generate_decode_kernel_compiles_with_nvrtc(steps):
             if o.kind == "attention_partial"}
     assert a[0] == 2
     assert f"attention_partial_merge<float, float, float, 4, {a[0] * a[1]}, 16" in plan.source
-    assert ", 1, bool>" in plan.source
+    # generate()'s mask, bounded by the position (fusec.frontend.mask_bound): MK 4, rows 0 .. pos
+    assert ", 4, bool>" in plan.source
     kernel = compile_cuda(plan.source, "fusec_step.cu")
     assert kernel.resources["fusec_step"]["spill_store_bytes"] == 0
 

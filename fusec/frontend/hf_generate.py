@@ -31,6 +31,8 @@ from typing import Any, Callable
 
 import torch
 
+from fusec.frontend.mask_bound import causal_bound
+
 log = logging.getLogger("fusec")
 
 
@@ -66,7 +68,11 @@ class _ModelCall(torch.nn.Module):
         self.model, self.names = model, tuple(names)
 
     def forward(self, *values: Any) -> Any:
-        return self.model(**dict(zip(self.names, values)))
+        kw = dict(zip(self.names, values))
+        if "attention_mask" in kw and "input_ids" in kw:   # the mask bounded by the position: same values
+            kw["attention_mask"] = causal_bound(kw["attention_mask"], kw.get("past_key_values"),
+                                                kw["input_ids"].shape[-1])
+        return self.model(**kw)
 
 
 class HFDecodeCall:

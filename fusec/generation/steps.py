@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from fusec.frontend.mask_bound import causal_bound
 from fusec.generation.selection import finish, select
 
 
@@ -117,6 +118,7 @@ class BatchDecodeStep(DecodeStep):
                 cache: Any, noise: torch.Tensor | None = None) -> torch.Tensor:
         if mask.dim() == 4:   # the mask spans the cache's rows: one length symbol for both
             torch._check(mask.shape[-1] == cache.layers[0].keys.shape[-2])
+            mask = causal_bound(mask, cache, tokens.shape[-1])   # rows 0 .. the position read, same values
         pos = {"position_ids": positions} if self.position_ids else {}
         logits = self.model(input_ids=tokens, attention_mask=mask, past_key_values=cache, use_cache=True,
                             **pos).logits[:, -1]

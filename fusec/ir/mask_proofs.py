@@ -241,3 +241,25 @@ def _no_row_past(g: Graph, term: str, bound: str, c: str, positions: list[int], 
         if bool((m & (ar[None, None, :] > last[:, None, None])).any()):
             return False
     return True
+
+
+def without_causal_term(g: Graph, mask: str, c: str, dep, ctrs, weights, length: int) -> str | None:
+    """For a bool ``mask`` (over ``length`` cache rows, one query token per sequence) that
+    :func:`bounded_by_positions` bounds by the counter ``c``: the mask without its causal term,
+    or None. One of its AND terms (:func:`_and_terms`) must be exactly the causal mask
+    ``row <= p`` on ``c`` at every position (:func:`causal_counter`: HF's causal part, or the
+    bound a caller ANDs onto a mask it passes, :func:`fusec.frontend.mask_bound.causal_bound`),
+    and the others one tensor of the mask's own shape (the 4-D mask generate() passes, a
+    padded batch's). Over the rows ``0 .. p`` that the bounded attention reads, the causal term
+    is all True, so the other term gives the same values there: the attention reads it instead,
+    and the AND and the causal term's ops leave the step (dead code)."""
+    terms = _and_terms(g, mask)
+    if len(terms) != 2:
+        return None
+    shape = g.tensors[mask].shape
+    for causal, other in (terms, terms[::-1]):
+        t = g.tensors[other]
+        if t.dtype == torch.bool and t.shape == shape and other != mask \
+                and causal_counter(g, causal, dep, ctrs, weights, length) == c:
+            return other
+    return None
