@@ -17,11 +17,35 @@ import logging
 import torch
 
 from fusec.ir import position
+from fusec.errors import FallbackRequired
 from fusec.ir import Graph, Op, Role, TensorInfo
 
 from fusec.passes import dce
 
 log = logging.getLogger("fusec.passes.fold_position")
+
+
+def _valid_positions(g: Graph, ts: list[str], c: str, length: int, weights: dict[str, torch.Tensor]) -> int:
+    """The count P <= ``length`` of positions ``[0, P)`` at which the ops computing ``ts`` from
+    the counter ``c`` run: an index into a table of the model's fails past its rows (GPT-J's
+    ``embed_positions``: 2048 in its published configuration, while the length-polymorphic step
+    of generate() has 32768 rows; eager fails there too). Every position is valid where the last
+    one is; else a bisection (such indices fail from some position on)."""
+    def ok(p: int) -> bool:
+        try:
+            position.evaluate_many(g, ts, c, [p], weights)
+        except (IndexError, RuntimeError):
+            return False
+        return True
+    if ok(length - 1):
+        return length
+    if not ok(0):
+        return 0
+    lo, hi = 0, length - 1   # ok(lo), not ok(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return hi
 
 
 def _signature(g: Graph, targets: list[str], counter: str, weights: dict[str, torch.Tensor]) -> tuple:
@@ -89,6 +113,17 @@ def run(g: Graph, weights: dict[str, torch.Tensor] | None = None, rows: int | No
                      g.tensors[t].nbytes)
             continue
         by_counter.setdefault(c, []).append(t)
+    limit = min([length] + [_valid_positions(g, ts, c, length, weights or {}) for c, ts in by_counter.items()])
+    if not limit:
+        raise FallbackRequired("the position-dependent tensors " + ", ".join(sorted(t for ts in by_counter.values() for t in ts))
+                               + " cannot be computed at position 0")
+    if limit < length:   # a table of the model's (GPT-J's embed_positions) has fewer rows: so do the
+        #                  tables (a later position faults, as eager's index does); a run-time
+        #                  length is capped there (a longer cache runs eagerly, CompiledStep._grow)
+        log.info("position-dependent tensors are defined for positions below %d only%s", limit,
+                 f": caches of at most {limit} rows" if g.lengths else "")
+        g.lengths = {sym: min(cap, limit) for sym, cap in g.lengths.items()}
+        length = limit
     done: dict[tuple, list[torch.Tensor]] = {}   # subgraph signature -> its tables
     for c, ts in by_counter.items():
         sig = _signature(g, ts, c, weights or {})

@@ -80,3 +80,48 @@ def test_small_vmap_chunks_give_the_same_tables(monkeypatch, llama_tables):
     for n, t in want.schedule.graph.tensors.items():
         if t.value is not None:
             assert position._close(got.schedule.graph.tensors[n].value, t.value), n
+
+
+def _gptj(positions: int):
+    """A tiny ``GPTJForCausalLM`` whose sinusoidal position table (``embed_positions``, indexed by
+    the position) has ``positions`` rows."""
+    import transformers as T
+    torch.manual_seed(0)
+    cfg = T.GPTJConfig(n_embd=64, n_layer=1, n_head=4, vocab_size=128, n_positions=positions, rotary_dim=8,
+                       bos_token_id=0, eos_token_id=0, initializer_range=0.1)
+    return T.GPTJForCausalLM(cfg).eval().requires_grad_(False)
+
+
+def test_a_position_table_shorter_than_the_cache_bounds_the_positions(steps):
+    """GPT-J indexes its 64-row position table by the position, and generate()'s step has a
+    32768-row capacity: the tables cover the 64 positions the model defines
+    (passes/fold_position.py ``_valid_positions``; it raised an index error at position 64) and
+    the step's run-time length is capped there. ``fusec.generate`` and HF ``generate()`` give
+    eager's tokens, no fallback; a plain loop over a 96-row static cache runs fusec too (the
+    positions past 64 fault, as eager's index does)."""
+    import fusec
+    from fusec.fallbacks import FallbackWatch
+    from transformers.generation import CompileConfig
+    model = _gptj(64)
+    ids = torch.randint(1, 128, (1, 6), generator=torch.Generator().manual_seed(1))
+    want = model.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    cc = CompileConfig(backend="fusec")
+    cc._compile_all_devices = True
+    with torch.no_grad(), FallbackWatch() as w:
+        assert torch.equal(fusec.generate(model, ids, 5), want)
+        assert torch.equal(model.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0,
+                                          cache_implementation="static", compile_config=cc), want)
+    assert not w.fallbacks and w.compiled, w.fallbacks
+    assert steps and all(set(s.schedule.graph.lengths.values()) == {64} for s in steps)
+    cache, ref = hf_tiny.static_cache(model, 96), hf_tiny.static_cache(model, 96)
+    with torch.no_grad():
+        for c in (cache, ref):
+            model(input_ids=ids, past_key_values=c, use_cache=True)
+        compiled = torch.compile(model, backend="fusec")
+        with FallbackWatch() as w:
+            for t in (3, 9):
+                tok = torch.tensor([[t]])
+                a = compiled(input_ids=tok, past_key_values=cache).logits
+                e = model(input_ids=tok, past_key_values=ref).logits
+                assert torch.allclose(a, e, atol=1e-5, rtol=1e-4)
+    assert not w.fallbacks and w.compiled, w.fallbacks
