@@ -16,9 +16,9 @@ venv: $(VENV)/.stamp
 
 $(VENV)/.stamp: requirements.txt pyproject.toml setup.py
 	$(VENV_PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --upgrade pip "setuptools>=64"
-	$(BIN)/pip install -r requirements.txt
-	$(BIN)/pip install --no-deps --no-build-isolation -e .
+	$(BIN)/python -m pip install -q --upgrade pip "setuptools>=64"
+	$(BIN)/pip install -q -r requirements.txt
+	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
 	touch $@
 
 demo: venv

@@ -73,7 +73,7 @@ def _parser() -> argparse.ArgumentParser:
              "check against eager for models that fit the simulator (see README)",
     )
     c.add_argument(
-        "--numeric-limit-mib", metavar="MIB", type=_positive_float, default=256.0,
+        "--numeric-limit-mib", metavar="MIB", type=_positive_float, default=None,
         help="--simulate compares values with eager for models with at most this many MiB of "
              "weights (default 256; larger ones get the structure-only check)",
     )
@@ -113,6 +113,10 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     p.set_defaults(subparsers={"compile": c, "timeline": t})
     return p
+
+
+#: --numeric-limit-mib's default
+NUMERIC_LIMIT_MIB = 256.0
 
 
 def _positive_float(text: str) -> float:
@@ -347,7 +351,7 @@ def cmd_compile(ns: argparse.Namespace) -> int:
         **extra,
         "num_sms": num_sms,
         "simulate": ns.simulate,
-        "numeric_limit_bytes": int(ns.numeric_limit_mib * (1 << 20)),
+        "numeric_limit_bytes": int((ns.numeric_limit_mib or NUMERIC_LIMIT_MIB) * (1 << 20)),
         "emit_cuda": ns.emit_cuda,
         "out_dir": str(out_dir),
     }
@@ -427,6 +431,8 @@ def main(argv: list[str] | None = None) -> int:
         sub.error(f"unrecognized arguments: {' '.join(extra)}")
     if ns.command == "compile" and ns.run_steps is not None and not ns.run:
         sub.error("--run-steps needs --run (it sets how many steps --run times)")
+    if ns.command == "compile" and ns.numeric_limit_mib is not None and not ns.simulate:
+        sub.error("--numeric-limit-mib needs --simulate (it bounds the simulator's numeric check)")
     ns.verbose = ns.verbose or ns.verbose_top   # `fusec -v compile ...` as `fusec compile -v ...`
     with _cli_logging(ns.verbose):
         try:

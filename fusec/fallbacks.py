@@ -85,7 +85,8 @@ class FallbackWatch(logging.Handler):
         fallback_runs: calls of graphs that fell back (:class:`FallbackRun`) while open, the
             first call's included (a CUDA graph's replays run no Python and are not counted).
         compiled: decode steps fusec compiled while the watch was open (0 after a call that
-            should have compiled means fusec never ran: HF skipping compilation on a CPU, say).
+            should have compiled means fusec never ran: HF skipping compilation on a CPU, say);
+            read inside the ``with`` block, the count so far.
     """
 
     def __init__(self) -> None:
@@ -94,9 +95,19 @@ class FallbackWatch(logging.Handler):
         self.fallbacks: list[str] = []
         self._start = 0
         self._echo = False
-        self.compiled = 0
-        self.fallback_runs = 0
+        self._compiled = 0
+        self._fallback_runs = 0
         self._runs: list[str] = []
+
+    @property
+    def compiled(self) -> int:
+        """Decode steps fusec compiled while open (so far, while it is)."""
+        return COMPILED[0] - self._start if self in _OPEN else self._compiled
+
+    @property
+    def fallback_runs(self) -> int:
+        """Calls of graphs that fell back while open (so far, while it is)."""
+        return len(self._runs) if self in _OPEN else self._fallback_runs
 
     def emit(self, record: logging.LogRecord) -> None:
         msg = record.getMessage()
@@ -124,8 +135,8 @@ class FallbackWatch(logging.Handler):
         log.setLevel(self._level)
         if self in _OPEN:
             _OPEN.remove(self)
-        self.compiled = COMPILED[0] - self._start
-        self.fallback_runs = len(self._runs)
+        self._compiled = COMPILED[0] - self._start
+        self._fallback_runs = len(self._runs)
         for reason in dict.fromkeys(self._runs):   # in order, once each
             if reason not in self.fallbacks:   # not logged while open: compiled before, ran again
                 self.fallbacks.append(f"{reason} [ran again: a graph that fell back when it was compiled]")

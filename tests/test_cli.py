@@ -317,7 +317,8 @@ def test_run_needs_build_with_device(tmp_path):
 def test_flag_mistakes_name_the_subcommand(tmp_path, capsys, monkeypatch):
     """A misspelt flag gets the compile subcommand's usage (not the top-level one); --run-steps
     without --run is an error instead of doing nothing; a bad FUSEC_* environment value fails
-    before the model file's build() runs (found by a new-user trial)."""
+    before the model file's build() runs; --numeric-limit-mib without --simulate is an error
+    too (found by new-user trials)."""
     example = ROOT / "examples" / "tiny_llama.py"
     with pytest.raises(SystemExit) as e:
         main(["compile", str(example), "--emit-cude"])
@@ -327,6 +328,10 @@ def test_flag_mistakes_name_the_subcommand(tmp_path, capsys, monkeypatch):
         main(["compile", str(example), "--run-steps", "5"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and "--run-steps needs --run" in err
+    with pytest.raises(SystemExit) as e:   # it did nothing without --simulate, silently
+        main(["compile", str(example), "--numeric-limit-mib", "1"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--numeric-limit-mib needs --simulate" in err
     monkeypatch.setenv("FUSEC_CACHE_DIR", str(tmp_path / "cache"))
     assert main(["-v", "compile", str(example), "-o", str(tmp_path / "o1")]) == 0   # -v before the command
     capsys.readouterr()

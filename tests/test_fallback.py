@@ -233,8 +233,8 @@ def test_fallback_watch_sees_fallbacks_under_a_quiet_logging_setup():
 
 
 def test_fallback_watch_counts_compiled_steps_and_still_prints(capsys):
-    """The watch tells whether fusec compiled anything, and with no logging configured its
-    lines still reach stderr (the watch must not swallow the one log line)."""
+    """The watch tells whether fusec compiled anything (inside its block: so far), and with no
+    logging configured its lines still reach stderr (the watch must not swallow the one log line)."""
     import logging
 
     import hf_tiny
@@ -252,6 +252,9 @@ def test_fallback_watch_counts_compiled_steps_and_still_prints(capsys):
             torch._dynamo.reset()
             compiled = torch.compile(model, backend="fusec", options={"num_sms": 8})
             with FallbackWatch() as w:
+                assert w.compiled == 0
+                compiled(input_ids=torch.randint(0, 128, (1, 1)), past_key_values=cache, use_cache=True)
+                assert w.compiled == 1   # the count so far, inside the block too (it read 0 until the exit)
                 compiled(input_ids=torch.randint(0, 128, (1, 1)), past_key_values=cache, use_cache=True)
             torch._dynamo.reset()
         assert w.compiled == 1 and not w.fallbacks
@@ -272,13 +275,17 @@ def test_cuda_target_schedules_one_cta_per_sm_of_the_device(monkeypatch):
     assert backend._device_sms([torch.zeros(2), 3]) == 114
 
 
-def test_a_cpu_model_is_told_it_runs_on_the_simulator():
+def test_a_cpu_model_is_told_it_runs_on_the_simulator(monkeypatch):
     """A model on the CPU compiled with default options runs on the simulator, and the user is
     told so (a SimulatorWarning naming the simulator, its speed and what to do), with the step's
-    numbers fusec's own (no fallback); ``target='sim'``, asked for, warns nothing."""
+    numbers fusec's own (no fallback), once per process: a second compile, inside a
+    ``catch_warnings`` block that resets Python's filter, warns nothing (it warned per compile);
+    ``target='sim'``, asked for, warns nothing."""
     import warnings
     from fusec.errors import SimulatorWarning
     from fusec.fallbacks import FallbackWatch
+    from fusec.frontend import backend
+    monkeypatch.setattr(backend, "_SIMULATOR_TOLD", False)   # as in a new process
     model = hf_tiny.llama()
     cache = hf_tiny.static_cache(model, 16)
     with torch.no_grad():
@@ -289,10 +296,11 @@ def test_a_cpu_model_is_told_it_runs_on_the_simulator():
             pytest.warns(SimulatorWarning, match=r"CPU simulator.*10-100x slower.*CUDA device"):
         torch.compile(model, backend="fusec")(input_ids=tok, past_key_values=cache, use_cache=True)
     assert not w.fallbacks and w.compiled == 1
+    for options in ({}, {"target": "sim"}):
+        torch._dynamo.reset()
+        with torch.no_grad(), warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            torch.compile(model, backend="fusec", options=options)(
+                input_ids=tok, past_key_values=cache, use_cache=True)
+        assert not [x for x in seen if issubclass(x.category, SimulatorWarning)], options
     torch._dynamo.reset()
-    with torch.no_grad(), warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        torch.compile(model, backend="fusec", options={"target": "sim"})(
-            input_ids=tok, past_key_values=cache, use_cache=True)
-    torch._dynamo.reset()
-    assert not [x for x in seen if issubclass(x.category, SimulatorWarning)]

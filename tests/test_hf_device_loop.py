@@ -301,6 +301,23 @@ def test_a_cpu_model_without_compile_all_devices_names_the_setting(caplog):
     assert any(r.levelname == "WARNING" and "fusec does not run" in r.getMessage() for r in caplog.records), lines
 
 
+def test_generate_without_a_static_cache_warns_and_names_it(caplog):
+    """A fusec CompileConfig without ``cache_implementation="static"``: generate() makes a
+    DynamicCache and compiles nothing (HF's own line says only "unable to meet the criteria"), so
+    fusec never runs; fusec's line is a warning naming the cache and the argument to pass (it was
+    an info line, invisible by default)."""
+    from fusec.fallbacks import FallbackWatch
+    model = _model()
+    prompt = torch.randint(1, 128, (1, 5), generator=torch.Generator().manual_seed(4))
+    ref = model.generate(prompt, max_new_tokens=4, do_sample=False)
+    with FallbackWatch() as w, caplog.at_level("INFO", logger="fusec"):
+        out = model.generate(prompt, max_new_tokens=4, do_sample=False, compile_config=_cc())
+    assert torch.equal(out, ref) and w.compiled == 0
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("fusec does not run" in m and "static cache (DynamicCache)" in m
+               and "cache_implementation='static'" in m for m in warned), warned
+
+
 def test_fusec_fallbacks_is_an_attribute_after_import_fusec():
     """``import fusec`` then ``fusec.fallbacks.FallbackWatch()`` (the README's words), in a new
     process where nothing imported the submodule first."""

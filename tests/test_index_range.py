@@ -220,3 +220,24 @@ def test_gather_kernel_compiles_with_nvrtc():
     assert plan.source.count("index_ok(") >= 4
     k = compile_cuda(plan.source, "fusec_step.cu")
     assert "warning" not in k.log, k.log
+
+
+def test_a_step_past_a_full_cache_says_the_cache_is_full():
+    """A decode step at the position after a 12-row cache's last row (the cache is full; eager
+    raises IndexError writing that row): IndexFaultError says so and names a longer cache (it
+    advised option ``position_rows``, with which the step then faulted at the KV write)."""
+    model = hf_tiny.llama(layers=1)
+    caches = [hf_tiny.static_cache(model, 12) for _ in range(2)]
+    with torch.no_grad():
+        for c in caches:
+            model(input_ids=torch.arange(1, 12).view(1, 11), past_key_values=c, use_cache=True)
+        compiled = torch.compile(model, backend="fusec", options={"target": "sim", "num_sms": 4})
+        compiled(input_ids=torch.tensor([[3]]), past_key_values=caches[0])   # row 11, the last
+        with pytest.raises(IndexFaultError) as e:
+            compiled(input_ids=torch.tensor([[4]]), past_key_values=caches[0])
+        model(input_ids=torch.tensor([[3]]), past_key_values=caches[1])
+        with pytest.raises(IndexError):
+            model(input_ids=torch.tensor([[4]]), past_key_values=caches[1])
+    torch._dynamo.reset()
+    assert e.value.value == e.value.bound == 12, (e.value.value, e.value.bound)
+    assert "the cache is full" in str(e.value) and "max_cache_len" in str(e.value), str(e.value)

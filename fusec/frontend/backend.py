@@ -36,6 +36,17 @@ hf_rope.install()   # HF's dynamic/longrope RoPE updates without a graph break
 hf_sdpa.install()   # HF's SDPA with enable_gqa, not repeat_kv, when the cache length is symbolic
 
 
+#: whether this process was told its CPU steps run on the simulator (:func:`_step_target`; a flag,
+#: not Python's default warning filter, which a ``warnings.catch_warnings`` block around a
+#: compile, as torch's own, resets: the line came once per compile)
+_SIMULATOR_TOLD = False
+
+
+def _told_simulator() -> None:
+    global _SIMULATOR_TOLD
+    _SIMULATOR_TOLD = True
+
+
 def _target(example_inputs: list[Any], opts: Options) -> str:
     if opts.target:
         return opts.target
@@ -121,7 +132,8 @@ def _step_target(example_inputs: list[Any], opts: Options) -> tuple[str, Options
         FallbackRequired: target 'cuda' without a CUDA device.
     """
     target = _target(example_inputs, opts)
-    if target == "sim" and not opts.target:   # once per process (Python's default warning filter)
+    if target == "sim" and not opts.target and not _SIMULATOR_TOLD:   # once per process
+        _told_simulator()
         warnings.warn("fusec: the step's tensors are on the CPU, so it runs on fusec's CPU simulator, which "
                       "checks the kernel's schedule tile by tile in Python: 10-100x slower than eager, and a "
                       "full-depth model's first call compiles for tens of seconds. Move the model to a CUDA "

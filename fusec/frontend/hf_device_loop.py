@@ -131,7 +131,11 @@ def refusal(model: Any, input_ids: torch.Tensor, logits_processor: Any, stopping
         if cc is not None and not getattr(cc, "_compile_all_devices", False) and model.device.type != "cuda":
             return (f"{NO_COMPILE_ON_DEVICE} and the model is on {model.device.type}: set "
                     "compile_config._compile_all_devices = True to run fusec's simulator there")
-        return "generate() would not compile this call (no static cache, or compilation disabled)"
+        cache = model_kwargs.get("past_key_values")
+        if not getattr(generation_config, "disable_compile", False) and not getattr(cache, "is_compileable", False):
+            return (f"{NO_COMPILE_WITHOUT_STATIC} ({type(cache).__name__ if cache is not None else 'no cache'}): "
+                    "pass cache_implementation='static' to generate()")
+        return "generate() would not compile this call (compilation disabled)"
     if getattr(model_kwargs.get("past_key_values"), "_is_user_defined", False):
         return "a cache the caller passed (generate() must fill it)"
     rows, length = input_ids.shape
@@ -235,12 +239,14 @@ def _static_cache(generation_config: Any, model_kwargs: dict[str, Any]) -> bool:
 #: a warning (fusec, which the caller asked for, runs nowhere in the call, and HF's own line does
 #: not say why), not an info line
 NO_COMPILE_ON_DEVICE = "generate() compiles only on a CUDA device"
+#: the same where the cache is not a static one (generate()'s default is a DynamicCache)
+NO_COMPILE_WITHOUT_STATIC = "generate() compiles only over a static cache"
 
 
 def _tell(model: Any, why: str, asked: bool = False, lookup: bool = False, assistant: bool = False,
           static: bool = False) -> None:
     """One info line per model and reason (a warning where the device keeps generate() from
-    compiling at all, :data:`NO_COMPILE_ON_DEVICE`; ``asked``: the user chose HF's loop; ``lookup``: of
+    compiling at all, :data:`NO_COMPILE_ON_DEVICE`, or its cache, :data:`NO_COMPILE_WITHOUT_STATIC`; ``asked``: the user chose HF's loop; ``lookup``: of
     prompt lookup, which HF runs as assisted decoding; ``assistant``: of assisted decoding with a
     draft model). ``static`` (with ``lookup`` or ``assistant``: the call asked for a static cache,
     which HF's assisted decoding refuses with its own error next): a warning that says so, since
@@ -262,7 +268,7 @@ def _tell(model: Any, why: str, asked: bool = False, lookup: bool = False, assis
     elif lookup:
         log.info("fusec: generate()'s prompt lookup runs as HF's assisted decoding, its plain forward (%s); one "
                  "greedy prompt without padding runs as fusec.generate's prompt lookup", why)
-    elif why.startswith(NO_COMPILE_ON_DEVICE):
+    elif why.startswith((NO_COMPILE_ON_DEVICE, NO_COMPILE_WITHOUT_STATIC)):
         log.warning("fusec: generate() runs HF's decode loop uncompiled: fusec does not run (%s)", why)
     else:
         log.info("fusec: generate() runs HF's decode loop (%s)%s", why,
