@@ -171,13 +171,16 @@ __device__ __forceinline__ void lds_vec(const TS* p, float (&f)[V]) {
 
 // Batch shape of a matvec over R rows of length K: B loads of 16 bytes per row and lane in flight.
 // A row is NK full steps of a warp (32 x 16 bytes) and TAIL 16-byte chunks past them (K = 4544:
-// 17 steps and 24 chunks), one each for lanes [0, TAIL).
+// 17 steps and 24 chunks), one each for lanes [0, TAIL). Rows of at most FUSEC_ONE_BATCH_STEPS
+// steps in all (NK * R) take them in one batch (a batch of FUSEC_LOADS_IN_FLIGHT / R and the rest
+// would be two dependent round trips), longer ones in batches of FUSEC_LOADS_IN_FLIGHT / R.
 template <typename TW, int K, int R>
 struct MatvecBatch {
   static constexpr int V = 16 / sizeof(TW), STEP = 32 * V;
   static constexpr bool VEC = K % V == 0;         // the batched path runs
   static constexpr int NK = K / STEP, TAIL = (K % STEP) / V;
-  static constexpr int B0 = FUSEC_LOADS_IN_FLIGHT / R > 0 ? FUSEC_LOADS_IN_FLIGHT / R : 1;
+  static constexpr int B0 = NK > 0 && NK * R <= FUSEC_ONE_BATCH_STEPS ? NK
+                          : FUSEC_LOADS_IN_FLIGHT / R > 0 ? FUSEC_LOADS_IN_FLIGHT / R : 1;
   static constexpr int B = NK < B0 ? (NK > 0 ? NK : 1) : B0;
   static constexpr int NB = NK / B;
 };

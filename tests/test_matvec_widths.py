@@ -66,3 +66,28 @@ def test_split_last_round_tiles_and_kernels(family, kind, dtype, tmp_path):
         k = compile_cuda(src.replace("#define FUSEC_SPLIT_LAST_ROUND 1", f"#define FUSEC_SPLIT_LAST_ROUND {v}"),
                          "fusec_step.cu", cache_dir=str(tmp_path))
         k.assert_no_spills()
+
+
+@pytest.mark.parametrize("one_batch", [12, 0])
+def test_short_rows_load_in_one_batch(one_batch, tmp_path):
+    """A warp's rows of at most FUSEC_ONE_BATCH_STEPS 16-byte loads per lane in all load in one
+    batch (templates/common.cuh ``MatvecBatch``): Gemma-2's 2304-wide rows 9 (they were a batch
+    of 8 and one after it, two dependent round trips), Qwen3-0.6B's 3072-wide down projection 12,
+    SmolLM2-360M's 2560 10; Llama-3.2-1B's two-row dot over 2048 (16 in all) and its 8192-wide
+    rows keep batches of FUSEC_LOADS_IN_FLIGHT / R. With the knob at 0, every row takes those.
+    Checked by the compiler itself (static_assert in the rendered kernel, NVRTC for sm_90a)."""
+    pytest.importorskip("cuda.bindings.nvrtc")
+    import step_util
+    from fusec.cuda.codegen import render
+    from fusec.cuda.jit import compile_cuda
+    defines = {"FUSEC_ONE_BATCH_STEPS": one_batch}
+    sched = step_util.lowered(hf_tiny.llama().to(torch.bfloat16), defines=defines)
+    lif = 8
+    want = {(2304, 1): (9 if one_batch else lif, 1), (3072, 1): (12 if one_batch else lif, 1),
+            (2560, 1): (10 if one_batch else lif, 1), (2048, 2): (lif // 2, 2), (8192, 1): (lif, 4),
+            (2048, 1): (8, 1)}
+    checks = "".join(f'static_assert(MatvecBatch<__nv_bfloat16, {k}, {r}>::B == {b} && '
+                     f'MatvecBatch<__nv_bfloat16, {k}, {r}>::NB == {nb}, "K {k} R {r}");\n'
+                     for (k, r), (b, nb) in want.items())
+    source = render(sched, defines=defines).source + "\n" + checks
+    compile_cuda(source, "fusec_step.cu", cache_dir=str(tmp_path))

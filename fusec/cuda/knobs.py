@@ -27,6 +27,14 @@ TABLE: tuple[Knob, ...] = (
     Knob("FUSEC_LOADS_IN_FLIGHT", 8,
          "16-byte weight loads in flight per lane in a matvec (4 / 6 / 12 measured 0.004-0.027 ms "
          "slower, §15; 16 2% slower, §6)"),
+    Knob("FUSEC_ONE_BATCH_STEPS", 12,
+         "a warp's rows of at most this many 16-byte loads per lane in all (R rows of K: K / (32 x "
+         "16 B) steps each) load in one batch, not a batch of FUSEC_LOADS_IN_FLIGHT and the rest "
+         "after it (two dependent L2 round trips: Gemma-2's 2304-wide rows were 8 + 1, Qwen3-0.6B's "
+         "3072-wide down projection 8 + 4); 0: FUSEC_LOADS_IN_FLIGHT alone. Llama-3.2-1B's rows "
+         "(8 steps x 2 rows, 32 steps) keep their batches. Loads in flight 12 for every row, H100 "
+         "2026-12-07: Qwen3-0.6B -2.1%, SmolLM2-360M -2.1%, Gemma-2-2B -1.1%, Llama-3.2-3B -0.2%, "
+         "Llama-3.2-1B +0.1/+0.4% (docs/performance.md, \"One batch\")", lo=0, hi=16),
     Knob("FUSEC_NORM_VEC", 1,
          "1: an RMSNorm prologue (common.cuh rms_prologue) loads x and its weight in 16-byte "
          "chunks, one of each per thread, when H / (16 B) chunks fit the CTA and both share a "
