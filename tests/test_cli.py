@@ -450,3 +450,30 @@ def test_summary_names_the_step_shape_and_a_query_tokens_bound_the_inputs_do_not
     first = capsys.readouterr().out.splitlines()[0]
     assert first.startswith("step: 1 sequence of 1 query token (option query_tokens=4 is the most"), first
     assert "pass input_ids of 4 tokens for a 4-token step" in first, first
+
+
+def test_compile_command_takes_a_dynamic_rope_model(tmp_path, capsys):
+    """``fusec compile`` on a model file whose model uses dynamic NTK RoPE (HF's
+    ``dynamic_rope_update`` branched on the position: a graph break, and the CLI failed before;
+    issue 30, item 7), at a position past ``max_position_embeddings`` where the scaling is on:
+    exit 0, the simulator's numeric check against eager, the kernel written by NVRTC."""
+    f = tmp_path / "dyn_rope.py"
+    f.write_text(
+        "import sys, torch\n"
+        f"sys.path.insert(0, {str(ROOT / 'tests')!r})\n"
+        "import hf_tiny\n\n"
+        "def build(device='cpu'):\n"
+        "    model = hf_tiny.llama_dynamic_ntk(max_positions=16).to(device)\n"
+        "    cache = hf_tiny.static_cache(model, 32)\n"
+        "    with torch.no_grad():\n"
+        "        model(input_ids=torch.randint(0, 128, (1, 18)), past_key_values=cache, use_cache=True)\n"
+        "    return model, (), {'input_ids': torch.randint(0, 128, (1, 1)), 'past_key_values': cache,\n"
+        "                       'use_cache': True}\n")
+    out = tmp_path / "out"
+    code = main(["compile", str(f), "-o", str(out), "--simulate", "--emit-cuda", "--num-sms", "8"])
+    text = capsys.readouterr()
+    assert code == 0, text.err
+    import re
+    err = re.search(r"max rel err ([0-9.e+-]+), tolerance", text.out + text.err)   # compared with eager
+    assert err and float(err.group(1)) < 1e-4, text.out + text.err
+    assert (out / "kernel.cu").exists() and (out / "kernel.cubin").exists()

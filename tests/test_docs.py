@@ -56,3 +56,12 @@ def test_backticked_repo_paths_exist():
 def test_measurement_json_lives_in_benchmarks_results():
     assert not list((ROOT / "docs").glob("*.json")), "move measurement JSON to benchmarks/results/ (git mv)"
     assert list((ROOT / "benchmarks" / "results").glob("bench-*.json"))
+
+
+def test_the_docs_index_lists_every_page():
+    """docs/README.md, the index a reader starts from (issue 30, item 12), links every page of
+    docs/ with a line on what it holds; a page added without it fails here."""
+    index = (ROOT / "docs" / "README.md").read_text()
+    pages = sorted(p.name for p in (ROOT / "docs").glob("*.md") if p.name != "README.md")
+    listed = set(re.findall(r"^\| \[([\w.-]+\.md)\]\(\1\) \| \S", index, flags=re.M))
+    assert pages and set(pages) == listed, (sorted(set(pages) - listed), sorted(listed - set(pages)))
