@@ -138,11 +138,12 @@ def fault_remedy(code: int, value: int, bound: int, what: str) -> str:
         elif value >= MAX_CACHE_LEN:
             fix = (f"eager computes RoPE at any position, fusec's position tables end at {MAX_CACHE_LEN} "
                    "(fusec.config.MAX_CACHE_LEN, the largest option position_rows)")
-        elif code == Fault.INDEX and value == bound:   # the step after the cache's last row
-            fix = (f"a decode step at position {value} of a KV cache of {bound} rows: the cache is full (eager "
-                   "raises IndexError writing that row): use a longer cache (StaticCache's max_cache_len, or "
-                   "generate()'s max_new_tokens); where the model's positions run past its cache's rows (a rolled "
-                   f"sliding window), build the step with option position_rows={value + 1} or more")
+        elif value == bound:   # the step after the cache's last row (the KV write faults too)
+            fix = (f"a KV cache of {bound} rows is full at position {value} (eager raises IndexError writing that "
+                   "row): use a longer cache (StaticCache's max_cache_len, or generate()'s max_new_tokens); a "
+                   f"model whose own position table has {bound} rows (GPT-J's embed_positions) ends there too, as "
+                   "eager's index does; where the model's positions run past its cache's rows (a rolled sliding "
+                   f"window), build the step with option position_rows={value + 1} or more")
         else:
             fix = (f"fusec's position tables were computed for positions [0, {bound}) when the step was built "
                    "(the KV cache's rows) and eager computes any position: build the step with option "

@@ -30,7 +30,8 @@ def _valid_positions(g: Graph, ts: list[str], c: str, length: int, weights: dict
     the counter ``c`` run: an index into a table of the model's fails past its rows (GPT-J's
     ``embed_positions``: 2048 in its published configuration, while the length-polymorphic step
     of generate() has 32768 rows; eager fails there too). Every position is valid where the last
-    one is; else a bisection (such indices fail from some position on)."""
+    one is; else a bisection (such indices fail from some position on). The tables then have P
+    rows: the step runs for any cache length, and a position past them faults at run time."""
     def ok(p: int) -> bool:
         try:
             position.evaluate_many(g, ts, c, [p], weights)
@@ -118,11 +119,10 @@ def run(g: Graph, weights: dict[str, torch.Tensor] | None = None, rows: int | No
         raise FallbackRequired("the position-dependent tensors " + ", ".join(sorted(t for ts in by_counter.values() for t in ts))
                                + " cannot be computed at position 0")
     if limit < length:   # a table of the model's (GPT-J's embed_positions) has fewer rows: so do the
-        #                  tables (a later position faults, as eager's index does); a run-time
-        #                  length is capped there (a longer cache runs eagerly, CompiledStep._grow)
-        log.info("position-dependent tensors are defined for positions below %d only%s", limit,
-                 f": caches of at most {limit} rows" if g.lengths else "")
-        g.lengths = {sym: min(cap, limit) for sym, cap in g.lengths.items()}
+        #                  tables, and a later position faults (table_lookup's index check), as
+        #                  eager's index does; the cache may be longer (fusec.generate rounds it up)
+        log.info("position-dependent tensors are defined for positions below %d only (a later one faults, "
+                 "as in eager)", limit)
         length = limit
     done: dict[tuple, list[torch.Tensor]] = {}   # subgraph signature -> its tables
     for c, ts in by_counter.items():

@@ -90,6 +90,24 @@ def test_batch_greedy_equals_hf_generate(factory, lens, steps):
     assert torch.equal(out2, ref2)
 
 
+def test_batch_of_an_eager_attention_model_equals_hf_generate(steps):
+    """A model whose attention is HF's eager one (``attn_implementation="eager"``) adds its mask to
+    the scores: the complete bool mask of an SDPA model's batch would add 1.0 / 0.0 instead of
+    masking (found by a try-to-break helper: other tokens than HF's). The batch passes its
+    ``[B, L]`` padding mask, HF builds its float mask inside the step: greedy tokens equal HF
+    generate()'s, one fusec step, no fallback."""
+    model = hf_tiny.llama_eager()
+    ids, mask = _left_padded(model, (9, 4, 7), 5)
+    ref = _hf(model, ids, mask, 8)
+    torch._dynamo.reset()
+    with FallbackWatch() as w:
+        out = fusec.generate(model, ids, 8, attention_mask=mask, pad_token_id=0, options=FAST)
+    torch._dynamo.reset()
+    assert not w.fallbacks and w.fallback_runs == 0 and w.compiled == 1, w.fallbacks
+    assert torch.equal(out, ref)
+    assert [s.schedule.graph.batch() for s in steps if s.schedule is not None] == [3]
+
+
 @pytest.mark.parametrize("factory,batch", [(_llama, 2), (_llama, 4), (hf_tiny.qwen3, 3), (hf_tiny.qwen3, 4)])
 def test_batch_sizes_compile_without_fallback(factory, batch, steps):
     """B = 2, 3, 4 (tiny Llama and Qwen3, one layer): one fusec step of that batch, no fallback,

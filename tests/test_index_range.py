@@ -222,16 +222,20 @@ def test_gather_kernel_compiles_with_nvrtc():
     assert "warning" not in k.log, k.log
 
 
-def test_a_step_past_a_full_cache_says_the_cache_is_full():
+@pytest.mark.parametrize("options", [{"target": "sim", "num_sms": 4}, {}], ids=["4-sms", "default"])
+def test_a_step_past_a_full_cache_says_the_cache_is_full(options):
     """A decode step at the position after a 12-row cache's last row (the cache is full; eager
     raises IndexError writing that row): IndexFaultError says so and names a longer cache (it
-    advised option ``position_rows``, with which the step then faulted at the KV write)."""
+    advised option ``position_rows``, with which the step then faulted at the KV write), whichever
+    index faults first (the position table's, or with the default options the fused
+    ``rms_qkv_rope``'s RoPE position)."""
     model = hf_tiny.llama(layers=1)
     caches = [hf_tiny.static_cache(model, 12) for _ in range(2)]
     with torch.no_grad():
         for c in caches:
             model(input_ids=torch.arange(1, 12).view(1, 11), past_key_values=c, use_cache=True)
-        compiled = torch.compile(model, backend="fusec", options={"target": "sim", "num_sms": 4})
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="fusec", options=options)
         compiled(input_ids=torch.tensor([[3]]), past_key_values=caches[0])   # row 11, the last
         with pytest.raises(IndexFaultError) as e:
             compiled(input_ids=torch.tensor([[4]]), past_key_values=caches[0])
@@ -240,4 +244,4 @@ def test_a_step_past_a_full_cache_says_the_cache_is_full():
             model(input_ids=torch.tensor([[4]]), past_key_values=caches[1])
     torch._dynamo.reset()
     assert e.value.value == e.value.bound == 12, (e.value.value, e.value.bound)
-    assert "the cache is full" in str(e.value) and "max_cache_len" in str(e.value), str(e.value)
+    assert "12 rows is full" in str(e.value) and "max_cache_len" in str(e.value), str(e.value)

@@ -96,23 +96,32 @@ def test_a_position_table_shorter_than_the_cache_bounds_the_positions(steps):
     """GPT-J indexes its 64-row position table by the position, and generate()'s step has a
     32768-row capacity: the tables cover the 64 positions the model defines
     (passes/fold_position.py ``_valid_positions``; it raised an index error at position 64) and
-    the step's run-time length is capped there. ``fusec.generate`` and HF ``generate()`` give
-    eager's tokens, no fallback; a plain loop over a 96-row static cache runs fusec too (the
-    positions past 64 fault, as eager's index does)."""
+    the step still serves every cache length. ``fusec.generate`` and HF ``generate()`` give
+    eager's tokens, no fallback, also where fusec.generate's cache (rounded up to 128 rows) is
+    longer than the table (a 58-token prompt and 6 new tokens: positions up to 63); a plain loop
+    over a 96-row static cache runs fusec too (a position past 63 faults, as eager's index does)."""
     import fusec
+    from fusec.errors import IndexFaultError
     from fusec.fallbacks import FallbackWatch
     from transformers.generation import CompileConfig
     model = _gptj(64)
-    ids = torch.randint(1, 128, (1, 6), generator=torch.Generator().manual_seed(1))
-    want = model.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0)
     cc = CompileConfig(backend="fusec")
     cc._compile_all_devices = True
+    gen = torch.Generator().manual_seed(1)
     with torch.no_grad(), FallbackWatch() as w:
-        assert torch.equal(fusec.generate(model, ids, 5), want)
-        assert torch.equal(model.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0,
-                                          cache_implementation="static", compile_config=cc), want)
-    assert not w.fallbacks and w.compiled, w.fallbacks
-    assert steps and all(set(s.schedule.graph.lengths.values()) == {64} for s in steps)
+        for length, new in ((6, 5), (58, 6)):
+            ids = torch.randint(1, 128, (1, length), generator=gen)
+            want = model.generate(ids, max_new_tokens=new, do_sample=False, pad_token_id=0)
+            assert torch.equal(fusec.generate(model, ids, new), want)
+            assert torch.equal(model.generate(ids, max_new_tokens=new, do_sample=False, pad_token_id=0,
+                                              cache_implementation="static", compile_config=cc), want)
+    assert not w.fallbacks and w.fallback_runs == 0 and w.compiled, w.fallbacks
+    built = [s for s in steps if s.schedule is not None]
+    assert built and all(32768 in s.schedule.graph.lengths.values() for s in built)
+    tables = [s.schedule.graph.tensors[o.inputs["table"]].shape[0] for s in built
+              for o in s.schedule.graph.ops if o.kind == "table_lookup"]
+    assert tables and max(tables) == 64, tables
+    ids = torch.randint(1, 128, (1, 6), generator=gen)
     cache, ref = hf_tiny.static_cache(model, 96), hf_tiny.static_cache(model, 96)
     with torch.no_grad():
         for c in (cache, ref):
@@ -124,4 +133,11 @@ def test_a_position_table_shorter_than_the_cache_bounds_the_positions(steps):
                 a = compiled(input_ids=tok, past_key_values=cache).logits
                 e = model(input_ids=tok, past_key_values=ref).logits
                 assert torch.allclose(a, e, atol=1e-5, rtol=1e-4)
+            for c in (cache, ref):
+                for layer in c.layers:
+                    layer.cumulative_length.fill_(64)
+            with pytest.raises(IndexFaultError, match="position table has 64 rows"):
+                compiled(input_ids=tok, past_key_values=cache)
+            with pytest.raises(RuntimeError, match="index 64 is out of bounds"):   # eager's gather
+                model(input_ids=tok, past_key_values=ref)
     assert not w.fallbacks and w.compiled, w.fallbacks

@@ -25,12 +25,17 @@ def host_counted(cache: Any) -> bool:
 
 
 def full_attention(model: torch.nn.Module, cache: Any) -> bool:
-    """Whether every layer attends causally to the whole cache (no sliding window, no chunked
-    attention): the cache has no sliding-window layers and the config's ``layer_types``, where
-    it has them, are all ``"full_attention"``. Then a decode step's mask is the padding and the
-    causal bound, which :class:`Batch` keeps complete on the device."""
-    types = getattr(getattr(model, "config", None), "layer_types", None) or ("full_attention",)
-    return not host_counted(cache) and all(t == "full_attention" for t in types)
+    """Whether :class:`Batch` may keep the complete bool mask on the device: every layer attends
+    causally to the whole cache (no sliding window, no chunked attention: the cache has no
+    sliding-window layers and the config's ``layer_types``, where it has them, are all
+    ``"full_attention"``), so a decode step's mask is the padding and the causal bound; and the
+    model's attention reads a bool mask as a mask (SDPA). HF's eager attention adds its mask to the
+    scores: a bool one would add 1.0 and 0.0 (wrong tokens, 2026-12-07); it gets the ``[B, L]``
+    padding mask, from which HF builds its float mask inside the step."""
+    config = getattr(model, "config", None)
+    types = getattr(config, "layer_types", None) or ("full_attention",)
+    sdpa = getattr(config, "_attn_implementation", "sdpa") in ("sdpa", None)
+    return sdpa and not host_counted(cache) and all(t == "full_attention" for t in types)
 
 
 class Batch:
