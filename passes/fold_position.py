@@ -5,8 +5,9 @@ tensor that is computed from exactly one position counter (plus weights and cons
 and is read by something that depends on more than that counter becomes
 ``table_lookup(table, counter)``, where ``table[p]`` is the tensor's value at position
 ``p`` for every ``p`` in ``[0, L)`` (L = KV-cache length, or option ``position_rows`` when
-larger: positions the host computes), evaluated with the graph's own
-ops. A table equal to the position itself becomes an alias of the counter. RoPE cos/sin
+larger: positions the host computes; fewer where a table of the model's ends before, GPT-J's
+``embed_positions``: a later position faults at run time, as eager's index does), evaluated with
+the graph's own ops. A table equal to the position itself becomes an alias of the counter. RoPE cos/sin
 (from ``inv_freq``, with any scaling) become two small tables; the position-only ops
 disappear from the step. Tables larger than ``position.MAX_TABLE_BYTES`` are left alone.
 """

@@ -57,7 +57,9 @@ def compile_kwargs(compile_config: Any) -> dict[str, Any]:
 
 
 class _ModelCall(torch.nn.Module):
-    """``model(**dict(zip(names, values)))`` called as ``module(*values)``: the precompiled
+    """``model(**dict(zip(names, values)))`` called as ``module(*values)``, generate()'s 4-D mask
+    ANDed with the causal row of the step (:func:`fusec.frontend.mask_bound.causal_bound`: the
+    same values, and the attention reads rows up to the position only): the precompiled
     function's first argument. Positional values, not keywords: the precompile traces and
     checks guards on a positional signature (``fusec.generate``'s step has one too). Its
     ``names`` key the artifact cache entry with the model's class and configuration
