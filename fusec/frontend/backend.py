@@ -42,11 +42,6 @@ hf_sdpa.install()   # HF's SDPA with enable_gqa, not repeat_kv, when the cache l
 _SIMULATOR_TOLD = False
 
 
-def _told_simulator() -> None:
-    global _SIMULATOR_TOLD
-    _SIMULATOR_TOLD = True
-
-
 def _target(example_inputs: list[Any], opts: Options) -> str:
     if opts.target:
         return opts.target
@@ -131,9 +126,10 @@ def _step_target(example_inputs: list[Any], opts: Options) -> tuple[str, Options
     Raises:
         FallbackRequired: target 'cuda' without a CUDA device.
     """
+    global _SIMULATOR_TOLD
     target = _target(example_inputs, opts)
     if target == "sim" and not opts.target and not _SIMULATOR_TOLD:   # once per process
-        _told_simulator()
+        _SIMULATOR_TOLD = True
         warnings.warn("fusec: the step's tensors are on the CPU, so it runs on fusec's CPU simulator, which "
                       "checks the kernel's schedule tile by tile in Python: 10-100x slower than eager, and a "
                       "full-depth model's first call compiles for tens of seconds. Move the model to a CUDA "
