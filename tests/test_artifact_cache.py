@@ -491,7 +491,7 @@ def _operator_call(marker: Path) -> bytes:
 
 
 def _raw_entry(payload: bytes) -> bytes:
-    """An entry of fusec's layout with a valid checksum around ``payload`` (the pickle part)."""
+    """An entry of fusec's layout with a valid checksum around ``payload`` (the JSON part)."""
     import hashlib
     from safetensors.torch import save
     blob = save({})
@@ -500,9 +500,9 @@ def _raw_entry(payload: bytes) -> bytes:
 
 
 def _plain(root, table=(), shapes=()) -> bytes:
-    """The pickle of an entry in :mod:`fusec.cache.entry_codec`'s plain form."""
-    import pickle
-    return pickle.dumps({"root": root, "table": list(table), "shapes": list(shapes)})
+    """The JSON of an entry in :mod:`fusec.cache.entry_codec`'s plain form."""
+    import json
+    return json.dumps({"root": root, "table": list(table), "shapes": list(shapes)}).encode()
 
 
 @pytest.mark.parametrize("attack", ["os.system", "operator_call", "builtins_eval", "cls_os_system",
@@ -511,9 +511,10 @@ def _plain(root, table=(), shapes=()) -> bytes:
                                     "torch_lazy_attr"])
 def test_an_entry_naming_code_is_refused_without_running_it(tmp_path, caplog, attack):
     """Loading an entry runs no code the entry names (issue 30, item 13): pickles that call
-    ``os.system`` or an ATen operator or name ``eval``, and plain data that names a non-IR class,
-    a function, a constructor through the enum tag or a non-operator attribute, are refused with
-    one log line, nothing runs, and the compile rewrites the entry."""
+    ``os.system`` or an ATen operator or name ``eval`` (an entry is JSON: a pickle is not read
+    as one), and JSON that names a non-IR class, a function, a constructor through the enum tag
+    or a non-operator attribute, are refused with one log line, nothing runs, and the compile
+    rewrites the entry."""
     import pickle
     cache = artifacts.ArtifactCache(tmp_path / "a", max_bytes=1 << 30)
     key = "e" * 64
@@ -542,45 +543,46 @@ def test_an_entry_naming_code_is_refused_without_running_it(tmp_path, caplog, at
     assert cache.store(key, _tiny_entry(key, 10)) and cache.load(key) is not None
 
 
-def test_a_shared_value_decodes_once():
-    """A pickle can share one value many times (a few hundred bytes describing a 2**40-node
-    tree): the decoder decodes each shared value once, and data that would still decode to more
-    values than the entry's size allows is refused (a reviewer's exponential and quadratic
-    blow-ups)."""
-    import pickle
-    from fusec.cache import entry_codec
-    x = ("t", [1, 2])
-    for _ in range(40):
-        x = ("t", [x, x])
-    back = entry_codec.decode(pickle.loads(pickle.dumps({"root": x, "table": [], "shapes": []})), {})
-    assert back[0] is back[1]
-    row = list(range(3000))
-    table = [(1, row)] * 3000   # 3000 lists of 3000 items from a 14 KiB pickle
-    data = pickle.dumps({"root": ("R", 0), "table": table, "shapes": []})
-    with pytest.raises(entry_codec.EntryFormatError, match="more values"):
-        entry_codec.decode(pickle.loads(data), {}, budget=64 * len(data) + (1 << 20))
-
-
-def test_an_entry_holds_plain_data_and_keeps_sharing():
-    """What an entry's pickle holds names no global (a pickle opcode stream without GLOBAL or
-    STACK_GLOBAL), and objects shared in the entry come back shared."""
-    import pickletools
+def test_an_entry_is_json_and_keeps_sharing():
+    """What an entry holds beside its tensors is standard JSON (issue 30, item 13: no pickle, no
+    NaN constant), objects shared in the entry come back shared, and bytes, tuples, non-finite
+    floats and IR objects survive the round trip."""
+    import json
+    import math
     from fusec.ir import Graph
     g = Graph()
     shared = [1, 2]
-    data = artifacts.dumps({"format": artifacts.FORMAT, "a": shared, "b": shared, "g": g, "t": torch.arange(3)})
+    obj = {"format": artifacts.FORMAT, "a": shared, "b": shared, "g": g, "t": torch.arange(3),
+           "bytes": b"\x00\xffcubin", "empty": b"", "tup": (1, "x", (2.5,)),
+           "floats": [math.inf, -math.inf, math.nan, -0.0, 1e-300]}
+    data = artifacts.dumps(obj)
     n = len(artifacts.MAGIC) + 32
     size = int.from_bytes(data[n:n + 8], "little")
-    ops = {op.name for op, _, _ in pickletools.genops(data[n + 8 + size:])}
-    assert not ops & {"GLOBAL", "STACK_GLOBAL", "REDUCE", "BUILD", "NEWOBJ", "INST", "OBJ"}, ops
+    text = data[n + 8 + size:].decode()
+    json.loads(text, parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
     back = artifacts.loads(data)
     assert back["a"] is back["b"] and back["a"] == [1, 2]
     assert type(back["g"]) is Graph and torch.equal(back["t"], torch.arange(3))
+    assert back["bytes"] == b"\x00\xffcubin" and back["empty"] == b"" and back["tup"] == (1, "x", (2.5,))
+    f = back["floats"]
+    assert f[0] == math.inf and f[1] == -math.inf and math.isnan(f[2]) and math.copysign(1, f[3]) < 0 and f[4] == 1e-300
+
+
+def test_a_json_nan_constant_is_refused(tmp_path, caplog):
+    """An entry whose JSON holds ``NaN`` (which Python's parser would take) is unreadable: fusec
+    writes non-finite floats as tagged strings, so such text was not written by it."""
+    cache = artifacts.ArtifactCache(tmp_path / "a", max_bytes=1 << 30)
+    key = "f" * 64
+    cache.folder.mkdir(parents=True, exist_ok=True)
+    cache.path(key).write_bytes(_raw_entry(b'{"root": NaN, "table": [], "shapes": []}'))
+    with caplog.at_level(logging.INFO, logger="fusec"):
+        assert cache.load(key) is None
+    assert [r for r in caplog.records if "ignoring unreadable entry" in r.getMessage()]
 
 
 def test_entry_tensors_are_safetensors(cache_on):
     """An entry's tensors (the graph's constants: RoPE tables) are a safetensors blob inside
-    the file, and the pickle beside it only refers to them."""
+    the file, and the JSON beside it only refers to them."""
     from safetensors.torch import load
     from fusec.pipeline import Dumper
     _, (_, g, flat) = _captured_family("llama")

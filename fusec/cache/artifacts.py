@@ -36,9 +36,9 @@ replaced.
 
 **Layout**: ``<FUSEC_CACHE_DIR>/artifacts/<key>.art`` (``FUSEC_CACHE_DIR`` defaults to
 ``~/.cache/fusec``), one file per key: :data:`MAGIC`, the sha256 of the rest, then the entry's
-tensors as a safetensors blob (its length first) and a pickle of ``{"format", "key", "schedule",
-"plan", "values", "fusec", "created"}`` whose tensors are references into the blob and whose ATen
-ops are names. An entry is written to a temp file in the same folder, then
+tensors as a safetensors blob (its length first) and the JSON of ``{"format", "key", "schedule",
+"plan", "values", "fusec", "created"}`` (:mod:`fusec.cache.entry_codec`'s plain form) whose
+tensors and bytes are references into the blob and whose ATen ops are names. An entry is written to a temp file in the same folder, then
 ``os.replace``d: concurrent processes only ever see whole entries (the last writer wins). A file
 that fails the checksum or does not load is ignored with one log line, and the new
 compilation rewrites it. After each store the folder is cut down to ``cache_max_mb`` (option;
@@ -47,9 +47,8 @@ touches its file's mtime). Off with option ``cache=False`` or ``FUSEC_CACHE=0``.
 ``dump_dir`` (``FUSEC_DUMP``) set the cache is not read, only written: every stage then runs and
 is dumped.
 
-**Trust**: loading one of fusec's entries runs no code the entry chooses: the pickle names no
-global (every ``find_class`` is refused), and :mod:`fusec.cache.entry_codec` builds from that
-plain data only fusec's IR classes (``object.__new__`` and their fields, no ``__init__``), enums,
+**Trust**: loading one of fusec's entries runs no code the entry chooses: parsing JSON builds
+containers and values only, and :mod:`fusec.cache.entry_codec` builds from that plain data only fusec's IR classes (``object.__new__`` and their fields, no ``__init__``), enums,
 torch values and tensors read from safetensors, and looks ATen operators up by name without
 calling them. The checksum detects damage, not tampering: an edited entry can still describe a
 wrong step (as an edited source file would), and its kernel source is what NVRTC compiles and
@@ -68,7 +67,6 @@ import io
 import json
 import logging
 import os
-import pickle
 import sys
 import time
 from pathlib import Path
@@ -86,9 +84,9 @@ from fusec.pipeline import Dumper, Lowered, gc_paused
 
 log = logging.getLogger("fusec")
 
-#: version of the entry format (bump when the pickled objects change shape incompatibly)
-FORMAT = 3
-MAGIC = b"FUSECAR3"   # 3: tensors as safetensors, the rest as plain data (entry_codec)
+#: version of the entry format (bump when the encoded objects change shape incompatibly)
+FORMAT = 4
+MAGIC = b"FUSECAR4"   # 4: tensors (and bytes) as safetensors, the rest as JSON (entry_codec)
 SUFFIX = ".art"
 #: a temp file older than this is what a killed writer left: removed by the next store
 _STALE_TMP_S = 3600.0
@@ -202,34 +200,31 @@ def artifact_key(g: Graph, opts: Options) -> str:
 
 # ----------------------------------------------------------------------------- entries
 
-class _NoGlobals(pickle.Unpickler):
-    """Unpickles plain data only: every global is refused, so no callable can be reached and
-    unpickling can build nothing but containers and values."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        raise pickle.UnpicklingError(f"artifact entry names the global {module}.{name}: entries hold data only")
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"entry holds the non-standard JSON constant {name}")
 
 
 def dumps(obj: Any) -> bytes:
     """An entry's bytes: :data:`MAGIC`, the sha256 of the rest, the safetensors blob's length
-    (8 bytes, little-endian), the blob (the entry's tensors), then a pickle of the entry as plain
-    data (:func:`fusec.cache.entry_codec.encode`: no global named)."""
+    (8 bytes, little-endian), the blob (the entry's tensors and bytes), then the entry as JSON
+    (:func:`fusec.cache.entry_codec.encode`'s plain data, UTF-8, standard JSON: no NaN)."""
     from safetensors.torch import save
     with gc_paused():   # ~10^5 small containers: the cyclic GC would walk them again and again
         data, tensors = entry_codec.encode(obj)
         blob = save(tensors)
-        body = len(blob).to_bytes(8, "little") + blob + pickle.dumps(data, protocol=pickle.HIGHEST_PROTOCOL)
+        text = json.dumps(data, separators=(",", ":"), allow_nan=False).encode()
+        body = len(blob).to_bytes(8, "little") + blob + text
     return MAGIC + hashlib.sha256(body).digest() + body
 
 
 def loads(data: bytes) -> Any:
-    """Inverse of :func:`dumps`, running no code named by the entry: the pickle names no global
-    (:class:`_NoGlobals`), and :func:`fusec.cache.entry_codec.decode` builds only fusec's IR
-    classes (without calling their ``__init__``), enums, tensors and torch values, and looks
+    """Inverse of :func:`dumps`, running no code named by the entry: the JSON parser builds
+    containers and values only, and :func:`fusec.cache.entry_codec.decode` builds only fusec's
+    IR classes (without calling their ``__init__``), enums, tensors and torch values, and looks
     operators up by name without calling them.
 
     Raises:
-        ValueError: a damaged entry (magic, checksum, lengths, an unknown tag or class)."""
+        ValueError: a damaged entry (magic, checksum, lengths, not JSON, an unknown tag or class)."""
     from safetensors.torch import load
     n = len(MAGIC)
     if data[:n] != MAGIC:
@@ -242,9 +237,8 @@ def loads(data: bytes) -> Any:
         raise ValueError("safetensors blob longer than the entry")
     tensors = load(body[8:8 + size])
     with gc_paused():   # the 1B's entry is ~10^5 small objects: the cyclic GC would walk them all
-        payload = body[8 + size:]
-        plain = _NoGlobals(io.BytesIO(payload)).load()
-        return entry_codec.decode(plain, tensors, budget=64 * len(payload) + (1 << 20))
+        plain = json.loads(body[8 + size:], parse_constant=_no_constant)
+        return entry_codec.decode(plain, tensors)
 
 
 #: an entry kind's payload field and type, where it is not an IR graph under ``graph``

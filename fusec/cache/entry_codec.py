@@ -1,31 +1,34 @@
-"""An artifact entry's objects as plain data, and back, so that loading an entry runs no code.
+"""An artifact entry's objects as JSON-ready plain data, and back, so that loading an entry runs no code.
 
 :func:`encode` turns an entry (dicts, lists, tuples, sets, numbers, strings, bytes, fusec's IR
 objects, enums, tensors, torch dtypes/devices/layouts/memory formats/sizes, ATen operators) into
-data made of ``dict``/``list``/``tuple``/``str``/``int``/``float``/``bytes``/``bool``/``None``
-only, plus a dict of tensors (saved as safetensors by :mod:`fusec.cache.artifacts`). Objects
-that may be shared or cyclic (IR objects, lists, dicts) go into a table and are referred to by
-index, so sharing and cycles survive: ``(0, shape, [values])`` an IR object (``shape`` indexes
-the ``shapes`` list of ``(module, class name, field names)``), ``(1, [values])`` a list,
-``(2, [key, value, ...])`` a dict. Every other value is a tagged tuple: ``("R", i)`` a table
-entry, ``("t", [...])`` a tuple, ``("T", name)`` a tensor, ``("E", (module, class), value)`` an
-enum member, ``("D", name)`` a dtype, ``("V", "cuda:0")`` a device, ``("L", name)`` a layout or
-memory format, ``("Z", [...])`` a ``torch.Size``, ``("O", "aten.add.Tensor")`` an operator,
-``("s"|"fs", [...])`` a set or frozenset, ``("sl", [...])`` a slice, ``("c", [re, im])`` a
-complex, ``("il"|"id", ...)`` torch.fx's immutable list and dict.
+data made of ``dict``/``list``/``tuple``/``str``/``int``/``float``/``bool``/``None`` only (what
+JSON holds: a tuple is written as an array), plus a dict of tensors (saved as safetensors by
+:mod:`fusec.cache.artifacts`; ``bytes`` travel there too, as uint8 tensors). Objects that may be
+shared or cyclic (IR objects, lists, dicts) go into a table and are referred to by index, so
+sharing and cycles survive: ``[0, shape, [values]]`` an IR object (``shape`` indexes the
+``shapes`` list of ``[module, class name, [field names]]``), ``[1, [values]]`` a list,
+``[2, [key, value, ...]]`` a dict. Every other value is an array whose first element is a tag:
+``["R", i]`` a table entry, ``["t", [...]]`` a tuple, ``["T", name]`` a tensor, ``["B", name]``
+bytes (a uint8 tensor), ``["F", "inf"|"-inf"|"nan"]`` a float JSON cannot write,
+``["E", [module, class], value]`` an enum member, ``["D", name]`` a dtype, ``["V", "cuda:0"]`` a
+device, ``["L", name]`` a layout or memory format, ``["Z", [...]]`` a ``torch.Size``,
+``["O", "aten.add.Tensor"]`` an operator, ``["s"|"fs", [...]]`` a set or frozenset,
+``["sl", [...]]`` a slice, ``["c", [re, im]]`` a complex, ``["il"|"id", ...]`` torch.fx's
+immutable list and dict.
 
-:func:`decode` rebuilds the objects: an IR class is named by module and name and must be a
-class defined in one of :data:`IR_MODULES` (created with ``object.__new__`` and its ``__dict__``
-filled: no ``__init__``, no ``__setstate__``); an enum member is looked up by value; an
-operator is looked up by name and never called; nothing else is named. The data itself travels
-as a pickle that names no global at all (:func:`fusec.cache.artifacts.loads` refuses every
-``find_class``): with no callable reachable, unpickling it can only build containers and values
-(Python's pickle docs, "Restricting Globals").
+:func:`decode` takes what ``json.loads`` gives back (arrays as lists) and rebuilds the objects:
+an IR class is named by module and name and must be a class defined in one of
+:data:`IR_MODULES` (created with ``object.__new__`` and its ``__dict__`` filled: no
+``__init__``, no ``__setstate__``); an enum member is looked up by value; an operator is looked
+up by name and never called; nothing else is named. Parsing JSON builds containers and values
+only, so no code named by an entry can run (issue 30, item 13).
 """
 from __future__ import annotations
 
 import enum
 import importlib
+import math
 import re
 from typing import Any
 
@@ -62,8 +65,8 @@ def encode(obj: Any) -> tuple[Any, dict[str, torch.Tensor]]:
     keep: list[Any] = []               # the originals, so that no id is reused meanwhile
     tensors: dict[str, torch.Tensor] = {}
     tensor_names: dict[int, str] = {}
-    plain = (bool, int, float, str, bytes)
-    plain_types = {bool, int, float, str, bytes, type(None)}   # most values: no call needed
+    plain = (bool, int, str)
+    plain_types = {bool, int, str, type(None)}   # most values: no call needed
 
     def encs(xs: Any) -> list[Any]:
         return [v if type(v) in plain_types else enc(v) for v in xs]
@@ -82,6 +85,12 @@ def encode(obj: Any) -> tuple[Any, dict[str, torch.Tensor]]:
         if x is None or type(x) in plain:
             return x
         t = type(x)
+        if t is float:
+            return x if math.isfinite(x) else ("F", repr(x))
+        if t is bytes:
+            name = f"t{len(tensors)}"
+            tensors[name] = torch.frombuffer(bytearray(x), dtype=torch.uint8) if x else torch.empty(0, dtype=torch.uint8)
+            return ("B", name)
         if t is list:
             r = ref(x)
             if r is None:
@@ -129,7 +138,7 @@ def encode(obj: Any) -> tuple[Any, dict[str, torch.Tensor]]:
         if t is slice:
             return ("sl", [enc(x.start), enc(x.stop), enc(x.step)])
         if t is complex:
-            return ("c", [x.real, x.imag])
+            return ("c", [enc(x.real), enc(x.imag)])
         if t is immutable_list:
             return ("il", [enc(v) for v in x])
         if t is immutable_dict:
@@ -204,19 +213,23 @@ def _torch_value(name: Any, kinds: tuple[type, ...]) -> Any:
     return v
 
 
-def decode(data: Any, tensors: dict[str, torch.Tensor], budget: int = 1 << 26) -> Any:
-    """Inverse of :func:`encode`. Raises EntryFormatError for anything it did not write, and for
-    data that would decode to more than ``budget`` values (a pickle can share one object many
-    times: without a bound a few hundred bytes could decode to gigabytes)."""
+def decode(data: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """Inverse of :func:`encode`, from what ``json.loads`` returns for its output (tuples come
+    back as lists). Raises EntryFormatError for anything it did not write. JSON shares no value,
+    so the objects built are bounded by the text's size (a table entry referred to many times is
+    built once)."""
     try:
-        return _decode(data, tensors, budget)
+        return _decode(data, tensors)
     except EntryFormatError:
         raise
     except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
         raise EntryFormatError(f"malformed entry ({type(e).__name__}: {e})") from None
 
 
-def _decode(data: Any, tensors: dict[str, torch.Tensor], budget: int) -> Any:
+_NONFINITE = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
+
+
+def _decode(data: Any, tensors: dict[str, torch.Tensor]) -> Any:
     if type(data) is not dict or type(data.get("table")) is not list or type(data.get("shapes")) is not list:
         raise EntryFormatError("not an encoded entry")
     table, shapes = data["table"], data["shapes"]
@@ -224,9 +237,9 @@ def _decode(data: Any, tensors: dict[str, torch.Tensor], budget: int) -> Any:
     for sh in shapes:
         module, qualname, fields = sh
         cls = _class(module, qualname)
-        if issubclass(cls, enum.Enum) or type(fields) is not tuple or not all(type(f) is str for f in fields):
+        if issubclass(cls, enum.Enum) or type(fields) is not list or not all(type(f) is str for f in fields):
             raise EntryFormatError(f"bad class entry {module}.{qualname}")
-        classes.append((cls, fields))
+        classes.append((cls, tuple(fields)))
     objs: list[Any] = []
     new = object.__new__
     for e in table:   # first every shared object, empty: references may point forward or in a cycle
@@ -239,27 +252,14 @@ def _decode(data: Any, tensors: dict[str, torch.Tensor], budget: int) -> Any:
             objs.append({})
         else:
             raise EntryFormatError("bad table entry kind")
-    plain = (bool, int, float, str, bytes)
+    plain = (bool, int, float, str)
     n = len(objs)
-    seen: dict[int, Any] = {}   # a tagged tuple shared in the pickle decodes once
-    left = [budget]
 
     def dec(x: Any) -> Any:
         if x is None or type(x) in plain:
             return x
-        if type(x) is not tuple or len(x) < 2:
+        if type(x) is not list or len(x) < 2:
             raise EntryFormatError(f"bad value of type {type(x).__name__}")
-        got = seen.get(id(x))
-        if got is not None:
-            return got[0]
-        left[0] -= 1 + (len(x[1]) if type(x[1]) is list else 0)
-        if left[0] < 0:
-            raise EntryFormatError("the entry decodes to more values than its size allows")
-        out = _one(x)
-        seen[id(x)] = (out,)
-        return out
-
-    def _one(x: tuple) -> Any:
         tag, v = x[0], x[1]
         if tag == "R":
             if type(v) is not int or not 0 <= v < n:
@@ -267,10 +267,19 @@ def _decode(data: Any, tensors: dict[str, torch.Tensor], budget: int) -> Any:
             return objs[v]
         if tag == "t":
             return tuple([dec(m) for m in v])
-        if tag == "T":
+        if tag == "T" or tag == "B":
             if type(v) is not str or v not in tensors:
                 raise EntryFormatError(f"no tensor {v!r} in the entry")
-            return tensors[v]
+            if tag == "T":
+                return tensors[v]
+            b = tensors[v]
+            if b.dtype != torch.uint8 or b.dim() != 1:
+                raise EntryFormatError(f"bytes {v!r} are not a uint8 vector")
+            return b.numpy().tobytes()
+        if tag == "F":
+            if v not in _NONFINITE:
+                raise EntryFormatError(f"bad float {v!r}")
+            return _NONFINITE[v]
         if tag == "E":
             cls = _class(*v)
             if not issubclass(cls, enum.Enum):
@@ -295,26 +304,24 @@ def _decode(data: Any, tensors: dict[str, torch.Tensor], budget: int) -> Any:
         if tag == "sl":
             return slice(*(dec(m) for m in v))
         if tag == "c":
-            if type(v) is not list or len(v) != 2 or not all(type(d) is float for d in v):
+            parts = [dec(m) for m in v]
+            if len(parts) != 2 or not all(type(d) is float for d in parts):
                 raise EntryFormatError("bad complex")
-            return complex(v[0], v[1])
+            return complex(parts[0], parts[1])
         if tag == "il":
             return immutable_list(dec(m) for m in v)
         if tag == "id":
             return immutable_dict((dec(k), dec(m)) for k, m in v)
         raise EntryFormatError(f"unknown tag {tag!r}")
 
-    plain_types = {bool, int, float, str, bytes, type(None)}   # most values: no call needed
+    plain_types = {bool, int, float, str, type(None)}   # most values: no call needed
 
     for o, e in zip(objs, table):   # then their contents
         kind = e[0]
-        left[0] -= len(e[-1]) if type(e[-1]) is list else 0
-        if left[0] < 0:
-            raise EntryFormatError("the entry decodes to more values than its size allows")
         if kind == 0:
             fields = classes[e[1]][1]
             values = e[2]
-            if len(values) != len(fields):
+            if type(values) is not list or len(values) != len(fields):
                 raise EntryFormatError("field count differs from the class entry")
             o.__dict__.update(zip(fields, [v if type(v) in plain_types else dec(v) for v in values]))
         elif kind == 1:
