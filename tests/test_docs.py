@@ -65,3 +65,24 @@ def test_the_docs_index_lists_every_page():
     pages = sorted(p.name for p in (ROOT / "docs").glob("*.md") if p.name != "README.md")
     listed = set(re.findall(r"^\| \[([\w.-]+\.md)\]\(\1\) \| \S", index, flags=re.M))
     assert pages and set(pages) == listed, (sorted(set(pages) - listed), sorted(listed - set(pages)))
+
+
+def test_measurements_page_is_tables_of_current_facts():
+    """docs/measurements.md is tables of current facts, not a journal (issue 30, item 12): every
+    section but the short History holds a table whose rows cite where they come from (a date and
+    a command, JSON file or commit), and no heading is a date or a session."""
+    text = (ROOT / "docs" / "measurements.md").read_text()
+    sections = re.split(r"^## ", text, flags=re.M)[1:]
+    assert sections
+    titles = [s.splitlines()[0] for s in sections]
+    assert not [t for t in titles if re.match(r"(\d{4}-\d\d-\d\d|[Ss]ession)", t)], titles
+    assert not re.search(r"^#{3,} .*(\d{4}-\d\d-\d\d|[Ss]ession \d)", text, flags=re.M)
+    for s in sections:
+        title, body = s.splitlines()[0], s.splitlines()[1:]
+        if title == "History":
+            assert len([ln for ln in body if ln.strip()]) <= 15, "History grows: move facts into the tables"
+            continue
+        rows = [ln for ln in body if ln.startswith("|") and not re.match(r"\|[\s|:-]+\|?$", ln)]
+        assert len(rows) >= 2, f"section {title!r} has no table"
+        cited = "\n".join(body)
+        assert re.search(r"\d{4}-\d\d-\d\d", cited) and re.search(r"`[^`]+`|\.json|[0-9a-f]{7}", cited), title
