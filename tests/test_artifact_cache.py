@@ -508,7 +508,7 @@ def _plain(root, table=(), shapes=()) -> bytes:
 @pytest.mark.parametrize("attack", ["os.system", "operator_call", "builtins_eval", "cls_os_system",
                                     "cls_function", "enum_not_enum", "operator_walk", "operator_from_file",
                                     "operator_namespace", "dotted_class", "tensor_name_tuple",
-                                    "torch_lazy_attr"])
+                                    "torch_lazy_attr", "dunder_field", "odd_dict", "overflow_float"])
 def test_an_entry_naming_code_is_refused_without_running_it(tmp_path, caplog, attack):
     """Loading an entry runs no code the entry names (issue 30, item 13): pickles that call
     ``os.system`` or an ATen operator or name ``eval`` (an entry is JSON: a pickle is not read
@@ -532,6 +532,10 @@ def test_an_entry_naming_code_is_refused_without_running_it(tmp_path, caplog, at
         "dotted_class": lambda: _plain(("E", ("fusec.ir.graph", "torch._inductor"), 0)),
         "tensor_name_tuple": lambda: _plain(("T", ("t0",))),
         "torch_lazy_attr": lambda: _plain(("D", "_dynamo")),
+        "dunder_field": lambda: _plain(("R", 0), [(0, 0, [("O", "aten.neg.default")])],
+                                       [("fusec.ir.graph", "Graph", ["__deepcopy__"])]),
+        "odd_dict": lambda: _plain(("R", 0), [(2, ["k"])]),
+        "overflow_float": lambda: b'{"root": 1e999, "table": [], "shapes": []}',
     }[attack]()
     cache.folder.mkdir(parents=True, exist_ok=True)
     cache.path(key).write_bytes(_raw_entry(payload))
@@ -566,6 +570,33 @@ def test_an_entry_is_json_and_keeps_sharing():
     assert back["bytes"] == b"\x00\xffcubin" and back["empty"] == b"" and back["tup"] == (1, "x", (2.5,))
     f = back["floats"]
     assert f[0] == math.inf and f[1] == -math.inf and math.isnan(f[2]) and math.copysign(1, f[3]) < 0 and f[4] == 1e-300
+
+
+def test_bytes_named_many_times_decode_once():
+    """An entry whose JSON names one blob of bytes many times builds one bytes object, not a copy
+    per name (a 1 MiB entry naming its blob 4000 times asked for 4 GiB: a try-to-break
+    helper's find); the decoded objects stay bounded by the entry's size."""
+    from fusec.cache import entry_codec
+    blob = torch.frombuffer(bytearray(b"x" * (1 << 20)), dtype=torch.uint8)
+    data = {"root": ("R", 0), "table": [(1, [["B", "t0"]] * 4000)], "shapes": []}
+    import json
+    back = entry_codec.decode(json.loads(json.dumps(data)), {"t0": blob})
+    assert len(back) == 4000 and all(b is back[0] for b in back) and len(back[0]) == 1 << 20
+
+
+def test_the_decoder_refuses_what_the_encoder_never_writes():
+    """A dunder field name (``__deepcopy__`` in an IR object's dict would make ``copy.deepcopy``
+    call what the entry names), a dict entry with an odd count, a number past float's range."""
+    import json
+    from fusec.cache import entry_codec
+    bad = [{"root": ["R", 0], "table": [[0, 0, [["O", "aten.neg.default"]]]],
+            "shapes": [["fusec.ir.graph", "Graph", ["__deepcopy__"]]]},
+           {"root": ["R", 0], "table": [[2, ["k"]]], "shapes": []}]
+    for data in bad:
+        with pytest.raises(entry_codec.EntryFormatError):
+            entry_codec.decode(data, {})
+    with pytest.raises(ValueError, match="out-of-range"):
+        json.loads('{"x": 1e999}', parse_float=artifacts._finite)
 
 
 def test_a_json_nan_constant_is_refused(tmp_path, caplog):

@@ -63,9 +63,9 @@ from __future__ import annotations
 import enum
 import functools
 import hashlib
-import io
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -204,6 +204,15 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"entry holds the non-standard JSON constant {name}")
 
 
+def _finite(text: str) -> float:
+    """A JSON number as a float; one that overflows (``1e999``) is refused: fusec writes
+    non-finite floats as tagged strings."""
+    x = float(text)
+    if x in (math.inf, -math.inf):
+        raise ValueError(f"entry holds the out-of-range number {text[:32]}")
+    return x
+
+
 def dumps(obj: Any) -> bytes:
     """An entry's bytes: :data:`MAGIC`, the sha256 of the rest, the safetensors blob's length
     (8 bytes, little-endian), the blob (the entry's tensors and bytes), then the entry as JSON
@@ -237,7 +246,7 @@ def loads(data: bytes) -> Any:
         raise ValueError("safetensors blob longer than the entry")
     tensors = load(body[8:8 + size])
     with gc_paused():   # the 1B's entry is ~10^5 small objects: the cyclic GC would walk them all
-        plain = json.loads(body[8 + size:], parse_constant=_no_constant)
+        plain = json.loads(body[8 + size:], parse_constant=_no_constant, parse_float=_finite)
         return entry_codec.decode(plain, tensors)
 
 

@@ -216,8 +216,8 @@ def _torch_value(name: Any, kinds: tuple[type, ...]) -> Any:
 def decode(data: Any, tensors: dict[str, torch.Tensor]) -> Any:
     """Inverse of :func:`encode`, from what ``json.loads`` returns for its output (tuples come
     back as lists). Raises EntryFormatError for anything it did not write. JSON shares no value,
-    so the objects built are bounded by the text's size (a table entry referred to many times is
-    built once)."""
+    so the objects built are bounded by the text's size: a table entry and a blob of bytes
+    referred to many times are built once."""
     try:
         return _decode(data, tensors)
     except EntryFormatError:
@@ -237,7 +237,8 @@ def _decode(data: Any, tensors: dict[str, torch.Tensor]) -> Any:
     for sh in shapes:
         module, qualname, fields = sh
         cls = _class(module, qualname)
-        if issubclass(cls, enum.Enum) or type(fields) is not list or not all(type(f) is str for f in fields):
+        if (issubclass(cls, enum.Enum) or type(fields) is not list
+                or not all(type(f) is str and _IDENT.fullmatch(f) for f in fields)):
             raise EntryFormatError(f"bad class entry {module}.{qualname}")
         classes.append((cls, tuple(fields)))
     objs: list[Any] = []
@@ -254,6 +255,7 @@ def _decode(data: Any, tensors: dict[str, torch.Tensor]) -> Any:
             raise EntryFormatError("bad table entry kind")
     plain = (bool, int, float, str)
     n = len(objs)
+    blobs: dict[str, bytes] = {}
 
     def dec(x: Any) -> Any:
         if x is None or type(x) in plain:
@@ -272,10 +274,13 @@ def _decode(data: Any, tensors: dict[str, torch.Tensor]) -> Any:
                 raise EntryFormatError(f"no tensor {v!r} in the entry")
             if tag == "T":
                 return tensors[v]
-            b = tensors[v]
-            if b.dtype != torch.uint8 or b.dim() != 1:
-                raise EntryFormatError(f"bytes {v!r} are not a uint8 vector")
-            return b.numpy().tobytes()
+            got = blobs.get(v)   # once per name: an entry naming one blob many times copies it once
+            if got is None:
+                b = tensors[v]
+                if b.dtype != torch.uint8 or b.dim() != 1:
+                    raise EntryFormatError(f"bytes {v!r} are not a uint8 vector")
+                got = blobs[v] = b.numpy().tobytes()
+            return got
         if tag == "F":
             if v not in _NONFINITE:
                 raise EntryFormatError(f"bad float {v!r}")
@@ -327,6 +332,8 @@ def _decode(data: Any, tensors: dict[str, torch.Tensor]) -> Any:
         elif kind == 1:
             o.extend([v if type(v) in plain_types else dec(v) for v in e[1]])
         else:
+            if len(e[1]) % 2:
+                raise EntryFormatError("a dict entry with a key and no value")
             flat = [v if type(v) in plain_types else dec(v) for v in e[1]]
             o.update(zip(flat[0::2], flat[1::2]))
     return dec(data["root"])
