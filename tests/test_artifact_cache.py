@@ -629,3 +629,17 @@ def test_entry_tensors_are_safetensors(cache_on):
         assert any(t.shape == c.shape and t.dtype == c.dtype and torch.equal(t, c.cpu()) for t in tensors.values())
     assert b"torch._utils\n_rebuild" not in data and b"_rebuild_tensor" not in data
 
+
+
+def test_frozen_ir_objects_as_keys_and_members_round_trip():
+    """A frozen IR object (``Ref``, ``Region``) first met as a dict key or a set member inside a
+    container comes back equal: the decoder fills IR objects before containers hash them (in
+    table order the container came first and hashed an empty object: the entry was written,
+    then refused at every load; a try-to-break helper's find)."""
+    from torch.fx.immutable_collections import immutable_dict
+    from fusec.instructions.base import Region
+    from fusec.ir.graph import Ref
+    cases = [{Ref("x"): 1}, [{Region("a", 0, 4)}], [frozenset({Ref("a")})], {("k", Ref("a")): 2},
+             [immutable_dict({Ref("a"): 1})]]
+    for obj in cases:
+        assert artifacts.loads(artifacts.dumps(obj)) == obj, obj

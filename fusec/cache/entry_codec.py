@@ -321,17 +321,20 @@ def _decode(data: Any, tensors: dict[str, torch.Tensor]) -> Any:
 
     plain_types = {bool, int, float, str, type(None)}   # most values: no call needed
 
-    for o, e in zip(objs, table):   # then their contents
-        kind = e[0]
-        if kind == 0:
+    # then their contents: IR objects first, so that a frozen IR object used as a dict key or set
+    # member in a container hashes its fields, not an empty object (the IR's own fields hold no
+    # set or dict keyed by IR objects)
+    for o, e in zip(objs, table):
+        if e[0] == 0:
             fields = classes[e[1]][1]
             values = e[2]
             if type(values) is not list or len(values) != len(fields):
                 raise EntryFormatError("field count differs from the class entry")
             o.__dict__.update(zip(fields, [v if type(v) in plain_types else dec(v) for v in values]))
-        elif kind == 1:
+    for o, e in zip(objs, table):
+        if e[0] == 1:
             o.extend([v if type(v) in plain_types else dec(v) for v in e[1]])
-        else:
+        elif e[0] == 2:
             if len(e[1]) % 2:
                 raise EntryFormatError("a dict entry with a key and no value")
             flat = [v if type(v) in plain_types else dec(v) for v in e[1]]
