@@ -22,7 +22,7 @@ $(VENV)/.stamp: requirements.txt pyproject.toml setup.py
 	touch $@
 
 demo: venv
-	@echo "== a tiny Llama (2 layers): its step on the simulator, checked against eager number for number"
+	@echo "== a tiny Llama (2 layers): its step on the simulator, every output checked against eager (relative error <= 1e-4)"
 	$(BIN)/fusec compile examples/tiny_llama.py -o build/demo-tiny --simulate
 	@echo "== the random Llama-3.2-1B at full depth: the schedule, its kernel (NVRTC), on a GPU the step run"
 	$(BIN)/fusec compile examples/llama_3_2_1b.py -o build/demo --simulate --emit-cuda --run

@@ -40,7 +40,8 @@ from fusec.fallbacks import LAUNCHED, FallbackWatch
 from fusec.fallbacks import warn as warn_fallback
 from fusec.frontend import hf_rope
 from fusec.frontend.precompiled import PrecompiledStep
-from fusec.generation.arguments import MAX_BATCH, check_args, check_model, eos_ids, pad_id  # noqa: F401 (MAX_BATCH)
+from fusec.generation.arguments import (MAX_BATCH, check_args, check_model, check_token_ids,  # noqa: F401 (MAX_BATCH)
+                                        eos_ids, pad_id)
 from fusec.generation import session
 from fusec.generation.batch import Batch, full_attention, host_counted, positions, static_batch
 from fusec.generation.selection import finish, gumbel_, select
@@ -312,6 +313,7 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: in
     device = check_model(model)
     input_ids, mask = check_args(input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_k, top_p,
                                   pad_token_id, streamer, generator, options, device)
+    check_token_ids(model, input_ids)
     opts = {"check_watchdog": False, **(options or {})}
     Options.from_dict(opts)   # an invalid option fails now, before any work
     eos = eos_ids(model, eos_token_id)

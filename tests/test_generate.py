@@ -192,11 +192,26 @@ def test_argument_errors():
         (dict(options={"no_such_option": 1}), "unknown fusec option"),
         (dict(model=model.model), "causal LM"),
         (dict(model=torch.nn.Linear(2, 2)), "config"),
+        (dict(input_ids=torch.tensor([[1, -3, 2]])), r"input_ids\[0, 1\] = -3 is not a token id .* \[0, 128\)"),
+        (dict(input_ids=torch.tensor([[1, 2], [5, 128]])), r"input_ids\[1, 1\] = 128 is not a token id"),
     ]
     for kw, msg in bad:
         args = {"model": model, "input_ids": ids, "max_new_tokens": 4, **kw}
         with pytest.raises(FusecError, match=msg):
             fusec.generate(args.pop("model"), args.pop("input_ids"), args.pop("max_new_tokens"), **args)
+
+
+def test_sampling_arguments_without_do_sample_are_named(caplog):
+    """temperature / top_k / top_p without do_sample: greedy decoding, with one warning that
+    says they are ignored (HF's generate() warns too); the default arguments give none."""
+    import logging
+    from fusec.generation.arguments import check_args
+    ids = torch.randint(0, 128, (1, 4))
+    with caplog.at_level(logging.WARNING, logger="fusec"):
+        check_args(ids, None, 4, False, 1.0, None, None, None, None, None, None, torch.device("cpu"))
+        assert not caplog.records
+        check_args(ids, None, 4, False, 0.5, None, None, None, None, None, None, torch.device("cpu"))
+    assert [r for r in caplog.records if "do_sample is False" in r.getMessage()]
 
 
 def test_steps_compiled_without_precompile_each_reach_fusec(monkeypatch):

@@ -88,6 +88,9 @@ def check_args(input_ids: Any, attention_mask: Any, max_new_tokens: Any, do_samp
             if generator.device.type != device.type:
                 raise FusecError(f"fusec.generate: the generator is on {generator.device}, the model on {device}: "
                                  f"create it with torch.Generator(device={str(device)!r})")
+    elif temperature != 1.0 or top_k is not None or top_p is not None:
+        log.warning("fusec.generate: temperature / top_k / top_p are given but do_sample is False: greedy "
+                    "decoding ignores them (pass do_sample=True to sample)")
     if pad_token_id is not None and (isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int)):
         raise FusecError(f"fusec.generate: pad_token_id={pad_token_id!r} must be an int or None")
     if streamer is not None and not all(callable(getattr(streamer, m, None)) for m in ("put", "end")):
@@ -102,6 +105,25 @@ def check_args(input_ids: Any, attention_mask: Any, max_new_tokens: Any, do_samp
     if mask is None and batch > 1:
         mask = torch.ones_like(input_ids)
     return input_ids, mask
+
+
+def check_token_ids(model: torch.nn.Module, input_ids: torch.Tensor) -> None:
+    """Every prompt id indexes a row of the model's input embedding (``[0, rows)``), as eager's
+    ``torch.nn.functional.embedding`` requires (it raises ``IndexError`` from deep inside the
+    prefill). One host read of the ids' min and max.
+
+    Raises:
+        FusecError: an id out of range, with its batch row, position and the range."""
+    rows = getattr(model.get_input_embeddings(), "num_embeddings", None) if hasattr(model, "get_input_embeddings") else None
+    if not isinstance(rows, int) or input_ids.numel() == 0:
+        return
+    lo, hi = (int(v) for v in torch.aminmax(input_ids))
+    if lo >= 0 and hi < rows:
+        return
+    bad = ((input_ids < 0) | (input_ids >= rows)).nonzero()[0].tolist()
+    value = int(input_ids[bad[0], bad[1]])
+    raise FusecError(f"fusec.generate: input_ids[{bad[0]}, {bad[1]}] = {value} is not a token id of this model: "
+                     f"its input embedding has {rows} rows, ids must be in [0, {rows})")
 
 
 def check_mask(attention_mask: Any, input_ids: torch.Tensor) -> torch.Tensor | None:
