@@ -164,6 +164,24 @@ def test_a_dynamic_cache_with_a_varying_batch_falls_back_once_per_graph():
     assert 1 <= len(lines) <= 4 and all("DynamicCache" in m for m in lines), lines
 
 
+def test_a_call_without_a_cache_names_the_missing_cache():
+    """``use_cache=False`` on one token: the fallback line says the step has no KV cache and to
+    pass a StaticCache (it named an unsupported ``cumsum`` in HF's packed-sequence mask, a new
+    user's find); the logits are eager's."""
+    from fusec.fallbacks import FallbackWatch
+    model = hf_tiny.llama()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fusec", options={"num_sms": 8})
+    tok = torch.tensor([[5]])
+    with FallbackWatch() as w, torch.no_grad():
+        got = compiled(input_ids=tok, use_cache=False).logits
+        want = model(input_ids=tok, use_cache=False).logits
+    torch._dynamo.reset()
+    torch.testing.assert_close(got, want)
+    assert len(w.fallbacks) == 1 and "the step has no KV cache" in w.fallbacks[0] \
+        and "StaticCache" in w.fallbacks[0], w.fallbacks
+
+
 @pytest.mark.parametrize("batch", [2, 3])
 def test_dynamic_true_at_a_fixed_batch_runs_fusec(batch):
     """``torch.compile(model, backend="fusec", dynamic=True)`` at a fixed batch: dynamo makes the

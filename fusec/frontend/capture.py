@@ -144,10 +144,12 @@ def check_decode_step(gm: torch.fx.GraphModule, query_tokens: int = 1) -> None:
         softmax = next(iter(softmaxes(gm)), None)
         if softmax is not None:   # attention written as plain ops in a form fusec does not match
             raise NotDecodeStepError(
-                f"not a decode step: the graph has no attention call fusec recognizes (a softmax at "
+                f"the graph has no attention call fusec recognizes (a softmax at "
                 f"{node_source(softmax) or softmax.name} is neither SDPA nor eager attention in a form fusec "
-                f"matches: matmul, scale, an additive mask or a bool mask filled with -inf, softmax, matmul); "
-                f"call torch.nn.functional.scaled_dot_product_attention")
+                f"matches: matmul, scale, an additive mask or a bool mask filled with -inf, softmax, matmul; "
+                f"ALiBi's baddbmm, BLOOM's, is not among them); a model compiles whose attention calls "
+                f"torch.nn.functional.scaled_dot_product_attention (HF: attn_implementation=\"sdpa\" where "
+                f"the family has it) or HF's eager form")
         raise NotDecodeStepError("not a decode step: the graph has no attention call")
     for _, query, key in calls:
         grown = _concatenated(key)
@@ -168,9 +170,31 @@ def check_decode_step(gm: torch.fx.GraphModule, query_tokens: int = 1) -> None:
             "cache; pass a transformers StaticCache (generate(): cache_implementation=\"static\"), or, "
             "where one was passed, the model's own generation code replaced it (Phi-3's LongRoPE "
             "prefills again into a new cache once the sequence passes original_max_position_embeddings)")
+    if not varies and _no_cache(gm, calls, sizes):
+        raise NotDecodeStepError(
+            "the step has no KV cache: its attention reads only the new tokens' keys and nothing is "
+            "written in place (a call with use_cache=False); fusec compiles decode steps that read a "
+            "static KV cache: pass a transformers StaticCache as past_key_values")
     if varies:
         varies.symbols = frozenset(batch_symbols)
         raise varies
+
+
+def _no_cache(gm: torch.fx.GraphModule, calls: list, sizes: dict) -> bool:
+    """Whether every attention call's keys are as many as its queries and the graph writes no
+    tensor in place (no cache update): a forward without a KV cache."""
+    for _, query, key in calls:
+        q, k = _val(query), _val(key)
+        if q is None or k is None or q.dim() != 4 or k.dim() != 4:
+            return False
+        if _concrete(k.shape[-2], sizes) != _concrete(q.shape[-2], sizes):
+            return False
+    for n in gm.graph.nodes:   # an in-place method (operator.and_ and its kin are not)
+        name = n.target if n.op == "call_method" else getattr(n.target, "__name__", "") \
+            if n.op == "call_function" and getattr(n.target, "__module__", None) not in ("_operator", "operator") else ""
+        if isinstance(name, str) and name.endswith("_") and not name.startswith("_"):
+            return False
+    return bool(calls)
 
 
 _VIEW_CALLS = {"view", "reshape", "expand", "contiguous", "transpose", "permute", "to", "clone",
