@@ -80,6 +80,9 @@ class CompileResult:
                          f"{self.opts.query_tokens} tokens for a {self.opts.query_tokens}-token step)")
         lines.append("fused ops by kind:")
         lines += [f"  {k:<22} {v}" for k, v in s["fused_ops_by_kind"].items()]
+        if any(k.startswith(("aten.", "prims.")) for k in s["fused_ops_by_kind"]):
+            lines.append("  (aten.* / prims.*: ops outside the fused kinds, each run by its generated CUDA "
+                         "form, e.g. a StaticCache's position-counter copy_ per layer)")
         lines.append(f"instructions: {s['instructions']} on {self.schedule.num_sms} SMs, "
                      f"{s['waits']} counter waits")
         lines += [f"  {k:<22} {v}" for k, v in s["instructions_by_kind"].items()]
