@@ -277,7 +277,8 @@ def test_cuda_target_schedules_one_cta_per_sm_of_the_device(monkeypatch):
 
 def test_a_cpu_model_is_told_it_runs_on_the_simulator(monkeypatch):
     """A model on the CPU compiled with default options runs on the simulator, and the user is
-    told so (a SimulatorWarning naming the simulator, its speed and what to do), with the step's
+    told so (a SimulatorWarning naming the simulator, its speed and what to do, at the user's
+    line), with the step's
     numbers fusec's own (no fallback), once per process: a second compile, inside a
     ``catch_warnings`` block that resets Python's filter, warns nothing (it warned per compile);
     ``target='sim'``, asked for, warns nothing."""
@@ -293,9 +294,11 @@ def test_a_cpu_model_is_told_it_runs_on_the_simulator(monkeypatch):
     tok = torch.randint(0, 128, (1, 1))
     torch._dynamo.reset()
     with torch.no_grad(), FallbackWatch() as w, \
-            pytest.warns(SimulatorWarning, match=r"CPU simulator.*10-100x slower.*CUDA device"):
+            pytest.warns(SimulatorWarning, match=r"CPU simulator.*10-100x slower.*CUDA device") as told:
         torch.compile(model, backend="fusec")(input_ids=tok, past_key_values=cache, use_cache=True)
     assert not w.fallbacks and w.compiled == 1
+    # attributed to the line that called the model (it named a line inside fusec's backend)
+    assert [x.filename for x in told if issubclass(x.category, SimulatorWarning)] == [__file__]
     for options in ({}, {"target": "sim"}):
         torch._dynamo.reset()
         with torch.no_grad(), warnings.catch_warnings(record=True) as seen:

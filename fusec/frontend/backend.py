@@ -42,6 +42,24 @@ hf_sdpa.install()   # HF's SDPA with enable_gqa, not repeat_kv, when the cache l
 _SIMULATOR_TOLD = False
 
 
+def _caller_level() -> int:
+    """The ``stacklevel`` of the first frame outside fusec, torch, transformers and the
+    import machinery (the user's line that called the model), for a warning issued by the
+    function that calls this one (its frame is level 1); 2 where every frame is theirs."""
+    import os
+    import sys
+    import fusec
+    skip = [os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(fusec.__file__)), "<frozen"]
+    tf = sys.modules.get("transformers")
+    if tf is not None and getattr(tf, "__file__", None):
+        skip.append(os.path.dirname(tf.__file__))
+    prefixes = tuple(skip)
+    f, level = sys._getframe(2), 2   # the caller of the warning's caller (level 2)
+    while f is not None and f.f_code.co_filename.startswith(prefixes):
+        f, level = f.f_back, level + 1
+    return level if f is not None else 2
+
+
 def _target(example_inputs: list[Any], opts: Options) -> str:
     if opts.target:
         return opts.target
@@ -134,7 +152,7 @@ def _step_target(example_inputs: list[Any], opts: Options) -> tuple[str, Options
                       "checks the kernel's schedule tile by tile in Python: 10-100x slower than eager, and a "
                       "full-depth model's first call compiles for tens of seconds. Move the model to a CUDA "
                       "device for the megakernel (option target='sim' says you mean it)", SimulatorWarning,
-                      stacklevel=2)
+                      stacklevel=_caller_level())
     if target == "cuda" and not torch.cuda.is_available():
         raise FallbackRequired("target 'cuda' but no CUDA device is available")
     if target == "cuda" and opts.num_sms is None:   # one CTA per SM of the model's GPU
