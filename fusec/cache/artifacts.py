@@ -38,8 +38,9 @@ replaced.
 ``~/.cache/fusec``), one file per key: :data:`MAGIC`, the sha256 of the rest, then the entry's
 tensors as a safetensors blob (its length first) and the JSON of ``{"format", "key", "schedule",
 "plan", "values", "fusec", "created"}`` (:mod:`fusec.cache.entry_codec`'s plain form) whose
-tensors and bytes are references into the blob and whose ATen ops are names. An entry is written to a temp file in the same folder, then
-``os.replace``d: concurrent processes only ever see whole entries (the last writer wins). A file
+tensors and bytes are references into the blob and whose ATen ops are names. An entry is written
+to a temp file in the same folder, then ``os.replace``d: concurrent processes only ever see whole
+entries (the last writer wins). A file
 that fails the checksum or does not load is ignored with one log line, and the new
 compilation rewrites it. After each store the folder is cut down to ``cache_max_mb`` (option;
 env ``FUSEC_CACHE_MAX_MB``; default 4096 MiB) by removing the least recently used entries (a hit
@@ -48,9 +49,9 @@ touches its file's mtime). Off with option ``cache=False`` or ``FUSEC_CACHE=0``.
 is dumped.
 
 **Trust**: loading one of fusec's entries runs no code the entry chooses: parsing JSON builds
-containers and values only, and :mod:`fusec.cache.entry_codec` builds from that plain data only fusec's IR classes (``object.__new__`` and their fields, no ``__init__``), enums,
-torch values and tensors read from safetensors, and looks ATen operators up by name without
-calling them. The checksum detects damage, not tampering: an edited entry can still describe a
+containers and values only, and :mod:`fusec.cache.entry_codec` builds from that plain data only
+fusec's IR classes (``object.__new__`` and their fields, no ``__init__``), enums, torch values
+and tensors read from safetensors, and looks ATen operators up by name without calling them. The checksum detects damage, not tampering: an edited entry can still describe a
 wrong step (as an edited source file would), and its kernel source is what NVRTC compiles and
 the GPU runs. The precompiled dynamo entries
 (:mod:`fusec.frontend.precompiled`, kind ``precompiled``) hold torch's own serialized format,

@@ -48,11 +48,11 @@ def _caller_level() -> int:
     function that calls this one (its frame is level 1); 2 where every frame is theirs."""
     import os
     import sys
-    import fusec
-    skip = [os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(fusec.__file__)), "<frozen"]
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # fusec/
+    skip = [os.path.dirname(torch.__file__) + os.sep, package + os.sep, "<frozen"]
     tf = sys.modules.get("transformers")
     if tf is not None and getattr(tf, "__file__", None):
-        skip.append(os.path.dirname(tf.__file__))
+        skip.append(os.path.dirname(tf.__file__) + os.sep)
     prefixes = tuple(skip)
     f, level = sys._getframe(2), 2   # the caller of the warning's caller (level 2)
     while f is not None and f.f_code.co_filename.startswith(prefixes):
