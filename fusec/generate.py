@@ -245,7 +245,7 @@ def _steps_of(model: torch.nn.Module) -> "_StepCache":
 
 def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: int, *,
              attention_mask: torch.Tensor | None = None, do_sample: bool = False,
-             temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+             temperature: float | None = 1.0, top_k: int | None = None, top_p: float | None = None,
              eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None, streamer: Any = None,
              options: dict[str, Any] | None = None, generator: torch.Generator | None = None,
              prompt_lookup_num_tokens: int | None = None, assistant_model: torch.nn.Module | None = None,
@@ -265,7 +265,7 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: in
             column) with each sequence's position. A mask that ends in 0 (right padding) logs
             a warning, as HF does. At B = 1 an all-ones mask is no mask (the batch-1 step).
         do_sample: sample (Gumbel-max over ``softmax(logits / temperature)``) instead of greedy.
-        temperature, top_k, top_p: sampling settings, as HF's (``top_k`` 0 or None and
+        temperature, top_k, top_p: sampling settings, as HF's (``temperature`` None: 1.0; ``top_k`` 0 or None and
             ``top_p`` None or 1.0: no filtering), per sequence; ignored when greedy.
         eos_token_id: an int or a list of ints; None: ``model.generation_config.eos_token_id``
             (as HF); ``[]``: never stop. B = 1: generation stops after the first of them, which
@@ -311,6 +311,7 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: in
     from fusec.config import Options
 
     device = check_model(model)
+    temperature = 1.0 if temperature is None else temperature   # None: unset, as in HF's configs
     input_ids, mask = check_args(input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_k, top_p,
                                   pad_token_id, streamer, generator, options, device)
     check_token_ids(model, input_ids)

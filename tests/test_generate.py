@@ -203,12 +203,14 @@ def test_argument_errors():
 
 def test_sampling_arguments_without_do_sample_are_named(caplog):
     """temperature / top_k / top_p without do_sample: greedy decoding, with one warning that
-    says they are ignored (HF's generate() warns too); the default arguments give none."""
+    says they are ignored (HF's generate() warns too); the defaults and the neutral values
+    (temperature None or 1, top_k 0, top_p 1) give none."""
     import logging
     from fusec.generation.arguments import check_args
     ids = torch.randint(0, 128, (1, 4))
     with caplog.at_level(logging.WARNING, logger="fusec"):
         check_args(ids, None, 4, False, 1.0, None, None, None, None, None, None, torch.device("cpu"))
+        check_args(ids, None, 4, False, None, 0, 1.0, None, None, None, None, torch.device("cpu"))   # neutral
         assert not caplog.records
         check_args(ids, None, 4, False, 0.5, None, None, None, None, None, None, torch.device("cpu"))
     assert [r for r in caplog.records if "do_sample is False" in r.getMessage()]

@@ -182,6 +182,42 @@ def test_a_call_without_a_cache_names_the_missing_cache():
         and "StaticCache" in w.fallbacks[0], w.fallbacks
 
 
+class _SetitemCache(torch.nn.Module):
+    """A decoder layer whose one-row KV cache is written by item assignment (gpt-fast's style):
+    at position 0 the attention reads one key for one query, and the step writes its cache."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.o = torch.nn.Linear(32, 96), torch.nn.Linear(32, 32)
+        self.register_buffer("kc", torch.zeros(1, 2, 1, 16))
+        self.register_buffer("vc", torch.zeros(1, 2, 1, 16))
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(1, 1, 3, 2, 16).permute(2, 0, 3, 1, 4)
+        self.kc[:, :, 0:1] = k
+        self.vc[:, :, 0:1] = v
+        out = torch.nn.functional.scaled_dot_product_attention(q, self.kc, self.vc)
+        return self.o(out.transpose(1, 2).reshape(1, 1, 32))
+
+
+def test_a_cache_written_by_item_assignment_is_a_cache():
+    """Keys as many as the queries, but the step writes its cache by ``setitem``: not taken for
+    a call without a cache (a try-to-break helper's find: such a step fell back)."""
+    from fusec.frontend.capture import _no_cache
+    seen = []
+
+    def record(gm, example_inputs):
+        from fusec.frontend.custom_ops import SDPA_TARGETS
+        calls = [(n, n.args[0], n.args[1]) for n in gm.graph.nodes if n.op == "call_function" and n.target in SDPA_TARGETS]
+        seen.append(_no_cache(gm, calls, {}))
+        return gm.forward
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(_SetitemCache().eval(), backend=record)(torch.randn(1, 1, 32))
+    torch._dynamo.reset()
+    assert seen == [False]
+
+
 @pytest.mark.parametrize("batch", [2, 3])
 def test_dynamic_true_at_a_fixed_batch_runs_fusec(batch):
     """``torch.compile(model, backend="fusec", dynamic=True)`` at a fixed batch: dynamo makes the

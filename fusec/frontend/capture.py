@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import functools
 import logging
+import operator
 import re
 import time
 from typing import Any, Callable
@@ -189,10 +190,13 @@ def _no_cache(gm: torch.fx.GraphModule, calls: list, sizes: dict) -> bool:
             return False
         if _concrete(k.shape[-2], sizes) != _concrete(q.shape[-2], sizes):
             return False
-    for n in gm.graph.nodes:   # an in-place method (operator.and_ and its kin are not)
+    for n in gm.graph.nodes:   # a write: setitem, an in-place method or op (operator.and_ is none)
+        if n.op == "call_function" and n.target in (operator.setitem, operator.iadd, operator.imul):
+            return False
         name = n.target if n.op == "call_method" else getattr(n.target, "__name__", "") \
             if n.op == "call_function" and getattr(n.target, "__module__", None) not in ("_operator", "operator") else ""
-        if isinstance(name, str) and name.endswith("_") and not name.startswith("_"):
+        base = name.split(".")[0] if isinstance(name, str) else ""   # aten's "index_copy_.default"
+        if name == "__setitem__" or (base.endswith("_") and not base.startswith("_")):
             return False
     return bool(calls)
 

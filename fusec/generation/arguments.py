@@ -88,7 +88,7 @@ def check_args(input_ids: Any, attention_mask: Any, max_new_tokens: Any, do_samp
             if generator.device.type != device.type:
                 raise FusecError(f"fusec.generate: the generator is on {generator.device}, the model on {device}: "
                                  f"create it with torch.Generator(device={str(device)!r})")
-    elif temperature != 1.0 or top_k is not None or top_p is not None:
+    elif temperature not in (None, 1.0) or top_k not in (None, 0) or top_p not in (None, 1.0):
         log.warning("fusec.generate: temperature / top_k / top_p are given but do_sample is False: greedy "
                     "decoding ignores them (pass do_sample=True to sample)")
     if pad_token_id is not None and (isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int)):
