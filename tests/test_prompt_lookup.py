@@ -141,12 +141,20 @@ def test_a_second_n_in_one_process_compiles_its_own_step(steps):
     assert sorted(s.schedule.graph.query_tokens() for s in steps if s.schedule is not None) == [2, 3, 4]
 
 
-def test_drafts_stay_inside_a_learned_position_table(caplog):
-    """GPT-2's learned positions (``wpe``, ``n_positions`` rows): near the table's end the drafts
+def _gptj():
+    from test_position import _gptj
+    return _gptj(64)
+
+
+@pytest.mark.parametrize("factory", [hf_tiny.gpt2, _gptj], ids=["gpt2-wpe", "gptj-embed_positions"])
+def test_drafts_stay_inside_a_learned_position_table(factory, caplog):
+    """GPT-2's learned positions (``wpe``, ``n_positions`` rows) and GPT-J's sinusoidal table (a
+    buffer indexed by the position): near the table's end the drafts
     per step shrink so that the verification rows stay inside it (greedy reads positions up to
     prompt + max_new_tokens - 1 only); with no room left generation is one token per step; the
-    tokens are greedy's either way (before: IndexFaultError on wpe)."""
-    m = hf_tiny.gpt2()
+    tokens are greedy's either way (before: IndexFaultError on wpe; on GPT-J's table, whose
+    buffer the check did not see, until 2026-12-07)."""
+    m = factory()
     rows = m.config.n_positions
     g = torch.Generator().manual_seed(4)
     for prompt, num, fit in ((rows - 10, 6, 4), (rows - 6, 3, 0)):
