@@ -450,7 +450,9 @@ __device__ __forceinline__ void rms_prologue(const TX* x, const TW* w, float eps
 // heads on 132 SMs and more than 32 active splits) the max over batches of 16 m loads, then the
 // sums over batches of 16, 2 * ceil(na / 16) round trips (before: the loop of 0 below, one branch
 // and loads per partial). 0: the max pass, then a loop whose loads follow a branch per chunk.
-// Same sums in the same order either way.
+// Same sums in the same order either way. With FUSEC_MERGE_LANES 1 and NC > 16 (the default for
+// one or few KV heads), merge_split_kv_lanes instead: lanes share an element, each with at most
+// 16 partials in flight (sums in another order: each block under its own max, then combined).
 // OHQ > 0 (a step of QK query tokens whose output HF transposes: attention's out_tokens): query
 // row h = (b * OHQ + hh) * QK + k of [B, OHQ, QK, D] goes to row (b * QK + k) * OHQ + hh of the
 // output [B, QK, OHQ, D] (attention_out_row); 0: row h.
@@ -501,10 +503,65 @@ __device__ __forceinline__ void merge_weigh(const float (&mv)[NB], const float (
   }
 }
 
+// Two partial merges (max m, sum of weighted o, sum of weighted l, each under its own max) as one
+// under the larger max; an empty side (m = -inf) weighs 0
+__device__ __forceinline__ void merge_combine(float& m, float& num, float& den, float m2, float num2, float den2) {
+  const float mx = fmaxf(m, m2);
+  const float a = m == -INFINITY ? 0.f : expf(m - mx), b = m2 == -INFINITY ? 0.f : expf(m2 - mx);
+  num = num * a + num2 * b;
+  den = den * a + den2 * b;
+  m = mx;
+}
+
+// FUSEC_MERGE_LANES: the lanes that share one output element of a merge of NC > 16 partials
+// (consecutive lanes of a warp, partials split in contiguous blocks), so that each lane's block
+// is at most 16 partials (one L2 round trip; at most 8 lanes)
+template <int NC>
+__host__ __device__ constexpr int merge_lanes() { return NC <= 16 ? 1 : NC <= 32 ? 2 : NC <= 64 ? 4 : 8; }
+
+// merge_split_kv with S = merge_lanes<NC>() lanes per output element: lane s merges partials
+// [s * NL, (s + 1) * NL) (those below na) in batches of 16 loads, each batch under its own max
+// (merge_combine), then the S lanes combine by shuffles and the first stores. Every lane of a warp
+// runs the same iterations (the shuffles need all 32).
+template <typename TO, int D, int NC, int QK, int OHQ>
+__device__ __forceinline__ void merge_split_kv_lanes(const float* __restrict__ o_part, const float* __restrict__ ml,
+                                                     TO* __restrict__ out, int h0, int h1, int na) {
+  constexpr int S = merge_lanes<NC>(), NL = (NC + S - 1) / S, NB = 16;
+  const int n = (h1 - h0) * D * S;
+  for (int base = 0; base < n; base += blockDim.x) {
+    const int idx = base + threadIdx.x, s = idx % S;
+    const bool valid = idx < n;
+    const int h = h0 + (idx / S) / D, t = (idx / S) % D;
+    const int c_end = valid ? min(na, (s + 1) * NL) : 0;
+    float m = -INFINITY, num = 0.f, den = 0.f;
+    for (int c0 = s * NL; c0 < c_end; c0 += NB) {
+      float mv[NB], lv[NB], ov[NB];
+      merge_load<NB, D, NC>(o_part, ml, h, t, c0, c_end, mv, lv, ov);
+      float bm = -INFINITY;
+#pragma unroll
+      for (int c = 0; c < NB; ++c) bm = fmaxf(bm, mv[c]);
+      float bn = 0.f, bd = 0.f;
+      merge_weigh<NB>(mv, lv, ov, bm, bn, bd);
+      merge_combine(m, num, den, bm, bn, bd);
+    }
+#pragma unroll
+    for (int o = S / 2; o > 0; o >>= 1)
+      merge_combine(m, num, den, __shfl_xor_sync(0xffffffffu, m, o), __shfl_xor_sync(0xffffffffu, num, o),
+                    __shfl_xor_sync(0xffffffffu, den, o));
+    if (valid && s == 0) out[attention_out_row<QK, OHQ>(h) * D + t] = from_f<TO>(den > 0.f ? num / den : 0.f);
+  }
+}
+
 template <typename TO, int D, int NC, int QK = 1, int OHQ = 0>
 __device__ __forceinline__ void merge_split_kv(const float* __restrict__ o_part, const float* __restrict__ ml,
                                                TO* __restrict__ out, int h0, int h1, int na = NC) {
   constexpr int NP = NC < 32 ? NC : 32;
+  if constexpr (NC > 16) {
+    if (FUSEC_MERGE_ONE_PASS && FUSEC_MERGE_LANES) {   // lanes share an element: one round trip each
+      merge_split_kv_lanes<TO, D, NC, QK, OHQ>(o_part, ml, out, h0, h1, na);
+      return;
+    }
+  }
   if (FUSEC_MERGE_ONE_PASS && na <= NP) {   // one batch: its loads, its max, its sums
     for (int idx = threadIdx.x; idx < (h1 - h0) * D; idx += blockDim.x) {
       const int h = h0 + idx / D, t = idx % D;
