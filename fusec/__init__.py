@@ -90,12 +90,17 @@ _LAZY_MODULES = ("fallbacks", "config", "errors")
 
 
 def __getattr__(name: str):
-    """Lazy exports: ``fusec.generate`` (imports torch and transformers on first use), and the
+    """Lazy exports: ``fusec.generate`` (imports torch and transformers on first use),
+    ``fusec.check_weights_at_next_call`` (:func:`fusec.frontend.value_snapshot.check_at_next_call`), and the
     submodules of :data:`_LAZY_MODULES` (imported on first use)."""
     if name == "generate":
         from fusec.generate import generate
         globals()["generate"] = generate
         return generate
+    if name == "check_weights_at_next_call":
+        from fusec.frontend.value_snapshot import check_at_next_call
+        globals()[name] = check_at_next_call
+        return check_at_next_call
     if name in _LAZY_MODULES:
         import importlib
         return importlib.import_module(f"{__name__}.{name}")

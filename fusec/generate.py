@@ -309,6 +309,7 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: in
     do_sample=False)``'s token for token (tests/test_generate_batch.py).
     """
     from fusec.config import Options
+    from fusec.frontend.value_snapshot import check_at_next_call
 
     device = check_model(model)
     temperature = 1.0 if temperature is None else temperature   # None: unset, as in HF's configs
@@ -317,6 +318,7 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: in
     check_token_ids(model, input_ids)
     opts = {"check_watchdog": False, **(options or {})}
     Options.from_dict(opts)   # an invalid option fails now, before any work
+    check_at_next_call()   # weights written through .data since the last call: their steps build again
     eos = eos_ids(model, eos_token_id)
     pad = pad_id(model, pad_token_id, eos)
     sample = bool(do_sample)

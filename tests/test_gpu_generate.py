@@ -322,3 +322,59 @@ def test_batch_4_bf16_rows_and_replays():
     assert all(torch.equal(same[0], row) for row in same[1:])
     assert out.shape == (4, 72) and int(out.min()) >= 0 and int(out.max()) < 512
     assert torch.equal(out, again)
+
+
+@pytest.mark.parametrize("lookup", [None, 3], ids=["greedy", "prompt_lookup"])
+@pytest.mark.parametrize("factory,weights", [
+    (lambda: hf_tiny.llama(layers=2, seed=3), lambda m: [m.model.rotary_emb.inv_freq]),
+    (hf_tiny.gemma, lambda m: [p for n, p in m.named_parameters() if n.endswith("norm.weight")]),
+], ids=["llama-inv_freq", "gemma-norms"])
+def test_a_weight_written_through_data_between_generate_calls_rebuilds(factory, weights, lookup, caplog):
+    """Issue 30, item 4 on the GPU: values the step compiled in (Llama's ``inv_freq`` in the RoPE
+    tables, Gemma's ``1 + w``) written through ``.data`` between two fusec.generate calls (no
+    version counter moves, the address stays: the kept CUDA graph would replay the old values)
+    are compared at the next call's first step (fusec/frontend/value_snapshot.py): the step builds
+    again, with its line, and the tokens equal HF eager greedy's on the new weights; in a plain
+    loop the same after ``fusec.check_weights_at_next_call()``."""
+    import logging
+    from fusec import prompt_lookup
+    model = factory().cuda()
+    prompt = torch.randint(1, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(5)).cuda()
+    name, kw = (session.DECODE, {}) if lookup is None else (prompt_lookup.SESSION, {"prompt_lookup_num_tokens": lookup})
+
+    def run():
+        ref = model.generate(prompt, max_new_tokens=40, do_sample=False, attention_mask=torch.ones_like(prompt),
+                             eos_token_id=None, pad_token_id=0, disable_compile=True)
+        out = fusec.generate(model, prompt, 40, eos_token_id=[], **kw)
+        assert torch.equal(out, ref), (out[0, 9:].tolist(), ref[0, 9:].tolist())
+
+    torch._dynamo.reset()
+    try:
+        with FallbackWatch() as w, caplog.at_level(logging.INFO, logger="fusec"):
+            run()
+            assert name in model._fusec_generate_steps
+            for p in weights(model):
+                version = p._version
+                p.data.copy_(p.detach() * 1.5 + 0.1)
+                assert p._version == version
+            caplog.clear()
+            run()
+            assert "changed since the step was built (its bytes differ" in caplog.text
+            # a plain loop: the same write is seen after fusec.check_weights_at_next_call()
+            caches = [hf_tiny.static_cache(model, 64) for _ in range(2)]
+            with torch.no_grad():
+                for c in caches:
+                    model(input_ids=prompt, past_key_values=c, use_cache=True)
+                step = torch.compile(model, backend="fusec")
+                tok = prompt[:, :1]
+                step(input_ids=tok, past_key_values=caches[0], use_cache=True)
+                model(input_ids=tok, past_key_values=caches[1], use_cache=True)
+                for p in weights(model):
+                    p.data.copy_(p.detach() * 0.5)
+                fusec.check_weights_at_next_call()
+                a = step(input_ids=tok, past_key_values=caches[0], use_cache=True).logits.float()
+                b = model(input_ids=tok, past_key_values=caches[1], use_cache=True).logits.float()
+                assert ((a - b).norm() / b.norm()).item() < 1e-4
+    finally:
+        torch._dynamo.reset()
+    assert not w.fallbacks and w.compiled, w.fallbacks

@@ -19,6 +19,7 @@ from fusec.fallbacks import LAUNCHED, note_compiled, ran_fallback, warn as warn_
 from fusec.ir import Graph
 from fusec.pipeline import Dumper
 from fusec.ir.schedule import Schedule
+from fusec.frontend.value_snapshot import ValueSnapshot
 
 if TYPE_CHECKING:
     from fusec.runtime.cuda_step import CudaStep
@@ -90,6 +91,7 @@ class CompiledStep:
         self._cuda_step = None
         # (input index, version, data pointer, name, value of a 0-d CPU tensor or None)
         self._watched: list[tuple[int, int, int, str, Any]] = []
+        self._snapshot: ValueSnapshot | None = None   # the compiled-in GPU tensors' bytes
 
     @staticmethod
     def _length_inputs(g: Graph) -> list[tuple[int, int, str]]:
@@ -125,7 +127,7 @@ class CompiledStep:
         g = self.rebuild(rows)
         log.info("fusec: a KV cache of %d rows is longer than the step's capacity %d: building it again for %d "
                  "(option max_cache_len sets the capacity)", rows, cap, min(g.lengths.values()))
-        self.graph, self.engine, self.schedule, self._watched = g, None, None, []
+        self.graph, self.engine, self.schedule, self._watched, self._snapshot = g, None, None, [], None
         self._rows_at, self._limits_list = self._length_inputs(g), None
 
     def _limits(self) -> list[tuple[int, int, int, bool]]:
@@ -164,6 +166,7 @@ class CompiledStep:
                 with _no_dispatch_modes():
                     self.engine = self._build(list(args))
                 self._watched = self._watch(args)
+                self._snapshot = self._gpu_snapshot(args)
                 log.info("stage %-13s the step is ready: its first call built it in %.2f s (the stages "
                          "above; dynamo and AOT autograd, when they ran, before them: see the capture line)",
                          "compiled", time.perf_counter() - t0)
@@ -217,6 +220,11 @@ class CompiledStep:
         return [(index[n], _version(x), x.data_ptr(), n, self._scalar(x)) for n in names
                 if n in index and isinstance(x := args[index[n]], torch.Tensor)]
 
+    def _gpu_snapshot(self, args: tuple) -> ValueSnapshot | None:
+        """A :class:`ValueSnapshot` of the watched tensors not on the CPU (None: there are none)."""
+        gpu = [(n, i) for i, _, _, n, _ in self._watched if args[i].device.type != "cpu"]
+        return ValueSnapshot([n for n, _ in gpu], [i for _, i in gpu], [args[i] for _, i in gpu]) if gpu else None
+
     @staticmethod
     def _scalar(x: torch.Tensor) -> Any:
         """A 0-d CPU tensor's value (compared at every call by value: cheaper than a digest), else None."""
@@ -233,9 +241,18 @@ class CompiledStep:
         A compiled-in tensor on the CPU has its digest compared at every call (the simulator's
         step costs far more; a Python float that dynamo passes as a new 0-d tensor each call, a
         value written through ``.data``, which moves no version counter, are seen). On the GPU
-        the version counter and the address are compared (reading the values would synchronize):
-        a value written through ``.data`` there is not seen; ``load_state_dict`` and in-place
-        ops on the parameter are."""
+        the version counter and the address are compared at every call (reading the values
+        would synchronize), and the values themselves at the first call after
+        :func:`fusec.frontend.value_snapshot.check_at_next_call` (once per ``fusec.generate``
+        and HF ``generate()`` call: a value written through ``.data`` is seen there; in a plain
+        loop, after the user calls it)."""
+        snap = self._snapshot
+        if snap is not None and snap.due():
+            name = snap.changed(args)
+            if name is not None:
+                log.info("fusec: weight %s changed since the step was built (its bytes differ: compared once per "
+                         "generate() call), and its value is compiled in; building the step again", name)
+                return True
         for k, (i, version, ptr, name, value) in enumerate(self._watched):
             x = args[i]
             if value is not None:   # a Python float dynamo passes as a new 0-d tensor at every call

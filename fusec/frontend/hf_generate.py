@@ -216,4 +216,6 @@ def _get_compiled_call(original: Callable, self: Any, compile_config: Any) -> Ca
         from fusec.frontend.code_fingerprint import CodeWatch
         call.watch = CodeWatch(self)
     call.watch.clear_if_changed(call.steps, "generate() step was")   # once per generate(): no kept guard sees it
+    from fusec.frontend.value_snapshot import check_at_next_call
+    check_at_next_call()   # and compiled-in weights written through .data: compared at the next step
     return call
