@@ -251,11 +251,11 @@ def _poly_llama(**options):
 
 #: name -> (lowers a schedule with the given options, FUSEC_ATTN_SPLIT_ROWS, extra defines)
 NVRTC_CASES = {
-    # Qwen2.5-0.5B's attention (14 / 2 heads of 64) at 132 SMs: 64 splits, the two-pass merge past
-    # 32 active; with FUSEC_MERGE_LANES 1, 4 lanes per element of 16 partials each
+    # Qwen2.5-0.5B's attention (14 / 2 heads of 64) at 132 SMs: 64 splits, merged by 4 lanes per
+    # element (FUSEC_MERGE_LANES); with the knob 0, one thread per element, in batches past 32 active
     "qwen2_gqa7": (lambda **o: _lowered(_qwen2_gqa7, torch.bfloat16, 132, 1024, **o), 64, {}),
-    "qwen2_gqa7_merge_lanes": (lambda **o: _lowered(_qwen2_gqa7, torch.bfloat16, 132, 1024, **o), 64,
-                               {"FUSEC_MERGE_LANES": 1}),
+    "qwen2_gqa7_one_thread": (lambda **o: _lowered(_qwen2_gqa7, torch.bfloat16, 132, 1024, **o), 64,
+                              {"FUSEC_MERGE_LANES": 0}),
     "qwen2_gqa7_two_pass": (lambda **o: _lowered(_qwen2_gqa7, torch.bfloat16, 132, 1024, **o), 32,
                             {"FUSEC_MERGE_ONE_PASS": 0}),
     # length-polymorphic, capacity 4096 over 16 splits of one block of 256

@@ -334,8 +334,8 @@ def _gpu_case(cap, num_sms, defines):
                "FUSEC_ATTN_LANES": 0, "FUSEC_ATTN_V_SCATTER": 0}, [(1000, [999])]),
     (1024, 4, {"FUSEC_ATTN_PREFETCH": 2, "FUSEC_DISPATCH_BY_KIND": 0}, [(800, [799])]),
     (32768, None, None, [(100, [99, 5]), (20000, [19999]), (32768, [32767, 300])]),
-    (32768, None, {"FUSEC_MERGE_LANES": 1}, [(20000, [19999]), (32768, [32767])]),
-], ids=["blocks", "scalar-scores", "lanes2", "knobs-off", "prefetch", "gpu-sms-32k", "gpu-sms-32k-merge-lanes"])
+    (32768, None, {"FUSEC_MERGE_LANES": 0}, [(20000, [19999]), (32768, [32767])]),
+], ids=["blocks", "scalar-scores", "lanes2", "knobs-off", "prefetch", "gpu-sms-32k", "gpu-sms-32k-merge-one-thread"])
 def test_polymorphic_kernel_matches_eager_on_the_gpu(cap, num_sms, defines, lengths):
     """One kernel per capacity on the H200 against HF eager (fp32, 1e-4), on caches of several
     lengths that all live at the SAME addresses (views of one buffer per cache, as the caching

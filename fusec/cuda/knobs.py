@@ -67,15 +67,16 @@ TABLE: tuple[Knob, ...] = (
          "merge_split_kv; up to 32 partials per head in one batch, more in batches of 16 for the "
          "max and then the sums, 2026-12-06; alone -0.016 ms on the 1B, -0.025 on Qwen3-0.6B, §16); "
          "0: the two-pass merge, a branch and loads per partial"),
-    Knob("FUSEC_MERGE_LANES", 0,
+    Knob("FUSEC_MERGE_LANES", 1,
          "1: a split-KV merge of more than 16 partials per head (NC > 16: one KV head, or few, at "
-         "132 SMs) gives each output element 2, 4 or 8 lanes of a warp, each merging at most 16 "
-         "partials in one L2 round trip under its own max, combined by shuffles (common.cuh "
-         "merge_split_kv_lanes); 0: one thread per element over all of them (32 partials: 96 loads "
-         "per thread). Why: Gemma-3-1B's merges of 16-19 active partials (NC 32) took 4.5-7.4 us "
-         "after the last ticket on the H100, Gemma-2-2B's of 16 (NC 16) 1.3 us (2026-12-07). Not "
-         "yet run on a GPU: 0 until measured (docs/performance.md, \"The split-KV merge of one KV "
-         "head\")", lo=0, hi=1),
+         "132 SMs; long length-polymorphic steps) gives each output element 2, 4 or 8 lanes of a "
+         "warp, each merging at most 16 partials in one L2 round trip under its own max, combined "
+         "by shuffles (common.cuh merge_split_kv_lanes); 0: one thread per element over all of them "
+         "(32 partials: 96 loads per thread; more: batches of 16 for the max, then for the sums). "
+         "Gemma-3-1B (one KV head, NC 32) on the H100, cache 1024, position 600: 1.393 -> 1.295 ms "
+         "(excess 28.8 -> 25.0 us per layer), same error against eager; NC <= 16 (Llama-3.2-1B at "
+         "1024) compiles to the same CUBIN either way (docs/performance.md, \"The split-KV merge of "
+         "one KV head\")", lo=0, hi=1),
     Knob("FUSEC_EARLY_EPILOGUE_LOADS", 1,
          "1 loads a row's residual or bias (matvec_residual, matvec, rms_qkv_rope) and a q/k head "
          "epilogue's norm weight and RoPE entries before the work that precedes their use "
