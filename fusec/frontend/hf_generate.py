@@ -194,6 +194,8 @@ def _get_compiled_call(original: Callable, self: Any, compile_config: Any) -> Ca
     if compile_config is None or not is_fusec_backend(getattr(compile_config, "backend", None)) \
             or "llama4" in getattr(self.config, "model_type", ""):
         return original(self, compile_config)   # not ours
+    from fusec.frontend.value_snapshot import check_at_next_call
+    check_at_next_call()   # once per generate(): compiled-in weights written through .data, compared at the next step
     if mine is not None and not isinstance(mine, HFDecodeCall) and compile_config.dynamic is None \
             and getattr(self, "_last_compile_config", None) == compile_config:
         if not self.__dict__.get("_fusec_told"):   # HF's call, made before install(): keep it
@@ -216,6 +218,4 @@ def _get_compiled_call(original: Callable, self: Any, compile_config: Any) -> Ca
         from fusec.frontend.code_fingerprint import CodeWatch
         call.watch = CodeWatch(self)
     call.watch.clear_if_changed(call.steps, "generate() step was")   # once per generate(): no kept guard sees it
-    from fusec.frontend.value_snapshot import check_at_next_call
-    check_at_next_call()   # and compiled-in weights written through .data: compared at the next step
     return call
