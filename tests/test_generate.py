@@ -334,6 +334,34 @@ def test_a_call_inside_a_running_call_runs_on_buffers_of_its_own(lookup):
     assert torch.equal(s.inner, _hf(model, inner, 24))
 
 
+@pytest.mark.parametrize("lookup", [None, 3], ids=["greedy", "prompt_lookup"])
+def test_calls_in_and_out_of_inference_mode_each_run_on_buffers_they_may_write(lookup):
+    """A call under ``torch.inference_mode()`` keeps inference tensors (its cache, its token
+    buffer), which no write outside that mode may touch: the next call outside it makes buffers
+    of its own (before: "Inplace update to inference tensor outside InferenceMode" from the
+    kept cache's reset), and one inside it again does the same; every output equals HF greedy's."""
+    from fusec import prompt_lookup
+    from fusec.generation import session
+    model = hf_tiny.llama()
+    ids = _prompt(1)
+    kw = {"options": FAST, "eos_token_id": []} | ({} if lookup is None else {"prompt_lookup_num_tokens": lookup})
+    name = session.DECODE if lookup is None else prompt_lookup.SESSION
+    torch._dynamo.reset()
+    with FallbackWatch() as w:
+        with torch.inference_mode():
+            a = fusec.generate(model, ids, 12, **kw)
+        first = model._fusec_generate_steps[name]
+        b = fusec.generate(model, ids, 12, **kw)
+        second = model._fusec_generate_steps[name]
+        with torch.inference_mode():
+            c = fusec.generate(model, ids, 12, **kw)
+    torch._dynamo.reset()
+    assert not w.fallbacks, w.fallbacks
+    assert first.inference and not second.inference and second is not first
+    want = _hf(model, ids, 12)
+    assert torch.equal(a, want) and torch.equal(b, want) and torch.equal(c, want)
+
+
 def test_a_kept_graph_knows_the_engine_it_launched():
     """The check that keeps a kept CUDA graph from replaying another compiled step
     (``session.graph_current``): a module attribute changed (B) and changed back (A again)

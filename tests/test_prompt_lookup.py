@@ -146,16 +146,26 @@ def _gptj():
     return _gptj(64)
 
 
-@pytest.mark.parametrize("factory", [hf_tiny.gpt2, _gptj], ids=["gpt2-wpe", "gptj-embed_positions"])
+def _opt():
+    """A tiny OPT: learned positions looked up at position + 2 (a table of 64 + 2 rows)."""
+    import transformers
+    torch.manual_seed(0)
+    cfg = transformers.OPTConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, ffn_dim=128,
+                                 vocab_size=128, max_position_embeddings=64, word_embed_proj_dim=64)
+    return transformers.OPTForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("factory", [hf_tiny.gpt2, _gptj, _opt], ids=["gpt2-wpe", "gptj-embed_positions", "opt-offset"])
 def test_drafts_stay_inside_a_learned_position_table(factory, caplog):
-    """GPT-2's learned positions (``wpe``, ``n_positions`` rows) and GPT-J's sinusoidal table (a
-    buffer indexed by the position): near the table's end the drafts
+    """GPT-2's learned positions (``wpe``, ``n_positions`` rows), GPT-J's sinusoidal table (a
+    buffer indexed by the position) and OPT's learned table of 2 more rows (read at position +
+    2): near the table's end the drafts
     per step shrink so that the verification rows stay inside it (greedy reads positions up to
     prompt + max_new_tokens - 1 only); with no room left generation is one token per step; the
-    tokens are greedy's either way (before: IndexFaultError on wpe; on GPT-J's table, whose
-    buffer the check did not see, until 2026-12-07)."""
+    tokens are greedy's either way (before: IndexFaultError on wpe; on GPT-J's and OPT's tables,
+    which the check did not see, an index error, until 2026-12-07)."""
     m = factory()
-    rows = m.config.n_positions
+    rows = m.config.max_position_embeddings
     g = torch.Generator().manual_seed(4)
     for prompt, num, fit in ((rows - 10, 6, 4), (rows - 6, 3, 0)):
         ids = torch.randint(1, m.config.vocab_size, (1, prompt), generator=g)

@@ -63,8 +63,9 @@ def position_table_rows(model: torch.nn.Module) -> int | None:
     """Rows of the model's table indexed by the position, or None (RoPE computed from
     ``inv_freq`` and other computed positions take any position): ``config.max_position_embeddings``
     where the model has an ``nn.Embedding`` other than the token embedding with that many rows
-    (GPT-2's learned ``wpe``) or a 2-D buffer with that many rows (GPT-J's and CodeGen's
-    sinusoidal ``embed_positions``, indexed by ``position_ids``)."""
+    (GPT-2's learned ``wpe``), or that many past its ``offset`` (OPT's learned positions, looked up
+    at position + 2), or a 2-D buffer with that many rows (GPT-J's and CodeGen's sinusoidal
+    ``embed_positions``, indexed by ``position_ids``)."""
     rows = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     if not isinstance(rows, int):
         return None
@@ -72,8 +73,8 @@ def position_table_rows(model: torch.nn.Module) -> int | None:
         tokens = model.get_input_embeddings()
     except (AttributeError, NotImplementedError):
         tokens = None
-    if any(isinstance(m, torch.nn.Embedding) and m is not tokens and m.num_embeddings == rows
-           for m in model.modules()):
+    if any(isinstance(m, torch.nn.Embedding) and m is not tokens
+           and m.num_embeddings == rows + getattr(m, "offset", 0) for m in model.modules()):
         return rows
     return rows if any(b.dim() == 2 and b.shape[0] == rows for b in model.buffers()) else None
 

@@ -43,6 +43,8 @@ class Session:
         busy: a call runs on these buffers now (from their making, or :func:`take`, to
             :func:`release`).
         graph_engine: what :data:`fusec.fallbacks.LAUNCHED` held after the graph's capture.
+        inference: whether the buffers were made under ``torch.inference_mode()`` (inference
+            tensors, which no write outside it may touch: a call in the other mode makes its own).
 
     A kind of call adds its decoder state and its captured graph (None on the CPU, after a
     failed capture, or before the first).
@@ -52,6 +54,7 @@ class Session:
         self.key, self.max_len, self.ptrs, self.device, self.cache = key, max_len, ptrs, device, cache
         self.busy = True   # made by the call that runs on it
         self.graph_engine: Any = None
+        self.inference = torch.is_inference_mode_enabled()
 
 
 def weight_ptrs(model: torch.nn.Module) -> tuple:
@@ -65,7 +68,8 @@ def take(steps: dict, name: str, key: tuple | None, model: torch.nn.Module, max_
     """What a call starting now runs on: ``(session, keep)``.
 
     ``session``: the one kept under ``name``, now ``busy``, if the call can run on it (the same
-    ``key``, at least ``max_len`` cache rows, on ``device``, the weights where they were), else
+    ``key``, at least ``max_len`` cache rows, on ``device``, the weights where they were, made
+    in the same ``torch.inference_mode()`` state: an inference tensor is not written outside it), else
     None. ``keep``: whether the call keeps the buffers it makes (under ``name``, made busy, and
     given back by :func:`release`). A call made while another runs on the kept session (from its
     streamer) leaves it alone and keeps nothing; otherwise a kept session that does not fit, or
@@ -75,7 +79,7 @@ def take(steps: dict, name: str, key: tuple | None, model: torch.nn.Module, max_
     if s is not None and s.busy:
         return None, False
     if s is not None and (key is None or s.key != key or s.max_len < max_len or s.device != device
-                          or s.ptrs != weight_ptrs(model)):
+                          or s.ptrs != weight_ptrs(model) or s.inference != torch.is_inference_mode_enabled()):
         del steps[name]
         s = None
     if s is not None:
