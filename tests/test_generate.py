@@ -201,6 +201,24 @@ def test_argument_errors():
             fusec.generate(args.pop("model"), args.pop("input_ids"), args.pop("max_new_tokens"), **args)
 
 
+def test_a_model_its_authors_mark_not_compilable_is_refused(monkeypatch):
+    """GPT-Neo declares ``_can_compile_fullgraph = False`` (its local-attention layers need a
+    sliding cache): on a StaticCache its tokens differ from generate()'s own, so fusec.generate
+    refuses it with a line that names the flag (before: other tokens, and a fallback line that
+    called them correct). A class that inherits PreTrainedModel's default is not refused."""
+    import transformers
+    cfg = transformers.GPTNeoConfig(hidden_size=64, num_layers=2, attention_types=[[["global", "local"], 1]],
+                                    num_heads=4, vocab_size=128, max_position_embeddings=64, window_size=16)
+    neo = transformers.GPTNeoForCausalLM(cfg).eval()
+    with pytest.raises(FusecError, match=r"GPTNeoForCausalLM .*_can_compile_fullgraph = False"):
+        fusec.generate(neo, torch.randint(1, 128, (1, 20)), 4)
+    from transformers.models.llama import modeling_llama
+    from fusec.generation.arguments import check_model
+    assert check_model(hf_tiny.llama()).type == "cpu"   # LlamaPreTrainedModel declares True
+    monkeypatch.delattr(modeling_llama.LlamaPreTrainedModel, "_can_compile_fullgraph")
+    assert check_model(hf_tiny.llama()).type == "cpu"   # PreTrainedModel's default False: no statement
+
+
 def test_sampling_arguments_without_do_sample_are_named(caplog):
     """temperature / top_k / top_p without do_sample: greedy decoding, with one warning that
     says they are ignored (HF's generate() warns too); the defaults and the neutral values

@@ -18,6 +18,13 @@ MAX_BATCH = 16
 
 
 def check_model(model: Any) -> torch.device:
+    """The device of ``model``'s parameters, after checking that it is a transformers causal LM
+    that ``fusec.generate`` can run: a ``torch.nn.Module`` with a ``PretrainedConfig``, decoder
+    only, with an LM head, whose class does not declare ``_can_compile_fullgraph = False``.
+
+    Raises:
+        FusecError: naming what the model is not.
+    """
     if not isinstance(model, torch.nn.Module):
         raise FusecError(f"fusec.generate: model must be a Hugging Face causal LM (torch.nn.Module), "
                          f"got {type(model).__name__}")
@@ -36,6 +43,16 @@ def check_model(model: Any) -> torch.device:
     if not callable(can) or not can():
         raise FusecError(f"fusec.generate: {type(model).__name__} is not a causal LM that can generate "
                          "(it has no LM head: use the ...ForCausalLM class)")
+    owner = next((c for c in type(model).__mro__ if "_can_compile_fullgraph" in vars(c)), None)
+    if owner is not None and owner.__name__ != "PreTrainedModel" and vars(owner)["_can_compile_fullgraph"] is False:
+        # the model's authors say so (GPT-Neo: its local-attention layers need a sliding cache,
+        # and a StaticCache gives other tokens than generate()'s own cache); PreTrainedModel's
+        # default False is no statement about the model
+        raise FusecError(f"fusec.generate: transformers marks {type(model).__name__} ({owner.__name__}) as not "
+                         "compilable with a static "
+                         "cache (_can_compile_fullgraph = False in its class), and fusec.generate runs every "
+                         "model on a StaticCache, whose tokens may then differ from model.generate()'s: use "
+                         "model.generate()")
     p = next(model.parameters(), None)
     if p is None:
         raise FusecError(f"fusec.generate: {type(model).__name__} has no parameters")
