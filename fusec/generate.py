@@ -83,6 +83,35 @@ def _last_logits_only(model: torch.nn.Module) -> dict[str, int]:
     return {"logits_to_keep": 1} if takes(model, "logits_to_keep") else {}
 
 
+def prefill_logits(model: torch.nn.Module, cuda: bool, input_ids: torch.Tensor, cache: Any,
+                   **extra: Any) -> torch.Tensor:
+    """The eager prefill's last logits (float ``[B, vocab]``): ``model`` over ``input_ids``
+    (int64 ``[B, T]``) into the static ``cache``, with ``extra`` inputs (the mask and positions of
+    left-padded prompts), under :func:`_prefill_attention`.
+
+    Raises:
+        FusecError: the model's forward failed on these inputs (a RuntimeError of its own code,
+            which OOM is not): fusec.generate passes the tokens, the cache and a padded batch's
+            mask and positions only, where the model's own generate() may prepare more
+            (``prepare_inputs_for_generation``: BLOOM's ALiBi mask padded to the cache's rows);
+            the model's error is its cause.
+    """
+    try:
+        with _prefill_attention(cuda):
+            return model(input_ids=input_ids, past_key_values=cache, use_cache=True,
+                         **extra, **_last_logits_only(model)).logits[:, -1]
+    except RuntimeError as e:
+        if isinstance(e, torch.OutOfMemoryError):
+            raise
+        from fusec.errors import FusecError
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise FusecError(f"fusec.generate: {type(model).__name__}'s prefill of {tuple(input_ids.shape)} tokens on a "
+                         f"StaticCache of {cache.max_cache_len} rows failed ({type(e).__name__}: {first}); "
+                         "fusec.generate passes the tokens, the cache and a padded batch's mask and positions, "
+                         "where this model's own generate() may prepare more of its inputs: use model.generate() "
+                         "(with compile_config=CompileConfig(backend=\"fusec\") for fusec's decode steps)") from e
+
+
 def _prefill_attention(cuda: bool) -> Any:
     """The context the eager prefill runs in: on CUDA, PyTorch's SDPA may use every backend but
     cuDNN's (``torch.nn.attention.sdpa_kernel``; flash, memory-efficient, math), elsewhere no
@@ -401,9 +430,7 @@ def _generate(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tenso
             extra["attention_mask"] = mask
             if takes(model, "position_ids"):
                 extra["position_ids"] = pos0
-        with _prefill_attention(cuda):
-            logits = model(input_ids=input_ids, past_key_values=cache, use_cache=True,
-                           **extra, **_last_logits_only(model)).logits[:, -1]
+        logits = prefill_logits(model, cuda, input_ids, cache, **extra)
         out = torch.empty(max_new_tokens, rows, dtype=torch.int64, device=device)
         tokens = kept.dec.tokens if kept is not None else torch.empty(rows, 1, dtype=torch.int64, device=device)
         # the masked step's device state (advanced by device ops only)

@@ -360,9 +360,7 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: in
     try:
         with torch.no_grad():
             cache = session_mod.cache_of(session, model, max_len)
-            with gen_mod._prefill_attention(cuda):
-                logits = model(input_ids=input_ids, past_key_values=cache, use_cache=True,
-                               **gen_mod._last_logits_only(model)).logits[:, -1]
+            logits = gen_mod.prefill_logits(model, cuda, input_ids, cache)
             what = "prompt_lookup_num_tokens" if assistant is None else "assistant_model"
             if host_counted(cache):
                 raise FusecError(f"fusec.generate: {what} needs a cache whose layers count "

@@ -219,6 +219,25 @@ def test_a_model_its_authors_mark_not_compilable_is_refused(monkeypatch):
     assert check_model(hf_tiny.llama()).type == "cpu"   # PreTrainedModel's default False: no statement
 
 
+def test_a_prefill_the_model_refuses_is_named():
+    """BLOOM builds its ALiBi bias from a mask as long as the cache (its own generate() pads the
+    mask, ``prepare_inputs_for_generation``): fusec.generate's eager prefill raises FusecError
+    naming the model, the prefill and the cache, the model's RuntimeError as its cause (before:
+    that RuntimeError from inside modeling_bloom.py); the next call on a model that works runs."""
+    import transformers
+    torch.manual_seed(0)
+    bloom = transformers.BloomForCausalLM(transformers.BloomConfig(hidden_size=64, n_layer=1, n_head=4,
+                                                                   vocab_size=128)).eval()
+    with pytest.raises(FusecError, match=r"BloomForCausalLM's prefill of \(1, 20\) tokens on a StaticCache") as e:
+        fusec.generate(bloom, torch.randint(3, 128, (1, 20)), 4)
+    assert isinstance(e.value.__cause__, RuntimeError)
+    model = hf_tiny.llama()
+    ids = _prompt(1)
+    torch._dynamo.reset()
+    assert torch.equal(fusec.generate(model, ids, 3, options=FAST), _hf(model, ids, 3))
+    torch._dynamo.reset()
+
+
 def test_sampling_arguments_without_do_sample_are_named(caplog):
     """temperature / top_k / top_p without do_sample: greedy decoding, with one warning that
     says they are ignored (HF's generate() warns too); the defaults and the neutral values
