@@ -103,7 +103,6 @@ def prefill_logits(model: torch.nn.Module, cuda: bool, input_ids: torch.Tensor, 
     except RuntimeError as e:
         if isinstance(e, torch.OutOfMemoryError):
             raise
-        from fusec.errors import FusecError
         first = (str(e).strip().splitlines() or [""])[0][:200]
         raise FusecError(f"fusec.generate: {type(model).__name__}'s prefill of {tuple(input_ids.shape)} tokens on a "
                          f"StaticCache of {cache.max_cache_len} rows failed ({type(e).__name__}: {first}); "
@@ -345,6 +344,13 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: in
     input_ids, mask = check_args(input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_k, top_p,
                                   pad_token_id, streamer, generator, options, device)
     check_token_ids(model, input_ids)
+    from fusec.generation import lookup_arguments
+    table = lookup_arguments.position_table_rows(model)
+    if table is not None and input_ids.shape[1] + max_new_tokens > table + 1:
+        raise FusecError(f"fusec.generate: a prompt of {input_ids.shape[1]} tokens and max_new_tokens={max_new_tokens} "
+                         f"feed positions up to {input_ids.shape[1] + max_new_tokens - 2}, past {type(model).__name__}'s "
+                         f"position table of {table} rows (config.max_position_embeddings; eager raises an index "
+                         f"error there): at most {max(0, table + 1 - input_ids.shape[1])} new tokens")
     opts = {"check_watchdog": False, **(options or {})}
     Options.from_dict(opts)   # an invalid option fails now, before any work
     check_at_next_call()   # weights written through .data since the last call: their steps build again
@@ -354,7 +360,6 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: in
     if assistant_model is None and num_assistant_tokens is not None:
         raise FusecError("fusec.generate: num_assistant_tokens without assistant_model")
     from fusec import prompt_lookup
-    from fusec.generation import lookup_arguments
     prompt_lookup.last_stats.clear()   # the last call's: set again only where drafts run
     if prompt_lookup_num_tokens is not None or assistant_model is not None:
         what = "prompt_lookup_num_tokens" if assistant_model is None else "assistant_model"

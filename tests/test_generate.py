@@ -238,6 +238,26 @@ def test_a_prefill_the_model_refuses_is_named():
     torch._dynamo.reset()
 
 
+def test_new_tokens_past_a_position_table_are_refused_before_any_work():
+    """GPT-2's learned positions (``n_positions`` rows): a prompt of P tokens and N new tokens
+    feed positions up to P + N - 2; up to the table's last row the tokens are HF greedy's, one
+    more is a FusecError that says how many fit (before: an IndexFaultError after the prefill that
+    suggested a longer cache, which a fixed table does not have)."""
+    m = hf_tiny.gpt2()
+    rows = m.config.max_position_embeddings
+    ids = torch.randint(1, m.config.vocab_size, (1, rows - 10), generator=torch.Generator().manual_seed(6))
+    torch._dynamo.reset()
+    with FallbackWatch() as w:
+        out = fusec.generate(m, ids, 11, eos_token_id=[], options=FAST)
+    torch._dynamo.reset()
+    assert w.compiled and not w.fallbacks
+    want = m.generate(ids, max_new_tokens=11, do_sample=False, attention_mask=torch.ones_like(ids),
+                      eos_token_id=None, pad_token_id=0)
+    assert torch.equal(out, want)
+    with pytest.raises(FusecError, match=f"position table of {rows} rows .* at most 11 new tokens"):
+        fusec.generate(m, ids, 12, eos_token_id=[])
+
+
 def test_sampling_arguments_without_do_sample_are_named(caplog):
     """temperature / top_k / top_p without do_sample: greedy decoding, with one warning that
     says they are ignored (HF's generate() warns too); the defaults and the neutral values

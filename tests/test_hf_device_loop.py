@@ -214,16 +214,17 @@ def test_prefill_chunk_size_keeps_hfs_loop(caplog):
 
 
 def test_an_error_in_the_device_loop_is_the_calls_error(caplog):
-    """GPT-2's learned position table (256 rows) runs out during the device loop: its
-    IndexFaultError reaches the caller (eager raises IndexError there), and HF's loop does not run
-    the whole generation again."""
-    from fusec.errors import IndexFaultError
+    """GPT-2's learned position table (256 rows) would run out during the device loop: fusec.generate's
+    FusecError (before any work since 2026-12-07: the positions the call feeds pass the table;
+    eager raises IndexError there, and the loop's IndexFaultError did before) reaches the
+    caller, and HF's loop does not run the whole generation again."""
+    from fusec.errors import FusecError
     model = hf_tiny.gpt2()
     model.generation_config.pad_token_id = 0
     model.generation_config.eos_token_id = None
     prompt = torch.randint(1, 128, (1, 240), generator=torch.Generator().manual_seed(3))
     torch._dynamo.reset()
-    with caplog.at_level("INFO", logger="fusec"), pytest.raises(IndexFaultError, match="out of range"):
+    with caplog.at_level("INFO", logger="fusec"), pytest.raises(FusecError, match="position table of 256 rows"):
         model.generate(prompt, max_new_tokens=20, do_sample=False, cache_implementation="static",
                        compile_config=_cc())
     torch._dynamo.reset()
