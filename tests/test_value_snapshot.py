@@ -40,8 +40,8 @@ def test_a_snapshot_is_compared_once_per_epoch_and_names_what_changed():
 
 
 def test_a_negative_zero_or_a_nan_payload_is_a_change():
-    """Bytes, not values: -0.0 for 0.0 and another NaN are writes (the step compiled in the old
-    bytes); the same NaN bytes are not."""
+    """Bytes, not values: -0.0 written over 0.0 is a write (equal as values; the step compiled
+    in the old bytes), and the same NaN bytes are not (unequal as values)."""
     w = [torch.tensor([0.0, float("nan"), 1.0])]
     snap = ValueSnapshot(["w"], [0], w)
     assert snap.changed([w[0].clone()]) is None
