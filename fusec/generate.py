@@ -91,7 +91,7 @@ def prefill_logits(model: torch.nn.Module, cuda: bool, input_ids: torch.Tensor, 
 
     Raises:
         FusecError: the model's forward failed on these inputs (a RuntimeError of its own code,
-            which OOM is not): fusec.generate passes the tokens, the cache and a padded batch's
+            which OOM, NotImplementedError and a device error are not: they pass unchanged): fusec.generate passes the tokens, the cache and a padded batch's
             mask and positions only, where the model's own generate() may prepare more
             (``prepare_inputs_for_generation``: BLOOM's ALiBi mask padded to the cache's rows);
             the model's error is its cause.
@@ -101,8 +101,8 @@ def prefill_logits(model: torch.nn.Module, cuda: bool, input_ids: torch.Tensor, 
             return model(input_ids=input_ids, past_key_values=cache, use_cache=True,
                          **extra, **_last_logits_only(model)).logits[:, -1]
     except RuntimeError as e:
-        if isinstance(e, torch.OutOfMemoryError):
-            raise
+        if isinstance(e, (torch.OutOfMemoryError, NotImplementedError, getattr(torch, "AcceleratorError", ()))):
+            raise   # not the inputs' fault: memory, a missing kernel, a broken device context
         first = (str(e).strip().splitlines() or [""])[0][:200]
         raise FusecError(f"fusec.generate: {type(model).__name__}'s prefill of {tuple(input_ids.shape)} tokens on a "
                          f"StaticCache of {cache.max_cache_len} rows failed ({type(e).__name__}: {first}); "
@@ -346,11 +346,13 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: in
     check_token_ids(model, input_ids)
     from fusec.generation import lookup_arguments
     table = lookup_arguments.position_table_rows(model)
-    if table is not None and input_ids.shape[1] + max_new_tokens > table + 1:
-        raise FusecError(f"fusec.generate: a prompt of {input_ids.shape[1]} tokens and max_new_tokens={max_new_tokens} "
-                         f"feed positions up to {input_ids.shape[1] + max_new_tokens - 2}, past {type(model).__name__}'s "
-                         f"position table of {table} rows (config.max_position_embeddings; eager raises an index "
-                         f"error there): at most {max(0, table + 1 - input_ids.shape[1])} new tokens")
+    if table is not None:   # the longest prompt's tokens (a padded batch's positions count its mask's ones)
+        longest = input_ids.shape[1] if mask is None else int(mask.sum(1).max())
+        if longest + max_new_tokens > table + 1:
+            raise FusecError(f"fusec.generate: a prompt of {longest} tokens and max_new_tokens={max_new_tokens} feed "
+                             f"positions up to {longest + max_new_tokens - 2}, past {type(model).__name__}'s position "
+                             f"table of {table} rows (config.max_position_embeddings; eager raises an index error "
+                             f"there): at most {max(0, table + 1 - longest)} new tokens")
     opts = {"check_watchdog": False, **(options or {})}
     Options.from_dict(opts)   # an invalid option fails now, before any work
     check_at_next_call()   # weights written through .data since the last call: their steps build again

@@ -256,6 +256,21 @@ def test_new_tokens_past_a_position_table_are_refused_before_any_work():
     assert torch.equal(out, want)
     with pytest.raises(FusecError, match=f"position table of {rows} rows .* at most 11 new tokens"):
         fusec.generate(m, ids, 12, eos_token_id=[])
+    # a left-padded batch: positions count the mask's ones, so padding in every row leaves room
+    # (the longest row has 244 tokens: 13 new fit, where the padded width, 246, would allow 11)
+    batch = ids.repeat(2, 1)
+    mask = torch.ones_like(batch)
+    mask[0, :3], mask[1, :2] = 0, 0
+    batch[mask == 0] = 0
+    torch._dynamo.reset()
+    out = fusec.generate(m, batch, 13, attention_mask=mask, eos_token_id=[], options=FAST)
+    torch._dynamo.reset()
+    want = m.generate(batch, attention_mask=mask, max_new_tokens=13, do_sample=False, eos_token_id=None,
+                      pad_token_id=0)
+    assert torch.equal(out, want)
+    with pytest.raises(FusecError, match=f"a prompt of {rows - 12} tokens and max_new_tokens=14 feed positions "
+                                         f"up to {rows}, .* at most 13 new tokens"):
+        fusec.generate(m, batch, 14, attention_mask=mask, eos_token_id=[])
 
 
 def test_sampling_arguments_without_do_sample_are_named(caplog):

@@ -48,6 +48,17 @@ def test_a_negative_zero_or_a_nan_payload_is_a_change():
     assert snap.changed([torch.tensor([-0.0, float("nan"), 1.0])]) == "w"
 
 
+def test_strided_and_odd_tensors_are_compared_by_their_bytes():
+    """A column, a strided slice, a [4, 1] view, bool and 0-d tensors (a view whose last stride is
+    not 1 cannot be viewed as bytes in place: copied first)."""
+    w = torch.arange(20.0).view(4, 5)
+    ts = [w[:, 0], torch.arange(8.0)[::2], w[:, :1], torch.tensor([True, False]), torch.tensor(3, dtype=torch.int8)]
+    snap = ValueSnapshot([f"t{i}" for i in range(len(ts))], list(range(len(ts))), ts)
+    assert snap.changed(ts) is None
+    w[2, 0] = -1.0
+    assert snap.changed(ts) == "t0"
+
+
 def test_an_empty_snapshot_is_refused():
     with pytest.raises(ValueError, match="no tensors"):
         ValueSnapshot([], [], [])

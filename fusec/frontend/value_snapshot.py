@@ -39,7 +39,7 @@ def check_at_next_call() -> None:
 
 def _bytes(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """The tensors' bytes, flattened and concatenated on their device (uint8 [total])."""
-    return torch.cat([t.detach().reshape(-1).view(torch.uint8) for t in tensors])
+    return torch.cat([t.detach().contiguous().view(-1).view(torch.uint8) for t in tensors])
 
 
 class ValueSnapshot:
