@@ -63,7 +63,7 @@ TABLE: tuple[Knob, ...] = (
          "most min(T, the split's chunk), writing the output without partials, ticket or merge "
          "(attention_partial_merge; alone -0.018 ms at 127, with the others +-0.006 ms, §16)"),
     Knob("FUSEC_MERGE_ONE_PASS", 1,
-         "1 issues the loads of a split-KV merge before its arithmetic (common.cuh "
+         "1 issues the loads of a split-KV merge before its arithmetic (attention_merge.cuh "
          "merge_split_kv; up to 32 partials per head in one batch, more in batches of 16 for the "
          "max and then the sums, 2026-12-06; alone -0.016 ms on the 1B, -0.025 on Qwen3-0.6B, §16); "
          "0: the two-pass merge, a branch and loads per partial"),
@@ -71,7 +71,7 @@ TABLE: tuple[Knob, ...] = (
          "1: a split-KV merge of more than 16 partials per head (NC > 16: one KV head, or few, at "
          "132 SMs; long length-polymorphic steps) gives each output element 2, 4 or 8 lanes of a "
          "warp, each merging at most 16 partials in one L2 round trip under its own max, combined "
-         "by shuffles (common.cuh merge_split_kv_lanes); 0: one thread per element over all of them "
+         "by shuffles (attention_merge.cuh merge_split_kv_lanes); 0: one thread per element over all of them "
          "(32 partials: 96 loads per thread; more: batches of 16 for the max, then for the sums). "
          "Gemma-3-1B (one KV head, NC 32) on the H100, cache 1024, position 600: 1.393 -> 1.295 ms "
          "(excess 28.8 -> 25.0 us per layer), same error against eager; NC <= 16 (Llama-3.2-1B at "
